@@ -1,0 +1,118 @@
+"""The `kvrail` command. It starts components by module name and never imports them.
+
+kvrail up            the local one-machine stack (what `make run` starts)
+kvrail model prepare convert the default model once and cache it (fast warm loads)
+kvrail config        print the resolved settings
+kvrail version
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+from kvrail import __version__
+from kvrail.errors import KvrailError
+from kvrail.settings import Settings, load_settings
+
+log = logging.getLogger("kvrail")
+
+# What `kvrail up` would run, in order, and the module that provides each piece. A piece whose
+# module does not exist yet is reported as not built, never faked.
+STACK = (
+    ("prefill worker", "kvrail.worker.__main__", "issue 4 (disaggregated serving)"),
+    ("decode worker", "kvrail.worker.__main__", "issue 4 (disaggregated serving)"),
+    ("router (OpenAI API)", "kvrail.router.__main__", "issue 5 (router)"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvrail", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", type=Path, help="YAML settings file (else $KVRAIL_CONFIG)")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the local stack (etcd, NATS, workers, router)")
+    up.add_argument("--run-dir", type=Path, help="data and logs (default: <cache_dir>/run)")
+    up.add_argument("--check", action="store_true", help="start, report, stop (no serving loop)")
+    model = sub.add_parser("model", help="model cache")
+    model.add_argument("action", choices=["prepare"])
+    sub.add_parser("config", help="print the resolved settings")
+    sub.add_parser("version")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        settings = load_settings(args.config)
+        if args.command == "up":
+            return _up(settings, args.run_dir or settings.cache_dir / "run", args.check)
+        if args.command == "model":
+            return _prepare_model(settings)
+        if args.command == "config":
+            print(settings.model_dump_json(indent=2))
+            return 0
+        print(f"kvrail {__version__}")
+        return 0
+    except KvrailError as err:
+        print(f"kvrail: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _module_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
+def _prepare_model(settings: Settings) -> int:
+    module = "kvrail.worker.models.loader"
+    if not _module_exists(module):
+        print(f"kvrail: the model loader ({module}) is not built yet", file=sys.stderr)
+        return 1
+    argv = [sys.executable, "-P", "-m", module, "--model", settings.model,
+            "--cache-dir", str(settings.cache_dir)]  # fmt: skip
+    return subprocess.run(argv, check=False).returncode
+
+
+def _up(settings: Settings, run_dir: Path, check: bool) -> int:
+    # Imported here: `kvrail config` and `kvrail version` need no server binaries.
+    from kvrail.servers import EtcdServer, NatsServer
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    etcd = EtcdServer(run_dir / "etcd", run_dir / "logs" / "etcd.log")
+    nats = NatsServer(run_dir / "nats", run_dir / "logs" / "nats.log")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        print(f"kvrail up: starting etcd and NATS (data and logs in {run_dir})", flush=True)
+        etcd.start()
+        nats.start()
+        print(f"  etcd                 running  {etcd.endpoint}")
+        print(f"  NATS (JetStream)     running  {nats.url}")
+        missing = [(name, issue) for name, module, issue in STACK if not _module_exists(module)]
+        for name, issue in missing:
+            print(f"  {name:<20} NOT BUILT YET ({issue})")
+        if missing:
+            print("kvrail up: nothing serves the OpenAI API yet; this stack only runs the "
+                  "discovery and request planes until the pieces above are built.")  # fmt: skip
+        if check:
+            return 0
+        print("kvrail up: press Ctrl-C to stop everything started here.", flush=True)
+        try:
+            stop.wait()
+        except KeyboardInterrupt:
+            pass
+        return 0
+    finally:
+        nats.stop()
+        etcd.stop()
+        print("kvrail up: stopped etcd and NATS.", flush=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,106 @@
+"""Every etcd key and NATS subject kvrail uses, scoped by namespace and pool.
+
+Nothing else builds a key or a subject by hand: a typo here is a typo everywhere, and a test can
+check the whole namespace at once. Namespaces, pools and worker ids are DNS-1123 labels (as in
+Kubernetes), so they contain no '/', '.', '*' or '>' and cannot escape their scope.
+
+etcd (discovery plane)::
+
+    /kvrail/v1/<namespace>/<pool>/workers/<worker_id>    one record per worker, under its lease
+
+NATS (request plane, work queue)::
+
+    kvrail.<namespace>.<pool>.decode.<worker_id>         requests to one decode worker
+    kvrail.<namespace>.<pool>.cancel                     cancels, seen by every worker
+    kvrail.<namespace>.<pool>.kv.<worker_id>             KV events (blocks stored/removed)
+    kvrail.<namespace>.<pool>.prefill.any                prefill jobs for any prefill worker
+    kvrail.<namespace>.<pool>.prefill.to.<worker_id>     prefill jobs addressed to one worker
+    stream KVRAIL-<namespace>-<pool>-PREFILL             the JetStream work queue of both
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+KEY_VERSION = "v1"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def check_label(kind: str, value: str) -> str:
+    """Return `value` if it is a DNS-1123 label, else raise ValueError naming `kind`."""
+    if not _DNS_LABEL.match(value):
+        raise ValueError(f"{kind} {value!r} is not a DNS-1123 label")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class PoolKeys:
+    """Keys and subjects of one pool."""
+
+    namespace: str
+    pool: str
+
+    def __post_init__(self) -> None:
+        check_label("namespace", self.namespace)
+        check_label("pool", self.pool)
+
+    # etcd ---------------------------------------------------------------------------------------
+    @property
+    def pool_prefix(self) -> str:
+        """Everything the pool owns in etcd; the operator's finalizer deletes this prefix."""
+        return f"/kvrail/{KEY_VERSION}/{self.namespace}/{self.pool}/"
+
+    @property
+    def workers_prefix(self) -> str:
+        return self.pool_prefix + "workers/"
+
+    def worker(self, worker_id: str) -> str:
+        return self.workers_prefix + check_label("worker id", worker_id)
+
+    def worker_id_of(self, key: str) -> str:
+        """Inverse of `worker()`; raises ValueError for a key outside this pool's workers."""
+        if not key.startswith(self.workers_prefix):
+            raise ValueError(f"key {key!r} is not a worker key of pool {self.pool}")
+        return check_label("worker id", key[len(self.workers_prefix) :])
+
+    # NATS ---------------------------------------------------------------------------------------
+    @property
+    def _subject_root(self) -> str:
+        return f"kvrail.{self.namespace}.{self.pool}"
+
+    def decode_requests(self, worker_id: str) -> str:
+        return f"{self._subject_root}.decode.{check_label('worker id', worker_id)}"
+
+    @property
+    def cancel(self) -> str:
+        return f"{self._subject_root}.cancel"
+
+    def kv_events(self, worker_id: str) -> str:
+        return f"{self._subject_root}.kv.{check_label('worker id', worker_id)}"
+
+    @property
+    def kv_events_all(self) -> str:
+        return f"{self._subject_root}.kv.*"
+
+    @property
+    def prefill_any(self) -> str:
+        return f"{self._subject_root}.prefill.any"
+
+    def prefill_to(self, worker_id: str) -> str:
+        return f"{self._subject_root}.prefill.to.{check_label('worker id', worker_id)}"
+
+    @property
+    def prefill_subjects(self) -> tuple[str, ...]:
+        """The subjects the prefill stream captures."""
+        return (self.prefill_any, f"{self._subject_root}.prefill.to.*")
+
+    @property
+    def prefill_stream(self) -> str:
+        """JetStream stream names allow no '.', so the scope is joined with '-'."""
+        return f"KVRAIL-{self.namespace}-{self.pool}-PREFILL"
+
+    @property
+    def prefill_consumer(self) -> str:
+        """The durable pull consumer all prefill workers of the pool share."""
+        return "prefill-workers"

@@ -1,0 +1,36 @@
+"""Metric names: the one place they are spelled.
+
+Prometheus base units (`_seconds`, `_bytes`, `_total`). Label values are identifiers (pool, role,
+worker, transport, outcome), never prompt text, token ids or KV bytes. Components create the
+collectors; the Grafana dashboard and its test read these names.
+"""
+
+from __future__ import annotations
+
+PREFIX = "kvrail_"
+
+# router
+REQUESTS_TOTAL = PREFIX + "requests_total"
+TIME_TO_FIRST_TOKEN_SECONDS = PREFIX + "time_to_first_token_seconds"
+INTER_TOKEN_LATENCY_SECONDS = PREFIX + "inter_token_latency_seconds"
+REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
+ROUTING_DECISIONS_TOTAL = PREFIX + "routing_decisions_total"
+# TTFT stages, labelled stage=queue_wait|prefill_compute|transfer_queue|copy|validation|admission
+TTFT_STAGE_SECONDS = PREFIX + "ttft_stage_seconds"
+
+# workers
+KV_CACHE_UTILIZATION = PREFIX + "kv_cache_utilization_ratio"
+RUNNING_REQUESTS = PREFIX + "running_requests"
+WAITING_REQUESTS = PREFIX + "waiting_requests"
+KV_TRANSFER_BYTES_TOTAL = PREFIX + "kv_transfer_bytes_total"
+KV_TRANSFER_SECONDS = PREFIX + "kv_transfer_seconds"
+KV_TRANSFER_FAILURES_TOTAL = PREFIX + "kv_transfer_failures_total"
+KV_TRANSPORT_BANDWIDTH_BYTES_PER_SECOND = PREFIX + "kv_transport_bandwidth_bytes_per_second"
+PREFILL_JOBS_REJECTED_TOTAL = PREFIX + "prefill_jobs_rejected_total"
+
+# operator and planner
+PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"
+PLANNER_ACTUAL_REPLICAS = PREFIX + "planner_actual_replicas"
+PREFILL_QUEUE_BACKLOG_TOKENS = PREFIX + "prefill_queue_backlog_tokens"
+
+ALL = tuple(v for k, v in sorted(globals().items()) if k.isupper() and k != "PREFIX")

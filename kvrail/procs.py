@@ -1,0 +1,137 @@
+"""Child processes with logs, readiness checks and a clean stop.
+
+Used by `kvrail up` (the local stack) and by the test harness (real etcd, NATS and Kubernetes
+servers). Each process runs in its own session so that a stop reaches its whole process group,
+writes stdout and stderr to one log file, and is stopped with SIGTERM, then SIGKILL after a grace
+period. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class ProcessFailed(RuntimeError):
+    """A managed process exited or did not become ready; the message holds its log's tail."""
+
+
+class ManagedProcess:
+    """One child process. Not started until `start()`; `stop()` is idempotent."""
+
+    def __init__(
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.log_path = log_path
+        self.env = dict(env) if env is not None else None
+        self.cwd = cwd
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> ManagedProcess:
+        if self._proc is not None:
+            raise RuntimeError(f"{self.name} already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as out:
+            self._proc = subprocess.Popen(
+                self.argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.cwd,
+                start_new_session=True,
+            )
+        log.info("process started name=%s pid=%d log=%s", self.name, self._proc.pid, self.log_path)
+        return self
+
+    def is_running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def wait_ready(
+        self, check: Callable[[], bool], timeout_s: float, interval_s: float = 0.1
+    ) -> None:
+        """Poll `check` until it returns True; raise ProcessFailed on exit or at the deadline."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.is_running():
+                raise ProcessFailed(f"{self.name} exited with {self.returncode()}\n{self.tail()}")
+            try:
+                if check():
+                    return
+            except OSError:
+                pass
+            time.sleep(interval_s)
+        raise ProcessFailed(f"{self.name} not ready after {timeout_s:.0f}s\n{self.tail()}")
+
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` to the whole process group (kill -9 by default, for fault tests)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.killpg(self._proc.pid, sig)
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self._proc is None or self._proc.poll() is not None:
+            return
+        try:
+            os.killpg(self._proc.pid, signal.SIGTERM)
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("process did not stop name=%s grace_s=%.0f; killing", self.name, grace_s)
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            self._proc.wait(timeout=grace_s)
+        except ProcessLookupError:
+            pass
+
+    def tail(self, num_lines: int = 40) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return f"(no log at {self.log_path})"
+        return "\n".join(f"  {self.name}| {line}" for line in lines[-num_lines:])
+
+
+def http_ok(url: str, timeout_s: float = 1.0, context: object | None = None) -> bool:
+    """True when GET `url` answers 200."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:
+            return bool(resp.status == 200)
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def tcp_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

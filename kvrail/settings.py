@@ -1,0 +1,135 @@
+"""Settings: the only module that reads the environment.
+
+Every component builds one `Settings` at start: defaults, overridden by a YAML file (path in
+`KVRAIL_CONFIG` or passed explicitly), overridden by `KVRAIL_<FIELD>` environment variables. Lists
+are comma-separated in the environment. Unknown keys and invalid values raise `ConfigError` naming
+the field. Secrets are never values here: only paths to files that hold them (mounted Secrets in a
+cluster, files locally), read by `read_secret`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from kvrail.errors import ConfigError
+
+ENV_PREFIX = "KVRAIL_"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+
+
+def default_cache_dir() -> Path:
+    """`$KVRAIL_CACHE_DIR`, else `$XDG_CACHE_HOME/kvrail`, else `~/.cache/kvrail`."""
+    explicit = os.environ.get(ENV_PREFIX + "CACHE_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvrail"
+
+
+class Settings(BaseModel):
+    """Configuration shared by every kvrail process."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    namespace: str = Field("default", description="Kubernetes namespace of the pool (key scope)")
+    pool: str = Field("local", description="InferencePool name (key scope)")
+    etcd_endpoints: tuple[str, ...] = Field(("http://127.0.0.1:2379",), min_length=1)
+    etcd_username: str | None = None
+    etcd_password_file: Path | None = None
+    etcd_ca_file: Path | None = None
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_user: str | None = None
+    nats_password_file: Path | None = None
+    nats_ca_file: Path | None = None
+    model: str = Field("smollm2", description="packaged model name, .gguf file or model directory")
+    block_size: int = Field(16, ge=1, le=1024)
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("namespace", "pool")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not _DNS_LABEL.match(value):
+            raise ValueError("must be a DNS-1123 label (lowercase letters, digits, '-'; <= 63)")
+        return value
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _endpoints(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        for endpoint in value:
+            if not re.match(r"^https?://[^/:]+:\d+$", endpoint):
+                raise ValueError(f"etcd endpoint {endpoint!r} is not http(s)://host:port")
+        return value
+
+    @field_validator("nats_url")
+    @classmethod
+    def _nats_url(cls, value: str) -> str:
+        if not re.match(r"^(nats|tls)://[^/]+:\d+$", value):
+            raise ValueError(f"{value!r} is not nats://host:port or tls://host:port")
+        return value
+
+
+def load_settings(
+    config_file: str | Path | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Defaults < YAML file < environment. Raises ConfigError with the offending field."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    path = config_file or env.get(ENV_PREFIX + "CONFIG")
+    if path:
+        values.update(_read_file(Path(path)))
+    fields = Settings.model_fields
+    for key, raw in env.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        name = key[len(ENV_PREFIX) :].lower()
+        if name not in fields:
+            raise ConfigError(f"unknown setting {key} (known: {_known_env()})")
+        values[name] = tuple(raw.split(",")) if name == "etcd_endpoints" else raw
+    try:
+        return Settings(**values)
+    except ValidationError as err:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+        )
+        raise ConfigError(f"invalid settings: {problems}") from err
+
+
+def read_secret(path: Path | None) -> str | None:
+    """Read a credential from a file (a mounted Secret), stripping one trailing newline."""
+    if path is None:
+        return None
+    try:
+        return path.read_text().removesuffix("\n")
+    except OSError as err:
+        raise ConfigError(f"cannot read credential file {path}: {err.strerror}") from err
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror}") from err
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from err
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping, not {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = re.sub(r"(?<!^)(?=[A-Z])", "_", str(key)).lower()  # camelCase accepted too
+        if name not in Settings.model_fields:
+            raise ConfigError(f"config file {path}: unknown setting {key!r}")
+        out[name] = value
+    return out
+
+
+def _known_env() -> str:
+    return ", ".join(ENV_PREFIX + name.upper() for name in Settings.model_fields)

@@ -1,0 +1,45 @@
+"""A throw-away PKI for a test control plane, made with Debian's openssl (EC P-256 keys)."""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+_SERVER_SANS = (
+    "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
+    "DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1"
+)
+
+
+@dataclass(frozen=True)
+class Pki:
+    ca_crt: Path
+    ca_key: Path
+    server_crt: Path
+    server_key: Path
+    sa_key: Path
+    sa_pub: Path
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_pki(directory: Path) -> Pki:
+    """CA, apiserver serving certificate and service-account signing key pair."""
+    d = directory
+    d.mkdir(parents=True, exist_ok=True)
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
+             "-subj", "/CN=kvrail-test-ca", cwd=d)  # fmt: skip
+    _openssl("req", *ec, "-keyout", "apiserver.key", "-out", "apiserver.csr",
+             "-subj", "/CN=kube-apiserver", cwd=d)  # fmt: skip
+    (d / "server.ext").write_text(f"subjectAltName={_SERVER_SANS}\nextendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", "apiserver.crt", "-days", "3650",
+             "-extfile", "server.ext", cwd=d)  # fmt: skip
+    _openssl("ecparam", "-name", "prime256v1", "-genkey", "-noout", "-out", "sa.key", cwd=d)
+    _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
+    return Pki(d / "ca.crt", d / "ca.key", d / "apiserver.crt", d / "apiserver.key",
+               d / "sa.key", d / "sa.pub")  # fmt: skip

@@ -1,0 +1,101 @@
+"""Session-scoped real servers: etcd, NATS with JetStream, and a Kubernetes control plane.
+
+Each server binds to a free loopback port, keeps its data and log under pytest's temporary
+directory (kept after the run; the path is printed when a test failed) and is stopped at the end
+of the session. Under CI=true a missing binary fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.testing.kube import (
+    APISERVER_BINARIES,
+    CLUSTER_BINARIES,
+    KubeControlPlane,
+    default_bin_dir,
+    missing_binaries,
+)
+
+IN_CI = os.environ.get("CI") == "true"
+_LOG_DIRS: list[Path] = []
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{reason} (CI=true: missing prerequisites fail, they do not skip)")
+    pytest.skip(reason)
+
+
+def k8s_bin_dir() -> Path:
+    cache = os.environ.get("K8S_HARNESS_CACHE") or str(Path.home() / ".cache/kvrail/k8s")
+    return default_bin_dir(Path(cache))
+
+
+def _require_binaries(names: tuple[str, ...]) -> None:
+    missing = missing_binaries(k8s_bin_dir(), names)
+    if missing:
+        _unavailable(
+            f"Kubernetes binaries {missing} not in {k8s_bin_dir()}; run `make k8s-binaries`"
+        )
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    root = tmp_path_factory.mktemp("etcd")
+    _LOG_DIRS.append(root)
+    try:
+        server = EtcdServer(root / "data", root / "etcd.log")
+    except FileNotFoundError as err:
+        _unavailable(str(err))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    root = tmp_path_factory.mktemp("nats")
+    _LOG_DIRS.append(root)
+    try:
+        server = NatsServer(root / "jetstream", root / "nats.log")
+    except FileNotFoundError as err:
+        _unavailable(str(err))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeControlPlane]:
+    """kube-apiserver with its own etcd, token auth for an admin and a restricted user, RBAC."""
+    _require_binaries(APISERVER_BINARIES)
+    bin_dir = k8s_bin_dir()
+    root = tmp_path_factory.mktemp("kube")
+    _LOG_DIRS.append(root)
+    plane = KubeControlPlane(root, bin_dir)
+    try:
+        plane.start()
+        yield plane
+    finally:
+        plane.stop()
+
+
+@pytest.fixture(scope="session")
+def kube_cluster(kube_control_plane: KubeControlPlane) -> KubeControlPlane:
+    """The same control plane plus controller-manager, scheduler and KWOK fake-node controller."""
+    _require_binaries(CLUSTER_BINARIES)
+    kube_control_plane.start_cluster_components()
+    return kube_control_plane
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    if exitstatus != 0 and _LOG_DIRS:
+        terminalreporter.write_line("server data and logs kept in:")
+        for d in _LOG_DIRS:
+            terminalreporter.write_line(f"  {d}")

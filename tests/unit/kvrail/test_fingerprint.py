@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from kvrail.fingerprint import ModelFingerprint
+
+
+def make(**overrides: Any) -> ModelFingerprint:
+    base: dict[str, Any] = dict(
+        weights_id="gguf-sha256:abc", tokenizer_id="tok:abc", dtype="bfloat16",
+        kv_dtype="bfloat16", block_size=16, num_layers=32, num_kv_heads=8, head_dim=128,
+    )  # fmt: skip
+    base.update(overrides)
+    return ModelFingerprint(**base)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("weights_id", "gguf-sha256:other"),
+        ("tokenizer_id", "tok:other"),
+        ("dtype", "float16"),
+        ("kv_dtype", "float8_e4m3fn"),
+        ("block_size", 32),
+        ("num_kv_heads", 4),
+        ("kv_layout", "HND"),
+        ("rope_theta", 500000.0),
+        ("rope_scaling", (("rope_type", "llama3"), ("factor", "8.0"))),
+        ("tensor_parallel_size", 2),
+    ],
+)
+def test_every_field_changes_the_digest(field: str, value: object) -> None:
+    base = make()
+    changed = dataclasses.replace(base, **{field: value})
+    assert changed.digest != base.digest
+    assert not base.is_compatible(changed)
+
+
+def test_digest_is_stable_and_short_is_its_prefix() -> None:
+    assert make().digest == make().digest
+    assert make().digest.startswith(make().short) and len(make().short) == 12
+
+
+def test_kv_bytes_per_block_matches_the_llama3_8b_shape() -> None:
+    # 2 (K,V) x 32 layers x 8 heads x 128 dim x 2 bytes = 128 KiB per token
+    assert make().kv_bytes_per_block(itemsize=2) == 128 * 1024 * 16
+    assert make(tensor_parallel_size=2).kv_bytes_per_block(itemsize=2) == 64 * 1024 * 16
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        ({"dtype": "float64"}, "dtype"),
+        ({"kv_dtype": "int4"}, "kv_dtype"),
+        ({"kv_layout": "XYZ"}, "kv_layout"),
+        ({"block_size": 0}, "block_size"),
+        ({"weights_id": ""}, "weights_id"),
+        ({"num_kv_heads": 8, "tensor_parallel_size": 3}, "divisible"),
+    ],
+)
+def test_invalid_fingerprints_are_refused(overrides: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        make(**overrides)

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvrail.errors import ConfigError
+from kvrail.settings import Settings, load_settings, read_secret
+
+
+def test_defaults_need_no_environment() -> None:
+    s = load_settings(environ={})
+    assert s == Settings()
+    assert s.etcd_endpoints == ("http://127.0.0.1:2379",)
+
+
+def test_environment_overrides_file_which_overrides_defaults(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvrail.yaml"
+    cfg.write_text("pool: from-file\nnamespace: team-a\nblockSize: 32\n")
+    env = {"KVRAIL_CONFIG": str(cfg), "KVRAIL_POOL": "from-env",
+           "KVRAIL_ETCD_ENDPOINTS": "http://10.0.0.1:2379,http://10.0.0.2:2379"}  # fmt: skip
+    s = load_settings(environ=env)
+    assert (s.pool, s.namespace, s.block_size) == ("from-env", "team-a", 32)
+    assert s.etcd_endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"KVRAIL_POOL": "Bad_Name"}, "pool"),
+        ({"KVRAIL_BLOCK_SIZE": "0"}, "block_size"),
+        ({"KVRAIL_BLOCK_SIZE": "sixteen"}, "block_size"),
+        ({"KVRAIL_ETCD_ENDPOINTS": "localhost"}, "etcd_endpoints"),
+        ({"KVRAIL_NATS_URL": "http://x:1"}, "nats_url"),
+        ({"KVRAIL_LOG_LEVEL": "LOUD"}, "log_level"),
+        ({"KVRAIL_POLL": "x"}, "unknown setting KVRAIL_POLL"),
+    ],
+)
+def test_invalid_settings_name_the_field(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(environ=env)
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("pool: [unclosed", "not valid YAML"),
+        ("- a\n- b\n", "mapping"),
+        ("colour: red\n", "unknown"),
+    ],
+)
+def test_invalid_config_files_are_refused(tmp_path: Path, content: str, message: str) -> None:
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(content)
+    with pytest.raises(ConfigError, match=message):
+        load_settings(cfg, environ={})
+
+
+def test_missing_config_file_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_settings(tmp_path / "absent.yaml", environ={})
+
+
+def test_credentials_come_from_files(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    s = load_settings(environ={"KVRAIL_ETCD_PASSWORD_FILE": str(secret)})
+    assert read_secret(s.etcd_password_file) == "s3cret"
+    assert "s3cret" not in repr(s)
+    with pytest.raises(ConfigError, match="cannot read credential file"):
+        read_secret(tmp_path / "absent")

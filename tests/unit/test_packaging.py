@@ -1,0 +1,75 @@
+"""STYLE.md §3: every subpackage ships in the wheel, and the wheel imports outside the repo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPONENTS = {"kvrail": "kvrail", "operator": "kvrail.operator", "worker": "kvrail.worker",
+              "router": "kvrail.router", "kernels": "kvrail.kernels"}  # fmt: skip
+
+
+def _declared() -> list[str]:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return list(config["tool"]["setuptools"]["packages"])
+
+
+def _on_disk() -> set[str]:
+    found = set()
+    for folder, package in COMPONENTS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            found.add(".".join([package, *rel.parts]) if rel.parts else package)
+    return found
+
+
+def test_declared_packages_are_exactly_the_package_folders() -> None:
+    assert sorted(_declared()) == sorted(_on_disk())
+
+
+def _folder(package: str) -> Path:
+    """The source folder of a package, following pyproject's package-dir mapping."""
+    for folder, mapped in sorted(COMPONENTS.items(), key=lambda kv: -len(kv[1])):
+        if package == mapped or package.startswith(mapped + "."):
+            rest = package[len(mapped) :].lstrip(".")
+            return ROOT / folder / rest.replace(".", "/")
+    raise AssertionError(f"{package} is outside kvrail")
+
+
+def test_every_package_ships_py_typed() -> None:
+    for package in _declared():
+        assert (_folder(package) / "py.typed").is_file(), package
+
+
+@pytest.mark.slow
+def test_the_wheel_contains_and_imports_every_package(tmp_path: Path) -> None:
+    subprocess.run(
+        [sys.executable, "-P", "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "-q", "-w", str(tmp_path / "dist"), str(ROOT)],
+        check=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    (wheel,) = (tmp_path / "dist").glob("kvrail-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        zf.extractall(tmp_path / "site")
+    for package in _declared():
+        path = package.replace(".", "/")
+        assert f"{path}/__init__.py" in names, f"{package} missing from the wheel"
+        assert f"{path}/py.typed" in names, f"{package} has no py.typed in the wheel"
+    # Import from the unpacked wheel, outside the repository, with the repo off sys.path.
+    code = (
+        "import importlib, sys\n"
+        f"for name in {_declared()!r}:\n"
+        "    m = importlib.import_module(name)\n"
+        f"    assert m.__file__.startswith({str(tmp_path / 'site')!r}), (name, m.__file__)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
+    subprocess.run([sys.executable, "-P", "-c", code], check=True, cwd=tmp_path, env=env,
+                   timeout=120)  # fmt: skip
