@@ -197,13 +197,10 @@ class KubeControlPlane:
         return proc
 
     def _get_status(self, path: str) -> int:
-        try:
-            self.api("GET", path)
-            return 200
-        except urllib.error.HTTPError as err:
-            return int(err.code)
-        except (urllib.error.URLError, ConnectionError, TimeoutError, json.JSONDecodeError):
-            return 0
+        req = urllib.request.Request(self.server + path)
+        req.add_header("Authorization", f"Bearer {self.users[ADMIN].token}")
+        assert self._ssl is not None
+        return _status(req, self._ssl)
 
     def _write_kubeconfig(self, user: str, token: str) -> Path:
         assert self._pki is not None
@@ -222,7 +219,7 @@ class KubeControlPlane:
         return path
 
 
-def _status(url: str, context: ssl.SSLContext) -> int:
+def _status(url: str | urllib.request.Request, context: ssl.SSLContext) -> int:
     try:
         with urllib.request.urlopen(url, context=context, timeout=2) as resp:
             return int(resp.status)
