@@ -74,7 +74,7 @@ lint: setup
 	for f in kvrail/*; do ln -s ../../../$$f build/view/kvrail/; done
 	for d in operator worker router kernels; do ln -s ../../../$$d build/view/kvrail/$$d; done
 	cd build/view && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p kvrail
-	cd build/view && ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
+	cd build/view && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
 bench: setup
 	$(VENV)/bin/python -P bench/run_all.py

@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -120,7 +121,7 @@ class ManagedProcess:
         return "\n".join(f"  {self.name}| {line}" for line in lines[-num_lines:])
 
 
-def http_ok(url: str, timeout_s: float = 1.0, context: object | None = None) -> bool:
+def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = None) -> bool:
     """True when GET `url` answers 200."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s, context=context) as resp:

@@ -18,6 +18,15 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from kvrail.crd_spec import (
+    DisaggregationMode,
+    DType,
+    KvDType,
+    KvLoadFailurePolicy,
+    RdmaMode,
+    RouterPolicy,
+    TransferBackend,
+)
 from kvrail.errors import ConfigError
 
 ENV_PREFIX = "KVRAIL_"
@@ -47,10 +56,40 @@ class Settings(BaseModel):
     nats_user: str | None = None
     nats_password_file: Path | None = None
     nats_ca_file: Path | None = None
-    model: str = Field("smollm2", description="packaged model name, .gguf file or model directory")
-    block_size: int = Field(16, ge=1, le=1024)
     cache_dir: Path = Field(default_factory=default_cache_dir)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    http_port: int | None = Field(None, ge=1, le=65535, description="else the component's own")
+
+    # Pod identity (the downward API in a cluster; generated locally).
+    pod_name: str | None = None
+    pod_ip: str | None = None
+    pod_uid: str | None = None
+    node_name: str | None = None
+
+    # The model, and what every worker of the pool must share (the fingerprint's inputs).
+    model: str = Field("smollm2", description="packaged model name, .gguf file or model directory")
+    model_revision: str | None = None
+    model_hash: str | None = Field(None, description="the operator's hash of spec.model")
+    served_model_name: str | None = None
+    dtype: DType | Literal["auto"] = "auto"
+    kv_dtype: KvDType = "auto"
+    block_size: int = Field(16, ge=1, le=1024)
+    max_model_len: int | None = Field(None, ge=16)
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+
+    # Engine limits and disaggregation (mirrors the InferencePool fields of the same names).
+    max_num_seqs: int = Field(256, ge=1)
+    max_num_batched_tokens: int = Field(8192, ge=1)
+    disaggregation_mode: DisaggregationMode = "disaggregated"
+    min_remote_prefill_tokens: int = Field(512, ge=0)
+    kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
+    transfer_backend: TransferBackend = "nixl"
+    rdma: RdmaMode = "preferred"
+
+    # Router.
+    router_policy: RouterPolicy = "kv-aware"
+    api_keys_file: Path | None = None
+    router_config_file: Path | None = None
 
     @field_validator("namespace", "pool")
     @classmethod

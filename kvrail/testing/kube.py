@@ -15,6 +15,7 @@ import secrets
 import ssl
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,7 @@ class KubeControlPlane:
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of KCM and scheduler
         for proc, port in ((kcm, kcm_port), (sched, sched_port)):
-            url = f"https://127.0.0.1:{port}/healthz"
-            proc.wait_ready(lambda u=url: _status(u, insecure) == 200, timeout_s, 0.25)
+            proc.wait_ready(_healthz(port, insecure), timeout_s, 0.25)
 
     def stop(self) -> None:
         for proc in reversed(self._procs):
@@ -217,6 +217,11 @@ class KubeControlPlane:
         path.write_text(yaml.safe_dump(config))
         path.chmod(0o600)
         return path
+
+
+def _healthz(port: int, context: ssl.SSLContext) -> Callable[[], bool]:
+    url = f"https://127.0.0.1:{port}/healthz"
+    return lambda: _status(url, context) == 200
 
 
 def _status(url: str | urllib.request.Request, context: ssl.SSLContext) -> int:

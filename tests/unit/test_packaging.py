@@ -73,3 +73,14 @@ def test_the_wheel_contains_and_imports_every_package(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site")}
     subprocess.run([sys.executable, "-P", "-c", code], check=True, cwd=tmp_path, env=env,
                    timeout=120)  # fmt: skip
+
+
+def test_the_layer_contract_lists_every_module_of_the_contract_package() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    contracts = config["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"].startswith("the contract package")]
+    on_disk = {f"kvrail.{p.stem}" for p in (ROOT / "kvrail").glob("*.py") if p.stem != "__init__"}
+    on_disk |= {
+        f"kvrail.{p.name}" for p in (ROOT / "kvrail").iterdir() if (p / "__init__.py").exists()
+    }
+    assert sorted(contract["source_modules"]) == sorted(on_disk)

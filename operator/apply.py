@@ -1,0 +1,80 @@
+"""Reconcile one pool: apply every desired child, delete stale ones, read back the workloads.
+
+Idempotent and level-based: the same pool applied twice changes nothing the second time (server-
+side apply of identical manifests is a no-op). Errors are sorted for Kopf: a refused manifest or
+a missing kind is permanent until the spec changes (`ApplyRefusedError`); everything else
+(timeouts, 5xx, 429, conflicts) is retried by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from kubernetes.dynamic.exceptions import DynamicApiError
+
+from kvrail.crd import InferencePool
+from kvrail.operator.builders.children import build_children, stale_children
+from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.meta import Component, child_name
+from kvrail.operator.k8s import KindNotServedError
+from kvrail.operator.status import Workload, observe
+
+PERMANENT_STATUSES = frozenset({400, 403, 422})
+WORKLOAD_KINDS: dict[Component, tuple[str, str]] = {
+    "prefill": ("apps/v1", "StatefulSet"),
+    "decode": ("apps/v1", "StatefulSet"),
+    "router": ("apps/v1", "Deployment"),
+}
+
+
+class Cluster(Protocol):
+    """What reconciling needs from the API (implemented by `kvrail.operator.k8s.Kube`)."""
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
+    def get(
+        self, api_version: str, kind: str, name: str, namespace: str
+    ) -> dict[str, Any] | None: ...
+    def delete(self, api_version: str, kind: str, name: str, namespace: str) -> bool: ...
+
+
+class ApplyRefusedError(Exception):
+    """The API server refused a child for a reason retrying will not fix."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    applied: int
+    deleted: list[str]
+
+
+def reconcile(cluster: Cluster, pool: InferencePool, ctx: BuildContext) -> Outcome:
+    """Apply all children in order, then delete those the spec no longer wants."""
+    namespace = pool.metadata.namespace
+    children = build_children(pool, ctx)
+    for manifest in children:
+        try:
+            cluster.apply(manifest)
+        except KindNotServedError as err:
+            raise ApplyRefusedError(
+                f"{manifest['kind']} {manifest['metadata']['name']}: {err}"
+            ) from err
+        except DynamicApiError as err:
+            if err.status in PERMANENT_STATUSES:
+                name = f"{manifest['kind']} {manifest['metadata']['name']}"
+                raise ApplyRefusedError(f"{name} refused ({err.status}): {err.summary()}") from err  # type: ignore[no-untyped-call]
+            raise
+    deleted = []
+    for ref in stale_children(pool, ctx):
+        if cluster.delete(ref.api_version, ref.kind, ref.name, namespace):
+            deleted.append(f"{ref.kind}/{ref.name}")
+    return Outcome(applied=len(children), deleted=deleted)
+
+
+def observe_workloads(cluster: Cluster, pool: InferencePool) -> dict[Component, Workload | None]:
+    """The pool's StatefulSets and Deployment as the API server reports them."""
+    out: dict[Component, Workload | None] = {}
+    for component, (api_version, kind) in WORKLOAD_KINDS.items():
+        obj = cluster.get(api_version, kind, child_name(pool, component), pool.metadata.namespace)
+        out[component] = observe(obj)
+    return out

@@ -1,0 +1,66 @@
+"""Every child of a pool, in apply order, and the identities of those it must not have."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from kvrail.crd import InferencePool, Role
+from kvrail.operator.builders.configmap import build_configmap
+from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.deployment import build_deployment
+from kvrail.operator.builders.httproute import build_httproute
+from kvrail.operator.builders.pdb import build_pdb
+from kvrail.operator.builders.service import build_router_service, build_worker_service
+from kvrail.operator.builders.statefulset import build_statefulset
+
+ROLES: tuple[Role, ...] = ("prefill", "decode")
+
+
+class ChildRef(NamedTuple):
+    """Identity of a child object within the pool's namespace."""
+
+    api_version: str
+    kind: str
+    name: str
+
+
+def build_children(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
+    """All desired children: config first, then Services, workloads, budgets and the route."""
+    roles = [r for r in ROLES if pool.role(r) is not None]
+    out: list[dict[str, Any]] = [build_configmap(pool)]
+    out += [build_worker_service(pool, r) for r in roles]
+    out.append(build_router_service(pool))
+    out += [build_statefulset(pool, r, ctx) for r in roles]
+    out.append(build_deployment(pool, ctx))
+    out += [build_pdb(pool, r) for r in roles]
+    out.append(build_pdb(pool, "router"))
+    route = build_httproute(pool)
+    if route is not None:
+        out.append(route)
+    return out
+
+
+def ref(manifest: dict[str, Any]) -> ChildRef:
+    return ChildRef(manifest["apiVersion"], manifest["kind"], manifest["metadata"]["name"])
+
+
+def stale_children(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
+    """Children the pool may have had but must not have now (e.g. prefill after a switch to
+    colocated mode, the HTTPRoute after the gateway is removed); the handler deletes them."""
+    every = _every_possible(pool)
+    wanted = {ref(m) for m in build_children(pool, ctx)}
+    return [r for r in every if r not in wanted]
+
+
+def _every_possible(pool: InferencePool) -> list[ChildRef]:
+    name = pool.metadata.name
+    out = []
+    for role in ROLES:
+        child = f"{name}-{role}"
+        out += [
+            ChildRef("v1", "Service", child),
+            ChildRef("apps/v1", "StatefulSet", child),
+            ChildRef("policy/v1", "PodDisruptionBudget", child),
+        ]
+    out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
+    return out

@@ -1,0 +1,87 @@
+"""The router Deployment: `python -P -m kvrail.router`, stateless, rolled with surge."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrail.crd import InferencePool
+from kvrail.operator import placement
+from kvrail.operator.builders.configmap import ROUTER_CONFIG_KEY, config_hash
+from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env, setting
+from kvrail.operator.builders.meta import (
+    CONFIG_HASH_ANNOTATION,
+    ROUTER_PORT,
+    child_name,
+    config_name,
+    labels,
+    object_meta,
+    selector_labels,
+)
+from kvrail.operator.builders.pod import (
+    container_security_context,
+    image,
+    pod_common,
+    probes,
+    scratch_volumes,
+)
+
+ROUTER_COMMAND = ["python", "-P", "-m", "kvrail.router"]
+CONFIG_DIR = "/etc/kvrail/config"
+
+
+def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
+    _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
+    volumes, mounts = scratch_volumes(shm=False)
+    volumes += [{"name": "config", "configMap": {"name": config_name(pool)}}, *secret_volumes]
+    mounts += [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *secret_mounts]
+    env = router_env(pool, ctx)
+    env.append(setting("router_config_file", f"{CONFIG_DIR}/{ROUTER_CONFIG_KEY}"))
+    keys = pool.spec.security.api_keys_secret
+    if keys:
+        volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    router = pool.spec.router
+    container = {
+        "name": "router",
+        "image": image(pool, ctx),
+        "imagePullPolicy": pool.spec.image_pull_policy,
+        "command": list(ROUTER_COMMAND),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "env": env,
+        "securityContext": container_security_context([]),
+        "volumeMounts": mounts,
+        **probes(slow_start=False),
+    }
+    resources = {k: dict(v) for k, v in router.resources.model_dump().items() if v}
+    if resources:
+        container["resources"] = resources
+    template_meta = {
+        "labels": labels(pool, "router"),
+        "annotations": {CONFIG_HASH_ANNOTATION: config_hash(pool)},
+    }
+    spread = placement.topology_spread(pool, "decode")
+    spread[0]["labelSelector"] = {"matchLabels": selector_labels(pool, "router")}
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": object_meta(pool, child_name(pool, "router"), "router"),
+        "spec": {
+            "replicas": router.replicas,
+            "selector": {"matchLabels": selector_labels(pool, "router")},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": template_meta,
+                "spec": {
+                    **pod_common(pool),
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [container],
+                    "volumes": volumes,
+                    "topologySpreadConstraints": spread,
+                },
+            },
+        },
+    }

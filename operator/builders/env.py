@@ -1,0 +1,174 @@
+"""The environment and credential mounts of worker and router containers.
+
+Every `KVRAIL_*` variable set here is read by `kvrail.settings` (field name in upper case), which
+refuses unknown ones (a test keeps the two in step). Credentials never appear as values: Secrets
+are mounted as files and the settings get the file paths. Pod identity (name, IP, UID, node)
+comes from the downward API.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrail.crd import InferencePool
+from kvrail.crd_spec import EndpointSpec, RoleSpec
+from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.meta import ROUTER_PORT, WORKER_PORT, model_hash
+from kvrail.operator.placement import ucx_tls
+
+SECRETS_DIR = "/var/run/secrets/kvrail"
+CACHE_DIR = "/var/cache/kvrail"
+API_KEYS_DIR = "/etc/kvrail/api-keys"
+
+
+def setting(name: str, value: object) -> dict[str, Any]:
+    """One `KVRAIL_<NAME>` variable with a literal value."""
+    return {"name": f"KVRAIL_{name.upper()}", "value": str(value)}
+
+
+def _field(name: str, path: str) -> dict[str, Any]:
+    return {"name": f"KVRAIL_{name.upper()}", "valueFrom": {"fieldRef": {"fieldPath": path}}}
+
+
+def identity_env(pool: InferencePool) -> list[dict[str, Any]]:
+    """Pool, namespace and the pod's own name, IP, UID and node."""
+    return [
+        setting("pool", pool.metadata.name),
+        _field("namespace", "metadata.namespace"),
+        _field("pod_name", "metadata.name"),
+        _field("pod_ip", "status.podIP"),
+        _field("pod_uid", "metadata.uid"),
+        _field("node_name", "spec.nodeName"),
+    ]
+
+
+def infrastructure(
+    pool: InferencePool, ctx: BuildContext
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
+    """(env, volumes, volumeMounts) for etcd and NATS: endpoints and credential files."""
+    infra = pool.spec.infrastructure
+    endpoints = infra.etcd.endpoints if infra.etcd else list(ctx.etcd_endpoints)
+    env = [
+        setting("etcd_endpoints", ",".join(endpoints)),
+        setting("nats_url", infra.nats.url if infra.nats else ctx.nats_url),
+    ]
+    volumes: list[dict[str, Any]] = []
+    mounts: list[dict[str, Any]] = []
+    for service, user_field, spec in (
+        ("etcd", "etcd_username", infra.etcd),
+        ("nats", "nats_user", infra.nats),
+    ):
+        if spec is None:
+            continue
+        _credentials(service, user_field, spec, env, volumes, mounts)
+    return env, volumes, mounts
+
+
+def _credentials(
+    service: str,
+    user_field: str,
+    spec: EndpointSpec,
+    env: list[dict[str, Any]],
+    volumes: list[dict[str, Any]],
+    mounts: list[dict[str, Any]],
+) -> None:
+    if spec.credentials_secret:
+        volume = f"{service}-credentials"
+        secret = spec.credentials_secret
+        env.append(
+            {
+                "name": f"KVRAIL_{user_field.upper()}",
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": "username"}},
+            }
+        )
+        env.append(setting(f"{service}_password_file", f"{SECRETS_DIR}/{volume}/password"))
+        volumes.append(_secret_volume(volume, secret, "password"))
+        mounts.append(_mount(volume))
+    if spec.ca_secret:
+        volume = f"{service}-ca"
+        env.append(setting(f"{service}_ca_file", f"{SECRETS_DIR}/{volume}/ca.crt"))
+        volumes.append(_secret_volume(volume, spec.ca_secret, "ca.crt"))
+        mounts.append(_mount(volume))
+
+
+def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
+    return {
+        "name": volume,
+        "secret": {
+            "secretName": secret,
+            "items": [{"key": key, "path": key}],
+            "defaultMode": 0o440,
+        },
+    }
+
+
+def _mount(volume: str) -> dict[str, Any]:
+    return {"name": volume, "mountPath": f"{SECRETS_DIR}/{volume}", "readOnly": True}
+
+
+def model_env(pool: InferencePool) -> list[dict[str, Any]]:
+    """What every component must agree on about the model (the fingerprint-relevant settings)."""
+    model = pool.spec.model
+    out = [
+        setting("model", model.source),
+        setting("dtype", model.dtype),
+        setting("kv_dtype", model.dtype if model.kv_dtype == "auto" else model.kv_dtype),
+        setting("block_size", model.block_size),
+        setting("max_model_len", model.max_model_len),
+        setting("tensor_parallel_size", pool.spec.decode.parallelism.tensor),
+        setting("model_hash", model_hash(pool)),
+    ]
+    if model.revision:
+        out.append(setting("model_revision", model.revision))
+    if model.served_name:
+        out.append(setting("served_model_name", model.served_name))
+    return out
+
+
+def worker_env(pool: InferencePool, spec: RoleSpec, ctx: BuildContext) -> list[dict[str, Any]]:
+    """The whole worker environment except credentials (see `infrastructure`)."""
+    dis = pool.spec.disaggregation
+    topology = pool.spec.topology
+    env = [
+        *identity_env(pool),
+        *infrastructure(pool, ctx)[0],
+        *model_env(pool),
+        setting("max_num_seqs", spec.max_num_seqs),
+        setting("max_num_batched_tokens", spec.max_num_batched_tokens),
+        setting("disaggregation_mode", dis.mode),
+        setting("kv_load_failure_policy", dis.kv_load_failure_policy),
+        setting("transfer_backend", dis.transfer_backend),
+        setting("rdma", topology.rdma),
+        setting("http_port", WORKER_PORT),
+        setting("cache_dir", CACHE_DIR),
+        {"name": "UCX_TLS", "value": ucx_tls(pool, spec)},
+    ]
+    if topology.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": topology.ucx_net_devices})
+    return merge_env(env, [e.model_dump(mode="json") for e in spec.env])
+
+
+def router_env(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
+    dis = pool.spec.disaggregation
+    env = [
+        *identity_env(pool),
+        *infrastructure(pool, ctx)[0],
+        *model_env(pool),
+        setting("disaggregation_mode", dis.mode),
+        setting("min_remote_prefill_tokens", dis.min_remote_prefill_tokens),
+        setting("kv_load_failure_policy", dis.kv_load_failure_policy),
+        setting("router_policy", pool.spec.router.policy),
+        setting("http_port", ROUTER_PORT),
+        setting("cache_dir", CACHE_DIR),
+    ]
+    if pool.spec.security.api_keys_secret:
+        env.append(setting("api_keys_file", f"{API_KEYS_DIR}/api-keys.yaml"))
+    return env
+
+
+def merge_env(base: list[dict[str, Any]], extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`base` with `extra` overriding by name; names stay unique (server-side apply needs it)."""
+    merged = {e["name"]: e for e in base}
+    for e in extra:
+        merged[e["name"]] = e
+    return list(merged.values())

@@ -1,0 +1,94 @@
+"""Names, labels, owner references and the model hash shared by every child of a pool."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from kvrail import __version__
+from kvrail.crd import API_VERSION, KIND, InferencePool
+
+Component = Literal["prefill", "decode", "router"]
+
+POOL_LABEL = "kvrail.dev/pool"
+ROLE_LABEL = "kvrail.dev/role"
+MODEL_HASH_LABEL = "kvrail.dev/model-hash"
+CONFIG_HASH_ANNOTATION = "kvrail.dev/config-hash"
+WORKER_PORT = 8080
+"""Health and metrics port of a worker (`/readyz`, `/livez`, `/metrics`)."""
+ROUTER_PORT = 8000
+"""OpenAI API, health and metrics port of the router."""
+
+
+def child_name(pool: InferencePool, component: Component) -> str:
+    """`<pool>-prefill`, `<pool>-decode`, `<pool>-router`: workloads, Services and PDBs."""
+    return f"{pool.metadata.name}-{component}"
+
+
+def config_name(pool: InferencePool) -> str:
+    return f"{pool.metadata.name}-config"
+
+
+def selector_labels(pool: InferencePool, component: Component) -> dict[str, str]:
+    """The immutable selector of a workload: pool and role only."""
+    return {POOL_LABEL: pool.metadata.name, ROLE_LABEL: component}
+
+
+def labels(pool: InferencePool, component: Component | None = None) -> dict[str, str]:
+    """Recommended `app.kubernetes.io/*` labels plus `kvrail.dev/pool` (and `kvrail.dev/role`)."""
+    out = {
+        "app.kubernetes.io/name": "kvrail",
+        "app.kubernetes.io/instance": pool.metadata.name,
+        "app.kubernetes.io/part-of": "kvrail",
+        "app.kubernetes.io/managed-by": "kvrail-operator",
+        "app.kubernetes.io/version": __version__,
+        POOL_LABEL: pool.metadata.name,
+    }
+    if component is not None:
+        out["app.kubernetes.io/component"] = component
+        out[ROLE_LABEL] = component
+    return out
+
+
+def owner_reference(pool: InferencePool) -> dict[str, Any]:
+    """Makes the pool the controller of a child, so deleting the pool deletes its children."""
+    return {
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": pool.metadata.name,
+        "uid": pool.metadata.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def object_meta(pool: InferencePool, name: str, component: Component | None) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": pool.metadata.namespace,
+        "labels": labels(pool, component),
+        "ownerReferences": [owner_reference(pool)],
+    }
+
+
+def short_hash(data: Any) -> str:
+    """12 hex characters of sha256 over canonical JSON."""
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def model_hash(pool: InferencePool) -> str:
+    """A hash of everything in the spec the model fingerprint depends on.
+
+    Both worker pools carry it as a pod label, so a model change shows as a new value on every
+    new pod; the workers' own fingerprint check keeps old and new pods from pairing mid-roll.
+    """
+    spec = pool.spec
+    return short_hash(
+        {
+            "model": spec.model.model_dump(mode="json", exclude={"volume_claim", "served_name"}),
+            "engine": spec.engine.kind,
+            "tensor": spec.decode.parallelism.tensor,
+        }
+    )

@@ -1,0 +1,88 @@
+"""Pod pieces shared by workers and the router: hardening, image, probes and scratch volumes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvrail.crd import InferencePool
+from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.env import CACHE_DIR
+
+SHM_SIZE = "1Gi"
+
+
+def image(pool: InferencePool, ctx: BuildContext) -> str:
+    return pool.spec.image or ctx.image
+
+
+def pod_security_context(pool: InferencePool) -> dict[str, Any]:
+    uid = pool.spec.security.run_as_user
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": uid,
+        "runAsGroup": uid,
+        "fsGroup": uid,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security_context(add: list[str]) -> dict[str, Any]:
+    caps: dict[str, Any] = {"drop": ["ALL"]}
+    if add:
+        caps["add"] = list(add)
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": caps,
+    }
+
+
+def http_probe(path: str, port: str, period_s: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period_s,
+        "failureThreshold": failures,
+        "timeoutSeconds": 2,
+    }
+
+
+def probes(slow_start: bool) -> dict[str, Any]:
+    """Readiness and liveness; workers load a model first, so a startup probe allows 10 min."""
+    out = {
+        "readinessProbe": http_probe("/readyz", "http", 5, 3),
+        "livenessProbe": http_probe("/livez", "http", 10, 3),
+    }
+    if slow_start:
+        out["startupProbe"] = http_probe("/livez", "http", 10, 60)
+    return out
+
+
+def scratch_volumes(shm: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Writable cache and /tmp on a read-only root, and /dev/shm for UCX when `shm`."""
+    volumes: list[dict[str, Any]] = [
+        {"name": "cache", "emptyDir": {}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "cache", "mountPath": CACHE_DIR},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
+    if shm:
+        volumes.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
+        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    return volumes, mounts
+
+
+def pod_common(pool: InferencePool) -> dict[str, Any]:
+    """Pod spec fields every child pod has."""
+    security = pool.spec.security
+    out: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": pod_security_context(pool),
+    }
+    if security.service_account_name:
+        out["serviceAccountName"] = security.service_account_name
+    if security.image_pull_secrets:
+        out["imagePullSecrets"] = [{"name": n} for n in security.image_pull_secrets]
+    return out

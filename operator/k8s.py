@@ -1,0 +1,74 @@
+"""The only module of the operator that calls the Kubernetes API.
+
+A thin, synchronous wrapper over the dynamic client (Kopf runs sync handlers in its thread pool):
+server-side apply, get and delete of any kind by apiVersion and kind. Errors are the dynamic
+client's (`DynamicApiError` subclasses with `.status`); a kind the server does not serve (no
+Gateway API installed) raises `KindNotServedError`. Tested against a real kube-apiserver in
+`tests/integration/`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kubernetes import client, config
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
+
+FIELD_MANAGER = "kvrail-operator"
+
+
+class KindNotServedError(Exception):
+    """The API server does not serve this apiVersion and kind (its CRD is not installed)."""
+
+
+class Kube:
+    """Apply, get and delete objects in one cluster."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
+
+    @classmethod
+    def from_environment(cls) -> Kube:
+        """In-cluster config (the operator's ServiceAccount), else the local kubeconfig."""
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except config.ConfigException:
+            config.load_kube_config()  # type: ignore[no-untyped-call]
+        return cls(client.ApiClient())
+
+    def _resource(self, api_version: str, kind: str) -> Any:
+        try:
+            return self._dynamic.resources.get(api_version=api_version, kind=kind)
+        except ResourceNotFoundError as err:
+            raise KindNotServedError(f"{kind}.{api_version} is not served") from err
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply as the operator's field manager, taking over conflicting fields."""
+        resource = self._resource(manifest["apiVersion"], manifest["kind"])
+        result = resource.server_side_apply(
+            body=manifest,
+            namespace=manifest["metadata"].get("namespace"),
+            field_manager=FIELD_MANAGER,
+            force_conflicts=True,
+        )
+        return result.to_dict()  # type: ignore[no-any-return]
+
+    def get(self, api_version: str, kind: str, name: str, namespace: str) -> dict[str, Any] | None:
+        """The object, or None when it (or its kind) does not exist."""
+        try:
+            resource = self._resource(api_version, kind)
+            return resource.get(name=name, namespace=namespace).to_dict()  # type: ignore[no-any-return]
+        except (NotFoundError, KindNotServedError):
+            return None
+
+    def delete(self, api_version: str, kind: str, name: str, namespace: str) -> bool:
+        """Delete in the foreground; False when there was nothing to delete."""
+        try:
+            resource = self._resource(api_version, kind)
+            resource.delete(
+                name=name, namespace=namespace, body={"propagationPolicy": "Foreground"}
+            )
+        except (NotFoundError, KindNotServedError):
+            return False
+        return True

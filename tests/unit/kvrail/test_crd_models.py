@@ -1,0 +1,84 @@
+"""The InferencePool models: defaults, camelCase aliases and structural validation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from kvrail.crd import InferencePool
+from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
+
+
+def test_minimal_manifest_gets_documented_defaults() -> None:
+    pool = make_pool()
+    assert pool.spec.model.block_size == 16
+    assert pool.spec.model.kv_dtype == "auto"
+    assert pool.spec.engine.kind == "kvrail"
+    assert pool.spec.decode.replicas == 1
+    assert pool.spec.disaggregation.mode == "disaggregated"
+    assert pool.spec.disaggregation.kv_load_failure_policy == "recompute"
+    assert pool.spec.topology.rdma == "preferred"
+    assert pool.spec.router.policy == "kv-aware"
+    assert pool.spec.autoscaling.enabled is False
+    assert pool.status is None
+
+
+def test_fields_are_camel_case_in_yaml_and_round_trip() -> None:
+    manifest = mutate(pool_manifest(), ("spec.disaggregation.minRemotePrefillTokens", 64))
+    pool = make_pool(manifest)
+    assert pool.spec.disaggregation.min_remote_prefill_tokens == 64
+    dumped = pool.model_dump(mode="json", exclude_none=True)
+    assert dumped["spec"]["disaggregation"]["minRemotePrefillTokens"] == 64
+    assert "min_remote_prefill_tokens" not in dumped["spec"]["disaggregation"]
+    assert InferencePool.model_validate(dumped) == pool
+
+
+def test_role_returns_none_for_a_colocated_pool_without_prefill() -> None:
+    manifest = mutate(
+        pool_manifest(), ("spec.prefill", DELETE), ("spec.disaggregation.mode", "colocated")
+    )
+    pool = make_pool(manifest)
+    assert pool.role("prefill") is None
+    assert pool.role("decode") is pool.spec.decode
+
+
+INVALID: list[tuple[str, tuple[str, Any], str]] = [
+    ("unknown field", ("spec.decode.replica", 2), "extra"),
+    ("negative replicas", ("spec.decode.replicas", -1), "greater than or equal"),
+    ("dtype outside the enum", ("spec.model.dtype", "int8"), "dtype"),
+    ("block size outside the enum", ("spec.model.blockSize", 12), "blockSize"),
+    ("kv utilization over 100", ("spec.autoscaling.decodeKvUtilizationTarget", 101), "100"),
+    ("bad failure policy", ("spec.disaggregation.kvLoadFailurePolicy", "retry"), "recompute"),
+    ("rdma mode outside the enum", ("spec.topology.rdma", "maybe"), "required"),
+    ("router policy outside the enum", ("spec.router.policy", "random"), "kv-aware"),
+    (
+        "etcd endpoint without a port",
+        ("spec.infrastructure.etcd", {"endpoints": ["http://e"]}),
+        "pattern",
+    ),
+    (
+        "nats url with a bad scheme",
+        ("spec.infrastructure.nats", {"url": "http://n:4222"}),
+        "pattern",
+    ),
+    (
+        "hostname with upper case",
+        ("spec.router.gateway", {"parentRef": {"name": "gw"}, "hostnames": ["A.b"]}),
+        "pattern",
+    ),
+    (
+        "gateway without parentRef",
+        ("spec.router.gateway", {"hostnames": ["a.example"]}),
+        "parentRef",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "change", "expected"), INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_field_is_refused_by_the_model(
+    case: str, change: tuple[str, Any], expected: str
+) -> None:
+    with pytest.raises(ValidationError, match=expected):
+        make_pool(mutate(pool_manifest(), change))

@@ -1,0 +1,56 @@
+"""Every manifest in `examples/` parses, passes the CRD's rules and builds its children."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kvrail.crd import InferencePool
+from kvrail.crd_cel import violations
+from kvrail.operator.builders.children import build_children
+from kvrail.operator.builders.context import BuildContext
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
+
+
+def load(name: str) -> dict[str, Any]:
+    (path,) = [p for p in EXAMPLES if p.name == name]
+    return yaml.safe_load(path.read_text())  # type: ignore[no-any-return]
+
+
+def workload(name: str, kind: str, suffix: str) -> dict[str, Any]:
+    pool = InferencePool.model_validate(load(name))
+    children = build_children(pool, BuildContext())
+    (found,) = [c for c in children if c["kind"] == kind and c["metadata"]["name"].endswith(suffix)]
+    return found
+
+
+def test_the_three_documented_examples_exist() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {"cpu-small.yaml", "gpu-8b-rdma.yaml", "heterogeneous.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_example_is_a_valid_pool(path: Path) -> None:
+    manifest = yaml.safe_load(path.read_text())
+    pool = InferencePool.model_validate(manifest)
+    assert violations(manifest) == []
+    assert build_children(pool, BuildContext())
+
+
+def test_rdma_example_requires_rdma_nodes_and_devices() -> None:
+    spec = workload("gpu-8b-rdma.yaml", "StatefulSet", "-decode")["spec"]["template"]["spec"]
+    assert "requiredDuringSchedulingIgnoredDuringExecution" in spec["affinity"]["nodeAffinity"]
+    limits = spec["containers"][0]["resources"]["limits"]
+    assert limits == {"nvidia.com/gpu": 1, "rdma/rdma_shared_device_a": 1}
+    env = {e["name"]: e.get("value") for e in spec["containers"][0]["env"]}
+    assert "tcp" not in env["UCX_TLS"].split(",")
+
+
+def test_heterogeneous_example_puts_roles_on_different_gpus() -> None:
+    prefill = workload("heterogeneous.yaml", "StatefulSet", "-prefill")["spec"]["template"]["spec"]
+    decode = workload("heterogeneous.yaml", "StatefulSet", "-decode")["spec"]["template"]["spec"]
+    assert prefill["nodeSelector"] != decode["nodeSelector"]
