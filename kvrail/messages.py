@@ -1,0 +1,249 @@
+"""Wire messages: frozen, versioned, validated on decode.
+
+Every message crossing NATS or etcd is one of these dataclasses, encoded as JSON with integer
+arrays packed as base64 little-endian int32/int64 (a 32k-token prompt is 128 KiB, not 200 KiB of
+decimal text). `decode()` never trusts its input: a wrong version, a missing or mistyped field, a
+negative id or an oversized payload raises `MessageError` and nothing else, so a hostile job on
+the queue is rejected and counted without touching any request's blocks.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import types
+import typing
+from array import array
+from dataclasses import MISSING, asdict, dataclass, fields
+from typing import Any, ClassVar, Literal, TypeVar
+
+from kvrail.errors import KvrailError
+
+WIRE_VERSION = 1
+MAX_MESSAGE_BYTES = 8 * 1024 * 1024
+MAX_TOKENS = 1_048_576
+MAX_BLOCKS = 65_536
+
+
+class MessageError(KvrailError):
+    """A message could not be decoded or failed validation. The text holds no payload bytes."""
+
+
+def _pack(values: tuple[int, ...], code: str) -> str:
+    return base64.b64encode(array(code, values).tobytes()).decode()
+
+
+def _unpack(text: object, code: str, name: str, limit: int) -> tuple[int, ...]:
+    if not isinstance(text, str):
+        raise MessageError(f"field {name} must be a base64 string")
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise MessageError(f"field {name} is not valid base64") from err
+    itemsize = array(code).itemsize
+    if len(raw) % itemsize:
+        raise MessageError(f"field {name} is truncated ({len(raw)} bytes)")
+    if len(raw) // itemsize > limit:
+        raise MessageError(f"field {name} has more than {limit} entries")
+    values = tuple(array(code, raw))
+    if any(v < 0 for v in values):
+        raise MessageError(f"field {name} holds a negative id")
+    return values
+
+
+# Fields holding id arrays: name -> (array type code, limit).
+_PACKED: dict[str, tuple[str, int]] = {
+    "token_ids": ("q", MAX_TOKENS),
+    "dest_block_ids": ("q", MAX_BLOCKS),
+    "block_ids": ("q", MAX_BLOCKS),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    kind: ClassVar[str] = ""
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"v": WIRE_VERSION, "kind": self.kind}
+        for name, value in asdict(self).items():
+            if name in _PACKED:
+                body[name] = _pack(tuple(value), _PACKED[name][0])
+            else:
+                body[name] = list(value) if isinstance(value, tuple) else value
+        data = json.dumps(body, separators=(",", ":")).encode()
+        if len(data) > MAX_MESSAGE_BYTES:
+            raise MessageError(f"{self.kind} message of {len(data)} bytes exceeds the limit")
+        return data
+
+
+M = TypeVar("M", bound=Message)
+
+
+def decode(data: bytes, cls: type[M]) -> M:
+    """Decode and validate one message of type `cls`; raises MessageError."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise MessageError(f"message of {len(data)} bytes exceeds the limit")
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise MessageError("message is not valid JSON") from err
+    if not isinstance(body, dict):
+        raise MessageError("message is not a JSON object")
+    if body.get("v") != WIRE_VERSION:
+        raise MessageError(f"unsupported wire version (want {WIRE_VERSION})")
+    if body.get("kind") != cls.kind:
+        raise MessageError(f"expected a {cls.kind} message, got another kind")
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        if f.name not in body:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue  # optional field: its default applies
+            raise MessageError(f"{cls.kind} message lacks field {f.name}")
+        raw = body[f.name]
+        if f.name in _PACKED:
+            code, limit = _PACKED[f.name]
+            values[f.name] = _unpack(raw, code, f.name, limit)
+        else:
+            values[f.name] = _check(raw, hints[f.name], f.name)
+    try:
+        return cls(**values)
+    except (TypeError, ValueError) as err:
+        raise MessageError(f"invalid {cls.kind} message: {err}") from err
+
+
+def _check(value: Any, hint: Any, name: str) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (types.UnionType, typing.Union):
+        for option in typing.get_args(hint):
+            try:
+                return _check(value, option, name)
+            except MessageError:
+                continue
+        raise MessageError(f"field {name} has the wrong type")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise MessageError(f"field {name} must be null")
+    if origin is Literal:
+        if value in typing.get_args(hint):
+            return value
+        raise MessageError(f"field {name} is not one of {typing.get_args(hint)}")
+    if origin is tuple:
+        (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+        if not isinstance(value, list) or len(value) > MAX_BLOCKS:
+            raise MessageError(f"field {name} must be a list of at most {MAX_BLOCKS}")
+        return tuple(_check(v, item, name) for v in value)
+    expected = {float: (int, float)}.get(hint, hint)
+    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+        raise MessageError(f"field {name} must be {getattr(hint, '__name__', hint)}")
+    return float(value) if hint is float else value
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillJob(Message):
+    """Decode worker -> prefill worker (JetStream): compute KV and write it into my blocks.
+
+    `dest_block_ids[i]` receives the prompt's block `first_block_index + i`; blocks before it are
+    already cached on the decode worker. A job past `deadline_unix_s`, or addressed to a
+    destination incarnation that is no longer registered, is dropped, never run.
+    """
+
+    kind: ClassVar[str] = "prefill_job"
+    request_id: str
+    token_ids: tuple[int, ...]
+    fingerprint: str
+    dest_worker_id: str
+    dest_incarnation: int
+    dest_agent_name: str
+    dest_block_ids: tuple[int, ...]
+    first_block_index: int
+    deadline_unix_s: float
+    tenant_salt: str = ""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    with_checksums: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 128:
+            raise ValueError("request_id must be 1-128 characters")
+        if not self.token_ids:
+            raise ValueError("token_ids is empty")
+        if self.first_block_index < 0 or self.dest_incarnation < 0:
+            raise ValueError("first_block_index and dest_incarnation must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillDone(Message):
+    """Prefill worker -> decode worker: the KV of `block_ids` is written (or it failed).
+
+    The decode worker validates it against its own reservation (request id, fingerprint, block
+    ids, incarnation, checksums) before the sequence becomes runnable.
+    """
+
+    kind: ClassVar[str] = "prefill_done"
+    request_id: str
+    fingerprint: str
+    dest_incarnation: int
+    block_ids: tuple[int, ...]
+    first_token_id: int
+    num_prompt_tokens: int
+    prefill_worker_id: str
+    prefill_incarnation: int
+    block_checksums: tuple[str, ...] = ()
+    transfer_bytes: int = 0
+    transfer_s: float = 0.0
+    transport: str = ""
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Router -> every worker: stop this request and release all its blocks."""
+
+    kind: ClassVar[str] = "cancel"
+    request_id: str
+    reason: Literal["client_disconnect", "deadline", "error"] = "client_disconnect"
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent(Message):
+    """Worker -> routers: blocks entered or left this worker's prefix cache.
+
+    `seq` increases by one per event of an incarnation; a gap tells a router to rebuild its view
+    of this worker.
+    """
+
+    kind: ClassVar[str] = "kv_event"
+    worker_id: str
+    incarnation: int
+    seq: int
+    stored: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    cleared: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerRecord(Message):
+    """One worker's record in etcd, under its lease, refreshed about every second."""
+
+    kind: ClassVar[str] = "worker"
+    worker_id: str
+    pod_uid: str
+    incarnation: int
+    role: Literal["prefill", "decode", "both"]
+    fingerprint: str
+    address: str = ""
+    nixl_agent_name: str = ""
+    nixl_metadata_b64: str = ""
+    num_blocks: int = 0
+    block_bytes: int = 0
+    transport: str = ""
+    bandwidth_bytes_per_s: float = 0.0
+    is_ready: bool = False
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_utilization: float = 0.0

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import base64
+import json
+from array import array
+from typing import Any
+
+import pytest
+
+from kvrail.messages import (
+    MAX_MESSAGE_BYTES,
+    Cancel,
+    KvEvent,
+    MessageError,
+    PrefillDone,
+    PrefillJob,
+    WorkerRecord,
+    decode,
+)
+
+
+def job(**overrides: Any) -> PrefillJob:
+    base: dict[str, Any] = dict(
+        request_id="req-1", token_ids=tuple(range(40)), fingerprint="f" * 64,
+        dest_worker_id="decode-0", dest_incarnation=3, dest_agent_name="decode-0-3",
+        dest_block_ids=(7, 8, 9), first_block_index=0, deadline_unix_s=1e9,
+    )  # fmt: skip
+    base.update(overrides)
+    return PrefillJob(**base)
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        job(),
+        job(seed=42, temperature=0.7, tenant_salt="t1", with_checksums=True),
+        PrefillDone(
+            request_id="r",
+            fingerprint="f",
+            dest_incarnation=1,
+            block_ids=(1, 2),
+            first_token_id=5,
+            num_prompt_tokens=20,
+            prefill_worker_id="p-0",
+            prefill_incarnation=2,
+            block_checksums=("ab", "cd"),
+        ),
+        Cancel(request_id="r", reason="deadline"),
+        KvEvent(worker_id="d-0", incarnation=1, seq=5, stored=("aa",), removed=("bb",)),
+        WorkerRecord(worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f"),
+    ],
+)
+def test_every_message_round_trips(message: Any) -> None:
+    assert decode(message.encode(), type(message)) == message
+
+
+def test_token_ids_travel_packed_not_as_decimal_text() -> None:
+    data = job(token_ids=tuple(range(10_000))).encode()
+    assert len(data) < 10_000 * 8 * 1.4 + 1000
+
+
+def _tamper(message: Any, **changes: Any) -> bytes:
+    body = json.loads(message.encode())
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+def _packed(values: list[int]) -> str:
+    return base64.b64encode(array("q", values).tobytes()).decode()
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (b"\xff\xfe", "not valid JSON"),
+        (b"[1,2]", "not a JSON object"),
+        (_tamper(job(), v=2), "wire version"),
+        (_tamper(job(), kind="cancel"), "expected a prefill_job"),
+        (_tamper(job(), dest_incarnation="3"), "dest_incarnation must be int"),
+        (_tamper(job(), dest_incarnation=True), "dest_incarnation must be int"),
+        (_tamper(job(), dest_block_ids="!!notbase64"), "not valid base64"),
+        (_tamper(job(), dest_block_ids=base64.b64encode(b"\x01\x02\x03").decode()), "truncated"),
+        (_tamper(job(), dest_block_ids=_packed([1, -5])), "negative"),
+        (_tamper(job(), token_ids=_packed([])), "token_ids is empty"),
+        (_tamper(job(), request_id=""), "request_id"),
+        (_tamper(job(), first_block_index=-1), "first_block_index"),
+        (_tamper(Cancel(request_id="r"), reason="whim"), "reason"),
+        (b"x" * (MAX_MESSAGE_BYTES + 1), "exceeds the limit"),
+    ],
+)
+def test_malformed_or_hostile_messages_raise_message_error_only(data: bytes, message: str) -> None:
+    with pytest.raises(MessageError, match=message):
+        decode(data, PrefillJob if b"reason" not in data[:200] else Cancel)
+
+
+def test_a_missing_required_field_is_named() -> None:
+    body = json.loads(job().encode())
+    del body["fingerprint"]
+    with pytest.raises(MessageError, match="lacks field fingerprint"):
+        decode(json.dumps(body).encode(), PrefillJob)
+
+
+def test_errors_never_echo_payload_contents() -> None:
+    secret = "the user's private prompt"
+    with pytest.raises(MessageError) as err:
+        decode(_tamper(job(), kind=secret), PrefillJob)
+    assert secret not in str(err.value)
