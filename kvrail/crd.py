@@ -144,8 +144,9 @@ class InferencePool(CrdModel):
     """`InferencePool`."""
     metadata: ObjectMeta
     """Standard object metadata."""
-    spec: InferencePoolSpec = sub(InferencePoolSpec)
-    """Desired state."""
+    spec: InferencePoolSpec
+    """Desired state. Required: the defaults alone describe no valid pool (disaggregated mode
+    needs a prefill pool)."""
     status: InferencePoolStatus | None = None
     """Observed state, written by the operator."""
 

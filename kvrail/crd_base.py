@@ -48,5 +48,5 @@ class CrdModel(BaseModel):
 
 
 def sub(cls: type[CrdModel]) -> Any:
-    """A nested object defaulted to `{}`, so the API server fills in its own defaults."""
+    """A nested object defaulted to `{}`; `kvrail.crdgen` writes the default out in full."""
     return Field(default_factory=cls, json_schema_extra={"default": {}})

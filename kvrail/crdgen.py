@@ -6,11 +6,16 @@ when the committed file is stale. Run `python -P -m kvrail.crdgen` (or `--check`
 Pydantic's JSON schema is turned into a *structural* schema, as the API server requires: `$ref`s
 inlined, optional fields as plain types (absence means null), no `additionalProperties: false`
 (the API server prunes unknown fields instead), every node typed, descriptions on one line.
+
+Object defaults are written out in full (`{replicas: 1, gpus: 0, ...}`, not `{}`): the API server
+checks each default against the CEL rules of its node *without* applying the nested defaults
+first, so a rule reading `self.gpus` fails on a bare `{}` ("no such key") and the CRD is refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import sys
 from pathlib import Path
 from typing import Any
@@ -48,7 +53,8 @@ def openapi_schema() -> dict[str, Any]:
     raw = InferencePool.model_json_schema(by_alias=True, mode="validation")
     defs = raw.pop("$defs", {})
     root = _structural(raw, defs)
-    root.pop("required", None)
+    _complete_defaults(root)
+    root["required"] = ["spec"]
     props = root["properties"]
     props["apiVersion"] = {"type": "string", "description": props["apiVersion"]["description"]}
     props["kind"] = {"type": "string", "description": props["kind"]["description"]}
@@ -129,6 +135,27 @@ def _structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         out["additionalProperties"] = _structural(out["additionalProperties"], defs)
     if isinstance(out.get("items"), dict):
         out["items"] = _structural(out["items"], defs)
+    return out
+
+
+def _complete_defaults(node: dict[str, Any]) -> None:
+    """Bottom-up: every object default gets its properties' own (already complete) defaults."""
+    for sub in node.get("properties", {}).values():
+        _complete_defaults(sub)
+    for key in ("items", "additionalProperties"):
+        if isinstance(node.get(key), dict):
+            _complete_defaults(node[key])
+    if isinstance(node.get("default"), dict) and "properties" in node:
+        node["default"] = _defaulted(node, node["default"])
+
+
+def _defaulted(schema: dict[str, Any], value: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(value)
+    for name, sub in schema["properties"].items():
+        if name not in out and "default" in sub:
+            out[name] = copy.deepcopy(sub["default"])
+        elif isinstance(out.get(name), dict) and "properties" in sub:
+            out[name] = _defaulted(sub, out[name])
     return out
 
 

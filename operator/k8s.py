@@ -4,11 +4,18 @@ A thin, synchronous wrapper over the dynamic client (Kopf runs sync handlers in 
 server-side apply, get and delete of any kind by apiVersion and kind. Errors are the dynamic
 client's (`DynamicApiError` subclasses with `.status`); a kind the server does not serve (no
 Gateway API installed) raises `KindNotServedError`. Tested against a real kube-apiserver in
-`tests/integration/`.
+`tests/e2e/`.
+
+Discovery is resolved once per kind, under a lock: the dynamic client's discovery cache is not
+thread-safe (concurrent handlers rebuilding it raise `KeyError`), and it rediscovers the whole API
+on every miss, so an absent kind (HTTPRoute without the Gateway API) is remembered for
+`NEGATIVE_TTL_S` instead of costing a full discovery per reconcile.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from kubernetes import client, config
@@ -16,6 +23,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
 FIELD_MANAGER = "kvrail-operator"
+NEGATIVE_TTL_S = 30.0
 
 
 class KindNotServedError(Exception):
@@ -27,6 +35,8 @@ class Kube:
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._dynamic = DynamicClient(api_client)  # type: ignore[no-untyped-call]
+        self._lock = threading.Lock()
+        self._resources: dict[tuple[str, str], tuple[float, Any]] = {}
 
     @classmethod
     def from_environment(cls) -> Kube:
@@ -38,10 +48,21 @@ class Kube:
         return cls(client.ApiClient())
 
     def _resource(self, api_version: str, kind: str) -> Any:
-        try:
-            return self._dynamic.resources.get(api_version=api_version, kind=kind)
-        except ResourceNotFoundError as err:
-            raise KindNotServedError(f"{kind}.{api_version} is not served") from err
+        key = (api_version, kind)
+        with self._lock:
+            now = time.monotonic()
+            cached = self._resources.get(key)
+            if cached is not None and (cached[1] is not None or now - cached[0] < NEGATIVE_TTL_S):
+                resource = cached[1]
+            else:
+                try:
+                    resource = self._dynamic.resources.get(api_version=api_version, kind=kind)
+                except ResourceNotFoundError:
+                    resource = None
+                self._resources[key] = (now, resource)
+        if resource is None:
+            raise KindNotServedError(f"{kind}.{api_version} is not served")
+        return resource
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as the operator's field manager, taking over conflicting fields."""

@@ -94,6 +94,22 @@ def kube_cluster(kube_control_plane: KubeControlPlane) -> KubeControlPlane:
     return kube_control_plane
 
 
+@pytest.fixture(scope="session")
+def helm_binary() -> Path:
+    """The helm binary built beside the Kubernetes binaries (`make k8s-binaries`)."""
+    _require_binaries(("helm",))
+    return k8s_bin_dir() / "helm"
+
+
+@pytest.fixture(scope="session")
+def gateway_api_crds() -> Path:
+    """The Gateway API CRDs collected by `make k8s-binaries` (read at test time, never copied)."""
+    folder = k8s_bin_dir().parent / "gateway-api"
+    if not (folder / "gateway.networking.k8s.io_httproutes.yaml").is_file():
+        _unavailable(f"Gateway API CRDs not in {folder}; run `make k8s-binaries`")
+    return folder
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
     if exitstatus != 0 and _LOG_DIRS:
         terminalreporter.write_line("server data and logs kept in:")

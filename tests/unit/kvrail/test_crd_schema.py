@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from kvrail.crd_cel import apply_defaults, violations
 from kvrail.crdgen import CRD_FILENAME, crd, main, openapi_schema, render
 
 REPO = Path(__file__).resolve().parents[3]
@@ -58,11 +59,20 @@ def test_every_spec_and_status_field_has_a_description() -> None:
                 assert node.get("description"), f"{path} has no description"
 
 
-def test_defaults_of_nested_objects_are_empty_so_the_server_fills_them_in() -> None:
-    spec = openapi_schema()["properties"]["spec"]
-    for name in ("model", "engine", "decode", "disaggregation", "topology", "router"):
-        assert spec["properties"][name]["default"] == {}
+def test_object_defaults_are_complete_and_pass_their_own_rules() -> None:
+    # The API server validates a default against its node's CEL rules without filling in the
+    # nested defaults first: a bare {} fails any rule reading a field ("no such key").
+    schema = openapi_schema()
+    spec = schema["properties"]["spec"]
+    assert spec["properties"]["decode"]["default"]["parallelism"] == {"tensor": 1}
+    assert spec["properties"]["decode"]["default"]["maxNumSeqs"] == 256
     assert "default" not in spec["properties"]["prefill"]
+    assert "default" not in spec, "no default spec: the defaults alone are not a valid pool"
+    assert schema["required"] == ["spec"]
+    for path, node in _nodes(schema):
+        if isinstance(node.get("default"), dict) and "properties" in node:
+            assert apply_defaults(node, {}) == node["default"], path
+            assert violations(node["default"], node) == [], path
 
 
 def test_names_avoid_the_gateway_inference_extension_kind() -> None:

@@ -1,0 +1,89 @@
+{{/* Resource name prefix: <release>-<chart>, or the release name when it contains the chart. */}}
+{{- define "kvrail.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Recommended labels; pass (dict "ctx" $ "component" "operator"). */}}
+{{- define "kvrail.labels" -}}
+{{ include "kvrail.selectorLabels" . }}
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: kvrail
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .ctx.Chart.Name .ctx.Chart.Version }}
+{{- end -}}
+
+{{- define "kvrail.selectorLabels" -}}
+app.kubernetes.io/name: {{ default .ctx.Chart.Name .ctx.Values.nameOverride }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* repository:tag, the tag defaulting to the chart's appVersion; pass (dict "ctx" $ "image" ...). */}}
+{{- define "kvrail.image" -}}
+{{- printf "%s:%s" .image.repository (default .ctx.Chart.AppVersion .image.tag) -}}
+{{- end -}}
+
+{{- define "kvrail.operator.serviceAccountName" -}}
+{{- default (printf "%s-operator" (include "kvrail.fullname" .)) .Values.operator.serviceAccount.name -}}
+{{- end -}}
+
+{{/* The Secret holding a component's credentials (keys username and password). */}}
+{{- define "kvrail.credentialsSecret" -}}
+{{- $block := index .ctx.Values .component -}}
+{{- default (printf "%s-%s-credentials" (include "kvrail.fullname" .ctx) .component) $block.auth.existingSecret -}}
+{{- end -}}
+
+{{/* etcd client URLs the operator gives pools by default (comma-separated), or "". */}}
+{{- define "kvrail.etcdEndpoints" -}}
+{{- if .Values.etcd.enabled -}}
+{{- printf "http://%s-etcd.%s.svc:2379" (include "kvrail.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- join "," .Values.etcd.endpoints -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvrail.natsUrl" -}}
+{{- if .Values.nats.enabled -}}
+{{- printf "nats://%s-nats.%s.svc:4222" (include "kvrail.fullname" .) .Release.Namespace -}}
+{{- else -}}
+{{- .Values.nats.url -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "kvrail.podSecurityContext" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: 65532
+fsGroup: 65532
+seccompProfile:
+  type: RuntimeDefault
+{{- end -}}
+
+{{- define "kvrail.containerSecurityContext" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities:
+  drop: [ALL]
+{{- end -}}
+
+{{/* Cross-field rules the schema cannot express. */}}
+{{- define "kvrail.validate" -}}
+{{- if and .Values.etcd.enabled .Values.etcd.endpoints -}}
+{{- fail "etcd: set either enabled (in-cluster etcd) or endpoints (external), not both" -}}
+{{- end -}}
+{{- if and .Values.nats.enabled .Values.nats.url -}}
+{{- fail "nats: set either enabled (in-cluster NATS) or url (external), not both" -}}
+{{- end -}}
+{{- if and .Values.operator.enabled (not .Values.operator.serviceAccount.create) (not .Values.operator.serviceAccount.name) -}}
+{{- fail "operator.serviceAccount.name is required when operator.serviceAccount.create is false" -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,29 @@
+{{/*
+A generated credentials Secret for etcd or NATS (keys username and password), unless
+<component>.auth.existingSecret names one. The password is random at install and kept on upgrade
+(read back with lookup); `helm template` cannot look up, so it renders a fresh one.
+*/}}
+{{- define "kvrail.generatedCredentials" -}}
+{{- $block := index .ctx.Values .component -}}
+{{- if and $block.enabled $block.auth.enabled (not $block.auth.existingSecret) -}}
+{{- $name := include "kvrail.credentialsSecret" . -}}
+{{- $existing := lookup "v1" "Secret" .ctx.Release.Namespace $name -}}
+apiVersion: v1
+kind: Secret
+metadata:
+  name: {{ $name }}
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "kvrail.labels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+  annotations:
+    helm.sh/resource-policy: keep
+type: Opaque
+data:
+  username: {{ .username | b64enc }}
+  {{- if and $existing $existing.data }}
+  password: {{ index $existing.data "password" }}
+  {{- else }}
+  password: {{ randAlphaNum 32 | b64enc }}
+  {{- end }}
+{{- end -}}
+{{- end -}}

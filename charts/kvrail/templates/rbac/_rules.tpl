@@ -1,0 +1,42 @@
+{{/*
+Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kopf itself):
+- Kopf watches and patches pools (finalizer, progress annotations) and their status, and posts
+  core/v1 Events on decisions.
+- Children are server-side applied: verb patch, plus create (an apply that creates the object is
+  authorized as a create too). Only StatefulSets and Deployments are read back (status); only
+  kinds a spec change can make stale are deleted.
+- inferencepools/finalizers update: owner references with blockOwnerDeletion need it where the
+  OwnerReferencesPermissionEnforcement admission plugin is on.
+*/}}
+{{- define "kvrail.operator.poolRules" -}}
+- apiGroups: [kvrail.dev]
+  resources: [inferencepools]
+  verbs: [list, watch, patch]
+- apiGroups: [kvrail.dev]
+  resources: [inferencepools/status]
+  verbs: [patch]
+- apiGroups: [kvrail.dev]
+  resources: [inferencepools/finalizers]
+  verbs: [update]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+- apiGroups: [""]
+  resources: [configmaps]
+  verbs: [create, patch]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [create, patch, delete]
+- apiGroups: [apps]
+  resources: [statefulsets]
+  verbs: [create, get, patch, delete]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [create, get, patch]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [create, patch, delete]
+- apiGroups: [gateway.networking.k8s.io]
+  resources: [httproutes]
+  verbs: [create, patch, delete]
+{{- end -}}

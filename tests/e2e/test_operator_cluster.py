@@ -1,0 +1,354 @@
+"""The operator on the full harness: kube-apiserver, controller-manager, scheduler and KWOK nodes.
+
+It runs as a subprocess (`kopf run --standalone -m kvrail.operator.main`) under the Helm chart's
+RBAC with its own ServiceAccount token, never as admin. The tests apply the examples and check
+the children, where the real scheduler puts the pods, status, scaling, a model change, a child the
+API server refuses, deletion through the garbage collector, and what the token may not do.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+from kvrail.crd import GROUP, PLURAL, VERSION
+from kvrail.operator.builders.meta import MODEL_HASH_LABEL, POOL_LABEL, ROLE_LABEL
+from kvrail.operator.harness import (
+    OPERATOR_NAMESPACE,
+    OPERATOR_SERVICE_ACCOUNT,
+    REPO,
+    operator_rbac,
+    start_operator,
+    token_kubeconfig,
+    wait_for,
+)
+from kvrail.procs import ManagedProcess
+from kvrail.testing.kube import ADMIN, KubeControlPlane
+
+pytestmark = [pytest.mark.cluster, pytest.mark.helm]
+
+KUBECTL = Path(sys.executable).parent / "kubectl"
+NAMESPACE = "kvrail-e2e"
+RDMA_NAMESPACE = "inference"  # examples/gpu-8b-rdma.yaml names it
+RDMA_LABEL = "feature.node.kubernetes.io/rdma.capable"
+RACK_LABEL = "example.com/rack"  # the RDMA example's colocationKey
+RDMA_RESOURCE = "rdma/rdma_shared_device_a"
+RDMA_NODES = {"e2e-rdma-a0": "rack-a", "e2e-rdma-a1": "rack-a",
+              "e2e-rdma-b0": "rack-b", "e2e-rdma-b1": "rack-b"}  # fmt: skip
+PLAIN_NODE = "e2e-plain-a2"  # GPUs, rack-a, but no RDMA
+CHILD_KINDS = ("configmaps", "services", "statefulsets", "deployments", "poddisruptionbudgets")
+DEADLINE_S = 90
+
+
+@dataclass
+class Env:
+    plane: KubeControlPlane
+    admin: client.ApiClient
+    operator_api: client.ApiClient
+    operator: ManagedProcess
+
+    def kubectl(self, *args: str, stdin: str | None = None) -> str:
+        done = subprocess.run(
+            [str(KUBECTL), f"--kubeconfig={self.plane.kubeconfig(ADMIN)}", *args],
+            input=stdin, capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def pool(self, namespace: str, name: str) -> dict[str, Any]:
+        return client.CustomObjectsApi(self.admin).get_namespaced_custom_object(  # type: ignore[no-any-return]
+            GROUP, VERSION, namespace, PLURAL, name
+        )
+
+    def patch_pool(self, namespace: str, name: str, patch: dict[str, Any]) -> None:
+        client.CustomObjectsApi(self.admin).patch_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, name, patch
+        )
+
+    def children(self, namespace: str, pool: str) -> list[dict[str, Any]]:
+        """Every object labelled as the pool's, of the kinds the operator creates."""
+        selector = f"{POOL_LABEL}={pool}"
+        out = []
+        for kind in CHILD_KINDS:
+            group = {"statefulsets": "apps/v1", "deployments": "apps/v1",
+                     "poddisruptionbudgets": "policy/v1"}.get(kind)  # fmt: skip
+            prefix = f"/apis/{group}" if group else "/api/v1"
+            got = self.plane.api(
+                "GET", f"{prefix}/namespaces/{namespace}/{kind}?labelSelector={selector}"
+            )
+            out += got["items"]
+        routes = client.CustomObjectsApi(self.admin).list_namespaced_custom_object(
+            "gateway.networking.k8s.io", "v1", namespace, "httproutes", label_selector=selector
+        )
+        return out + routes["items"]
+
+    def pods(self, namespace: str, selector: str) -> list[client.V1Pod]:
+        return (
+            client.CoreV1Api(self.admin)
+            .list_namespaced_pod(  # type: ignore[no-any-return]
+                namespace, label_selector=selector
+            )
+            .items
+        )
+
+
+def condition(pool: dict[str, Any], kind: str) -> dict[str, Any]:
+    found = [c for c in pool.get("status", {}).get("conditions", []) if c["type"] == kind]
+    return found[0] if found else {}
+
+
+def ready_at(env: Env, namespace: str, name: str) -> dict[str, Any] | None:
+    """The pool when Ready is True for its current generation, else None."""
+    pool = env.pool(namespace, name)
+    ready = condition(pool, "Ready")
+    generation = pool["metadata"]["generation"]
+    if ready.get("status") == "True" and ready.get("observedGeneration") == generation:
+        return pool if pool["status"]["observedGeneration"] == generation else None
+    return None
+
+
+def running(pods: list[client.V1Pod]) -> list[client.V1Pod]:
+    return [
+        p for p in pods if p.status.phase == "Running" and p.metadata.deletion_timestamp is None
+    ]
+
+
+@pytest.fixture(scope="module")
+def env(
+    kube_cluster: KubeControlPlane,
+    helm_binary: Path,
+    gateway_api_crds: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Env]:
+    admin = config.new_client_from_config(str(kube_cluster.kubeconfig(ADMIN)))
+    core = client.CoreV1Api(admin)
+    for namespace in (OPERATOR_NAMESPACE, NAMESPACE, RDMA_NAMESPACE):
+        try:
+            core.create_namespace({"metadata": {"name": namespace}})
+        except ApiException as err:
+            if err.status != 409:
+                raise
+    setup = Env(kube_cluster, admin, admin, None)  # type: ignore[arg-type]
+    httproute_crd = gateway_api_crds / "gateway.networking.k8s.io_httproutes.yaml"
+    setup.kubectl("apply", "--server-side", "-f", str(REPO / "crds"), "-f", str(httproute_crd))
+    crds = ("crd/inferencepools.kvrail.dev", "crd/httproutes.gateway.networking.k8s.io")
+    setup.kubectl("wait", "--for=condition=Established", "--timeout=60s", *crds)
+    gpus = {"nvidia.com/gpu": "8"}
+    for node, rack in RDMA_NODES.items():
+        labels = {RDMA_LABEL: "true", RACK_LABEL: rack}
+        kube_cluster.add_node(node, labels, {**gpus, RDMA_RESOURCE: "16"})
+    kube_cluster.add_node(PLAIN_NODE, {RDMA_LABEL: "false", RACK_LABEL: "rack-a"}, gpus)
+    # The RDMA example mounts its weights from a claim; bind it to a static volume.
+    core.create_persistent_volume({
+        "metadata": {"name": "e2e-llama-weights"},
+        "spec": {"capacity": {"storage": "20Gi"}, "accessModes": ["ReadOnlyMany"],
+                 "hostPath": {"path": "/models"}, "storageClassName": "",
+                 "claimRef": {"namespace": RDMA_NAMESPACE, "name": "llama-3-8b-weights"}},
+    })  # fmt: skip
+    core.create_namespaced_persistent_volume_claim(RDMA_NAMESPACE, {
+        "metadata": {"name": "llama-3-8b-weights"},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "volumeName": "e2e-llama-weights", "resources": {"requests": {"storage": "20Gi"}}},
+    })  # fmt: skip
+    # The chart's RBAC, applied as the admin; then the operator gets only its own token.
+    rbac = operator_rbac(helm_binary, [NAMESPACE, RDMA_NAMESPACE])
+    setup.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(rbac))
+    token = core.create_namespaced_service_account_token(
+        OPERATOR_SERVICE_ACCOUNT, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
+    ).status.token
+    root = tmp_path_factory.mktemp("operator")
+    kubeconfig = token_kubeconfig(
+        kube_cluster.kubeconfig(ADMIN), token, root / "operator.kubeconfig"
+    )
+    operator_api = config.new_client_from_config(str(kubeconfig))
+    operator = start_operator(kubeconfig, [NAMESPACE, RDMA_NAMESPACE], root / "operator.log")
+    try:
+        yield Env(kube_cluster, admin, operator_api, operator)
+        assert operator.is_running(), f"the operator exited\n{operator.tail()}"
+    finally:
+        operator.stop()
+        operator_api.close()
+        admin.close()
+    log = (root / "operator.log").read_text()
+    assert token not in log
+    assert "Forbidden" not in log and " 403" not in log, "the operator lacked a permission"
+
+
+def test_operator_token_is_refused_everything_it_does_not_need(env: Env) -> None:
+    core = client.CoreV1Api(env.operator_api)
+    rbac = client.RbacAuthorizationV1Api(env.operator_api)
+    apps = client.AppsV1Api(env.operator_api)
+    # What it needs works with its token ...
+    client.CustomObjectsApi(env.operator_api).list_namespaced_custom_object(
+        GROUP, VERSION, NAMESPACE, PLURAL
+    )
+    with pytest.raises(ApiException) as missing:
+        apps.read_namespaced_stateful_set("absent", NAMESPACE)
+    assert missing.value.status == 404
+    # ... and nothing else does.
+    role = {"metadata": {"name": "escalate"}, "rules": []}
+    pod = {"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}
+    for call in (
+        lambda: core.delete_node(PLAIN_NODE),
+        lambda: core.list_secret_for_all_namespaces(),
+        lambda: core.list_namespaced_secret(NAMESPACE),
+        lambda: core.create_namespaced_pod(NAMESPACE, pod),
+        lambda: rbac.create_cluster_role(role),
+        lambda: apps.list_stateful_set_for_all_namespaces(),
+        lambda: apps.read_namespaced_stateful_set("absent", "default"),
+        lambda: client.CustomObjectsApi(env.operator_api).list_namespaced_custom_object(
+            GROUP, VERSION, "default", PLURAL
+        ),
+    ):
+        with pytest.raises(ApiException) as err:
+            call()
+        assert err.value.status == 403
+
+
+def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: Env) -> None:
+    name, ns = "smol", NAMESPACE
+    start = time.monotonic()
+    env.kubectl("apply", "-n", ns, "-f", str(REPO / "examples" / "cpu-small.yaml"))
+    kinds = wait_for("10 children", lambda: len(env.children(ns, name)) == 10, DEADLINE_S, 0.05)
+    print(f"\napply to all 10 children created: {time.monotonic() - start:.2f}s")
+    assert kinds
+    uid = env.pool(ns, name)["metadata"]["uid"]
+    for child in env.children(ns, name):
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["uid"], owner["controller"]) == (uid, True), child["metadata"]["name"]
+
+    pool = wait_for("Ready", lambda: ready_at(env, ns, name), DEADLINE_S)
+    print(f"apply to Ready: {time.monotonic() - start:.2f}s")
+    assert pool["status"]["decode"]["readyReplicas"] == 1
+    assert condition(pool, "Degraded")["status"] == "False"
+    assert condition(pool, "Progressing")["status"] == "False"
+    assert len(running(env.pods(ns, f"{POOL_LABEL}={name}"))) == 3
+
+    # Scale decode: one more replica, Ready again at the new generation.
+    env.patch_pool(ns, name, {"spec": {"decode": {"replicas": 2}}})
+    pool = wait_for("Ready after scaling", lambda: ready_at(env, ns, name), DEADLINE_S)
+    assert pool["status"]["decode"] == {
+        **pool["status"]["decode"],
+        "replicas": 2,
+        "readyReplicas": 2,
+    }
+    assert len(running(env.pods(ns, f"{POOL_LABEL}={name},{ROLE_LABEL}=decode"))) == 2
+
+    # A model change rolls both pools: every worker pod ends up with the new model hash.
+    old_hash = pool["status"]["modelHash"]
+    env.patch_pool(ns, name, {"spec": {"model": {"revision": "r2"}}})
+    pool = wait_for("Ready after the model change", lambda: ready_at(env, ns, name), DEADLINE_S)
+    new_hash = pool["status"]["modelHash"]
+    assert new_hash != old_hash
+
+    def rolled() -> bool:
+        workers = running(env.pods(ns, f"{POOL_LABEL}={name},{ROLE_LABEL} in (prefill,decode)"))
+        return len(workers) == 3 and all(
+            p.metadata.labels[MODEL_HASH_LABEL] == new_hash for p in workers
+        )
+
+    wait_for("both pools rolled to the new model", rolled, DEADLINE_S)
+    apps = client.AppsV1Api(env.admin)
+    for role in ("prefill", "decode"):
+        sts = apps.read_namespaced_stateful_set(f"{name}-{role}", ns)
+        assert sts.status.current_revision == sts.status.update_revision
+        assert sts.spec.template.metadata.labels[MODEL_HASH_LABEL] == new_hash
+
+    # Delete: the garbage collector removes every child and pod; no delete handler needed.
+    env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
+
+    def gone() -> bool:
+        return not env.children(ns, name) and not env.pods(ns, f"{POOL_LABEL}={name}")
+
+    wait_for("nothing left of the pool", gone, DEADLINE_S)
+
+
+def test_rdma_pool_runs_only_on_rdma_nodes_spread_and_becomes_ready(env: Env) -> None:
+    name, ns = "llama-8b", RDMA_NAMESPACE
+    env.kubectl("apply", "-f", str(REPO / "examples" / "gpu-8b-rdma.yaml"))
+    wait_for(
+        "11 children incl. the HTTPRoute", lambda: len(env.children(ns, name)) == 11, DEADLINE_S
+    )
+    wait_for("Ready", lambda: ready_at(env, ns, name), DEADLINE_S)
+    placed: dict[str, list[str]] = {}
+    for role, replicas in (("prefill", 2), ("decode", 4)):
+        pods = running(env.pods(ns, f"{POOL_LABEL}={name},{ROLE_LABEL}={role}"))
+        assert len(pods) == replicas
+        placed[role] = sorted(p.spec.node_name for p in pods)
+        limits = pods[0].spec.containers[0].resources.limits
+        assert limits["nvidia.com/gpu"] == "1" and limits[RDMA_RESOURCE] == "1"
+    print(f"\nRDMA placement: {placed}")
+    for role, nodes in placed.items():
+        # Required node affinity and the RDMA device: never the plain node, never other nodes.
+        assert set(nodes) <= set(RDMA_NODES), (role, nodes)
+    # Same-role spread (best effort, maxSkew 1): the four decode workers use several nodes.
+    assert len(set(placed["decode"])) >= 2, placed
+    env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
+    wait_for(
+        "nothing left",
+        lambda: not env.children(ns, name) and not env.pods(ns, f"{POOL_LABEL}={name}"),
+        DEADLINE_S,
+    )
+
+
+def test_child_refused_by_the_api_server_gives_degraded_not_a_crash_loop(env: Env) -> None:
+    # The CRD allows any nodeSelector key; the StatefulSet validation does not.
+    name, ns = "refused", NAMESPACE
+    manifest = yaml.safe_load((REPO / "examples" / "cpu-small.yaml").read_text())
+    manifest["metadata"] = {"name": name, "namespace": ns}
+    manifest["spec"]["decode"]["nodeSelector"] = {"not a label key!": "x"}
+    env.kubectl("apply", "-f", "-", stdin=yaml.safe_dump(manifest))
+
+    def degraded() -> dict[str, Any] | None:
+        found = condition(env.pool(ns, name), "Degraded")
+        return found if found.get("status") == "True" else None
+
+    found = wait_for("Degraded", degraded, DEADLINE_S)
+    assert found["reason"] == "ApplyFailed"
+    assert "StatefulSet refused-decode" in found["message"] and "422" in found["message"]
+    assert env.operator.is_running()
+    # Fixing the spec recovers the pool.
+    env.patch_pool(ns, name, {"spec": {"decode": {"nodeSelector": None}}})
+    wait_for("Ready after the fix", lambda: ready_at(env, ns, name), DEADLINE_S)
+    env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
+    wait_for("nothing left", lambda: not env.children(ns, name), DEADLINE_S)
+
+
+def test_helm_install_of_the_chart_creates_every_object(env: Env, helm_binary: Path) -> None:
+    release = "kvrail-helm"  # its own namespace and release, beside the operator under test
+    done = subprocess.run(
+        [str(helm_binary), "install", release, str(REPO / "charts" / "kvrail"),
+         "--namespace", release, "--create-namespace", "--kubeconfig",
+         str(env.plane.kubeconfig(ADMIN)), "--set", "etcd.persistence.enabled=false",
+         "--set", "nats.persistence.enabled=false", "--timeout", "90s"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "kubectl get kvpool" in done.stdout  # NOTES
+    apps = client.AppsV1Api(env.admin)
+    assert apps.read_namespaced_deployment(f"{release}-operator", release)
+    for name in (f"{release}-etcd", f"{release}-nats"):
+        assert apps.read_namespaced_stateful_set(name, release).spec.replicas == 1
+    # The post-install Job that enables etcd authentication ran (KWOK completes its pod).
+    jobs = client.BatchV1Api(env.admin).list_namespaced_job(release).items
+    assert not [j.metadata.name for j in jobs if not j.status.succeeded]
+    secret = client.CoreV1Api(env.admin).read_namespaced_secret(
+        f"{release}-etcd-credentials", release
+    )
+    assert set(secret.data) == {"username", "password"}
+    uninstall = subprocess.run(
+        [str(helm_binary), "uninstall", release, "--namespace", release, "--kubeconfig",
+         str(env.plane.kubeconfig(ADMIN)), "--timeout", "60s"],
+        capture_output=True, text=True, timeout=90, check=False,
+    )  # fmt: skip
+    assert uninstall.returncode == 0, uninstall.stderr
