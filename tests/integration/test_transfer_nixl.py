@@ -1,0 +1,150 @@
+"""KV block transfer with real NIXL (UCX, DRAM), between two processes as in production."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import pytest
+import torch
+
+from kvrail.errors import TransferError
+from kvrail.messages import PrefillDone
+from kvrail.worker.transfer.connector import BlockRegion, coalesce
+from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, block_checksums, validate
+from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.testing import recv, start_decode_peer
+
+NUM_BLOCKS, BLOCK_ELEMS = 64, 4096  # 64 blocks of 16 KiB (float32)
+
+
+@pytest.fixture
+def decode_peer() -> Iterator[Connection]:
+    conn, proc = start_decode_peer("decode-0-1", NUM_BLOCKS, BLOCK_ELEMS)
+    yield conn
+    with contextlib.suppress(OSError):
+        conn.send("bye")
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_blocks_written_to_another_process_arrive_intact_with_one_notification(
+    decode_peer: Connection,
+) -> None:
+    src = torch.randn(NUM_BLOCKS, BLOCK_ELEMS, generator=torch.Generator().manual_seed(0))
+    region = BlockRegion(src, NUM_BLOCKS)
+    prefill = NixlConnector("prefill-0-7", region)
+    try:
+        peer = prefill.add_peer(recv(decode_peer))  # type: ignore[arg-type]
+        assert peer == "decode-0-1"
+        decode_peer.send(prefill.metadata())
+        src_ids, dst_ids = [3, 4, 5, 10, 2], [20, 21, 22, 40, 63]
+        stats = prefill.write(peer, src_ids, dst_ids, b"req-1", time.monotonic() + 30)
+        assert stats.num_bytes == 5 * region.block_bytes and stats.transport == "nixl-ucx"
+        time.sleep(0.5)  # let the notification arrive before asking (the poll loop has a deadline)
+        decode_peer.send(dst_ids)
+        notes, landed_sums, landed = recv(decode_peer)  # type: ignore[misc]
+        assert notes == [("prefill-0-7", b"req-1")]
+        assert torch.equal(landed, src[src_ids])
+        assert landed_sums == block_checksums(region, src_ids)
+    finally:
+        prefill.close()
+
+
+def test_bad_block_ids_and_unknown_peers_fail_before_anything_moves(
+    decode_peer: Connection,
+) -> None:
+    region = BlockRegion(torch.ones(NUM_BLOCKS, BLOCK_ELEMS), NUM_BLOCKS)
+    prefill = NixlConnector("prefill-0-8", region)
+    try:
+        peer = prefill.add_peer(recv(decode_peer))  # type: ignore[arg-type]
+        decode_peer.send(prefill.metadata())
+        deadline = time.monotonic() + 30
+        for src_ids, dst_ids, message in (
+            ([0], [NUM_BLOCKS], "destination block"),
+            ([-1], [0], "source block"),
+            ([0, 1], [5, 5], "repeat"),
+            ([], [], "at least one"),
+        ):
+            with pytest.raises(TransferError, match=message):
+                prefill.write(peer, src_ids, dst_ids, b"x", deadline)
+        with pytest.raises(TransferError, match="unknown or removed"):
+            prefill.write("decode-0-0", [0], [0], b"x", deadline)  # a stale incarnation
+        prefill.remove_peer(peer)
+        with pytest.raises(TransferError, match="unknown or removed"):
+            prefill.write(peer, [0], [0], b"x", deadline)
+        decode_peer.send([0])
+        notes, _, landed = recv(decode_peer)  # type: ignore[misc]
+        assert notes == []  # nothing was sent, so nothing was notified
+        assert not landed.any()  # and nothing landed
+    finally:
+        prefill.close()
+
+
+def test_a_peer_with_another_block_size_is_refused() -> None:
+    a = NixlConnector("a-1", BlockRegion(torch.zeros(8, 1024), 8))
+    b = NixlConnector("b-1", BlockRegion(torch.zeros(8, 2048), 8))
+    try:
+        with pytest.raises(TransferError, match="byte DRAM blocks"):
+            a.add_peer(b.metadata())
+        with pytest.raises(TransferError, match="malformed"):
+            a.add_peer(b"\x01")
+    finally:
+        a.close()
+        b.close()
+
+
+def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:
+    assert coalesce([1, 2, 3, 7, 8], [10, 11, 12, 13, 14]) == [(1, 10, 3), (7, 13, 2)]
+    assert coalesce([], []) == []
+    with pytest.raises(ValueError, match="destination"):
+        coalesce([1], [])
+
+
+def _done(**kw: Any) -> PrefillDone:
+    base: dict[str, Any] = dict(
+        request_id="r", fingerprint="f", dest_incarnation=2, block_ids=(1, 2),
+        first_token_id=9, num_prompt_tokens=32, prefill_worker_id="p", prefill_incarnation=1,
+    )  # fmt: skip
+    base.update(kw)
+    return PrefillDone(**base)
+
+
+RES = Reservation("r", "f", 2, (1, 2), 32, deadline_unix_s=100.0)
+
+
+@pytest.mark.parametrize(
+    "done,reason",
+    [
+        (_done(request_id="other"), "wrong_request"),
+        (_done(error="boom"), "prefill_failed"),
+        (_done(fingerprint="g"), "fingerprint"),
+        (_done(dest_incarnation=1), "stale_incarnation"),
+        (_done(block_ids=(1, 3)), "blocks"),
+        (_done(num_prompt_tokens=31), "tokens"),
+    ],
+)
+def test_a_completion_that_does_not_match_its_reservation_is_refused(
+    done: PrefillDone, reason: str
+) -> None:
+    with pytest.raises(EnvelopeError) as err:
+        validate(done, RES, now_unix_s=50.0)
+    assert err.value.reason == reason
+    validate(_done(), RES, now_unix_s=50.0)
+    with pytest.raises(EnvelopeError, match="deadline"):
+        validate(_done(), RES, now_unix_s=101.0)
+
+
+def test_a_corrupted_block_is_caught_by_its_checksum() -> None:
+    region = BlockRegion(torch.randn(4, 256), 4)
+    sums = block_checksums(region, [1, 2])
+    validate(_done(block_checksums=sums), RES, 50.0, region)
+    region.tensor[2, 17] += 1.0
+    with pytest.raises(EnvelopeError, match="1 of 2 blocks differ"):
+        validate(_done(block_checksums=sums), RES, 50.0, region)
+    with pytest.raises(EnvelopeError, match="no checksum"):
+        validate(_done(), RES, 50.0, region)

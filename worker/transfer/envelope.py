@@ -1,0 +1,82 @@
+"""The handoff envelope: what the decode worker checks before a sequence may run.
+
+Wrong text with HTTP 200 after a bad or stale transfer is the failure users of other systems
+report most; here nothing becomes runnable until the completion matches the reservation exactly:
+the request, the fingerprint, the decode worker's incarnation, the very blocks reserved, the
+prompt length, and (when asked for; always in tests) a checksum of every block's bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrail.errors import TransferError
+from kvrail.messages import PrefillDone
+from kvrail.worker.transfer.connector import BlockRegion
+
+
+class EnvelopeError(TransferError):
+    """A completion did not match its reservation; `reason` is a metric-safe code."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """What the decode worker reserved for one remote prefill."""
+
+    request_id: str
+    fingerprint: str
+    incarnation: int
+    block_ids: tuple[int, ...]
+    num_prompt_tokens: int
+    deadline_unix_s: float
+
+
+def block_checksums(region: BlockRegion, block_ids: Sequence[int]) -> tuple[str, ...]:
+    """8-byte BLAKE2b of each block's bytes, in order (copied to host memory for a GPU region)."""
+    out = []
+    for block_id in block_ids:
+        raw = region.block_bytes_view(block_id)
+        data = raw.cpu().numpy() if raw.is_cuda else raw.numpy()
+        out.append(hashlib.blake2b(data, digest_size=8).hexdigest())
+    return tuple(out)
+
+
+def validate(
+    done: PrefillDone,
+    reservation: Reservation,
+    now_unix_s: float,
+    region: BlockRegion | None = None,
+) -> None:
+    """Raise EnvelopeError unless `done` completes `reservation`. Pass `region` to verify the
+    checksums the prefill worker sent against the bytes that landed; a completion without
+    checksums is refused then."""
+    r = reservation
+    if done.request_id != r.request_id:
+        raise EnvelopeError("wrong_request", "completion is for another request")
+    if done.error is not None:
+        raise EnvelopeError("prefill_failed", "the prefill worker reported a failure")
+    if now_unix_s > r.deadline_unix_s:
+        raise EnvelopeError("deadline", "completion arrived after the request's deadline")
+    if done.fingerprint != r.fingerprint:
+        raise EnvelopeError("fingerprint", "prefill worker runs a different model layout")
+    if done.dest_incarnation != r.incarnation:
+        raise EnvelopeError("stale_incarnation", "completion addressed to an older incarnation")
+    if done.block_ids != r.block_ids:
+        raise EnvelopeError("blocks", "written blocks differ from the reserved blocks")
+    if done.num_prompt_tokens != r.num_prompt_tokens:
+        raise EnvelopeError("tokens", "prefill covered a different number of prompt tokens")
+    if region is None:
+        return
+    if len(done.block_checksums) != len(r.block_ids):
+        raise EnvelopeError("checksum", "completion carries no checksum for every block")
+    landed = block_checksums(region, r.block_ids)
+    bad = [b for b, want, got in zip(r.block_ids, done.block_checksums, landed, strict=True)
+           if want != got]  # fmt: skip
+    if bad:
+        raise EnvelopeError("checksum", f"{len(bad)} of {len(r.block_ids)} blocks differ")

@@ -1,0 +1,163 @@
+"""NIXL transport: one agent per worker, the whole KV region registered once.
+
+Agent names carry the worker's incarnation (`<worker_id>-<incarnation>`), so a restarted peer is
+a different agent and a write can never land in the memory of the process it replaced. Writes are
+NIXL WRITE operations over UCX with the completion notification attached; on CPU UCX moves DRAM to
+DRAM (shared memory or CMA between processes), across nodes over RDMA when the fabric has it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrail.errors import TransferError
+from kvrail.worker.transfer.connector import BlockRegion, TransferStats, coalesce
+
+log = logging.getLogger(__name__)
+
+
+def _nixl():  # type: ignore[no-untyped-def]
+    """The NIXL module: the `nixl` meta package where installed, else the CUDA 12 wheel."""
+    try:
+        import nixl._api as api  # type: ignore[import-not-found]
+    except ImportError:
+        import nixl_cu12._api as api  # type: ignore[import-not-found,no-redef]
+    return api
+
+
+@dataclass(frozen=True, slots=True)
+class _Peer:
+    base_address: int
+    num_blocks: int
+    device_id: int
+
+
+def _frame(header: dict[str, object], agent_metadata: bytes) -> bytes:
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return struct.pack("<I", len(head)) + head + agent_metadata
+
+
+def _unframe(blob: bytes) -> tuple[dict[str, object], bytes]:
+    try:
+        (n,) = struct.unpack_from("<I", blob)
+        header = json.loads(blob[4 : 4 + n])
+    except (struct.error, ValueError) as err:
+        raise TransferError("peer metadata is malformed") from err
+    if not isinstance(header, dict):
+        raise TransferError("peer metadata is malformed")
+    return header, blob[4 + n :]
+
+
+class NixlConnector:
+    """A `Connector` over NIXL."""
+
+    transport = "nixl-ucx"
+
+    def __init__(self, agent_name: str, region: BlockRegion) -> None:
+        api = _nixl()
+        self.agent_name = agent_name
+        self.region = region
+        self._agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
+        self._reg = self._agent.register_memory(region.tensor)
+        self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
+        self._peers: dict[str, _Peer] = {}
+
+    def metadata(self) -> bytes:
+        """NIXL agent metadata framed with the region's address and geometry."""
+        header = {
+            "agent": self.agent_name, "base": self.region.base_address,
+            "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
+            "mem": self._mem, "device": self.region.device_id,
+        }  # fmt: skip
+        return _frame(header, bytes(self._agent.get_agent_metadata()))
+
+    def add_peer(self, metadata: bytes) -> str:
+        """Load a peer from its `metadata()`; returns its agent name. Refuses a peer whose
+        blocks differ in size or memory kind (it cannot share our fingerprint)."""
+        header, agent_metadata = _unframe(metadata)
+        try:
+            name, base = str(header["agent"]), int(header["base"])  # type: ignore[call-overload]
+            num_blocks = int(header["num_blocks"])  # type: ignore[call-overload]
+            block_bytes = int(header["block_bytes"])  # type: ignore[call-overload]
+            device = int(header["device"])  # type: ignore[call-overload]
+        except (KeyError, TypeError, ValueError) as err:
+            raise TransferError("peer metadata lacks the region description") from err
+        if block_bytes != self.region.block_bytes or header.get("mem") != self._mem:
+            raise TransferError(
+                f"peer {name} has {block_bytes}-byte {header.get('mem')} blocks, we have "
+                f"{self.region.block_bytes}-byte {self._mem} blocks"
+            )
+        loaded = self._agent.add_remote_agent(agent_metadata)
+        loaded_name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+        if loaded_name != name:
+            self._agent.remove_remote_agent(loaded_name)
+            raise TransferError(f"peer metadata names agent {loaded_name}, header says {name}")
+        self._peers[name] = _Peer(base, num_blocks, device)
+        log.info("nixl peer added agent=%s peer=%s blocks=%d", self.agent_name, name, num_blocks)
+        return name
+
+    def remove_peer(self, agent_name: str) -> None:
+        if self._peers.pop(agent_name, None) is not None:
+            self._agent.remove_remote_agent(agent_name)
+            log.info("nixl peer removed agent=%s peer=%s", self.agent_name, agent_name)
+
+    def write(
+        self,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        notification: bytes,
+        deadline_s: float,
+    ) -> TransferStats:
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"unknown or removed peer {peer}")
+        _check_ids(src_block_ids, self.region.num_blocks, "source")
+        _check_ids(dst_block_ids, remote.num_blocks, "destination")
+        runs = coalesce(src_block_ids, dst_block_ids)
+        size = self.region.block_bytes
+        base, dev = self.region.base_address, self.region.device_id
+        src = [(base + s * size, n * size, dev) for s, _, n in runs]
+        dst = [(remote.base_address + d * size, n * size, remote.device_id) for _, d, n in runs]
+        src_descs = self._agent.get_xfer_descs(src, self._mem)
+        dst_descs = self._agent.get_xfer_descs(dst, self._mem)
+        started = time.perf_counter()
+        handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notification)
+        try:
+            state = self._agent.transfer(handle)
+            while state not in ("DONE", "ERR"):
+                if time.monotonic() > deadline_s:
+                    raise TransferError(f"transfer to {peer} passed its deadline")
+                state = self._agent.check_xfer_state(handle)
+            if state == "ERR":
+                raise TransferError(f"transfer to {peer} failed")
+        finally:
+            self._agent.release_xfer_handle(handle)
+        seconds = time.perf_counter() - started
+        return TransferStats(len(src_block_ids) * size, seconds, self.transport)
+
+    def notifications(self) -> list[tuple[str, bytes]]:
+        out: list[tuple[str, bytes]] = []
+        for peer, payloads in self._agent.get_new_notifs().items():
+            out.extend((peer, bytes(p)) for p in payloads)
+        return out
+
+    def close(self) -> None:
+        for peer in list(self._peers):
+            self.remove_peer(peer)
+        self._agent.deregister_memory(self._reg)
+
+
+def _check_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> None:
+    if not block_ids:
+        raise TransferError("a transfer needs at least one block")
+    for b in block_ids:
+        if not 0 <= b < num_blocks:
+            raise TransferError(f"{side} block {b} outside [0, {num_blocks})")
+    if len(set(block_ids)) != len(block_ids):
+        raise TransferError(f"{side} block ids repeat")
