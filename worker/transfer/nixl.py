@@ -4,19 +4,29 @@ Agent names carry the worker's incarnation (`<worker_id>-<incarnation>`), so a r
 a different agent and a write can never land in the memory of the process it replaced. Writes are
 NIXL WRITE operations over UCX with the completion notification attached; on CPU UCX moves DRAM to
 DRAM (shared memory or CMA between processes), across nodes over RDMA when the fabric has it.
+
+Between two GPU processes on one node the data goes over CUDA IPC instead (`cuda_ipc.py`: the
+peer's region is mapped once and blocks are copied device to device), and only the completion
+notification uses NIXL. Which path a peer gets is decided when it is added and reported by
+`transport_to(peer)` and in every `TransferStats`; a failed IPC mapping falls back to NIXL with a
+warning, never silently.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvrail.errors import TransferError
 from kvrail.worker.transfer.connector import BlockRegion, TransferStats, coalesce
+from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +40,12 @@ def _nixl():  # type: ignore[no-untyped-def]
     return api
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class _Peer:
     base_address: int
     num_blocks: int
     device_id: int
+    ipc: ImportedRegion | None = None
 
 
 def _frame(header: dict[str, object], agent_metadata: bytes) -> bytes:
@@ -58,8 +69,9 @@ class NixlConnector:
 
     transport = "nixl-ucx"
 
-    def __init__(self, agent_name: str, region: BlockRegion) -> None:
+    def __init__(self, agent_name: str, region: BlockRegion, *, prefer_ipc: bool = True) -> None:
         api = _nixl()
+        self.prefer_ipc = prefer_ipc
         self.agent_name = agent_name
         self.region = region
         self._agent = api.nixl_agent(agent_name, api.nixl_agent_config(backends=["UCX"]))
@@ -72,9 +84,17 @@ class NixlConnector:
         header = {
             "agent": self.agent_name, "base": self.region.base_address,
             "num_blocks": self.region.num_blocks, "block_bytes": self.region.block_bytes,
-            "mem": self._mem, "device": self.region.device_id,
+            "mem": self._mem, "device": self.region.device_id, "host": socket.gethostname(),
         }  # fmt: skip
+        if self.region.tensor.is_cuda:
+            header["ipc"] = export_region(self.region.tensor).hex()
         return _frame(header, bytes(self._agent.get_agent_metadata()))
+
+    def transport_to(self, peer: str) -> str:
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"unknown or removed peer {peer}")
+        return "cuda-ipc" if remote.ipc is not None else self.transport
 
     def add_peer(self, metadata: bytes) -> str:
         """Load a peer from its `metadata()`; returns its agent name. Refuses a peer whose
@@ -97,12 +117,30 @@ class NixlConnector:
         if loaded_name != name:
             self._agent.remove_remote_agent(loaded_name)
             raise TransferError(f"peer metadata names agent {loaded_name}, header says {name}")
-        self._peers[name] = _Peer(base, num_blocks, device)
-        log.info("nixl peer added agent=%s peer=%s blocks=%d", self.agent_name, name, num_blocks)
+        self._peers[name] = _Peer(base, num_blocks, device, self._open_ipc(name, header))
+        log.info(
+            "peer added agent=%s peer=%s blocks=%d transport=%s",
+            self.agent_name, name, num_blocks, self.transport_to(name),
+        )  # fmt: skip
         return name
 
+    def _open_ipc(self, name: str, header: dict[str, object]) -> ImportedRegion | None:
+        ipc = header.get("ipc")
+        if not (self.prefer_ipc and self.region.tensor.is_cuda and isinstance(ipc, str)):
+            return None
+        if header.get("host") != socket.gethostname():
+            return None
+        try:
+            return ImportedRegion(bytes.fromhex(ipc), self.region.tensor.device)
+        except (TransferError, ValueError, RuntimeError) as err:
+            log.warning("CUDA IPC unavailable, using NIXL peer=%s error=%s", name, err)
+            return None
+
     def remove_peer(self, agent_name: str) -> None:
-        if self._peers.pop(agent_name, None) is not None:
+        remote = self._peers.pop(agent_name, None)
+        if remote is not None:
+            if remote.ipc is not None:
+                remote.ipc.close()
             self._agent.remove_remote_agent(agent_name)
             log.info("nixl peer removed agent=%s peer=%s", self.agent_name, agent_name)
 
@@ -120,6 +158,8 @@ class NixlConnector:
         _check_ids(src_block_ids, self.region.num_blocks, "source")
         _check_ids(dst_block_ids, remote.num_blocks, "destination")
         runs = coalesce(src_block_ids, dst_block_ids)
+        if remote.ipc is not None:
+            return self._write_ipc(peer, remote.ipc, runs, notification)
         size = self.region.block_bytes
         base, dev = self.region.base_address, self.region.device_id
         src = [(base + s * size, n * size, dev) for s, _, n in runs]
@@ -140,6 +180,19 @@ class NixlConnector:
             self._agent.release_xfer_handle(handle)
         seconds = time.perf_counter() - started
         return TransferStats(len(src_block_ids) * size, seconds, self.transport)
+
+    def _write_ipc(
+        self, peer: str, ipc: ImportedRegion, runs: list[tuple[int, int, int]], note: bytes
+    ) -> TransferStats:
+        size = self.region.block_bytes
+        src = self.region.tensor.view(-1).view(torch.uint8)
+        started = time.perf_counter()
+        for s, d, n in runs:
+            ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
+        torch.cuda.current_stream(self.region.tensor.device).synchronize()
+        self._agent.send_notif(peer, note)
+        seconds = time.perf_counter() - started
+        return TransferStats(sum(n for _, _, n in runs) * size, seconds, "cuda-ipc")
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
