@@ -1,0 +1,228 @@
+"""kvrail engine vs transformers on a Llama-3-8B-shaped model (random weights, bf16, one GPU).
+
+Both use the same random weights (transformers initialises them, kvrail loads its state dict).
+
+1. correctness: greedy tokens of kvrail vs transformers `generate` for a few prompts, 64 tokens
+   each; prints where bf16 first diverges (if it does) for eager and CUDA-graph decode;
+2. batch-1 decode tokens/s (prompt 128, 256 new tokens), decode phase only for kvrail;
+3. 32 concurrent requests of 512 prompt / 128 output tokens: output tokens/s, wall clock;
+4. 256 concurrent requests of 512 / 128 (kvrail only; transformers shown for 32);
+5. prefill of 8,192 tokens: seconds to the first token.
+
+Targets (issue 3): (2) >= 200 tok/s, (3) >= 4,000 tok/s, (4) >= 10,000 tok/s, (5) <= 0.27 s;
+bandwidth ceiling at batch 1 about 265 tok/s (16 GB of weights at 4.27 TB/s).
+
+Run on the H200:
+  .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
+Flags: --skip-transformers, --skip-correctness, --kv-gib (KV pool size), --no-cuda-graphs,
+--smoke (a tiny config on CPU with short runs: checks this script end to end without a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+
+LLAMA3_8B: dict[str, Any] = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192 + 1024,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+
+
+DEVICE = "cuda"
+SMOKE: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    sync()
+    started = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - started
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    high = 120000 if DEVICE == "cuda" else SMOKE["vocab_size"]
+    return torch.randint(3, high, (n, length), generator=g).tolist()
+
+
+def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides: Any) -> Any:
+    from kvrail.worker.engine.config import EngineConfig
+    from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
+    from kvrail.worker.engine.kv_cache import KVCache
+    from kvrail.worker.models.llama import LlamaForCausalLM
+
+    dtype = next(hf.parameters()).dtype
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(DEVICE):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model.load_weights(hf.state_dict())
+    shape = model.shape
+    num_blocks = KVCache.num_blocks_for_bytes(
+        int(kv_gib * 2**30),
+        shape.num_layers,
+        16,
+        shape.num_kv_heads,
+        shape.head_dim,
+        dtype,
+    )
+    values: dict[str, Any] = {
+        "num_blocks": num_blocks,
+        "max_model_len": 8192 + 1024,
+        "block_size": 16,
+        "max_num_batched_tokens": 8192,
+        "max_num_seqs": 256,
+        "enable_cuda_graphs": graphs,
+    }
+    values.update(overrides)
+    engine_config = EngineConfig(**values)
+    fingerprint = make_fingerprint(model, engine_config, "random-llama3-8b", "none")
+    return LLMEngine(model, engine_config, fingerprint, eos_token_id=None)
+
+
+def first_divergence(a: list[int], b: list[int]) -> str:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return f"token {i}"
+    return "none" if len(a) == len(b) else f"length {min(len(a), len(b))}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--skip-correctness", action="store_true")
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--kv-gib", type=float, default=40.0)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
+        LLAMA3_8B.update(SMOKE)
+        args.kv_gib = 0.05
+        args.no_cuda_graphs = True
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    from kvrail.worker.engine.request import SamplingParams
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA3_8B)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    with torch.device(DEVICE):
+        hf: Any = HFLlama(config)
+        hf.eval()
+    torch.set_default_dtype(previous)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
+    print(f"# {name}, torch {torch.__version__}")
+    greedy = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
+
+    def hf_generate(batch: list[list[int]], new: int) -> Any:
+        with torch.inference_mode():
+            ids = torch.tensor(batch, device=DEVICE)
+            return hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **greedy)
+
+    engine = build_engine(hf, config, args.kv_gib, graphs=not args.no_cuda_graphs)
+    engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+
+    if not args.skip_correctness:
+        eager = build_engine(hf, config, 8.0, graphs=False)
+        for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
+            expected = hf_generate([prompt], 64)[0, len(prompt) :].tolist()
+            params = SamplingParams(max_tokens=64, ignore_eos=True)
+            ours = engine.generate([prompt], params)[0]
+            ours_eager = eager.generate([prompt], params)[0]
+            print(
+                f"correctness prompt={i} len={len(prompt)} first divergence vs transformers: "
+                f"graphs={first_divergence(ours, expected)} "
+                f"eager={first_divergence(ours_eager, expected)} "
+                f"graphs-vs-eager={first_divergence(ours, ours_eager)}"
+            )
+        del eager
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    print("benchmark                     impl          value")
+    # 2. batch-1 decode: time per decode step after the first token.
+    prompt = prompts(1, 128, 2)[0]
+    request = engine.add_request("b1", prompt, SamplingParams(max_tokens=257, ignore_eos=True))
+    engine.step()  # prefill -> first token
+    _, seconds = timed(lambda: [engine.step() for _ in range(256)])
+    assert request.num_output_tokens == 257 and not engine.has_unfinished_requests()
+    print(f"batch-1 decode tok/s          kvrail        {256 / seconds:10.1f}")
+    if not args.skip_transformers:
+        hf_generate([prompt], 8)
+        _, hf_s = timed(lambda: hf_generate([prompt], 257))
+        _, hf_prefill = timed(lambda: hf_generate([prompt], 1))
+        print(f"batch-1 decode tok/s          transformers  {256 / (hf_s - hf_prefill):10.1f}")
+
+    # 3./4. concurrent requests, 512 prompt / 128 output tokens, wall clock incl. prefill.
+    for n in (32, 256) if DEVICE == "cuda" else (4, 8):
+        batch = prompts(n, 512, 3 + n)
+        params = SamplingParams(max_tokens=128, ignore_eos=True)
+        _, seconds = timed(partial(engine.generate, batch, params))
+        print(f"{n:3d} x 512/128 output tok/s    kvrail        {n * 128 / seconds:10.1f}")
+        if n == 32 and not args.skip_transformers:
+            _, hf_s = timed(partial(hf_generate, batch, 128))
+            print(f"{n:3d} x 512/128 output tok/s    transformers  {n * 128 / hf_s:10.1f}")
+
+    # 5. prefill of 8,192 tokens to the first token.
+    long_prompt = prompts(1, 8192 if DEVICE == "cuda" else 600, 4)[0]
+    warm = prompts(1, 1024, 5)[0]  # not a prefix of long_prompt: no prefix-cache hit
+    engine.generate([warm], SamplingParams(max_tokens=1))
+    _, seconds = timed(lambda: engine.generate([long_prompt], SamplingParams(max_tokens=1)))
+    print(f"prefill 8192 tokens seconds   kvrail        {seconds:10.3f}")
+    if not args.skip_transformers:
+        with torch.inference_mode():
+            ids = torch.tensor([long_prompt], device=DEVICE)
+            hf(ids[:, :1024], logits_to_keep=1)
+            _, hf_s = timed(lambda: hf(ids, logits_to_keep=1))
+        print(f"prefill 8192 tokens seconds   transformers  {hf_s:10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

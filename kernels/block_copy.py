@@ -1,0 +1,62 @@
+"""Triton kernels: pack blocks of the KV region into a contiguous buffer and unpack them back.
+
+Same contract as `kvrail.kernels.reference.gather_blocks` / `scatter_blocks`. The cache must be
+contiguous ([num_blocks, ...], one block = one contiguous range); the buffer is [n, ...].
+Grid: (blocks, chunks of one block).
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_CHUNK = 1024
+
+
+@triton.jit
+def _copy_blocks_kernel(
+    src, dst, block_ids, block_numel, GATHER: tl.constexpr, CHUNK: tl.constexpr
+):
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    bid = tl.load(block_ids + i).to(tl.int64)
+    if GATHER:
+        src_base = bid * block_numel
+        dst_base = i.to(tl.int64) * block_numel
+    else:
+        src_base = i.to(tl.int64) * block_numel
+        dst_base = bid * block_numel
+    values = tl.load(src + src_base + offs, mask=mask)
+    tl.store(dst + dst_base + offs, values.to(dst.dtype.element_ty), mask=mask)
+
+
+def _check(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> int:
+    if not kv_cache.is_contiguous():
+        raise ValueError("the KV region must be contiguous")
+    if block_ids.dim() != 1:
+        raise ValueError(f"block_ids must be 1-D, got {tuple(block_ids.shape)}")
+    return kv_cache[0].numel()
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    block_numel = _check(kv_cache, block_ids)
+    out = kv_cache.new_empty((block_ids.shape[0], *kv_cache.shape[1:]))
+    if block_ids.numel():
+        grid = (block_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_blocks_kernel[grid](kv_cache, out, block_ids, block_numel, GATHER=True, CHUNK=_CHUNK)
+    return out
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    block_numel = _check(kv_cache, block_ids)
+    if buffer.shape != (block_ids.shape[0], *kv_cache.shape[1:]) or not buffer.is_contiguous():
+        raise ValueError(f"buffer {tuple(buffer.shape)} is not a contiguous [n, *block] tensor")
+    if block_ids.numel():
+        grid = (block_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_blocks_kernel[grid](
+            buffer, kv_cache, block_ids, block_numel, GATHER=False, CHUNK=_CHUNK
+        )

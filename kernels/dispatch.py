@@ -1,0 +1,75 @@
+"""Pick the implementation by device: Triton kernels for CUDA tensors, torch references otherwise.
+
+Triton modules are imported only on first CUDA use, so CPU processes never initialise Triton (and
+tests can choose TRITON_INTERPRET before the kernels are defined). Signatures are the references'.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from kvrail.kernels import reference
+
+
+def _triton(name: str) -> ModuleType:
+    import importlib
+
+    return importlib.import_module(f"kvrail.kernels.{name}")
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if key.is_cuda:
+        _triton("kv_write").write_kv(key, value, k_cache, v_cache, slot_mapping)
+    else:
+        reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    impl = _triton("decode_attention") if query.is_cuda else reference
+    out: torch.Tensor = impl.paged_decode_attention(
+        query, k_cache, v_cache, block_tables, seq_lens, scale
+    )
+    return out
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    impl = _triton("prefill_attention") if query.is_cuda else reference
+    out: torch.Tensor = impl.paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+    )
+    return out
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    impl = _triton("block_copy") if kv_cache.is_cuda else reference
+    out: torch.Tensor = impl.gather_blocks(kv_cache, block_ids)
+    return out
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    impl = _triton("block_copy") if kv_cache.is_cuda else reference
+    impl.scatter_blocks(buffer, kv_cache, block_ids)

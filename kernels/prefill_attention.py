@@ -1,0 +1,171 @@
+"""Triton kernel: causal prefill attention of packed query chunks over a paged context.
+
+Same contract as `kvrail.kernels.reference.paged_prefill_attention` (the context already holds the
+queries' own KV, so a chunk after a cached prefix or after earlier chunks is the same case). One
+program per (BLOCK_M-query tile, sequence, query head), online softmax in float32, key tiles only
+up to the tile's last position.
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrail.kernels.decode_attention import check_paged_inputs
+
+
+@triton.jit
+def _prefill_kernel(
+    query,
+    k_cache,
+    v_cache,
+    block_tables,
+    query_start_loc,
+    seq_lens,
+    out,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_bt,
+    block_size,
+    group,
+    head_dim,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    s = tl.program_id(1)
+    hq = tl.program_id(2)
+    kvh = hq // group
+    q_start = tl.load(query_start_loc + s)
+    q_len = tl.load(query_start_loc + s + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens + s)
+    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < q_len
+    pos = seq_len - q_len + m
+    d = tl.arange(0, D_PAD)
+    d_mask = d < head_dim
+    rows = (q_start + m).to(tl.int64)
+    q_mask = m_mask[:, None] & d_mask[None, :]
+    q = tl.load(
+        query + rows[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=q_mask, other=0.0
+    )
+    q = q.to(k_cache.dtype.element_ty)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables + s.to(tl.int64) * stride_bt
+    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+    for start in range(0, end, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < seq_len
+        phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
+        within = (n % block_size).to(tl.int64)
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache
+            + phys[:, None] * stride_kb
+            + within[:, None] * stride_ks
+            + kvh * stride_kh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        visible = n_mask[None, :] & (n[None, :] <= pos[:, None])
+        scores = tl.where(visible, scores * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        p = tl.exp(scores - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_cache
+            + phys[:, None] * stride_vb
+            + within[:, None] * stride_vs
+            + kvh * stride_vh
+            + d[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    result = acc / l_i[:, None]
+    tl.store(
+        out + rows[:, None] * stride_ot + hq * stride_oh + d[None, :],
+        result.to(out.dtype.element_ty),
+        mask=q_mask,
+    )
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """`max_query_len` sizes the grid; computed from query_start_loc (a host sync) if None."""
+    num_seqs = seq_lens.shape[0]
+    group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc {tuple(query_start_loc.shape)} is not [{num_seqs + 1}]")
+    out = torch.empty_like(query)
+    if num_seqs == 0 or query.shape[0] == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    block_m = 64 if max_query_len >= 64 else 16
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, query.shape[1])
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        scale,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        k_cache.shape[1],
+        group,
+        head_dim,
+        BLOCK_M=block_m,
+        BLOCK_N=64 if head_dim <= 128 else 32,
+        D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        IEEE=k_cache.dtype == torch.float32,
+    )
+    return out

@@ -1,0 +1,119 @@
+"""Pure-torch references of every kernel: the CPU path and the oracle of the Triton tests.
+
+Shapes (T tokens, S sequences, Hq query heads, Hkv KV heads, D head dim, B blocks per table):
+- a per-layer cache `k_cache` / `v_cache` is [num_blocks, block_size, Hkv, D] with any strides
+  (the worker's views into its single KV region are not contiguous across blocks);
+- `slot_mapping` [T] int: slot = block_id * block_size + offset; a negative slot is skipped;
+- `block_tables` [S, B] int: block ids per sequence, padded with anything (0, the null block);
+- `seq_lens` [S] int: tokens of context per sequence, including the ones being computed;
+- `query_start_loc` [S + 1] int: cumulative query lengths (the prefill queries are packed).
+
+Attention is causal over positions: query i of a sequence with q_len queries and seq_len context
+sits at position seq_len - q_len + i and sees keys 0..that position. Grouped-query attention maps
+query head h to KV head h // (Hq // Hkv). Scores and softmax are computed in float32. No function
+here mutates its inputs except the destination cache of `write_kv` and `scatter_blocks`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store key/value [T, Hkv, D] into their slots of the paged caches."""
+    block_size = k_cache.shape[1]
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid].long()
+    blocks, offsets = slots // block_size, slots % block_size
+    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
+    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+
+
+def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    block_size = cache.shape[1]
+    num_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:num_blocks].long()]
+    return blocks.reshape(-1, *cache.shape[2:])[:seq_len]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [Q, Hq, D], k/v [L, Hkv, D], causal with the queries at the last Q positions."""
+    num_q, num_heads, head_dim = q.shape
+    seq_len, num_kv_heads, _ = k.shape
+    group = num_heads // num_kv_heads
+    qf = q.float().reshape(num_q, num_kv_heads, group, head_dim)
+    scores = torch.einsum("qhgd,khd->hgqk", qf, k.float()) * scale
+    q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device).unsqueeze(1)
+    k_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    out = torch.einsum("hgqk,khd->qhgd", probs, v.float())
+    return out.reshape(num_q, num_heads, head_dim).to(q.dtype)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence: query [S, Hq, D] -> [S, Hq, D]."""
+    num_seqs, num_heads, head_dim = query.shape
+    if num_seqs == 0:
+        return query.new_empty(query.shape)
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    keys = k_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    values = v_cache[tables].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len].float()
+    q = query.float().reshape(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.einsum("shgd,skhd->shgk", q, keys) * scale
+    positions = torch.arange(max_len, device=query.device)
+    mask = positions.unsqueeze(0) >= seq_lens.to(query.device).unsqueeze(1)
+    scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
+    out = torch.einsum("shgk,skhd->shgd", scores.softmax(dim=-1), values)
+    return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Packed queries [T, Hq, D] over each sequence's paged context (which already holds the
+    queries' own KV) -> [T, Hq, D]. `max_query_len` is a sizing hint the reference ignores."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        if end == start:
+            continue
+        k = _gather_context(k_cache, block_tables[i], seq_len)
+        v = _gather_context(v_cache, block_tables[i], seq_len)
+        out[start:end] = _attend(query[start:end], k, v, scale)
+    return out
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Pack the given blocks of a [num_blocks, ...] cache into a new contiguous [n, ...] buffer."""
+    return kv_cache[block_ids.long()].contiguous()
+
+
+def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
+    """Write a packed [n, ...] buffer back into the given blocks of the cache."""
+    kv_cache[block_ids.long()] = buffer.to(kv_cache.dtype)

@@ -1,0 +1,39 @@
+"""Test helper: the Triton kernel modules, interpreted on CPU when there is no CUDA.
+
+Triton picks its interpreter when a kernel is defined (TRITON_INTERPRET), so `load_kernels` sets
+the variable and reloads kernel modules that were defined compiled. Never used in production code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+
+import torch
+
+KERNEL_MODULES = ("kv_write", "decode_attention", "prefill_attention", "block_copy")
+
+
+def load_kernels() -> dict[str, ModuleType]:
+    """{name: module} for every kernel module; interpreted (CPU-capable) when CUDA is absent."""
+    has_cuda = torch.cuda.is_available()
+    if not has_cuda:
+        os.environ["TRITON_INTERPRET"] = "1"
+    modules = {}
+    for name in KERNEL_MODULES:
+        full = f"kvrail.kernels.{name}"
+        module = sys.modules.get(full)
+        if module is None:
+            module = importlib.import_module(full)
+        elif not has_cuda and not _is_interpreted(module):
+            module = importlib.reload(module)
+        modules[name] = module
+    return modules
+
+
+def _is_interpreted(module: ModuleType) -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return any(isinstance(v, InterpretedFunction) for v in vars(module).values())

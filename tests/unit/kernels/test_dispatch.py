@@ -1,0 +1,57 @@
+"""Dispatch without a GPU: CPU tensors take the torch references and never touch Triton; and the
+engine gives the same tokens when its attention runs through the (interpreted) Triton kernels."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvrail.kernels import dispatch, reference
+from kvrail.kernels.testing import load_kernels
+
+
+def test_cpu_tensors_use_the_reference_and_never_import_triton(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_triton(name: str) -> None:
+        raise AssertionError(f"CPU dispatch reached Triton module {name}")
+
+    monkeypatch.setattr(dispatch, "_triton", no_triton)
+    g = torch.Generator().manual_seed(0)
+    k_cache, v_cache = torch.randn(2, 6, 4, 2, 16, generator=g).unbind(0)
+    query = torch.randn(2, 4, 16, generator=g)
+    tables = torch.tensor([[1, 2], [3, 0]], dtype=torch.int32)
+    lens = torch.tensor([7, 3], dtype=torch.int32)
+    out = dispatch.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.25)
+    assert torch.equal(
+        out, reference.paged_decode_attention(query, k_cache, v_cache, tables, lens, 0.25)
+    )
+    dispatch.write_kv(query[:, :2], query[:, 2:], k_cache, v_cache, torch.tensor([0, 5]))
+    assert torch.equal(k_cache[0, 0], query[0, :2]) and torch.equal(v_cache[1, 1], query[1, 2:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
+def test_engine_tokens_are_identical_with_interpreted_triton_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
+
+    def run() -> list[list[int]]:
+        engine = make_engine(tiny_llama_config(), seed=3, max_num_batched_tokens=16)
+        prompts = [list(range(5, 30)), [7, 8, 9], list(range(40, 51))]
+        outputs = engine.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+        assert_engine_empty(engine)
+        return outputs
+
+    expected = run()
+    k = load_kernels()
+    triton_ops = SimpleNamespace(
+        write_kv=k["kv_write"].write_kv,
+        paged_decode_attention=k["decode_attention"].paged_decode_attention,
+        paged_prefill_attention=k["prefill_attention"].paged_prefill_attention,
+    )
+    monkeypatch.setattr(dispatch, "reference", triton_ops)
+    assert run() == expected

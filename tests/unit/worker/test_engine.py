@@ -1,0 +1,41 @@
+"""Engine API on a tiny random model: tenant isolation of the prefix cache, step outputs."""
+
+from __future__ import annotations
+
+from kvrail.worker.engine.engine import LLMEngine
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
+
+PROMPT = list(range(3, 24))  # 5 full 4-token blocks
+
+
+def _run(engine: LLMEngine, request_id: str, tenant: str) -> int:
+    request = engine.add_request(
+        request_id, PROMPT, SamplingParams(max_tokens=2), tenant_salt=tenant
+    )
+    while engine.has_unfinished_requests():
+        engine.step()
+    return int(request.num_cached_tokens)
+
+
+def test_tenants_never_share_cached_prefixes_but_a_tenant_reuses_its_own() -> None:
+    engine = make_engine(tiny_llama_config(), seed=1)
+    assert _run(engine, "a1", tenant="alpha") == 0
+    assert _run(engine, "b1", tenant="beta") == 0
+    assert _run(engine, "none", tenant="") == 0
+    assert _run(engine, "a2", tenant="alpha") == 20
+    assert _run(engine, "none2", tenant="") == 20
+    assert_engine_empty(engine)
+
+
+def test_step_reports_each_new_token_and_the_finish_reason() -> None:
+    engine = make_engine(tiny_llama_config(), seed=1)
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs.extend(engine.step())
+    assert [len(o.output_token_ids) for o in outputs] == [1, 2, 3]
+    assert [o.finished for o in outputs] == [False, False, True]
+    assert outputs[-1].finish_reason == "length"
+    assert engine.step() == []
+    assert_engine_empty(engine)

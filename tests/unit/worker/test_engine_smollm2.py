@@ -1,0 +1,115 @@
+"""The engine on the real SmolLM2-135M-Instruct equals transformers' greedy `generate`, token for
+token (float32, CPU): mixed-length batches, chunked prefill of a long prompt, prefix-cache hits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from kvrail.errors import InvalidRequestError
+from kvrail.worker.engine.engine import LLMEngine
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.testing import assert_engine_empty
+
+pytestmark = pytest.mark.slow
+
+SHORT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "def fibonacci(n):",
+    "Hi",
+]
+LONG_TEXT = " ".join(
+    f"Paragraph {i}: the river {['Loire', 'Danube', 'Nile', 'Amazon'][i % 4]} flows past "
+    f"{i * 7 % 13} villages, and its water level was {i * 3} centimetres in spring."
+    for i in range(24)
+)
+
+
+def _expected(hf: Any, prompt: list[int], max_tokens: int, eos: int) -> list[int]:
+    with torch.inference_mode():
+        out = hf.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def _engine(smollm2: Any, **overrides: Any) -> Any:
+    return LLMEngine.from_loaded(smollm2, **overrides)
+
+
+def test_mixed_length_batch_equals_transformers_greedy(smollm2: Any, smollm2_hf: Any) -> None:
+    tokenizer = smollm2.tokenizer
+    prompts = [tokenizer(p).input_ids for p in SHORT_PROMPTS]
+    engine = _engine(smollm2, num_blocks=128, block_size=16, max_num_batched_tokens=64)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output == _expected(smollm2_hf, prompt, 20, tokenizer.eos_token_id)
+    assert_engine_empty(engine)
+
+
+def test_chunked_prefill_of_a_long_prompt_and_a_prefix_hit_equal_transformers(
+    smollm2: Any, smollm2_hf: Any
+) -> None:
+    tokenizer = smollm2.tokenizer
+    long_prompt = tokenizer(LONG_TEXT + " Which river is mentioned first?").input_ids
+    assert len(long_prompt) > 400
+    engine = _engine(smollm2, num_blocks=160, block_size=16, max_num_batched_tokens=48)
+    first = engine.generate([long_prompt], SamplingParams(max_tokens=12))[0]
+    assert first == _expected(smollm2_hf, long_prompt, 12, tokenizer.eos_token_id)
+    # Same long prefix, different question: the prefix comes from the cache.
+    second_prompt = tokenizer(LONG_TEXT + " How many paragraphs are there?").input_ids
+    request = engine.add_request("prefix-hit", second_prompt, SamplingParams(max_tokens=12))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.num_cached_tokens >= 16 * ((len(long_prompt) - 20) // 16)
+    assert request.output_token_ids == _expected(
+        smollm2_hf, second_prompt, 12, tokenizer.eos_token_id
+    )
+    assert_engine_empty(engine)
+
+
+def test_stop_string_ends_generation_at_the_token_that_completes_it(smollm2: Any) -> None:
+    tokenizer = smollm2.tokenizer
+    engine = _engine(smollm2, num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    prompt = tokenizer("Count from one to ten in words: one, two,").input_ids
+    free_run = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    text = tokenizer.decode(free_run)
+    assert "four" in text, "the model counts; pick another stop word if this changes"
+    request = engine.add_request("stop", prompt, SamplingParams(max_tokens=12, stop=["four"]))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert request.stop_reason == "four"
+    assert "four" in tokenizer.decode(request.output_token_ids)
+    assert "four" not in tokenizer.decode(request.output_token_ids[:-1])
+    assert_engine_empty(engine)
+
+
+def test_bad_requests_raise_and_leave_the_engine_empty(smollm2: Any) -> None:
+    engine = _engine(smollm2, num_blocks=8, block_size=16, max_model_len=2048)
+    with pytest.raises(InvalidRequestError, match="model limit"):
+        engine.add_request("long", [1] * 2049, SamplingParams())
+    with pytest.raises(InvalidRequestError, match="KV pool"):
+        engine.add_request("huge", [1] * 200, SamplingParams(max_tokens=1))
+    assert_engine_empty(engine)
+
+
+def test_cancelled_request_frees_all_its_blocks_mid_generation(smollm2: Any) -> None:
+    engine = _engine(smollm2, num_blocks=64, block_size=16, max_num_batched_tokens=64)
+    prompt = smollm2.tokenizer(LONG_TEXT[:300]).input_ids
+    engine.add_request("cancel-me", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request("keep-me", prompt[:20], SamplingParams(max_tokens=3, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.kv_cache_manager.get_block_ids("cancel-me")
+    assert engine.abort("cancel-me")
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_engine_empty(engine)

@@ -1,0 +1,1 @@
+"""The engine: requests, block pool, KV cache manager, scheduler, sampler, model runner."""

@@ -1,0 +1,130 @@
+"""The pool of KV blocks: free list, reference counts and the prefix cache.
+
+Block 0 is the null block: never handed out, it pads block tables. Every other block is in exactly
+one of three sets:
+
+- used: `ref_cnt > 0`, owned by that many requests;
+- cached: `ref_cnt == 0` with a block hash, reusable by a prefix hit until evicted;
+- free: `ref_cnt == 0` without a hash.
+
+Cached and free blocks share one queue in LRU order (least recently freed first). Allocation takes
+from its head and evicts a cached block's hash when it reuses it, so the prefix cache never costs
+capacity. `check_invariants()` proves the three sets partition the pool.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(eq=False, slots=True)
+class KVBlock:
+    """One block of `block_size` token slots in the KV cache."""
+
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    """Blocks 1..num_blocks-1 for requests; block 0 is the null block."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (1 null + 1), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
+        self._cached: dict[bytes, KVBlock] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can take now: free plus cached-unreferenced ones."""
+        return len(self._free)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks with a hash in the prefix cache, referenced or not."""
+        return len(self._cached)
+
+    def usage(self) -> float:
+        """Fraction of allocatable blocks referenced by requests."""
+        return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
+
+    def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
+        """The block holding `block_hash`'s KV, if cached. Side-effect free."""
+        return self._cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[KVBlock] | None:
+        """Take `num_blocks` blocks with ref_cnt 1, or return None with no effect."""
+        if num_blocks > len(self._free):
+            return None
+        taken = []
+        for _ in range(num_blocks):
+            block_id, _none = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            taken.append(block)
+        return taken
+
+    def touch(self, blocks: Iterable[KVBlock]) -> None:
+        """Add a reference to each block (a prefix hit); unreferenced ones leave the free queue."""
+        for block in blocks:
+            assert block.block_id != 0, "the null block is never referenced"
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block, in order; blocks reaching zero join the queue's
+        tail (so pass a request's blocks tail first to evict its last blocks first)."""
+        for block in blocks:
+            assert block.ref_cnt > 0, f"block {block.block_id} freed more often than referenced"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = None
+
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
+        """Record that `block` (full, its KV written) holds `block_hash`. If another block already
+        holds that hash, this one stays uncached (it is freed as a plain block later)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        assert block.ref_cnt > 0, "only a referenced, just-written block can be cached"
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every unreferenced cached hash (referenced blocks keep theirs)."""
+        for block_hash, block in list(self._cached.items()):
+            if block.ref_cnt == 0:
+                block.block_hash = None
+                del self._cached[block_hash]
+
+    def counts(self) -> tuple[int, int, int]:
+        """(used, cached-unreferenced, free) block counts, excluding the null block."""
+        used = sum(1 for b in self.blocks[1:] if b.ref_cnt > 0)
+        cached = sum(1 for b in self._cached.values() if b.ref_cnt == 0)
+        return used, cached, len(self._free) - cached
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError unless used + cached + free == total - 1 and the sets agree."""
+        used, cached, free = self.counts()
+        assert used + cached + free == self.num_blocks - 1, (used, cached, free)
+        assert self.null_block.ref_cnt == 0 and 0 not in self._free
+        assert self.null_block.block_hash is None
+        for block in self.blocks[1:]:
+            assert block.ref_cnt >= 0
+            assert (block.ref_cnt == 0) == (block.block_id in self._free), block.block_id
+            if block.block_hash is not None:
+                assert self._cached.get(block.block_hash) is block, block.block_id
+        for block_hash, block in self._cached.items():
+            assert block.block_hash == block_hash

@@ -1,0 +1,43 @@
+"""Engine configuration, checked when built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvrail.errors import ConfigError
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Sizes of the KV pool and of one scheduling step.
+
+    `num_blocks` counts the null block 0, so `num_blocks - 1` blocks hold tokens.
+    `max_num_batched_tokens` is the per-step token budget; with chunked prefill a prompt longer
+    than it is computed over several steps. `max_model_len` bounds prompt + output tokens.
+    `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
+    """
+
+    num_blocks: int
+    max_model_len: int
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    enable_cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "max_model_len", "block_size", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"engine {name} must be at least 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ConfigError(
+                f"engine num_blocks must be at least 2 (1 null), got {self.num_blocks}"
+            )
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                "without chunked prefill max_num_batched_tokens "
+                f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"
+            )

@@ -1,0 +1,246 @@
+"""The engine: scheduler + model runner + sampler behind add_request / step / abort.
+
+One `step()` schedules a batch, runs the model once over it and samples one token for every
+request whose known tokens are now all computed. The engine is synchronous and single-threaded;
+the worker roles drive it. Finished requests leave the engine holding no blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvrail.fingerprint import ModelFingerprint
+from kvrail.hashing import root_hash
+from kvrail.models import ModelSource
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.cuda_graph import DecodeGraphs
+from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.engine.model_runner import ModelRunner
+from kvrail.worker.engine.request import Request, SamplingParams
+from kvrail.worker.engine.sampler import Sampler
+from kvrail.worker.engine.scheduler import Scheduler
+from kvrail.worker.engine.scheduler_output import RemoteReservation
+from kvrail.worker.engine.stop import StopChecker
+from kvrail.worker.models.llama import LlamaForCausalLM
+from kvrail.worker.models.loader import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestOutput:
+    """A request's state after a step: all its output tokens so far, and why it finished."""
+
+    request_id: str
+    output_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    stop_reason: str | int | None
+
+
+def make_fingerprint(
+    model: LlamaForCausalLM, config: EngineConfig, weights_id: str, tokenizer_id: str
+) -> ModelFingerprint:
+    shape = model.shape
+    dtype = _DTYPE_NAMES[next(model.parameters()).dtype]
+    return ModelFingerprint(
+        weights_id=weights_id,
+        tokenizer_id=tokenizer_id,
+        dtype=dtype,
+        kv_dtype=dtype,
+        block_size=config.block_size,
+        num_layers=shape.num_layers,
+        num_kv_heads=shape.num_kv_heads,
+        head_dim=shape.head_dim,
+        rope_theta=shape.rope_theta,
+        rope_scaling=tuple((k, str(v)) for k, v in shape.rope_scaling),
+    )
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        config: EngineConfig,
+        fingerprint: ModelFingerprint,
+        tokenizer: Any = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        param = next(model.parameters())
+        self.device = param.device
+        self.model = model.eval()
+        self.config = config
+        self.fingerprint = fingerprint
+        self.tokenizer = tokenizer
+        shape = model.shape
+        if config.max_model_len > shape.max_position:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} exceeds the model's {shape.max_position}"
+            )
+        self.kv_cache = KVCache(
+            config.num_blocks,
+            shape.num_layers,
+            config.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            param.dtype,
+            self.device,
+        )
+        detokenize = tokenizer.decode if tokenizer is not None else None
+        self.scheduler = Scheduler(
+            config, root_hash(fingerprint.digest), StopChecker(eos_token_id, detokenize)
+        )
+        self._tenant_roots: dict[str, bytes] = {}
+        graphs = None
+        if self.device.type == "cuda" and config.enable_cuda_graphs:
+            max_blocks = -(-config.max_model_len // config.block_size)
+            graphs = DecodeGraphs(model, self.kv_cache, config.max_num_seqs, max_blocks)
+            graphs.capture()
+        self.runner = ModelRunner(model, self.kv_cache, self.device, graphs)
+        self.sampler = Sampler()
+        self._num_generate_calls = 0
+        logger.info(
+            "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s",
+            fingerprint.short,
+            config.num_blocks,
+            self.kv_cache.nbytes,
+            self.device,
+        )
+
+    @classmethod
+    def from_source(
+        cls,
+        source: ModelSource | str = "smollm2",
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        **config: Any,
+    ) -> LLMEngine:
+        """Load a model source (cached conversion) and build an engine. `config` overrides
+        EngineConfig fields; max_model_len defaults to the model's limit."""
+        from kvrail.worker.models.loader import load
+
+        return cls.from_loaded(load(source), dtype=dtype, device=device, **config)
+
+    @classmethod
+    def from_loaded(
+        cls,
+        loaded: LoadedModel,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str = "cpu",
+        **config: Any,
+    ) -> LLMEngine:
+        """An engine over already loaded weights and tokenizer (see `from_source`). The
+        fingerprint's weights and tokenizer ids are the source's weights id (a GGUF file carries
+        its tokenizer)."""
+        model = LlamaForCausalLM(loaded.config)
+        model.load_weights(loaded.state_dict)
+        model.to(device=device, dtype=dtype)
+        config.setdefault("max_model_len", model.shape.max_position)
+        engine_config = EngineConfig(**config)
+        fingerprint = make_fingerprint(model, engine_config, loaded.weights_id, loaded.weights_id)
+        return cls(
+            model, engine_config, fingerprint, loaded.tokenizer, loaded.tokenizer.eos_token_id
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        retain_blocks: bool = False,
+        tenant_salt: str = "",
+    ) -> Request:
+        """Queue a request; raises InvalidRequestError (and keeps nothing) when it is invalid.
+        With `retain_blocks` its KV blocks outlive it until `release` (the prefill role). A
+        `tenant_salt` seeds its block hashes, so tenants never share cached prefixes."""
+        request = Request(request_id, list(prompt_token_ids), params, retain_blocks=retain_blocks)
+        request.hash_root = self._hash_root(tenant_salt)
+        self.scheduler.add_request(request)
+        return request
+
+    def reserve_remote(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        tenant_salt: str = "",
+    ) -> RemoteReservation | None:
+        """Reserve blocks for a request whose prompt KV is written from elsewhere (see
+        Scheduler.reserve_remote); None with no effect when the pool is short."""
+        request = Request(request_id, list(prompt_token_ids), params)
+        request.hash_root = self._hash_root(tenant_salt)
+        return self.scheduler.reserve_remote(request)
+
+    def install_remote(self, request_id: str, first_token_id: int) -> None:
+        self.scheduler.install_remote(request_id, first_token_id)
+
+    def _hash_root(self, tenant_salt: str) -> bytes | None:
+        if not tenant_salt:
+            return None
+        root = self._tenant_roots.get(tenant_salt)
+        if root is None:
+            root = self._tenant_roots[tenant_salt] = root_hash(self.fingerprint.digest, tenant_salt)
+        return root
+
+    def retained_block_ids(self, request_id: str) -> list[int]:
+        """Block ids of a finished request that retains its blocks (its KV, in table order)."""
+        if request_id not in self.scheduler.retained:
+            raise KeyError(f"request {request_id!r} holds no retained blocks")
+        return self.scheduler.kv_cache_manager.get_block_ids(request_id)
+
+    def release(self, request_id: str) -> None:
+        """Free a finished request's retained blocks (after they were sent)."""
+        self.scheduler.release(request_id)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a request in any state, freeing all its blocks. False if unknown."""
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.scheduler.requests)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; returns an output for every request that got a token."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        logits, requests = self.runner.execute(out)
+        token_ids = self.sampler(logits, requests) if requests else []
+        sampled = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
+        advanced = self.scheduler.update_from_output(out, sampled)
+        return [
+            RequestOutput(
+                r.request_id,
+                list(r.output_token_ids),
+                r.is_finished,
+                r.status.finish_reason,
+                r.stop_reason,
+            )
+            for r in advanced
+        ]
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[list[int]]:
+        """Run prompts to completion together; returns each one's output token ids."""
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else params
+        call = self._num_generate_calls
+        self._num_generate_calls += 1
+        requests = [
+            self.add_request(f"generate-{call}-{i}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, all_params, strict=True))
+        ]
+        while self.has_unfinished_requests():
+            self.step()
+        return [r.output_token_ids for r in requests]

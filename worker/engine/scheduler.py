@@ -1,0 +1,261 @@
+"""Iteration-level continuous batching under a per-step token budget.
+
+Each `schedule()` call builds one step. There are no prefill or decode phases: a request simply
+needs `num_tokens - num_computed_tokens` more tokens computed. The order is:
+
+1. running requests that decode (one token each) - decode priority;
+2. running requests still in (chunked) prefill, each getting what is left of the budget;
+3. waiting requests, admitted in arrival order only if their blocks for the whole prompt (and
+   their prefix hits) can be reserved first. Admission stops at the first that does not fit, and
+   is skipped in a step that had to preempt.
+
+When a running request needs a block and the pool is empty, the latest-arrived running request
+not yet scheduled in this step is preempted by recompute: its blocks are freed, its tokens kept,
+and it goes back to the head of the waiting queue (possibly the request itself).
+
+Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
+`schedule()` until `install_remote` marks its KV fully written. A finished request with
+`retain_blocks` keeps its blocks until `release`. `abort` releases everything, in any state.
+After every public call the block invariants hold (see `check_invariants`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from kvrail.errors import InvalidRequestError
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.kv_cache_manager import KVCacheManager
+from kvrail.worker.engine.request import Request, RequestStatus
+from kvrail.worker.engine.scheduler_output import (
+    RemoteReservation,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+from kvrail.worker.engine.stop import StopChecker
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, hash_root: bytes, stop_checker: StopChecker) -> None:
+        self.config = config
+        self.kv_cache_manager = KVCacheManager(
+            config.num_blocks, config.block_size, hash_root, config.enable_prefix_caching
+        )
+        self.stop_checker = stop_checker
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.retained: dict[str, Request] = {}
+        self._num_arrived = 0
+
+    def validate(self, request: Request) -> None:
+        """Raise InvalidRequestError unless the request could ever complete here."""
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise InvalidRequestError("the prompt is empty")
+        limit = self.config.max_model_len
+        if num_prompt > limit:
+            raise InvalidRequestError(f"prompt has {num_prompt} tokens, the model limit is {limit}")
+        total = num_prompt + request.sampling_params.max_tokens
+        if total > limit:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt}) + max_tokens ({request.sampling_params.max_tokens}) "
+                f"tokens exceed the model limit of {limit}"
+            )
+        if not self.kv_cache_manager.can_ever_fit(total):
+            raise InvalidRequestError(
+                f"request needs {total} tokens of KV, more than the whole KV pool holds"
+            )
+        if request.sampling_params.stop and self.stop_checker.detokenize is None:
+            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
+        if request.request_id in self.requests or request.request_id in self.retained:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request for admission (raises InvalidRequestError first if bad)."""
+        self.validate(request)
+        request.arrival_index = self._num_arrived
+        self._num_arrived += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def reserve_remote(self, request: Request) -> RemoteReservation | None:
+        """Reserve every prompt block for a request whose KV arrives from elsewhere, or return
+        None with no effect. The request is never scheduled until `install_remote`."""
+        self.validate(request)
+        manager = self.kv_cache_manager
+        hits = manager.get_computed_blocks(request)
+        if manager.allocate_slots(request, request.num_prompt_tokens, hits) is None:
+            return None
+        request.arrival_index = self._num_arrived
+        self._num_arrived += 1
+        request.num_cached_tokens = len(hits) * self.config.block_size
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self.requests[request.request_id] = request
+        block_ids = manager.get_block_ids(request.request_id)
+        return RemoteReservation(request.request_id, block_ids, request.num_cached_tokens)
+
+    def install_remote(self, request_id: str, first_token_id: int) -> Request:
+        """Make a reserved request runnable: its whole prompt KV is written and `first_token_id`
+        was sampled from it. Its full prompt blocks join the prefix cache only now."""
+        request = self.requests.get(request_id)
+        if request is None or request.status is not RequestStatus.WAITING_FOR_REMOTE_KV:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV")
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self._append_token(request, first_token_id)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """Finish a request as aborted and free all its blocks. False if unknown or finished."""
+        if request_id in self.retained:
+            self.release(request_id)
+            return True
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def release(self, request_id: str) -> None:
+        """Free the blocks a finished `retain_blocks` request still holds."""
+        request = self.retained.pop(request_id, None)
+        if request is None:
+            raise KeyError(f"request {request_id!r} holds no retained blocks")
+        self.kv_cache_manager.free(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled: set[str] = set()
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for request in decoding + prefilling:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted earlier in this step
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, scheduled, out):
+                continue
+            self._emit(out, request, num_new)
+            scheduled.add(request.request_id)
+            budget -= num_new
+        if not out.preempted_ids:
+            self._admit(out, budget)
+        return out
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput
+    ) -> bool:
+        manager = self.kv_cache_manager
+        while manager.allocate_slots(request, request.num_computed_tokens + num_new) is None:
+            victims = [r for r in self.running if r.request_id not in scheduled]
+            victim = max(victims, key=lambda r: r.arrival_index)
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        manager = self.kv_cache_manager
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits = manager.get_computed_blocks(request)
+            num_hit_tokens = len(hits) * self.config.block_size
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            # Reserve blocks for every known token before running any of them.
+            if manager.allocate_slots(request, request.num_tokens, hits) is None:
+                break
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_new = min(num_new, budget)
+            self._emit(out, request, num_new)
+            budget -= num_new
+
+    def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
+        block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
+        start = request.num_computed_tokens
+        token_ids = request.token_ids_between(start, start + num_new)
+        samples = start + num_new == request.num_tokens
+        item = ScheduledRequest(request, start, token_ids, block_ids, samples)
+        (out.decodes if num_new == 1 else out.prefills).append(item)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        self.running.remove(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.info(
+            "request preempted request_id=%s tokens=%d", request.request_id, request.num_tokens
+        )
+
+    def update_from_output(
+        self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
+    ) -> list[Request]:
+        """Advance each scheduled request past the tokens computed this step, append its sampled
+        token, and finish those that stopped. Returns the requests that got a token."""
+        advanced = []
+        for item in out.decodes + out.prefills:
+            request = item.request
+            if request.status is not RequestStatus.RUNNING:
+                continue  # aborted between schedule and update
+            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+            if item.samples:
+                self._append_token(request, sampled_token_ids[request.request_id])
+                advanced.append(request)
+        return advanced
+
+    def _append_token(self, request: Request, token_id: int) -> None:
+        request.output_token_ids.append(token_id)
+        status = self.stop_checker.check(request)
+        if status is not None:
+            self._finish(request, status)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.retain_blocks and status is not RequestStatus.FINISHED_ABORTED:
+            self.retained[request.request_id] = request
+        else:
+            self.kv_cache_manager.free(request)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        del self.requests[request.request_id]
+        request.status = status
+        logger.info(
+            "request finished request_id=%s reason=%s prompt_tokens=%d output_tokens=%d",
+            request.request_id,
+            status.finish_reason,
+            request.num_prompt_tokens,
+            request.num_output_tokens,
+        )
+
+    def check_invariants(self) -> None:
+        """Block invariants plus: every held block table belongs to a live request, and no
+        waiting request holds blocks."""
+        self.kv_cache_manager.check_invariants()
+        for request_id in self.kv_cache_manager.req_to_blocks:
+            live = request_id in self.requests or request_id in self.retained
+            assert live, f"finished request {request_id} holds blocks"
+        for request in self.waiting:
+            assert request.request_id not in self.kv_cache_manager.req_to_blocks

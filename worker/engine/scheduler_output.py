@@ -1,0 +1,54 @@
+"""What one scheduling step decided, and what a remote reservation holds (plain values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvrail.worker.engine.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request in a step: feed `token_ids` at positions from `num_computed_tokens` on.
+
+    `samples` says whether they end with the request's last known token, so that a token is
+    sampled from this step's logits (a non-final prefill chunk samples nothing).
+    """
+
+    request: Request
+    num_computed_tokens: int
+    token_ids: list[int]
+    block_ids: list[int]
+    samples: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    decodes: list[ScheduledRequest] = field(default_factory=list)
+    prefills: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.decodes + self.prefills)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteReservation:
+    """Blocks reserved for a request whose prompt KV is written from elsewhere.
+
+    The writer fills tokens [num_cached_tokens, num_prompt_tokens) of `block_ids`; the head of
+    the table is a local prefix hit and already holds valid KV.
+    """
+
+    request_id: str
+    block_ids: list[int]
+    num_cached_tokens: int

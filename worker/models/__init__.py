@@ -1,0 +1,1 @@
+"""Model definitions (the Llama family) and the loader that turns a ModelSource into weights."""

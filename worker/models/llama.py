@@ -1,0 +1,218 @@
+"""The Llama family decoder (Llama 2/3, Qwen2/2.5, Mistral) over a paged KV cache.
+
+Built from a transformers config. Q, K and V are one fused projection and gate/up another;
+`load_weights` maps transformers parameter names onto them and refuses a state dict that leaves a
+parameter unset. The forward pass takes packed tokens (no padding) with their positions and the
+step's `AttentionMetadata`, and returns hidden states; `compute_logits` runs the LM head only on
+the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvrail.errors import ConfigError
+from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
+from kvrail.worker.layers.rms_norm import RMSNorm
+from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    """The numbers the model is built from, read once from a transformers config."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    rope_theta: float
+    rope_scaling: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def from_config(cls, config: Any) -> LlamaShape:
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(f"model_type {model_type!r} is not one of {SUPPORTED_MODEL_TYPES}")
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        if num_heads % num_kv_heads:
+            raise ConfigError(f"{num_heads} attention heads are not a multiple of {num_kv_heads}")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        max_position = config.max_position_embeddings
+        window = getattr(config, "sliding_window", None)
+        if (
+            window is not None
+            and getattr(config, "use_sliding_window", True)
+            and window < max_position
+        ):
+            # NOTE(engine): no sliding-window attention yet; serve only lengths it never limits.
+            max_position = window
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        theta, scaling = rope_settings(config)
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position=max_position,
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=model_type == "llama" and attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            rope_theta=theta,
+            rope_scaling=tuple(sorted(scaling.items())),
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, shape: LlamaShape, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
+        self.head_dim = shape.head_dim
+        self.q_size = shape.num_heads * shape.head_dim
+        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.scale = shape.head_dim**-0.5
+        self.rotary = [rotary]  # shared, not a submodule of every layer
+        h = shape.hidden_size
+        self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=shape.o_bias)
+        self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(h, 2 * shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = nn.Linear(shape.intermediate_size, h, bias=shape.mlp_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        residual = x
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary[0](positions, q, k)
+        k_cache, v_cache = kv_cache.layer(self.layer_idx)
+        attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+        x = residual + self.o_proj(attn.reshape(num_tokens, self.q_size))
+        residual = x
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        out: torch.Tensor = residual + self.down_proj(nn.functional.silu(gate) * up)
+        return out
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.shape = shape = LlamaShape.from_config(config)
+        self.rotary = RotaryEmbedding(
+            shape.head_dim, shape.max_position, shape.rope_theta, dict(shape.rope_scaling)
+        )
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(shape, i, self.rotary) for i in range(shape.num_layers)
+        )
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_cache: KVCache,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, metadata, kv_cache)
+        hidden: torch.Tensor = self.norm(x)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
+
+    @torch.no_grad()
+    def init_random(self, seed: int = 0, std: float = 0.02) -> None:
+        """Random weights for benchmarks and tests: normal(0, std), unit norms, zero biases.
+        Drawn on the parameters' device, so a seed gives the same weights per device type."""
+        device = next(self.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                values = torch.randn(param.shape, generator=generator, device=device) * std
+                param.copy_(values.to(param.dtype))
+
+    @torch.no_grad()
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy transformers-named weights in; raise ConfigError on unknown or missing ones."""
+        params = dict(self.named_parameters())
+        filled: dict[str, int] = {}
+        for hf_name, tensor in state_dict.items():
+            if hf_name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                continue
+            target, offset = self._map_name(hf_name)
+            if target not in params:
+                raise ConfigError(f"weight {hf_name!r} has no parameter in this model")
+            param = params[target]
+            rows = tensor.shape[0]
+            param[offset : offset + rows].copy_(tensor.to(param.dtype))
+            filled[target] = filled.get(target, 0) + rows
+        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        if missing:
+            raise ConfigError(f"weights missing or of the wrong size for {missing[:5]}")
+
+    def _map_name(self, hf_name: str) -> tuple[str, int]:
+        name = hf_name.removeprefix("model.")
+        parts = name.split(".")
+        if len(parts) != 5 or parts[0] != "layers":
+            return name, 0
+        prefix, module, leaf = ".".join(parts[:2]), parts[3], parts[4]
+        head, q_size = self.shape.head_dim, self.shape.num_heads * self.shape.head_dim
+        kv_size = self.shape.num_kv_heads * head
+        offsets = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", q_size),
+            "v_proj": ("qkv_proj", q_size + kv_size),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", self.shape.intermediate_size),
+            "down_proj": ("down_proj", 0),
+            "o_proj": ("o_proj", 0),
+        }
+        if module not in offsets:
+            return f"{prefix}.{module}.{leaf}", 0
+        target, offset = offsets[module]
+        return f"{prefix}.{target}.{leaf}", offset

@@ -1,0 +1,159 @@
+"""Load a model source into a transformers config, a state dict and a tokenizer.
+
+A GGUF source is dequantized once by transformers (about 35 s for SmolLM2 Q4_1) and cached as
+safetensors under `kvrail.models.cache_dir()/<name>-<weights id prefix>/`, tokenizer included.
+The cache entry is written into a temporary directory and renamed into place, so a reader sees
+either nothing or a complete entry, never a half-written one; concurrent writers are harmless
+(the loser discards its copy). A safetensors directory source is read in place. Nothing is ever
+downloaded: the hub is switched off for every call here.
+
+CLI: `python -P -m kvrail.worker.models.loader [SOURCE]` prepares SOURCE and prints the path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrail.errors import ModelNotFoundError
+from kvrail.models import DEFAULT_MODEL, ModelSource, cache_dir, resolve
+
+logger = logging.getLogger(__name__)
+
+_MARKER = "kvrail-prepared.json"
+_CACHE_FORMAT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedModel:
+    """What a worker needs to build its model: the config, weights by transformers name (on CPU,
+    in the stored dtype) and the tokenizer. `weights_id` identifies the source weights."""
+
+    config: Any
+    state_dict: dict[str, torch.Tensor]
+    tokenizer: Any
+    weights_id: str
+    path: Path
+
+
+def prepared_dir(source: ModelSource) -> Path:
+    """Where `prepare` caches a GGUF source (side-effect free apart from hashing the file)."""
+    digest = source.weights_id().split(":", 1)[-1][:16]
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.served_name)
+    return cache_dir() / f"{name}-{digest}"
+
+
+def prepare(source: ModelSource) -> Path:
+    """Return a directory with config.json, safetensors weights and tokenizer files for `source`.
+
+    Idempotent: a complete cache entry is reused as is. Raises ModelNotFoundError when the source
+    cannot be converted.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not source.is_gguf:
+        return source.path
+    target = prepared_dir(source)
+    if (target / _MARKER).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        _convert_gguf(source, tmp)
+        marker = {"format": _CACHE_FORMAT, "weights_id": source.weights_id()}
+        (tmp / _MARKER).write_text(json.dumps(marker))
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / _MARKER).is_file():
+                raise
+            logger.info("model cache written concurrently path=%s", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info(
+        "model prepared name=%s path=%s seconds=%.1f",
+        source.name,
+        target,
+        time.monotonic() - started,
+    )
+    return target
+
+
+def _convert_gguf(source: ModelSource, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(source.path.parent), source.path.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    except (OSError, ValueError) as err:
+        raise ModelNotFoundError(f"cannot convert GGUF file {source.path}: {err}") from err
+    from safetensors.torch import save_file
+
+    # The converted weights are plain float32 tensors: drop the GGUF quantization marker so a
+    # reload from the cache does not dequantize again (transformers refuses to save a model it
+    # considers quantized, hence the state dict and config are written separately).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(config, "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def load(source: ModelSource | str = DEFAULT_MODEL) -> LoadedModel:
+    """Prepare `source` if needed and load its config, state dict and tokenizer (all on CPU)."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    if isinstance(source, str):
+        source = resolve(source)
+    path = prepare(source)
+    config = AutoConfig.from_pretrained(path)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"no safetensors weights in {path}")
+    state_dict: dict[str, torch.Tensor] = {}
+    for f in files:
+        state_dict.update(load_file(f))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    logger.info("model loaded name=%s tensors=%d", source.name, len(state_dict))
+    return LoadedModel(config, state_dict, tokenizer, source.weights_id(), path)
+
+
+def load_transformers_model(source: ModelSource | str = DEFAULT_MODEL, dtype: Any = None) -> Any:
+    """The transformers model for `source` from the prepared cache: the oracle in tests/benches."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(source, str):
+        source = resolve(source)
+    model = AutoModelForCausalLM.from_pretrained(prepare(source), dtype=dtype or torch.float32)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s %(message)s")
+    print(prepare(resolve(args[0] if args else DEFAULT_MODEL)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,131 @@
+"""Test helpers shipped with the worker (the `kopf.testing` precedent): factories for requests,
+schedulers, tiny model configs and engines, and `assert_engine_empty`, the leak check every
+scheduler and engine test ends with."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from kvrail.hashing import root_hash
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.request import Request, SamplingParams
+from kvrail.worker.engine.scheduler import Scheduler
+from kvrail.worker.engine.stop import Detokenize, StopChecker
+
+TEST_HASH_ROOT = root_hash("kvrail-test-fingerprint")
+EOS_TOKEN_ID = 2
+_ids = itertools.count()
+
+
+def make_request(
+    num_prompt_tokens: int = 8,
+    *,
+    prompt_token_ids: list[int] | None = None,
+    request_id: str | None = None,
+    **params: Any,
+) -> Request:
+    """A request with `prompt_token_ids` or `num_prompt_tokens` distinct ids (>= 10, so never EOS).
+    `params` go to SamplingParams; ignore_eos defaults to True here."""
+    if prompt_token_ids is None:
+        start = 10 + 1000 * next(_ids)
+        prompt_token_ids = list(range(start, start + num_prompt_tokens))
+    params.setdefault("ignore_eos", True)
+    return Request(
+        request_id=request_id or f"req-{next(_ids)}",
+        prompt_token_ids=list(prompt_token_ids),
+        sampling_params=SamplingParams(**params),
+    )
+
+
+def make_engine_config(**overrides: Any) -> EngineConfig:
+    """A small config: 4-token blocks, 64 blocks, 32-token budget, 1024-token model limit."""
+    values: dict[str, Any] = {
+        "num_blocks": 64,
+        "block_size": 4,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 1024,
+    }
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def make_scheduler(detokenize: Detokenize | None = None, **overrides: Any) -> Scheduler:
+    return Scheduler(
+        make_engine_config(**overrides), TEST_HASH_ROOT, StopChecker(EOS_TOKEN_ID, detokenize)
+    )
+
+
+def tiny_llama_config(**overrides: Any) -> Any:
+    """A transformers config for a tiny random-weight Llama (GQA 4:2, 2 layers)."""
+    from transformers import LlamaConfig
+
+    values: dict[str, Any] = {
+        "vocab_size": 97,
+        "hidden_size": 32,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": EOS_TOKEN_ID,
+    }
+    values.update(overrides)
+    return LlamaConfig(**values)
+
+
+def run_scheduler_to_completion(
+    scheduler: Scheduler, next_token: int = 50, max_steps: int = 10_000
+) -> list[Any]:
+    """Drive a scheduler without a model: every sampled token is `next_token`. Returns the
+    SchedulerOutputs; checks the invariants after every step."""
+    outputs: list[Any] = []
+    for _ in range(max_steps):
+        if not scheduler.requests:
+            return outputs
+        out = scheduler.schedule()
+        scheduler.check_invariants()
+        assert out.num_batched_tokens <= scheduler.config.max_num_batched_tokens
+        sampled = {s.request.request_id: next_token for s in out.decodes + out.prefills}
+        scheduler.update_from_output(out, sampled)
+        scheduler.check_invariants()
+        outputs.append(out)
+    raise AssertionError(f"scheduler did not finish within {max_steps} steps")
+
+
+def assert_engine_empty(engine_or_scheduler: Any) -> None:
+    """No requests left, every ref count zero, free + cached-unreferenced == total - null block."""
+    scheduler: Scheduler = getattr(engine_or_scheduler, "scheduler", engine_or_scheduler)
+    assert not scheduler.requests, f"requests left: {sorted(scheduler.requests)}"
+    assert not scheduler.waiting and not scheduler.running
+    assert not scheduler.retained, f"retained blocks left: {sorted(scheduler.retained)}"
+    manager = scheduler.kv_cache_manager
+    assert not manager.req_to_blocks, f"block tables left: {sorted(manager.req_to_blocks)}"
+    pool = manager.block_pool
+    pool.check_invariants()
+    assert all(b.ref_cnt == 0 for b in pool.blocks), "a block is still referenced"
+    used, cached, free = pool.counts()
+    assert used == 0 and cached + free == pool.num_blocks - 1, (used, cached, free)
+
+
+def make_engine(
+    hf_config: Any, state_dict: dict[str, Any] | None = None, seed: int = 0, **overrides: Any
+) -> Any:
+    """An engine over a model built from `hf_config`, with `state_dict` (transformers names) or
+    random weights; `overrides` go to EngineConfig (defaults: make_engine_config's)."""
+    from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
+    from kvrail.worker.models.llama import LlamaForCausalLM
+
+    model = LlamaForCausalLM(hf_config)
+    if state_dict is None:
+        model.init_random(seed)
+    else:
+        model.load_weights(state_dict)
+    overrides.setdefault("max_model_len", min(1024, model.shape.max_position))
+    config = make_engine_config(**overrides)
+    fingerprint = make_fingerprint(model, config, f"test-weights-{seed}", "test-tokenizer")
+    eos = getattr(hf_config, "eos_token_id", None)
+    return LLMEngine(model, config, fingerprint, eos_token_id=eos)
