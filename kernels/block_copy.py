@@ -1,7 +1,10 @@
-"""Triton kernels: pack blocks of the KV region into a contiguous buffer and unpack them back.
+"""Triton kernels: pack blocks of the KV region into a contiguous buffer and unpack them back,
+and copy blocks between two regions (`copy_blocks`: one launch for any number of scattered
+blocks, the same-node transfer path).
 
-Same contract as `kvrail.kernels.reference.gather_blocks` / `scatter_blocks`. The cache must be
-contiguous ([num_blocks, ...], one block = one contiguous range); the buffer is [n, ...].
+Same contract as `kvrail.kernels.reference.gather_blocks` / `scatter_blocks` / `copy_blocks`.
+The cache must be contiguous ([num_blocks, ...], one block = one contiguous range); the buffer is
+[n, ...].
 Grid: (blocks, chunks of one block).
 """
 
@@ -60,3 +63,27 @@ def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
         _copy_blocks_kernel[grid](
             buffer, kv_cache, block_ids, block_numel, GATHER=False, CHUNK=_CHUNK
         )
+
+
+@triton.jit
+def _copy_between_kernel(src, dst, src_ids, dst_ids, block_numel, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    s = tl.load(src_ids + i).to(tl.int64) * block_numel
+    d = tl.load(dst_ids + i).to(tl.int64) * block_numel
+    tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
+
+
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i; both regions [num_blocks, ...] alike."""
+    block_numel = _check(src, src_ids)
+    if _check(dst, dst_ids) != block_numel or src.dtype != dst.dtype:
+        raise ValueError("source and destination blocks differ in size or dtype")
+    if src_ids.shape != dst_ids.shape:
+        raise ValueError(f"{src_ids.shape[0]} source ids but {dst_ids.shape[0]} destination ids")
+    if src_ids.numel():
+        grid = (src_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_between_kernel[grid](src, dst, src_ids, dst_ids, block_numel, CHUNK=_CHUNK)

@@ -73,3 +73,10 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     impl = _triton("block_copy") if kv_cache.is_cuda else reference
     impl.scatter_blocks(buffer, kv_cache, block_ids)
+
+
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    impl = _triton("block_copy") if src.is_cuda else reference
+    impl.copy_blocks(src, dst, src_ids, dst_ids)

@@ -117,3 +117,14 @@ def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tens
 def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor) -> None:
     """Write a packed [n, ...] buffer back into the given blocks of the cache."""
     kv_cache[block_ids.long()] = buffer.to(kv_cache.dtype)
+
+
+def copy_blocks(
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
+) -> None:
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i (block ids index dim 0 of both)."""
+    if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
+        raise ValueError("source and destination blocks differ in size or dtype")
+    if src_ids.shape != dst_ids.shape:
+        raise ValueError(f"{src_ids.shape[0]} source ids but {dst_ids.shape[0]} destination ids")
+    dst[dst_ids.long()] = src[src_ids.long()]

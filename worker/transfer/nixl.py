@@ -25,10 +25,14 @@ from dataclasses import dataclass
 import torch
 
 from kvrail.errors import TransferError
+from kvrail.kernels import dispatch
 from kvrail.worker.transfer.connector import BlockRegion, TransferStats, coalesce
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 
 log = logging.getLogger(__name__)
+
+# Up to this many contiguous runs are copied with one copy each; more go through one kernel.
+_MAX_COPY_CALLS = 4
 
 
 def _nixl():  # type: ignore[no-untyped-def]
@@ -187,8 +191,20 @@ class NixlConnector:
         size = self.region.block_bytes
         src = self.region.tensor.view(-1).view(torch.uint8)
         started = time.perf_counter()
-        for s, d, n in runs:
-            ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
+        if len(runs) <= _MAX_COPY_CALLS:
+            for s, d, n in runs:
+                ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
+        else:  # many scattered runs: one kernel launch instead of one copy per run
+            src_ids = [s + k for s, _, n in runs for k in range(n)]
+            dst_ids = [d + k for _, d, n in runs for k in range(n)]
+            device = self.region.tensor.device
+            words = torch.int64 if size % 8 == 0 else torch.uint8
+            dispatch.copy_blocks(
+                src.view(words).view(self.region.num_blocks, -1),
+                ipc.tensor.view(words).view(-1, size // words.itemsize),
+                torch.tensor(src_ids, dtype=torch.int64, device=device),
+                torch.tensor(dst_ids, dtype=torch.int64, device=device),
+            )
         torch.cuda.current_stream(self.region.tensor.device).synchronize()
         self._agent.send_notif(peer, note)
         seconds = time.perf_counter() - started

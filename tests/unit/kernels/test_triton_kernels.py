@@ -111,6 +111,22 @@ def test_block_gather_and_scatter_round_trip_through_a_packed_buffer() -> None:
     assert torch.equal(target[ids], region[ids])
 
 
+def test_copy_blocks_moves_scattered_blocks_between_two_regions_in_one_launch() -> None:
+    g = torch.Generator().manual_seed(4)
+    src = torch.randn(300, 2, 2, 3, 2, 24, generator=g).to(DEVICE)
+    src_ids = torch.tensor([299, 0, 17, 150, 3], dtype=torch.int64, device=DEVICE)
+    dst_ids = torch.tensor([5, 6, 299, 1, 100], dtype=torch.int64, device=DEVICE)
+    dst = torch.zeros(320, 2, 2, 3, 2, 24, device=DEVICE)
+    BLOCK_COPY.copy_blocks(src, dst, src_ids, dst_ids)
+    expected = torch.zeros_like(dst)
+    reference.copy_blocks(src, expected, src_ids, dst_ids)
+    assert torch.equal(dst, expected)
+    assert torch.equal(dst[dst_ids], src[src_ids])
+    untouched = torch.ones(320, dtype=torch.bool)
+    untouched[dst_ids.cpu()] = False
+    assert not dst[untouched.to(DEVICE)].any()  # nothing else was written
+
+
 BAD_CALLS: list[tuple[str, Callable[[], object]]] = [
     (
         "decode with heads not a multiple of KV heads",
