@@ -28,6 +28,8 @@ from kvrail.settings import Settings, read_secret
 log = logging.getLogger(__name__)
 
 DUPLICATE_WINDOW_S = 120.0
+TOKENS_HEADER = "Kvrail-Tokens"
+"""Prompt tokens of a queued job, so the planner sums the backlog without decoding payloads."""
 
 
 async def connect(settings: Settings, name: str) -> NatsClient:
@@ -113,7 +115,7 @@ class PrefillQueue:
         subject = self.keys.prefill_to(to_worker) if to_worker else self.keys.prefill_any
         ack = await self.js.publish(
             subject, job.encode(), stream=self.keys.prefill_stream,
-            headers={"Nats-Msg-Id": job.request_id},
+            headers={"Nats-Msg-Id": job.request_id, TOKENS_HEADER: str(len(job.token_ids))},
         )  # fmt: skip
         return not ack.duplicate
 

@@ -242,18 +242,37 @@ class RouterSpec(CrdModel):
 
 
 class AutoscalingSpec(CrdModel):
-    """Targets of the planner, which scales each pool on its own signal within min/max."""
+    """Targets of the planner, which scales each pool on its own signal within min/max.
+
+    Prefill is scaled on the JetStream backlog (jobs and prompt tokens per replica), decode on the
+    workers' KV-cache utilization (and, optionally, running plus waiting requests per replica).
+    With `enabled: false` the operator applies `replicas` as written, and external scalers (KEDA,
+    HPA) may drive it through the pool's scale subresource (decode) or edit `replicas`."""
 
     enabled: bool = False
-    """Let the planner change `replicas`. Default false."""
+    """Let the planner change the worker StatefulSets' replicas. Default false."""
+    dry_run: bool = False
+    """Decide and record (status, events, metrics) but never change replicas. Default false."""
+    interval_seconds: int = Field(5, ge=1, le=300)
+    """How often the planner reads the signals and decides. Default 5."""
     prefill_queue_target: int = Field(4, ge=1, le=10000)
     """Queued prefill jobs per prefill replica the planner aims for. Default 4."""
+    prefill_queue_tokens_target: int = Field(32768, ge=1, le=100_000_000)
+    """Queued prompt tokens per prefill replica the planner aims for. Default 32768."""
     decode_kv_utilization_target: int = Field(80, ge=1, le=100)
     """KV-cache utilization (percent) per decode replica the planner aims for. Default 80."""
+    decode_requests_target: int | None = Field(None, ge=1, le=65536)
+    """Running plus waiting requests per decode replica the planner aims for. Optional: unset
+    scales decode on KV-cache utilization alone."""
     scale_up_stabilization_seconds: int = Field(30, ge=0, le=3600)
-    """How long a higher recommendation must hold before scaling up. Default 30."""
+    """How long a higher recommendation must hold before scaling up: the planner scales up to the
+    lowest recommendation of this window. Default 30."""
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600)
-    """How long a lower recommendation must hold before scaling down. Default 300."""
+    """How long a lower recommendation must hold before scaling down: the planner scales down to
+    the highest recommendation of this window. Default 300."""
+    cooldown_seconds: int = Field(30, ge=0, le=3600)
+    """After a role changed size, no further change of that role for this long (min/max bounds
+    excepted). Default 30."""
 
 
 class EndpointSpec(CrdModel):

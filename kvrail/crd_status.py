@@ -39,6 +39,46 @@ class RoleStatus(CrdModel):
     """The label selector of the workload's pods (for the scale subresource)."""
 
 
+class PlannerDecision(CrdModel):
+    """The planner's last recorded decision for one worker pool, with the inputs it saw."""
+
+    current_replicas: int = Field(0, ge=0)
+    """Replicas of the StatefulSet when the planner decided."""
+    desired_replicas: int = Field(0, ge=0)
+    """Replicas the planner wants."""
+    reason: str = Field("", max_length=1024)
+    """A CamelCase reason, one of the constants in `kvrail.operator.planner`."""
+    message: str = Field("", max_length=32768)
+    """The recommendation and how stabilization, cooldown or bounds shaped it."""
+    dry_run: bool = False
+    """True when the planner only records (autoscaling.dryRun): replicas are left alone."""
+    backlog_jobs: int | None = Field(None, ge=0)
+    """Prefill: jobs queued in the pool's JetStream stream."""
+    backlog_tokens: int | None = Field(None, ge=0)
+    """Prefill: prompt tokens queued in the stream."""
+    reporting_workers: int | None = Field(None, ge=0)
+    """Decode: ready workers whose records in etcd were read."""
+    kv_utilization_percent: int | None = Field(None, ge=0, le=100)
+    """Decode: mean KV-cache utilization of the reporting workers."""
+    running_requests: int | None = Field(None, ge=0)
+    """Decode: requests running on the reporting workers."""
+    waiting_requests: int | None = Field(None, ge=0)
+    """Decode: requests waiting on the reporting workers."""
+    time: str = Field(json_schema_extra={"format": "date-time"})
+    """When this decision was recorded."""
+    last_scale_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    """When the planner last changed this pool's replicas."""
+
+
+class AutoscalingStatus(CrdModel):
+    """The planner's last decision per worker pool (absent while autoscaling is off)."""
+
+    prefill: PlannerDecision | None = None
+    """The prefill pool."""
+    decode: PlannerDecision | None = None
+    """The decode pool."""
+
+
 class InferencePoolStatus(CrdModel):
     """What the operator observed, at `observedGeneration`."""
 
@@ -61,3 +101,5 @@ class InferencePoolStatus(CrdModel):
     """Where clients reach the OpenAI API: the Gateway hostname, else the router Service."""
     model_hash: str = ""
     """A short hash of the fingerprint-relevant spec (pod label `kvrail.dev/model-hash`)."""
+    autoscaling: AutoscalingStatus | None = None
+    """The planner's decisions, written by the planner's timer."""

@@ -91,6 +91,15 @@ class Settings(BaseModel):
     api_keys_file: Path | None = None
     router_config_file: Path | None = None
 
+    # Operator.
+    operator_metrics_port: int | None = Field(
+        None, ge=1, le=65535, description="serve the operator's Prometheus metrics; unset: off"
+    )
+    operator_cleanup_retries: int = Field(
+        6, ge=0, le=1000, description="retries of a pool's etcd/NATS cleanup before giving up"
+    )
+    operator_cleanup_retry_delay_s: float = Field(10.0, gt=0, le=3600)
+
     @field_validator("namespace", "pool")
     @classmethod
     def _dns_label(cls, value: str) -> str:

@@ -13,11 +13,12 @@ from typing import Any, Protocol
 
 from kubernetes.dynamic.exceptions import DynamicApiError
 
-from kvrail.crd import InferencePool
+from kvrail.crd import InferencePool, Role
 from kvrail.operator.builders.children import build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.meta import Component, child_name
 from kvrail.operator.k8s import KindNotServedError
+from kvrail.operator.replicas import planner_owns_replicas, worker_replicas
 from kvrail.operator.status import Workload, observe
 
 PERMANENT_STATUSES = frozenset({400, 403, 422})
@@ -28,13 +29,18 @@ WORKLOAD_KINDS: dict[Component, tuple[str, str]] = {
 }
 
 
-class Cluster(Protocol):
-    """What reconciling needs from the API (implemented by `kvrail.operator.k8s.Kube`)."""
+class Reader(Protocol):
+    """Reading objects back (implemented by `kvrail.operator.k8s.Kube`)."""
 
-    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
     def get(
         self, api_version: str, kind: str, name: str, namespace: str
     ) -> dict[str, Any] | None: ...
+
+
+class Cluster(Reader, Protocol):
+    """What reconciling needs from the API (implemented by `kvrail.operator.k8s.Kube`)."""
+
+    def apply(self, manifest: dict[str, Any]) -> dict[str, Any]: ...
     def delete(self, api_version: str, kind: str, name: str, namespace: str) -> bool: ...
 
 
@@ -49,9 +55,13 @@ class Outcome:
 
 
 def reconcile(cluster: Cluster, pool: InferencePool, ctx: BuildContext) -> Outcome:
-    """Apply all children in order, then delete those the spec no longer wants."""
+    """Apply all children in order, then delete those the spec no longer wants.
+
+    While the planner is in charge of the worker sizes, the StatefulSets keep the replicas they
+    have (see `kvrail.operator.replicas`): a spec edit never undoes a scaling decision."""
     namespace = pool.metadata.namespace
-    children = build_children(pool, ctx)
+    live = live_replicas(cluster, pool) if planner_owns_replicas(pool) else {}
+    children = build_children(pool, ctx, worker_replicas(pool, live))
     for manifest in children:
         try:
             cluster.apply(manifest)
@@ -71,7 +81,18 @@ def reconcile(cluster: Cluster, pool: InferencePool, ctx: BuildContext) -> Outco
     return Outcome(applied=len(children), deleted=deleted)
 
 
-def observe_workloads(cluster: Cluster, pool: InferencePool) -> dict[Component, Workload | None]:
+def live_replicas(cluster: Reader, pool: InferencePool) -> dict[Role, int | None]:
+    """The worker StatefulSets' `spec.replicas` now (None where one does not exist)."""
+    out: dict[Role, int | None] = {}
+    for role in ("prefill", "decode"):
+        if pool.role(role) is None:
+            continue
+        obj = cluster.get("apps/v1", "StatefulSet", child_name(pool, role), pool.metadata.namespace)
+        out[role] = None if obj is None else int(obj.get("spec", {}).get("replicas", 1))
+    return out
+
+
+def observe_workloads(cluster: Reader, pool: InferencePool) -> dict[Component, Workload | None]:
     """The pool's StatefulSets and Deployment as the API server reports them."""
     out: dict[Component, Workload | None] = {}
     for component, (api_version, kind) in WORKLOAD_KINDS.items():

@@ -5,14 +5,28 @@
   `PermanentError` (no crash loop, no retries until the spec changes); API hiccups raise
   `TemporaryError` and Kopf retries later. Handlers never sleep.
 - a timer re-reads the workloads and refreshes status (ready counts, conditions).
-- deletion needs no handler: every child has the pool as its controller owner, so the garbage
-  collector removes them.
+- the plan timer runs the planner every `spec.autoscaling.intervalSeconds` (Kopf ticks every
+  second; the handler returns at once until the interval has passed) when autoscaling is enabled.
+  Its state (recommendation history, last change) is the pool's in-memory `memo`: a restarted
+  operator starts with none, and the planner then waits a full stabilization window first.
+- the delete handler (Kopf's finalizer `kopf.kvrail.dev/finalizer`) removes what the garbage
+  collector cannot see: the pool's etcd keys and its JetStream stream. The children need no
+  handler: the pool is their controller owner, so the garbage collector removes them.
 
-The API client and build context live in Kopf's `memo`, set up by `kvrail.operator.main`.
+Cleanup is bounded on purpose. While etcd or NATS cannot be reached it raises `TemporaryError`
+and Kopf retries after `operator_cleanup_retry_delay_s`; after `operator_cleanup_retries`
+retries it posts a `CleanupAbandoned` warning Event naming what was left behind and lets the
+delete finish. A pool whose etcd is gone for good (a decommissioned cluster, a typo in
+`spec.infrastructure`) can so still be deleted, without anyone editing finalizers by hand; what
+it leaves is a key prefix and a stream that nothing uses any more, which the Event names.
+
+The API client, build context, settings and etcd/NATS connections live in Kopf's `memo`, set up
+by `kvrail.operator.main`.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -22,7 +36,11 @@ from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
 from kvrail.crd import GROUP, PLURAL, VERSION, InferencePool
+from kvrail.keys import PoolKeys
+from kvrail.operator import autoscaler, metrics
 from kvrail.operator.apply import ApplyRefusedError, observe_workloads, reconcile
+from kvrail.operator.planes import PlaneError, delete_pool_data, pool_settings
+from kvrail.operator.planner import PlannerState
 from kvrail.operator.status import (
     APPLY_FAILED,
     INVALID_SPEC,
@@ -33,6 +51,10 @@ from kvrail.operator.status import (
 
 RETRY_DELAY_S = 10
 OBSERVE_INTERVAL_S = 10
+PLAN_TICK_S = 1.0
+CLEANED_UP = "CleanedUp"
+CLEANUP_RETRYING = "CleanupRetrying"
+CLEANUP_ABANDONED = "CleanupAbandoned"
 
 
 def _now() -> str:
@@ -112,3 +134,84 @@ def observe_inferencepool(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, *
         _write_status(body, patch, memo, pool, None)
     except (DynamicApiError, HTTPError) as err:
         raise kopf.TemporaryError(f"API error, retrying: {err}", delay=RETRY_DELAY_S) from err
+
+
+def _autoscaling_enabled(spec: kopf.Spec, **_: Any) -> bool:
+    return bool(spec.get("autoscaling", {}).get("enabled", False))
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=PLAN_TICK_S, when=_autoscaling_enabled,
+            id="plan-inferencepool")  # fmt: skip
+async def plan_inferencepool(
+    body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
+    try:
+        pool = _parse(body)
+    except ValidationError:
+        return
+    interval_s = pool.spec.autoscaling.interval_seconds
+    now_s = time.time()
+    previous_s = memo.get("planner_tick_s", 0.0)
+    if now_s - previous_s < interval_s:
+        return
+    memo.planner_tick_s = now_s
+    state = memo.get("planner_state") or PlannerState()
+    if now_s - previous_s > 3 * interval_s:
+        state = PlannerState()  # the planner was off or stalled: its history says nothing now
+    recorded = body.get("status", {}).get("autoscaling") or {}
+    try:
+        result = await autoscaler.tick(
+            memo.cluster, memo.planes, memo.settings, pool, state, recorded, now_s
+        )
+    except (DynamicApiError, HTTPError) as err:
+        raise kopf.TemporaryError(f"API error, retrying: {err}", delay=RETRY_DELAY_S) from err
+    memo.planner_state = result.state
+    for d in result.decisions:
+        if d.is_change:
+            logger.info(
+                "planner pool=%s role=%s current=%d desired=%d reason=%s dry_run=%s",
+                *(pool.metadata.name, d.role, d.current, d.desired, d.reason, d.dry_run),
+            )
+    for reason, message in result.events:
+        kopf.info(body, reason=reason, message=message)
+    if result.status is not None:
+        patch.status["autoscaling"] = result.status
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, id="delete-inferencepool")
+async def delete_inferencepool(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, retry: int, **_: Any
+) -> None:
+    if memo.get("cleanup_done"):
+        # Kopf can run a delete handler again while it stops the pool's timers; the work is
+        # done (or abandoned) already.
+        return
+    namespace, name = body.meta["namespace"], body.meta["name"]
+    try:
+        infrastructure = _parse(body).spec.infrastructure
+    except ValidationError:
+        infrastructure = None  # an invalid spec: clean up on the operator's default endpoints
+    settings = pool_settings(memo.settings, namespace, name, infrastructure)
+    keys = PoolKeys(namespace, name)
+    metrics.forget(namespace, name)
+    try:
+        had_stream = (await delete_pool_data(memo.planes, settings))[1]
+    except PlaneError as err:
+        limit = memo.settings.operator_cleanup_retries
+        left = f"etcd prefix {keys.pool_prefix} and stream {keys.prefill_stream}"
+        if retry < limit:
+            delay = memo.settings.operator_cleanup_retry_delay_s
+            message = f"attempt {retry + 1} of {limit + 1} failed, retrying in {delay:g}s: {err}"
+            kopf.warn(body, reason=CLEANUP_RETRYING, message=message)
+            raise kopf.TemporaryError(f"cleanup: {message}", delay=delay) from err
+        message = f"gave up after {retry + 1} attempts, {left} left behind: {err}"
+        logger.warning("cleanup abandoned pool=%s %s", name, message)
+        kopf.warn(body, reason=CLEANUP_ABANDONED, message=message)
+        memo.cleanup_done = True
+        return
+    message = f"deleted etcd prefix {keys.pool_prefix}" + (
+        f" and stream {keys.prefill_stream}" if had_stream else " (no stream)"
+    )
+    logger.info("cleaned up pool=%s %s", name, message)
+    kopf.info(body, reason=CLEANED_UP, message=message)
+    memo.cleanup_done = True

@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,10 +72,15 @@ def token_kubeconfig(admin_kubeconfig: Path, token: str, path: Path) -> Path:
 
 
 def start_operator(
-    kubeconfig: Path, namespaces: Sequence[str], log_path: Path, timeout_s: float = 60
+    kubeconfig: Path,
+    namespaces: Sequence[str],
+    log_path: Path,
+    timeout_s: float = 60,
+    settings: Mapping[str, str] | None = None,
 ) -> ManagedProcess:
     """`kopf run --standalone -m kvrail.operator.main --namespace ...`, outside the repo root
-    (STYLE.md §3), ready once Kopf's liveness endpoint answers."""
+    (STYLE.md §3), ready once Kopf's liveness endpoint answers. `settings` become `KVRAIL_*`
+    variables (e.g. `{"etcd_endpoints": ..., "nats_url": ...}` for the harness's servers)."""
     port = free_port()
     kopf = Path(sys.executable).parent / "kopf"
     argv = [str(kopf), "run", "--standalone", "--log-format=full", "-m", "kvrail.operator.main",
@@ -83,6 +88,7 @@ def start_operator(
     argv += [f"--namespace={n}" for n in namespaces]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "KVRAIL_"))}
     env["KUBECONFIG"] = str(kubeconfig)
+    env.update({f"KVRAIL_{k.upper()}": v for k, v in (settings or {}).items()})
     proc = ManagedProcess("kvrail-operator", argv, log_path, env=env, cwd=log_path.parent)
     proc.start()
     try:

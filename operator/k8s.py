@@ -23,6 +23,7 @@ from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError, ResourceNotFoundError
 
 FIELD_MANAGER = "kvrail-operator"
+PLANNER_FIELD_MANAGER = "kvrail-planner"
 NEGATIVE_TTL_S = 30.0
 
 
@@ -93,3 +94,15 @@ class Kube:
         except (NotFoundError, KindNotServedError):
             return False
         return True
+
+    def scale(self, api_version: str, kind: str, name: str, namespace: str, replicas: int) -> None:
+        """Set replicas through the scale subresource (as an HPA does), as the planner's field
+        manager; NotFoundError when the object does not exist."""
+        resource = self._resource(api_version, kind)
+        resource.subresources["scale"].patch(
+            name=name,
+            namespace=namespace,
+            body={"spec": {"replicas": replicas}},
+            content_type="application/merge-patch+json",
+            field_manager=PLANNER_FIELD_MANAGER,
+        )

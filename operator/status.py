@@ -129,12 +129,15 @@ def compute_status(
     else:
         degraded = cond(DEGRADED, "False", AS_EXPECTED, "")
 
+    roles = {c: _role_status(pool, c, w) for c, w in present.items()}
     status = InferencePoolStatus(
         observed_generation=generation,
         conditions=[ready, progressing, degraded],
         endpoint=endpoint(pool),
         model_hash=model_hash(pool),
-        **{c: _role_status(pool, c, w) for c, w in present.items()},
+        prefill=roles.get("prefill"),
+        decode=roles.get("decode"),
+        router=roles.get("router"),
     )
     return status.model_dump(mode="json", exclude_none=True)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kvrail.crd import InferencePool, Role
@@ -24,13 +25,18 @@ class ChildRef(NamedTuple):
     name: str
 
 
-def build_children(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
-    """All desired children: config first, then Services, workloads, budgets and the route."""
+def build_children(
+    pool: InferencePool, ctx: BuildContext, replicas: Mapping[Role, int] | None = None
+) -> list[dict[str, Any]]:
+    """All desired children: config first, then Services, workloads, budgets and the route.
+
+    `replicas` overrides the worker StatefulSets' sizes (see `kvrail.operator.replicas`)."""
+    sizes = replicas or {}
     roles = [r for r in ROLES if pool.role(r) is not None]
     out: list[dict[str, Any]] = [build_configmap(pool)]
     out += [build_worker_service(pool, r) for r in roles]
     out.append(build_router_service(pool))
-    out += [build_statefulset(pool, r, ctx) for r in roles]
+    out += [build_statefulset(pool, r, ctx, sizes.get(r)) for r in roles]
     out.append(build_deployment(pool, ctx))
     out += [build_pdb(pool, r) for r in roles]
     out.append(build_pdb(pool, "router"))

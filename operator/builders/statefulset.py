@@ -40,7 +40,11 @@ def worker_command(pool: InferencePool, role: Role) -> list[str]:
     return ["python", "-P", "-m", "kvrail.worker", "--role", "both" if colocated else role]
 
 
-def build_statefulset(pool: InferencePool, role: Role, ctx: BuildContext) -> dict[str, Any]:
+def build_statefulset(
+    pool: InferencePool, role: Role, ctx: BuildContext, replicas: int | None = None
+) -> dict[str, Any]:
+    """The role's StatefulSet with `replicas` (default: the spec's; the planner's size when it is
+    in charge, see `kvrail.operator.replicas`)."""
     spec = pool.role(role)
     if spec is None:
         raise ValueError(f"pool {pool.metadata.name} has no {role} pool")
@@ -86,7 +90,7 @@ def build_statefulset(pool: InferencePool, role: Role, ctx: BuildContext) -> dic
         "metadata": object_meta(pool, name, role),
         "spec": {
             "serviceName": name,
-            "replicas": spec.replicas,
+            "replicas": spec.replicas if replicas is None else replicas,
             "podManagementPolicy": "Parallel",
             "updateStrategy": {"type": "RollingUpdate"},
             "selector": {"matchLabels": selector_labels(pool, role)},

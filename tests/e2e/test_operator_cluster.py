@@ -3,11 +3,13 @@
 It runs as a subprocess (`kopf run --standalone -m kvrail.operator.main`) under the Helm chart's
 RBAC with its own ServiceAccount token, never as admin. The tests apply the examples and check
 the children, where the real scheduler puts the pods, status, scaling, a model change, a child the
-API server refuses, deletion through the garbage collector, and what the token may not do.
+API server refuses, deletion through the garbage collector and the finalizer (the pool's etcd keys
+and JetStream stream on the harness's real servers), and what the token may not do.
 """
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import time
@@ -20,8 +22,12 @@ import pytest
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+from nats.js.errors import NotFoundError
 
+from kvrail.bus import PrefillQueue, connect
 from kvrail.crd import GROUP, PLURAL, VERSION
+from kvrail.keys import PoolKeys
+from kvrail.messages import PrefillJob
 from kvrail.operator.builders.meta import MODEL_HASH_LABEL, POOL_LABEL, ROLE_LABEL
 from kvrail.operator.harness import (
     OPERATOR_NAMESPACE,
@@ -33,6 +39,9 @@ from kvrail.operator.harness import (
     wait_for,
 )
 from kvrail.procs import ManagedProcess
+from kvrail.registry import etcd_client
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.settings import Settings
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 
 pytestmark = [pytest.mark.cluster, pytest.mark.helm]
@@ -56,6 +65,8 @@ class Env:
     admin: client.ApiClient
     operator_api: client.ApiClient
     operator: ManagedProcess
+    servers: Settings | None = None
+    """The harness's etcd and NATS, the operator's default endpoints."""
 
     def kubectl(self, *args: str, stdin: str | None = None) -> str:
         done = subprocess.run(
@@ -123,11 +134,62 @@ def running(pods: list[client.V1Pod]) -> list[client.V1Pod]:
     ]
 
 
+def pool_exists(env: Env, namespace: str, name: str) -> bool:
+    try:
+        env.pool(namespace, name)
+    except ApiException as err:
+        if err.status == 404:
+            return False
+        raise
+    return True
+
+
+def event_reasons(env: Env, namespace: str, name: str) -> list[str]:
+    events = client.CoreV1Api(env.admin).list_namespaced_event(
+        namespace, field_selector=f"involvedObject.name={name}"
+    )
+    return [e.reason for e in events.items for _ in range(e.count or 1)]
+
+
+async def put_pool_data(servers: Settings, keys: PoolKeys) -> None:
+    """What a running pool leaves in etcd and NATS: worker keys and a stream with a job."""
+    async with etcd_client(servers) as etcd:
+        await etcd.put(keys.worker("decode-0").encode(), b"{}")
+        await etcd.put((keys.pool_prefix + "other").encode(), b"x")
+    nc = await connect(servers, "e2e")
+    try:
+        queue = PrefillQueue(nc.jetstream(), keys)
+        await queue.ensure_stream()
+        job = PrefillJob(request_id="r-1", token_ids=(1, 2, 3), fingerprint="f" * 64,
+                         dest_worker_id="decode-0", dest_incarnation=1, dest_agent_name="a",
+                         dest_block_ids=(1,), first_block_index=0,
+                         deadline_unix_s=time.time() + 60)  # fmt: skip
+        await queue.publish(job)
+    finally:
+        await nc.close()
+
+
+async def pool_data(servers: Settings, keys: PoolKeys) -> tuple[int, int | None]:
+    """(keys under the pool's prefix, jobs in its stream or None when the stream is gone)."""
+    async with etcd_client(servers) as etcd:
+        num_keys = len(list(await etcd.get_prefix(keys.pool_prefix.encode())))
+    nc = await connect(servers, "e2e")
+    try:
+        backlog: int | None = await PrefillQueue(nc.jetstream(), keys).backlog()
+    except NotFoundError:
+        backlog = None
+    finally:
+        await nc.close()
+    return num_keys, backlog
+
+
 @pytest.fixture(scope="module")
 def env(
     kube_cluster: KubeControlPlane,
     helm_binary: Path,
     gateway_api_crds: Path,
+    etcd_server: EtcdServer,
+    nats_server: NatsServer,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Env]:
     admin = config.new_client_from_config(str(kube_cluster.kubeconfig(ADMIN)))
@@ -171,9 +233,14 @@ def env(
         kube_cluster.kubeconfig(ADMIN), token, root / "operator.kubeconfig"
     )
     operator_api = config.new_client_from_config(str(kubeconfig))
-    operator = start_operator(kubeconfig, [NAMESPACE, RDMA_NAMESPACE], root / "operator.log")
+    servers = {"etcd_endpoints": etcd_server.endpoint, "nats_url": nats_server.url,
+               "operator_cleanup_retries": "2", "operator_cleanup_retry_delay_s": "1"}  # fmt: skip
+    operator = start_operator(
+        kubeconfig, [NAMESPACE, RDMA_NAMESPACE], root / "operator.log", settings=servers
+    )
     try:
-        yield Env(kube_cluster, admin, operator_api, operator)
+        defaults = Settings(etcd_endpoints=(etcd_server.endpoint,), nats_url=nats_server.url)
+        yield Env(kube_cluster, admin, operator_api, operator, defaults)
         assert operator.is_running(), f"the operator exited\n{operator.tail()}"
     finally:
         operator.stop()
@@ -264,13 +331,21 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
         assert sts.status.current_revision == sts.status.update_revision
         assert sts.spec.template.metadata.labels[MODEL_HASH_LABEL] == new_hash
 
-    # Delete: the garbage collector removes every child and pod; no delete handler needed.
+    # Delete: the garbage collector removes every child and pod; the finalizer removes what the
+    # pool left on the real etcd and NATS: its keys and its stream with a queued job.
+    assert env.servers is not None
+    keys = PoolKeys(ns, name)
+    asyncio.run(put_pool_data(env.servers, keys))
+    assert asyncio.run(pool_data(env.servers, keys)) == (2, 1)
     env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
 
     def gone() -> bool:
         return not env.children(ns, name) and not env.pods(ns, f"{POOL_LABEL}={name}")
 
     wait_for("nothing left of the pool", gone, DEADLINE_S)
+    wait_for("the pool object removed", lambda: not pool_exists(env, ns, name), DEADLINE_S)
+    assert asyncio.run(pool_data(env.servers, keys)) == (0, None)
+    assert event_reasons(env, ns, name).count("CleanedUp") == 1
 
 
 def test_rdma_pool_runs_only_on_rdma_nodes_spread_and_becomes_ready(env: Env) -> None:
@@ -293,12 +368,17 @@ def test_rdma_pool_runs_only_on_rdma_nodes_spread_and_becomes_ready(env: Env) ->
         assert set(nodes) <= set(RDMA_NODES), (role, nodes)
     # Same-role spread (best effort, maxSkew 1): the four decode workers use several nodes.
     assert len(set(placed["decode"])) >= 2, placed
+    # Its etcd and NATS (spec.infrastructure) do not exist here: the finalizer retries twice,
+    # then gives up with a warning Event and lets the delete finish.
     env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
     wait_for(
         "nothing left",
         lambda: not env.children(ns, name) and not env.pods(ns, f"{POOL_LABEL}={name}"),
         DEADLINE_S,
     )
+    assert not pool_exists(env, ns, name)
+    reasons = event_reasons(env, ns, name)
+    assert (reasons.count("CleanupRetrying"), reasons.count("CleanupAbandoned")) == (2, 1), reasons
 
 
 def test_child_refused_by_the_api_server_gives_degraded_not_a_crash_loop(env: Env) -> None:

@@ -116,3 +116,56 @@ def test_handlers_are_registered_with_stable_ids() -> None:
     assert {"create-inferencepool", "resume-inferencepool", "update-inferencepool/spec"} <= changing
     assert "observe-inferencepool" in {h.id for h in registry._spawning.get_all_handlers()}
     assert "configure-operator" in {h.id for h in registry._activities.get_all_handlers()}
+
+
+AUTOSCALED = (
+    ("spec.autoscaling.enabled", True),
+    ("spec.prefill.replicas", 2),
+    ("spec.prefill.maxReplicas", 6),
+    ("spec.decode.maxReplicas", 4),
+)
+
+
+def replicas(cluster: MemoryCluster, role: str) -> int:
+    sts = cluster.get("apps/v1", "StatefulSet", f"tiny-{role}", "default")
+    assert sts is not None
+    return int(sts["spec"]["replicas"])
+
+
+def scale(cluster: MemoryCluster, role: str, size: int) -> None:
+    """What the planner does through the scale subresource."""
+    sts = cluster.get("apps/v1", "StatefulSet", f"tiny-{role}", "default")
+    assert sts is not None
+    sts["spec"]["replicas"] = size
+
+
+def test_a_spec_edit_keeps_the_planners_sizes_while_it_is_in_charge() -> None:
+    cluster = MemoryCluster()
+    reconcile(cluster, make_pool(mutate(pool_manifest(), *AUTOSCALED)), CTX)
+    assert (replicas(cluster, "prefill"), replicas(cluster, "decode")) == (2, 1)
+    scale(cluster, "prefill", 5)
+    scale(cluster, "decode", 3)
+    edited = mutate(pool_manifest(), *AUTOSCALED, ("spec.model.revision", "r2"))
+    reconcile(cluster, make_pool(edited, generation=2), CTX)
+    assert (replicas(cluster, "prefill"), replicas(cluster, "decode")) == (5, 3)
+
+
+def test_new_bounds_clamp_the_planners_size_at_once() -> None:
+    cluster = MemoryCluster()
+    reconcile(cluster, make_pool(mutate(pool_manifest(), *AUTOSCALED)), CTX)
+    scale(cluster, "prefill", 6)
+    narrower = mutate(pool_manifest(), *AUTOSCALED, ("spec.prefill.maxReplicas", 3))
+    reconcile(cluster, make_pool(narrower, generation=2), CTX)
+    assert replicas(cluster, "prefill") == 3
+
+
+@pytest.mark.parametrize(
+    "switch",
+    [("spec.autoscaling.enabled", False), ("spec.autoscaling.dryRun", True)],
+)
+def test_without_the_planner_in_charge_the_spec_sets_the_size(switch: tuple[str, Any]) -> None:
+    cluster = MemoryCluster()
+    reconcile(cluster, make_pool(mutate(pool_manifest(), *AUTOSCALED)), CTX)
+    scale(cluster, "prefill", 5)
+    reconcile(cluster, make_pool(mutate(pool_manifest(), *AUTOSCALED, switch), generation=2), CTX)
+    assert replicas(cluster, "prefill") == 2

@@ -7,6 +7,7 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
   kinds a spec change can make stale are deleted.
 - inferencepools/finalizers update: owner references with blockOwnerDeletion need it where the
   OwnerReferencesPermissionEnforcement admission plugin is on.
+- statefulsets/scale patch: the planner sets worker replicas through the scale subresource.
 */}}
 {{- define "kvrail.operator.poolRules" -}}
 - apiGroups: [kvrail.dev]
@@ -30,6 +31,9 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
 - apiGroups: [apps]
   resources: [statefulsets]
   verbs: [create, get, patch, delete]
+- apiGroups: [apps]
+  resources: [statefulsets/scale]
+  verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
   verbs: [create, get, patch]
