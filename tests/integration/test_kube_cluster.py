@@ -11,20 +11,24 @@ from kvrail.testing.kube import KubeControlPlane
 
 pytestmark = pytest.mark.cluster
 RDMA_LABEL = "feature.node.kubernetes.io/rdma.capable"
+GROUP_LABEL = "harness.kvrail.dev/group"  # other tests add RDMA nodes to the shared cluster
 
 
 def test_statefulset_pods_land_only_on_nodes_the_affinity_allows(
     kube_cluster: KubeControlPlane,
 ) -> None:
     for name, rdma in (("gpu-rdma-0", "true"), ("gpu-rdma-1", "true"), ("cpu-0", "false")):
-        kube_cluster.add_node(name, labels={RDMA_LABEL: rdma}, capacity={"nvidia.com/gpu": "8"})
+        kube_cluster.add_node(
+            name, labels={RDMA_LABEL: rdma, GROUP_LABEL: "sts"}, capacity={"nvidia.com/gpu": "8"}
+        )
     api = config.new_client_from_config(str(kube_cluster.kubeconfig()))
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
     core.create_namespace({"metadata": {"name": "harness-sts"}})
     labels = {"app": "rdma-sts"}
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchExpressions": [
-            {"key": RDMA_LABEL, "operator": "In", "values": ["true"]}]}]}}}  # fmt: skip
+            {"key": RDMA_LABEL, "operator": "In", "values": ["true"]},
+            {"key": GROUP_LABEL, "operator": "In", "values": ["sts"]}]}]}}}  # fmt: skip
     apps.create_namespaced_stateful_set("harness-sts", {
         "metadata": {"name": "rdma-sts"},
         "spec": {

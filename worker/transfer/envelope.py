@@ -43,7 +43,7 @@ def block_checksums(region: BlockRegion, block_ids: Sequence[int]) -> tuple[str,
     for block_id in block_ids:
         raw = region.block_bytes_view(block_id)
         data = raw.cpu().numpy() if raw.is_cuda else raw.numpy()
-        out.append(hashlib.blake2b(data, digest_size=8).hexdigest())
+        out.append(hashlib.blake2b(data.tobytes(), digest_size=8).hexdigest())
     return tuple(out)
 
 

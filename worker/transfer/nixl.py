@@ -21,6 +21,7 @@ import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,12 +36,12 @@ log = logging.getLogger(__name__)
 _MAX_COPY_CALLS = 4
 
 
-def _nixl():  # type: ignore[no-untyped-def]
+def _nixl() -> Any:
     """The NIXL module: the `nixl` meta package where installed, else the CUDA 12 wheel."""
     try:
-        import nixl._api as api  # type: ignore[import-not-found]
+        import nixl._api as api
     except ImportError:
-        import nixl_cu12._api as api  # type: ignore[import-not-found,no-redef]
+        import nixl_cu12._api as api
     return api
 
 
