@@ -1,17 +1,29 @@
-"""Triton kernel: paged decode attention, one query token per sequence.
+"""Triton kernel: paged decode attention, one query token per sequence, split-K (flash-decoding).
 
-Same contract as `kvrail.kernels.reference.paged_decode_attention`. One program per (sequence,
-KV head) computes all the query heads of that KV head's group at once, walking the context in
-BLOCK_N-token tiles through the block table with an online softmax (float32 accumulators).
+Same contract as `kvrail.kernels.reference.paged_decode_attention`. The grid is (sequence, KV
+head, split): each program takes all the query heads of its KV head's group (K and V are loaded
+once per group) over one contiguous slice of the context, walking it in BLOCK_N-token tiles
+through the block table with an online softmax (float32 accumulators). With one split the
+program normalises and stores the output directly; with several, each writes its partial
+(max, sum, unnormalised acc) and `_reduce_kernel` merges the splits in a fixed order, so results
+are deterministic. The split count is chosen on the host from the batch and a static context
+bound (the block table's width), never from `seq_lens`, so a launch is CUDA-graph capturable;
+a slice's length is derived from the sequence's own length inside the kernel.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+MAX_SPLITS = 64
+MIN_SPLIT_TOKENS = 32
+WAVES = 4  # aim for about this many programs per SM before splitting stops
 
 
 @triton.jit
@@ -22,6 +34,8 @@ def _decode_kernel(
     block_tables,
     seq_lens,
     out,
+    part_ml,
+    part_acc,
     scale,
     stride_qs,
     stride_qh,
@@ -37,18 +51,26 @@ def _decode_kernel(
     block_size,
     group,
     head_dim,
+    num_heads,
+    num_splits,
     G_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     s = tl.program_id(0)
     kvh = tl.program_id(1)
+    split = tl.program_id(2)
     seq_len = tl.load(seq_lens + s)
+    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seq_len)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
     d_mask = d < head_dim
-    q_mask = (g < group)[:, None] & d_mask[None, :]
+    g_mask = g < group
+    q_mask = g_mask[:, None] & d_mask[None, :]
     heads = kvh * group + g
     q = tl.load(
         query + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
@@ -58,9 +80,9 @@ def _decode_kernel(
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     table = block_tables + s.to(tl.int64) * stride_bt
-    for start in range(0, seq_len, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < seq_len
+        n_mask = n < hi
         phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
         within = (n % block_size).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
@@ -96,11 +118,53 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    result = acc / l_i[:, None]
+    if DIRECT:
+        tl.store(
+            out + s * stride_os + heads[:, None] * stride_oh + d[None, :],
+            (acc / l_i[:, None]).to(out.dtype.element_ty),
+            mask=q_mask,
+        )
+    else:
+        # partials: part_ml [S, Hq, 2, splits] (max, sum), part_acc [S, Hq, splits, D_PAD]
+        row = s.to(tl.int64) * num_heads + heads
+        tl.store(part_ml + (row * 2) * num_splits + split, m_i, mask=g_mask)
+        tl.store(part_ml + (row * 2 + 1) * num_splits + split, l_i, mask=g_mask)
+        acc_ptr = part_acc + ((row * num_splits + split) * D_PAD)[:, None] + d[None, :]
+        tl.store(acc_ptr, acc, mask=g_mask[:, None])
+
+
+@triton.jit
+def _reduce_kernel(
+    part_ml,
+    part_acc,
+    out,
+    stride_os,
+    stride_oh,
+    head_dim,
+    num_heads,
+    num_splits,
+    SPLIT_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    row = s.to(tl.int64) * num_heads + h
+    i = tl.arange(0, SPLIT_PAD)
+    d = tl.arange(0, D_PAD)
+    i_mask = i < num_splits
+    m = tl.load(part_ml + (row * 2) * num_splits + i, mask=i_mask, other=float("-inf"))
+    l_s = tl.load(part_ml + (row * 2 + 1) * num_splits + i, mask=i_mask, other=0.0)
+    acc = tl.load(
+        part_acc + (row * num_splits + i)[:, None] * D_PAD + d[None, :],
+        mask=i_mask[:, None],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)  # finite: split 0 always holds at least one token
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    result = tl.sum(w[:, None] * acc, 0) / total
     tl.store(
-        out + s * stride_os + heads[:, None] * stride_oh + d[None, :],
-        result.to(out.dtype.element_ty),
-        mask=q_mask,
+        out + s * stride_os + h * stride_oh + d, result.to(out.dtype.element_ty), mask=d < head_dim
     )
 
 
@@ -134,6 +198,19 @@ def check_paged_inputs(
     return num_heads // num_kv_heads, head_dim
 
 
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per (sequence, KV head) so the grid holds about WAVES programs per SM, each with at
+    least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone fills it."""
+    base = max(1, num_seqs * num_kv_heads)
+    wanted = triton.cdiv(WAVES * num_sms, base)
+    return max(1, min(MAX_SPLITS, wanted, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -141,20 +218,40 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
+    """`num_splits` None picks it from the batch and the table's width (a static bound on the
+    context, so no host sync and the same choice on every replay of a captured graph)."""
     num_seqs = query.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     out = torch.empty_like(query)
     if num_seqs == 0:
         return out
-    grid = (num_seqs, k_cache.shape[2])
-    _decode_kernel[grid](
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    if num_splits is None:
+        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4
+        max_seq_len = block_tables.shape[1] * k_cache.shape[1]
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    d_pad = max(16, triton.next_power_of_2(head_dim))
+    direct = num_splits == 1
+    part_ml = part_acc = out  # unused placeholders when the kernel stores directly
+    if not direct:
+        f32 = torch.float32
+        part_ml = torch.empty(num_seqs, num_heads, 2, num_splits, dtype=f32, device=query.device)
+        part_acc = torch.empty(
+            num_seqs, num_heads, num_splits, d_pad, dtype=f32, device=query.device
+        )
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         query,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
         out,
+        part_ml,
+        part_acc,
         scale,
         query.stride(0),
         query.stride(1),
@@ -170,9 +267,25 @@ def paged_decode_attention(
         k_cache.shape[1],
         group,
         head_dim,
+        num_heads,
+        num_splits,
         G_PAD=max(16, triton.next_power_of_2(group)),
-        D_PAD=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_N=64 if head_dim <= 128 else 32,
+        D_PAD=d_pad,
+        BLOCK_N=(64 if head_dim <= 128 else 32) if direct else 32,
+        DIRECT=direct,
         IEEE=k_cache.dtype == torch.float32,
     )
+    if not direct:
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_ml,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            num_heads,
+            num_splits,
+            SPLIT_PAD=triton.next_power_of_2(num_splits),
+            D_PAD=d_pad,
+        )
     return out

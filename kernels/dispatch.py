@@ -32,6 +32,44 @@ def write_kv(
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    impl = _triton("rms_norm") if x.is_cuda else reference
+    out: torch.Tensor = impl.rms_norm(x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _triton("rms_norm") if x.is_cuda else reference
+    out: tuple[torch.Tensor, torch.Tensor] = impl.fused_add_rms_norm(x, residual, weight, eps)
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    impl = _triton("silu_and_mul") if x.is_cuda else reference
+    out: torch.Tensor = impl.silu_and_mul(x)
+    return out
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    impl = _triton("rotary_kv") if q.is_cuda else reference
+    out: tuple[torch.Tensor, torch.Tensor] = impl.rotary_write_kv(
+        positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+    )
+    return out
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -39,10 +77,11 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     impl = _triton("decode_attention") if query.is_cuda else reference
     out: torch.Tensor = impl.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale
+        query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits
     )
     return out
 
@@ -56,10 +95,19 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    skip_fresh: bool = False,
 ) -> torch.Tensor:
     impl = _triton("prefill_attention") if query.is_cuda else reference
     out: torch.Tensor = impl.paged_prefill_attention(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, max_query_len
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        scale,
+        max_query_len,
+        skip_fresh,
     )
     return out
 

@@ -44,6 +44,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
+    SKIP_FRESH: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -52,9 +53,11 @@ def _prefill_kernel(
     kvh = hq // group
     q_start = tl.load(query_start_loc + s)
     q_len = tl.load(query_start_loc + s + 1) - q_start
+    seq_len = tl.load(seq_lens + s)
     if tile * BLOCK_M >= q_len:
         return
-    seq_len = tl.load(seq_lens + s)
+    if SKIP_FRESH and q_len == seq_len:
+        return
     m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < q_len
     pos = seq_len - q_len + m
@@ -127,8 +130,10 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    skip_fresh: bool = False,
 ) -> torch.Tensor:
-    """`max_query_len` sizes the grid; computed from query_start_loc (a host sync) if None."""
+    """`max_query_len` sizes the grid; computed from query_start_loc (a host sync) if None.
+    `skip_fresh` leaves the rows of chunks without a prefix unwritten (see the reference)."""
     num_seqs = seq_lens.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     if query_start_loc.shape != (num_seqs + 1,):
@@ -166,6 +171,7 @@ def paged_prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
+        SKIP_FRESH=skip_fresh,
         IEEE=k_cache.dtype == torch.float32,
     )
     return out

@@ -64,8 +64,10 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence: query [S, Hq, D] -> [S, Hq, D]."""
+    """One query token per sequence: query [S, Hq, D] -> [S, Hq, D]. `num_splits` (how many
+    programs share one sequence's context in the kernel) is a launch hint the reference ignores."""
     num_seqs, num_heads, head_dim = query.shape
     if num_seqs == 0:
         return query.new_empty(query.shape)
@@ -94,19 +96,71 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_query_len: int | None = None,
+    skip_fresh: bool = False,
 ) -> torch.Tensor:
     """Packed queries [T, Hq, D] over each sequence's paged context (which already holds the
-    queries' own KV) -> [T, Hq, D]. `max_query_len` is a sizing hint the reference ignores."""
+    queries' own KV) -> [T, Hq, D]. `max_query_len` is a sizing hint the reference ignores. With
+    `skip_fresh`, rows of chunks whose query is their whole context (no prefix) are left
+    unwritten: the caller computes those itself."""
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        if end == start:
+        if end == start or (skip_fresh and end - start == seq_len):
             continue
         k = _gather_context(k_cache, block_tables[i], seq_len)
         v = _gather_context(v_cache, block_tables[i], seq_len)
         out[start:end] = _attend(query[start:end], k, v, scale)
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [T, H] in float32, cast back, times the weight (transformers' order)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x). The kernel updates `residual` in place and returns
+    it; callers use the returned residual and treat the input one as consumed."""
+    summed = residual + x
+    return rms_norm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [T, 2I] (gate, then up) -> silu(gate) * up [T, I]."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotary_write_kv(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] by their positions [T] (rotate-half, cos/sin tables
+    [max_position, D] cast to q's dtype), store the rotated k and v into their slots, and return
+    the rotated (q, k) as new tensors."""
+    c = cos[positions].unsqueeze(1).to(q.dtype)
+    s = sin[positions].unsqueeze(1).to(q.dtype)
+    q_rot = q * c + _rotate_half(q) * s
+    k_rot = k * c + _rotate_half(k) * s
+    write_kv(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot, k_rot
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

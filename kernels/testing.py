@@ -13,7 +13,15 @@ from types import ModuleType
 
 import torch
 
-KERNEL_MODULES = ("kv_write", "decode_attention", "prefill_attention", "block_copy")
+KERNEL_MODULES = (
+    "kv_write",
+    "decode_attention",
+    "prefill_attention",
+    "block_copy",
+    "rms_norm",
+    "silu_and_mul",
+    "rotary_kv",
+)
 
 
 def load_kernels() -> dict[str, ModuleType]:

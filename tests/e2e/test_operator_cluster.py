@@ -326,10 +326,18 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
 
     wait_for("both pools rolled to the new model", rolled, DEADLINE_S)
     apps = client.AppsV1Api(env.admin)
-    for role in ("prefill", "decode"):
-        sts = apps.read_namespaced_stateful_set(f"{name}-{role}", ns)
-        assert sts.status.current_revision == sts.status.update_revision
-        assert sts.spec.template.metadata.labels[MODEL_HASH_LABEL] == new_hash
+
+    def settled() -> bool:
+        # The StatefulSet controller records the finished rollout in status a moment after the
+        # last pod is replaced, so wait for it rather than read it once.
+        for role in ("prefill", "decode"):
+            sts = apps.read_namespaced_stateful_set(f"{name}-{role}", ns)
+            if sts.status.current_revision != sts.status.update_revision:
+                return False
+            assert sts.spec.template.metadata.labels[MODEL_HASH_LABEL] == new_hash
+        return True
+
+    wait_for("both StatefulSets report the rollout finished", settled, DEADLINE_S)
 
     # Delete: the garbage collector removes every child and pod; the finalizer removes what the
     # pool left on the real etcd and NATS: its keys and its stream with a queued job.

@@ -3,9 +3,12 @@
 A decode step of n requests replays the graph captured for the smallest captured batch size
 >= n. Inputs live in static buffers; rows beyond n are padding that is harmless by construction:
 slot -1 (its KV is never written), context length 1 over the null block 0 (never allocated, so
-never written), position 0. The model's forward has no host synchronisation on CUDA (the Triton
-launchers only read shapes), which is what makes it capturable. Steps with prefill tokens, or
-more decodes than the largest graph, run eagerly.
+never written), position 0. Inputs are staged in pinned host buffers (reused: the engine syncs
+on the sampled tokens every step, so a copy has landed before its buffer is refilled). The
+decode kernel sizes its split-K grid from the table width, which is static per graph. The
+model's forward has no host synchronisation on CUDA (the Triton launchers only read shapes),
+which is what makes it capturable. Steps with prefill tokens, or more decodes than the largest
+graph, run eagerly.
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ class DecodeGraphs:
             torch.zeros((0, 1), dtype=torch.int32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
             torch.zeros(0, dtype=torch.int32, device=device),
+        )
+        # pinned host staging: one numpy fill and one async copy per input, no tensor building
+        self._host64 = torch.zeros(3, n, dtype=torch.int64, device="cpu", pin_memory=True)
+        self._host_lens = torch.ones(n, dtype=torch.int32, device="cpu", pin_memory=True)
+        self._host_tables = torch.zeros(
+            n * max_blocks_per_seq, dtype=torch.int32, device="cpu", pin_memory=True
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -106,16 +115,23 @@ class DecodeGraphs:
         """Replay for n = len(input_ids) <= max_batch_size decodes; returns hidden [n, H]."""
         n = len(input_ids)
         bs = next(s for s in self.batch_sizes if s >= n)
-        device = self.input_ids.device
         width = len(block_tables[0])
-        self.input_ids[:n].copy_(torch.tensor(input_ids, dtype=torch.int64), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions, dtype=torch.int64), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.tensor(slot_mapping, dtype=torch.int64))
-        self.slot_mapping[n:bs].fill_(-1)
-        self.seq_lens[:n].copy_(torch.tensor(seq_lens, dtype=torch.int32))
-        self.seq_lens[n:bs].fill_(1)
-        tables = torch.tensor(block_tables, dtype=torch.int32).to(device, non_blocking=True)
-        self.block_tables[:n, :width].copy_(tables)
-        self.block_tables[n:bs].zero_()
+        host = self._host64.numpy()
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        host[2, :n] = slot_mapping
+        host[2, n:bs] = -1  # padding rows: never write KV
+        lens = self._host_lens.numpy()
+        lens[:n] = seq_lens
+        lens[n:bs] = 1
+        tables = self._host_tables[: bs * width].view(bs, width)
+        table_rows = tables.numpy()
+        table_rows[:n] = block_tables
+        table_rows[n:] = 0
+        self.input_ids[:bs].copy_(self._host64[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(self._host64[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(self._host64[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
+        self.block_tables[:bs, :width].copy_(tables, non_blocking=True)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]

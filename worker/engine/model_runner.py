@@ -9,13 +9,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvrail.worker.layers.attention import AttentionMetadata
+from kvrail.worker.layers.attention import AttentionMetadata, fresh_runs
 from kvrail.worker.models.llama import LlamaForCausalLM
 
 
@@ -32,6 +33,7 @@ class PreparedInputs:
 
 
 def _prepare(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInputs:
+    """Vectorised per request (numpy), so a long prompt costs no per-token Python."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -39,9 +41,14 @@ def _prepare(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInpu
     for item in items:
         start = item.num_computed_tokens
         input_ids.extend(item.token_ids)
-        for pos in range(start, start + item.num_new_tokens):
-            positions.append(pos)
-            slots.append(item.block_ids[pos // block_size] * block_size + pos % block_size)
+        if item.num_new_tokens == 1:  # the decode case: plain ints are cheaper than arrays
+            positions.append(start)
+            slots.append(item.block_ids[start // block_size] * block_size + start % block_size)
+        else:
+            pos = np.arange(start, start + item.num_new_tokens, dtype=np.int64)
+            table = np.asarray(item.block_ids, dtype=np.int64)
+            positions.extend(pos.tolist())
+            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
         query_start_loc.append(len(input_ids))
     width = max((len(i.block_ids) for i in items), default=0)
     tables = [i.block_ids + [0] * (width - len(i.block_ids)) for i in items]
@@ -103,6 +110,11 @@ class ModelRunner:
             prefill_query_start_loc=self._tensor(pre.query_start_loc, i32),
             prefill_seq_lens=self._tensor(pre.seq_lens, i32),
             prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
+            prefill_fresh_runs=fresh_runs(
+                [s.num_new_tokens for s in out.prefills],
+                [s.num_computed_tokens for s in out.prefills],
+            ),
+            prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
         )
         input_ids = self._tensor(dec.input_ids + pre.input_ids, i64)
         positions = self._tensor(dec.positions + pre.positions, i64)
@@ -126,5 +138,7 @@ class ModelRunner:
             if item.samples:
                 rows.append(num_decode_tokens + query_start_loc[j + 1] - 1)
                 requests.append(item.request)
+        if rows == list(range(len(rows))):  # every decode samples: a view, no index tensor
+            return self.model.compute_logits(hidden[: len(rows)]), requests
         logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
         return logits, requests

@@ -42,21 +42,22 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
+        if not rows:  # all greedy: argmax on the device (exact in any dtype), one sync
+            return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
         logits = logits.float()
         chosen = logits.argmax(dim=-1)
-        rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if rows:
-            params = [requests[i].sampling_params for i in rows]
-            device = logits.device
-            temperature = torch.tensor([p.temperature for p in params], device=device)
-            top_k = torch.tensor([p.top_k for p in params], device=device)
-            top_p = torch.tensor([p.top_p for p in params], device=device)
-            scaled = logits[rows] / temperature.unsqueeze(-1)
-            probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-            for j, i in enumerate(rows):
-                generator = _generator(requests[i], device)
-                token = torch.multinomial(probs[j], 1, generator=generator)
-                chosen[i] = token[0]
+        params = [requests[i].sampling_params for i in rows]
+        device = logits.device
+        temperature = torch.tensor([p.temperature for p in params], device=device)
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        scaled = logits[rows] / temperature.unsqueeze(-1)
+        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
+        for j, i in enumerate(rows):
+            generator = _generator(requests[i], device)
+            token = torch.multinomial(probs[j], 1, generator=generator)
+            chosen[i] = token[0]
         return [int(t) for t in chosen.tolist()]
 
 

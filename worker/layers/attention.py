@@ -1,8 +1,12 @@
 """Paged attention for one layer over a mixed batch: decode tokens first, then prefill tokens.
 
-Every token's K and V are written into its slot first; then the decode queries attend over their
-paged context with the decode kernel and the prefill queries (chunks, possibly after a cached
-prefix) with the prefill kernel. Kernels come from `kvrail.kernels.dispatch` (Triton on CUDA).
+The caller has already written every token's K and V into its slot (fused with rotary, see
+`kvrail.kernels.dispatch.rotary_write_kv`). Decode queries attend over their paged context with
+the split-K decode kernel. Prefill chunks that start at position 0 (no cached prefix, no earlier
+chunk: the common long-prompt case) run causal `scaled_dot_product_attention` on their own
+q/k/v, batched over runs of equal-length chunks (flash attention on Hopper); chunks after a
+paged prefix run the paged prefill kernel, which skips the others. Kernels come from
+`kvrail.kernels.dispatch` (Triton on CUDA, torch references on CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional
 
 from kvrail.kernels import dispatch
 
@@ -17,7 +22,11 @@ from kvrail.kernels import dispatch
 @dataclass(frozen=True, slots=True)
 class AttentionMetadata:
     """Per-step inputs shared by all layers. Tokens are packed: `num_decode_tokens` decode tokens
-    (one per decode sequence), then the prefill chunks in `prefill_query_start_loc` order."""
+    (one per decode sequence), then the prefill chunks in `prefill_query_start_loc` order.
+
+    `prefill_fresh_runs` lists consecutive prefill chunks without a prefix and of equal length as
+    (first token offset among the prefill tokens, chunk length, number of chunks); those chunks
+    take the SDPA path. `prefill_has_prefix` says whether any chunk needs the paged kernel."""
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
@@ -27,10 +36,45 @@ class AttentionMetadata:
     prefill_query_start_loc: torch.Tensor
     prefill_seq_lens: torch.Tensor
     prefill_max_query_len: int
+    prefill_fresh_runs: tuple[tuple[int, int, int], ...] = ()
+    prefill_has_prefix: bool = True
 
     @property
     def num_prefills(self) -> int:
         return int(self.prefill_seq_lens.shape[0])
+
+
+def fresh_runs(query_lens: list[int], num_computed: list[int]) -> tuple[tuple[int, int, int], ...]:
+    """Group prefill chunks with no computed prefix into runs of consecutive equal lengths."""
+    runs: list[tuple[int, int, int]] = []
+    offset = 0
+    previous_fresh = False
+    for q_len, computed in zip(query_lens, num_computed, strict=True):
+        fresh = computed == 0 and q_len > 0
+        if fresh and previous_fresh and runs[-1][1] == q_len:
+            start, length, count = runs[-1]
+            runs[-1] = (start, length, count + 1)
+        elif fresh:
+            runs.append((offset, q_len, 1))
+        previous_fresh = fresh
+        offset += q_len
+    return tuple(runs)
+
+
+def causal_self_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
+) -> torch.Tensor:
+    """`num_seqs` equal-length sequences packed in q [n*L, Hq, D], k/v [n*L, Hkv, D], each
+    attending causally to itself only -> [n*L, Hq, D]."""
+    total, num_heads, head_dim = q.shape
+    length = total // num_seqs
+    qs = q.view(num_seqs, length, num_heads, head_dim).transpose(1, 2)
+    ks = k.reshape(num_seqs, length, k.shape[1], head_dim).transpose(1, 2)
+    vs = v.reshape(num_seqs, length, v.shape[1], head_dim).transpose(1, 2)
+    out = functional.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != num_heads
+    )
+    return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
 def paged_attention(
@@ -42,8 +86,7 @@ def paged_attention(
     metadata: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]; writes k/v into the caches."""
-    dispatch.write_kv(k, v, k_cache, v_cache, metadata.slot_mapping)
+    """q [T, Hq, D], k/v [T, Hkv, D] (already in the caches) -> [T, Hq, D]."""
     num_decode = metadata.num_decode_tokens
     parts = []
     if num_decode:
@@ -58,9 +101,10 @@ def paged_attention(
             )
         )
     if metadata.num_prefills:
-        parts.append(
-            dispatch.paged_prefill_attention(
-                q[num_decode:],
+        pq, pk, pv = q[num_decode:], k[num_decode:], v[num_decode:]
+        if metadata.prefill_has_prefix:
+            out = dispatch.paged_prefill_attention(
+                pq,
                 k_cache,
                 v_cache,
                 metadata.prefill_block_tables,
@@ -68,6 +112,14 @@ def paged_attention(
                 metadata.prefill_seq_lens,
                 scale,
                 metadata.prefill_max_query_len,
+                skip_fresh=bool(metadata.prefill_fresh_runs),
             )
-        )
+        else:
+            out = torch.empty_like(pq)
+        for start, length, count in metadata.prefill_fresh_runs:
+            end = start + length * count
+            out[start:end] = causal_self_attention(
+                pq[start:end], pk[start:end], pv[start:end], count, scale
+            )
+        parts.append(out)
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -1,9 +1,17 @@
-"""RMSNorm, computed in float32 and cast back (the order transformers uses, so outputs match)."""
+"""RMSNorm, computed in float32 and cast back (the order transformers uses, so outputs match).
+
+Given a residual, the module first adds it (fused into one kernel on CUDA) and returns the sum
+too, which is the residual stream the next block adds to.
+"""
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 from torch import nn
+
+from kvrail.kernels import dispatch
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +20,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    @overload
+    def forward(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @overload
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x), or (norm(residual + x), residual + x); `residual` is consumed (a CUDA
+        kernel overwrites it with the sum)."""
+        if residual is None:
+            return dispatch.rms_norm(x, self.weight, self.eps)
+        return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps)

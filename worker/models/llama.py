@@ -2,9 +2,11 @@
 
 Built from a transformers config. Q, K and V are one fused projection and gate/up another;
 `load_weights` maps transformers parameter names onto them and refuses a state dict that leaves a
-parameter unset. The forward pass takes packed tokens (no padding) with their positions and the
-step's `AttentionMetadata`, and returns hidden states; `compute_logits` runs the LM head only on
-the rows that are sampled.
+parameter unset. Elementwise work goes through fused kernels (`kvrail.kernels.dispatch`): residual
+add + RMSNorm, rotary + KV write, SiLU * up; on CPU their references run the same op sequence
+the unfused model did, so CPU outputs are unchanged bit for bit. The forward pass takes packed
+tokens (no padding) with their positions and the step's `AttentionMetadata`, and returns hidden
+states; `compute_logits` runs the LM head only on the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from kvrail.errors import ConfigError
+from kvrail.kernels import dispatch
 from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
 from kvrail.worker.layers.rms_norm import RMSNorm
@@ -107,25 +110,34 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCache,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (this layer's MLP output, the residual stream before it). The sum
+        of the two is the layer's output; the next norm adds them (fused with the norm)."""
         num_tokens = x.shape[0]
-        residual = x
-        qkv = self.qkv_proj(self.input_layernorm(x))
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary[0](positions, q, k)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
+        rotary = self.rotary[0]
+        q, k = dispatch.rotary_write_kv(
+            positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, metadata.slot_mapping
+        )
         attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
-        x = residual + self.o_proj(attn.reshape(num_tokens, self.q_size))
-        residual = x
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        out: torch.Tensor = residual + self.down_proj(nn.functional.silu(gate) * up)
-        return out
+        x = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        h, residual = self.post_attention_layernorm(x, residual)
+        x = self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(h)))
+        return x, residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -152,9 +164,11 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            x = layer(x, positions, metadata, kv_cache)
-        hidden: torch.Tensor = self.norm(x)
+            x, residual = layer(x, residual, positions, metadata, kv_cache)
+        assert residual is not None, "a model has at least one layer"
+        hidden, _ = self.norm(x, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -52,6 +52,10 @@ def test_engine_tokens_are_identical_with_interpreted_triton_kernels(
         write_kv=k["kv_write"].write_kv,
         paged_decode_attention=k["decode_attention"].paged_decode_attention,
         paged_prefill_attention=k["prefill_attention"].paged_prefill_attention,
+        rms_norm=k["rms_norm"].rms_norm,
+        fused_add_rms_norm=k["rms_norm"].fused_add_rms_norm,
+        silu_and_mul=k["silu_and_mul"].silu_and_mul,
+        rotary_write_kv=k["rotary_kv"].rotary_write_kv,
     )
     monkeypatch.setattr(dispatch, "reference", triton_ops)
     assert run() == expected

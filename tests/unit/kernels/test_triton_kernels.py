@@ -65,6 +65,31 @@ def test_decode_attention_matches_reference(bs: int, hq: int, hkv: int, d: int, 
     _close(DECODE.paged_decode_attention(*args), reference.paged_decode_attention(*args))
 
 
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7, 64])
+def test_split_k_decode_merges_uneven_and_empty_splits_exactly(num_splits: int) -> None:
+    """Contexts that do not divide by the split count, and more splits than 32-token slices (so
+    trailing splits are empty), reduce to the reference; the result does not depend on splits."""
+    g = torch.Generator().manual_seed(num_splits)
+    seq_lens = [1, 33, 95, 130, 64]
+    _, k_cache, v_cache = _region(200, 5, 2, 24, torch.float32, g)
+    tables = _tables(seq_lens, 5, 200, g)
+    query = torch.randn(len(seq_lens), 6, 24, generator=g).to(DEVICE)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (query, k_cache, v_cache, tables, lens, 24**-0.5)
+    split = DECODE.paged_decode_attention(*args, num_splits=num_splits)
+    _close(split, reference.paged_decode_attention(*args))
+    _close(split, DECODE.paged_decode_attention(*args, num_splits=1))
+
+
+def test_split_count_fills_the_gpu_and_never_splits_below_a_minimum_slice() -> None:
+    choose = DECODE.choose_num_splits
+    assert choose(1, 8, 9216, 132) == DECODE.MAX_SPLITS  # batch 1: 8 programs alone
+    assert choose(16, 8, 9216, 132) == 5  # 128 programs -> 640, about 4 per SM
+    assert choose(256, 8, 9216, 132) == 1  # the batch fills the GPU
+    assert choose(1, 8, 40, 132) == 2  # a 40-token bound: slices of at least 32 tokens
+    assert choose(0, 8, 40, 132) == 2
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("bs", "hq", "hkv", "d"), SHAPES)
 def test_prefill_attention_over_paged_prefix_matches_reference(bs, hq, hkv, d, dtype) -> None:
@@ -79,7 +104,13 @@ def test_prefill_attention_over_paged_prefix_matches_reference(bs, hq, hkv, d, d
     query = torch.randn(int(qsl[-1]), hq, d, generator=g).to(DEVICE, dtype)
     lens = torch.tensor([c for _, c in chunks], dtype=torch.int32, device=DEVICE)
     args = (query, k_cache, v_cache, tables, qsl, lens, d**-0.5)
-    _close(PREFILL.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+    expected = reference.paged_prefill_attention(*args)
+    _close(PREFILL.paged_prefill_attention(*args), expected)
+    # skip_fresh leaves whole-prompt chunks (0 and 3) to the caller's SDPA: the rest still match
+    skipped = PREFILL.paged_prefill_attention(*args, skip_fresh=True)
+    _close(skipped[9:15], expected[9:15])
+    ref_skipped = reference.paged_prefill_attention(*args, skip_fresh=True)
+    _close(ref_skipped[9:15], expected[9:15])
 
 
 @pytest.mark.parametrize(("bs", "hq", "hkv", "d"), SHAPES)
@@ -185,7 +216,14 @@ def test_decode_attention_matches_reference_on_a_full_gpu_grid() -> None:
     query = torch.randn(64, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     args = (query, k_cache, v_cache, tables, lens, 128**-0.5)
-    _close(DECODE.paged_decode_attention(*args), reference.paged_decode_attention(*args))
+    expected = reference.paged_decode_attention(*args)
+    _close(DECODE.paged_decode_attention(*args), expected)
+    for num_splits in (1, 5, 64):
+        _close(DECODE.paged_decode_attention(*args, num_splits=num_splits), expected)
+    # batch 1 (the split-K case the engine's CUDA graphs hit) over a long, uneven context
+    longest = tables.shape[1] * 16 - 7  # as long as the table row allows, not a block multiple
+    one = (query[:1], k_cache, v_cache, tables[:1], lens[:1].clone().fill_(longest), 128**-0.5)
+    _close(DECODE.paged_decode_attention(*one), reference.paged_decode_attention(*one))
 
 
 @pytest.mark.gpu

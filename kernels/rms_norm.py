@@ -1,0 +1,92 @@
+"""Triton kernel: RMSNorm, optionally fused with the residual add before it (one pass per row).
+
+Same contract as `kvrail.kernels.reference.rms_norm` / `fused_add_rms_norm`. One program per row.
+Rounding follows transformers step by step, so bf16 outputs match it: the sum is rounded to the
+activation dtype (that is the new residual), the norm is computed in float32 from it and rounded,
+then multiplied by the weight in the activation dtype. With a residual, the new residual is
+written over the input residual in place (the returned residual is that tensor).
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    stride_x,
+    stride_r,
+    stride_o,
+    hidden,
+    eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    h = tl.load(x + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual + row * stride_r + cols, mask=mask, other=0.0)
+        h = (r.to(tl.float32) + h.to(tl.float32)).to(x.dtype.element_ty)
+        tl.store(residual + row * stride_r + cols, h, mask=mask)
+    hf = h.to(tl.float32)
+    variance = tl.sum(hf * hf, 0) / hidden
+    normed = (hf * tl.math.rsqrt(variance + eps)).to(x.dtype.element_ty)
+    w = tl.load(weight + cols, mask=mask, other=0.0)
+    y = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out + row * stride_o + cols, y.to(out.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"x {tuple(x.shape)} is not [T, H] for weight {tuple(weight.shape)}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight must have a unit innermost stride")
+
+
+def _launch(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    hidden = x.shape[1]
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    if x.shape[0] == 0:
+        return out
+    block = triton.next_power_of_2(hidden)
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        x if residual is None else residual,
+        weight,
+        out,
+        x.stride(0),
+        x.stride(0) if residual is None else residual.stride(0),
+        out.stride(0),
+        hidden,
+        eps,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(16, max(1, block // 512)),
+    )
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check(x, weight)
+    return _launch(x, None, weight, eps)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(-1) != 1:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    return _launch(x, residual, weight, eps), residual
