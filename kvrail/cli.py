@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -74,9 +75,9 @@ def _prepare_model(settings: Settings) -> int:
     if not _module_exists(module):
         print(f"kvrail: the model loader ({module}) is not built yet", file=sys.stderr)
         return 1
-    argv = [sys.executable, "-P", "-m", module, "--model", settings.model,
-            "--cache-dir", str(settings.cache_dir)]  # fmt: skip
-    return subprocess.run(argv, check=False).returncode
+    env = {**os.environ, "KVRAIL_CACHE_DIR": str(settings.cache_dir)}
+    argv = [sys.executable, "-P", "-m", module, settings.model]
+    return subprocess.run(argv, check=False, env=env).returncode
 
 
 def _up(settings: Settings, run_dir: Path, check: bool) -> int:

@@ -29,3 +29,11 @@ def test_invalid_settings_exit_with_a_clear_message() -> None:
                          env={"KVRAIL_BLOCK_SIZE": "-1", "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert out.returncode == 2
     assert "block_size" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_model_prepare_prints_the_cached_conversion_of_the_default_model() -> None:
+    out = subprocess.run([*KVRAIL, "model", "prepare"], capture_output=True, text=True,
+                         timeout=600, check=True)  # fmt: skip
+    prepared = Path(out.stdout.strip().splitlines()[-1])
+    assert (prepared / "config.json").is_file()
+    assert list(prepared.glob("*.safetensors"))
