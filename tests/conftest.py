@@ -8,8 +8,9 @@ of the session. Under CI=true a missing binary fails the test instead of skippin
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -45,28 +46,29 @@ def _require_binaries(names: tuple[str, ...]) -> None:
         )
 
 
-@pytest.fixture(scope="session")
-def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
-    root = tmp_path_factory.mktemp("etcd")
+S = TypeVar("S", EtcdServer, NatsServer)
+
+
+def _start(factory: pytest.TempPathFactory, name: str, make: Callable[[Path], S]) -> S:
+    root = factory.mktemp(name)
     _LOG_DIRS.append(root)
     try:
-        server = EtcdServer(root / "data", root / "etcd.log")
-    except FileNotFoundError as err:
+        server = make(root)
+    except FileNotFoundError as err:  # the binary is not installed
         _unavailable(str(err))
-    server.start()
+    return server.start()
+
+
+@pytest.fixture(scope="session")
+def etcd_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EtcdServer]:
+    server = _start(tmp_path_factory, "etcd", lambda r: EtcdServer(r / "data", r / "etcd.log"))
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="session")
 def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
-    root = tmp_path_factory.mktemp("nats")
-    _LOG_DIRS.append(root)
-    try:
-        server = NatsServer(root / "jetstream", root / "nats.log")
-    except FileNotFoundError as err:
-        _unavailable(str(err))
-    server.start()
+    server = _start(tmp_path_factory, "nats", lambda r: NatsServer(r / "js", r / "nats.log"))
     yield server
     server.stop()
 
