@@ -208,7 +208,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone fills it."""
     base = max(1, num_seqs * num_kv_heads)
     wanted = triton.cdiv(WAVES * num_sms, base)
-    return max(1, min(MAX_SPLITS, wanted, triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS)))
+    return max(1, min(MAX_SPLITS, int(wanted), int(triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))))
 
 
 def paged_decode_attention(

@@ -44,7 +44,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if not rows:  # all greedy: argmax on the device (exact in any dtype), one sync
-            return logits.argmax(dim=-1).tolist()  # type: ignore[no-any-return]
+            return logits.argmax(dim=-1).tolist()
         logits = logits.float()
         chosen = logits.argmax(dim=-1)
         params = [requests[i].sampling_params for i in rows]

@@ -168,8 +168,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer(x, residual, positions, metadata, kv_cache)
         assert residual is not None, "a model has at least one layer"
-        hidden, _ = self.norm(x, residual)
-        return hidden
+        normed: tuple[torch.Tensor, torch.Tensor] = self.norm(x, residual)
+        return normed[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.lm_head(hidden)
