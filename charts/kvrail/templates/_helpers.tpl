@@ -59,6 +59,27 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 {{- end -}}
 
+{{/*
+The Secret (keys username and password) whose credentials the operator uses for etcd or NATS, or
+"" for none: with auth enabled, the chart's own Secret (generated or auth.existingSecret) for an
+in-cluster server, auth.existingSecret for an external one. Pass (dict "ctx" $ "component" "etcd").
+*/}}
+{{- define "kvrail.operatorCredentialsSecret" -}}
+{{- $block := index .ctx.Values .component -}}
+{{- if $block.auth.enabled -}}
+{{- if $block.enabled -}}
+{{- include "kvrail.credentialsSecret" . -}}
+{{- else -}}
+{{- $block.auth.existingSecret -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Where credential Secrets are mounted: the folder operator/builders/env.py uses for workers. */}}
+{{- define "kvrail.secretsDir" -}}
+/var/run/secrets/kvrail
+{{- end -}}
+
 {{- define "kvrail.podSecurityContext" -}}
 runAsNonRoot: true
 runAsUser: 65532
@@ -82,6 +103,15 @@ capabilities:
 {{- end -}}
 {{- if and .Values.nats.enabled .Values.nats.url -}}
 {{- fail "nats: set either enabled (in-cluster NATS) or url (external), not both" -}}
+{{- end -}}
+{{- if and .Values.etcd.enabled .Values.etcd.caSecret -}}
+{{- fail "etcd.caSecret is for an external etcd (endpoints): the in-cluster etcd serves no TLS" -}}
+{{- end -}}
+{{- if and .Values.nats.enabled .Values.nats.caSecret -}}
+{{- fail "nats.caSecret is for an external NATS (url): the in-cluster NATS serves no TLS" -}}
+{{- end -}}
+{{- if and (index .Values.operator "metricsPort") (eq (int (index .Values.operator "metricsPort")) 8080) -}}
+{{- fail "operator.metricsPort must not be 8080, the operator's health port" -}}
 {{- end -}}
 {{- if and .Values.operator.enabled (not .Values.operator.serviceAccount.create) (not .Values.operator.serviceAccount.name) -}}
 {{- fail "operator.serviceAccount.name is required when operator.serviceAccount.create is false" -}}

@@ -7,6 +7,7 @@ generated passwords redacted; rewrite them with `KVRAIL_UPDATE_GOLDEN=1 pytest t
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -19,6 +20,8 @@ import pytest
 import yaml
 
 from kvrail.crdgen import CRD_FILENAME, render
+from kvrail.operator.builders.env import SECRETS_DIR
+from kvrail.settings import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[3]
 CHART = REPO / "charts" / "kvrail"
@@ -85,6 +88,10 @@ def test_values_file_validates_against_the_schema(path: Path) -> None:
         ({"operator": {"watchNamespaces": ["Not_A_Namespace"]}}, "does not match"),
         ({"crds": {"upgrade": True}}, "Additional properties"),
         ({"etcd": {"persistence": {"size": "lots"}}}, "does not match"),
+        ({"operator": {"metricsPort": "9090"}}, "is not of type"),
+        ({"operator": {"metricsPort": 70000}}, "is greater than the maximum"),
+        ({"etcd": {"caSecret": "Not_A_Secret"}}, "does not match"),
+        ({"nats": {"tls": {"ca": "x"}}}, "Additional properties"),
     ],
 )
 def test_schema_refuses_unknown_keys_and_wrong_types(change: dict[str, Any], error: str) -> None:
@@ -201,6 +208,9 @@ def test_rbac_is_cluster_wide_only_without_watch_namespaces(helm_binary: Path) -
         (("nats.url=nats://nats:4222",), "either enabled"),
         (("operator.serviceAccount.create=false",), "serviceAccount.name is required"),
         (("operator.bogus=1",), "additional properties"),
+        (("operator.metricsPort=8080",), "must not be 8080"),
+        (("etcd.caSecret=etcd-ca",), "for an external etcd"),
+        (("nats.caSecret=nats-ca",), "for an external NATS"),
     ],
 )
 def test_helm_refuses_inconsistent_values(
@@ -210,3 +220,220 @@ def test_helm_refuses_inconsistent_values(
     done = helm(helm_binary, "template", RELEASE, str(CHART), "--kube-version", KUBE_VERSION, *sets)
     assert done.returncode != 0
     assert error in done.stderr, done.stderr
+
+
+# The operator's own etcd and NATS settings (delete cleanup and planner): endpoints, credentials
+# as a Secret reference plus mounted files, never literal values; the optional metrics port.
+
+OPERATOR = "templates/operator/deployment.yaml"
+EXTERNAL_ETCD = ("https://etcd-0.example.internal:2379", "https://etcd-1.example.internal:2379")
+
+
+def _operator_pod(text: str) -> dict[str, Any]:
+    (deployment,) = [d for d in docs(text) if d["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def _env(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {e["name"]: e for e in pod["containers"][0].get("env") or []}
+
+
+def _mounted_secret(pod: dict[str, Any], path: str) -> tuple[str, str]:
+    """(Secret name, key) of the file at `path` in the operator container."""
+    folder, _, filename = path.rpartition("/")
+    (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] == folder]
+    assert mount.get("readOnly") is True, mount
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    secret = volume["secret"]
+    (item,) = [i for i in secret["items"] if i["path"] == filename]
+    return secret["secretName"], item["key"]
+
+
+def _secret_used_by(text: str, kind: str, variable: str) -> str:
+    """The Secret another chart workload reads `variable` from (its secretKeyRef)."""
+    for doc in docs(text):
+        if doc["kind"] != kind:
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        for container in [*pod.get("initContainers", []), *pod["containers"]]:
+            for env in container.get("env") or []:
+                if env["name"] == variable:
+                    return env["valueFrom"]["secretKeyRef"]["name"]  # type: ignore[no-any-return]
+    raise AssertionError(f"no {kind} reads {variable}")
+
+
+def _operator_settings(pod: dict[str, Any]) -> Settings:
+    """What kvrail.settings makes of the operator's environment (Secret references filled)."""
+    environ = {
+        name: e["value"] if "value" in e else f"<{e['valueFrom']['secretKeyRef']['name']}>"
+        for name, e in _env(pod).items()
+    }
+    return load_settings(environ=environ)
+
+
+@pytest.mark.helm
+@pytest.mark.parametrize(
+    ("values", "etcd_secret", "nats_secret"),
+    [
+        ((), "kvrail-etcd-credentials", "kvrail-nats-credentials"),
+        (
+            ("-f", str(CHART / "ci" / "existing-secrets-values.yaml")),
+            "my-etcd-credentials",
+            "my-nats-credentials",
+        ),
+    ],
+    ids=["generated", "existing"],
+)
+def test_operator_gets_in_cluster_endpoints_and_the_charts_credentials(
+    helm_binary: Path, values: tuple[str, ...], etcd_secret: str, nats_secret: str
+) -> None:
+    text = template(helm_binary, *values)
+    pod = _operator_pod(text)
+    env = _env(pod)
+    # The same Secrets the in-cluster servers are started with (generated or referenced).
+    assert _secret_used_by(text, "Job", "ETCD_ROOT_PASSWORD") == etcd_secret
+    assert _secret_used_by(text, "StatefulSet", "NATS_PASSWORD") == nats_secret
+    assert env["KVRAIL_ETCD_USERNAME"]["valueFrom"]["secretKeyRef"] == {
+        "name": etcd_secret, "key": "username"}  # fmt: skip
+    assert env["KVRAIL_NATS_USER"]["valueFrom"]["secretKeyRef"] == {
+        "name": nats_secret, "key": "username"}  # fmt: skip
+    settings = _operator_settings(pod)
+    assert settings.etcd_endpoints == (f"http://{RELEASE}-etcd.{NAMESPACE}.svc:2379",)
+    assert settings.nats_url == f"nats://{RELEASE}-nats.{NAMESPACE}.svc:4222"
+    # Password files where operator/builders/env.py mounts them for workers.
+    assert settings.etcd_password_file == Path(SECRETS_DIR, "etcd-credentials", "password")
+    assert settings.nats_password_file == Path(SECRETS_DIR, "nats-credentials", "password")
+    assert _mounted_secret(pod, str(settings.etcd_password_file)) == (etcd_secret, "password")
+    assert _mounted_secret(pod, str(settings.nats_password_file)) == (nats_secret, "password")
+    assert settings.etcd_ca_file is None and settings.nats_ca_file is None
+    if not values:  # the generated Secrets are in the render, with the keys referenced
+        secrets = {d["metadata"]["name"]: d for d in docs(text) if d["kind"] == "Secret"}
+        assert {"username", "password"} <= secrets[etcd_secret]["data"].keys()
+        assert {"username", "password"} <= secrets[nats_secret]["data"].keys()
+
+
+@pytest.mark.helm
+def test_operator_gets_external_endpoints_credentials_and_ca_files(helm_binary: Path) -> None:
+    pod = _operator_pod(template(helm_binary, "-f", str(CHART / "ci" / "external-values.yaml")))
+    env = _env(pod)
+    settings = _operator_settings(pod)
+    assert settings.etcd_endpoints == EXTERNAL_ETCD
+    assert settings.nats_url == "tls://nats.example.internal:4222"
+    assert env["KVRAIL_ETCD_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == (
+        "external-etcd-credentials")  # fmt: skip
+    assert env["KVRAIL_NATS_USER"]["valueFrom"]["secretKeyRef"]["name"] == (
+        "external-nats-credentials")  # fmt: skip
+    assert _mounted_secret(pod, str(settings.etcd_password_file)) == (
+        "external-etcd-credentials", "password")  # fmt: skip
+    assert _mounted_secret(pod, str(settings.nats_password_file)) == (
+        "external-nats-credentials", "password")  # fmt: skip
+    assert settings.etcd_ca_file == Path(SECRETS_DIR, "etcd-ca", "ca.crt")
+    assert settings.nats_ca_file == Path(SECRETS_DIR, "nats-ca", "ca.crt")
+    assert _mounted_secret(pod, str(settings.etcd_ca_file)) == ("etcd-ca", "ca.crt")
+    assert _mounted_secret(pod, str(settings.nats_ca_file)) == ("nats-ca", "ca.crt")
+
+
+@pytest.mark.helm
+@pytest.mark.parametrize(
+    "values",
+    [
+        ("etcd.auth.enabled=false", "nats.auth.enabled=false"),
+        # External servers without auth.existingSecret: nothing to reference (the chart creates
+        # no Secret for them), so no credentials rather than a Secret that does not exist.
+        (
+            "etcd.enabled=false",
+            "etcd.endpoints={https://etcd.example:2379}",
+            "nats.enabled=false",
+            "nats.url=tls://nats.example:4222",
+        ),
+    ],
+    ids=["auth-off", "external-without-secret"],
+)
+def test_operator_gets_no_credentials_without_a_secret(
+    helm_binary: Path, values: tuple[str, ...]
+) -> None:
+    text = template(helm_binary, *[a for v in values for a in ("--set", v)])
+    pod = _operator_pod(text)
+    settings = _operator_settings(pod)
+    assert (settings.etcd_username, settings.etcd_password_file) == (None, None)
+    assert (settings.nats_user, settings.nats_password_file) == (None, None)
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    assert not [d for d in docs(text) if d["kind"] == "Secret"]
+
+
+def _renders(helm_binary: Path) -> list[tuple[str, str]]:
+    sets = {
+        "auth-off": ("etcd.auth.enabled=false", "nats.auth.enabled=false"),
+        "metrics": ("operator.metricsPort=9091",),
+    }
+    out = [(p.name, template(helm_binary, "-f", str(p))) for p in CI_FILES]
+    for name, values in sets.items():
+        out.append((name, template(helm_binary, *[a for v in values for a in ("--set", v)])))
+    return out
+
+
+@pytest.mark.helm
+def test_no_credential_is_a_literal_env_value_in_any_render(helm_binary: Path) -> None:
+    secret_like = re.compile(r"PASS|SECRET|TOKEN|CREDENTIAL", re.IGNORECASE)
+    for name, text in _renders(helm_binary):
+        for doc in docs(text):
+            spec = doc.get("spec", {})
+            pod = spec.get("template", {}).get("spec", spec)
+            for container in [*pod.get("initContainers", []), *pod.get("containers", [])]:
+                for env in container.get("env") or []:
+                    if not secret_like.search(env["name"]) or env["name"].endswith("_FILE"):
+                        continue
+                    assert "value" not in env, (name, doc["kind"], env)
+                    assert set(env["valueFrom"]) == {"secretKeyRef"}, (name, env)
+                for env in container.get("env") or []:
+                    if env["name"].endswith("_FILE") and "value" in env:
+                        assert env["value"].startswith(f"{SECRETS_DIR}/"), (name, env)
+        # A generated password appears in its Secret and nowhere else, encoded or not.
+        for doc in docs(text):
+            if doc["kind"] == "Secret" and "password" in doc.get("data", {}):
+                encoded = doc["data"]["password"]
+                plain = base64.b64decode(encoded).decode()
+                assert text.count(encoded) == 1 and plain not in text, (name, doc["metadata"])
+
+
+@pytest.mark.helm
+def test_operator_env_names_are_settings_fields_in_every_render(helm_binary: Path) -> None:
+    for name, text in _renders(helm_binary):
+        pod = _operator_pod(text)
+        for variable in _env(pod):
+            assert variable.startswith("KVRAIL_"), (name, variable)
+            assert variable.removeprefix("KVRAIL_").lower() in Settings.model_fields, variable
+        _operator_settings(pod)  # kvrail.settings accepts every name and value
+
+
+@pytest.mark.helm
+def test_metrics_port_and_service_appear_only_when_set(helm_binary: Path) -> None:
+    def render(*values: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        text = template(helm_binary, *[a for v in values for a in ("--set", v)])
+        services = [d for d in docs(text) if d["kind"] == "Service"]
+        return _operator_pod(text), services
+
+    for values in [(), ("operator.metricsPort=null",)]:
+        pod, services = render(*values)
+        assert "KVRAIL_OPERATOR_METRICS_PORT" not in _env(pod)
+        assert [p["name"] for p in pod["containers"][0]["ports"]] == ["health"]
+        assert not [s for s in services if "metrics" in s["metadata"]["name"]]
+        assert _operator_settings(pod).operator_metrics_port is None
+    pod, services = render("operator.metricsPort=9091")
+    assert _env(pod)["KVRAIL_OPERATOR_METRICS_PORT"] == {
+        "name": "KVRAIL_OPERATOR_METRICS_PORT", "value": "9091"}  # fmt: skip
+    assert _operator_settings(pod).operator_metrics_port == 9091
+    ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+    assert ports == {"health": 8080, "metrics": 9091}
+    (service,) = [s for s in services if s["metadata"]["name"] == f"{RELEASE}-operator-metrics"]
+    assert service["spec"]["ports"] == [
+        {"name": "metrics", "port": 9091, "targetPort": "metrics", "protocol": "TCP"}]  # fmt: skip
+    (deployment,) = docs(template(helm_binary, "--show-only", OPERATOR))
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    # The golden renders: only the ci file that sets metricsPort has the port and Service.
+    for path in CI_FILES:
+        golden = (CHART / "golden" / path.name.replace("-values.yaml", ".yaml")).read_text()
+        port = (yaml.safe_load(path.read_text()) or {}).get("operator", {}).get("metricsPort")
+        assert ("KVRAIL_OPERATOR_METRICS_PORT" in golden) == (port is not None), path.name
+        assert ("-operator-metrics" in golden) == (port is not None), path.name
