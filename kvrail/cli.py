@@ -9,6 +9,7 @@ kvrail version
 from __future__ import annotations
 
 import argparse
+import asyncio
 import importlib.util
 import logging
 import os
@@ -18,6 +19,8 @@ import sys
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+
+import aetcd
 
 from kvrail import __version__
 from kvrail.errors import KvrailError
@@ -43,6 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     up.add_argument("--check", action="store_true", help="start, report, stop (no serving loop)")
     model = sub.add_parser("model", help="model cache")
     model.add_argument("action", choices=["prepare"])
+    status = sub.add_parser("status", help="pools, workers and prefill queues")
+    status.add_argument("--all-pools", action="store_true", help="every pool, not only mine")
     sub.add_parser("config", help="print the resolved settings")
     sub.add_parser("version")
     args = parser.parse_args(argv)
@@ -53,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _up(settings, args.run_dir or settings.cache_dir / "run", args.check)
         if args.command == "model":
             return _prepare_model(settings)
+        if args.command == "status":
+            print(asyncio.run(_status(settings, args.all_pools)), end="")
+            return 0
         if args.command == "config":
             print(settings.model_dump_json(indent=2))
             return 0
@@ -61,6 +69,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvrailError as err:
         print(f"kvrail: error: {err}", file=sys.stderr)
         return 2
+
+
+async def _status(settings: Settings, all_pools: bool) -> str:
+    from kvrail.bus import connect
+    from kvrail.keys import PoolKeys
+    from kvrail.registry import etcd_client
+    from kvrail.status import collect, render
+
+    pool = None if all_pools else PoolKeys(settings.namespace, settings.pool)
+    try:
+        nc = await asyncio.wait_for(connect(settings, name="kvrail-status"), timeout=10)
+    except (OSError, TimeoutError) as err:
+        raise KvrailError(f"cannot reach NATS at {settings.nats_url}: {err}") from err
+    try:
+        async with etcd_client(settings) as etcd:
+            return render(await asyncio.wait_for(collect(etcd, nc.jetstream(), pool), 15))
+    except (OSError, TimeoutError, aetcd.exceptions.ClientError) as err:
+        raise KvrailError(f"cannot read etcd at {settings.etcd_endpoints[0]}: {err}") from err
+    finally:
+        await nc.close()
 
 
 def _module_exists(name: str) -> bool:

@@ -104,3 +104,18 @@ class PoolKeys:
     def prefill_consumer(self) -> str:
         """The durable pull consumer all prefill workers of the pool share."""
         return "prefill-workers"
+
+
+ROOT_PREFIX = f"/kvrail/{KEY_VERSION}/"
+
+
+def parse_worker_key(key: str) -> tuple[PoolKeys, str] | None:
+    """(pool keys, worker id) of a worker key of any pool, or None for any other key."""
+    parts = key.removeprefix(ROOT_PREFIX).split("/")
+    if not key.startswith(ROOT_PREFIX) or len(parts) != 4 or parts[2] != "workers":
+        return None
+    try:
+        keys = PoolKeys(parts[0], parts[1])
+        return keys, check_label("worker id", parts[3])
+    except ValueError:
+        return None

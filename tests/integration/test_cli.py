@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from kvrail.bus import PrefillQueue, connect
+from kvrail.keys import PoolKeys
+from kvrail.messages import WorkerRecord
+from kvrail.registry import etcd_client
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.settings import Settings
 
 KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; sys.exit(main())"]
 
@@ -37,3 +46,40 @@ def test_model_prepare_prints_the_cached_conversion_of_the_default_model() -> No
     prepared = Path(out.stdout.strip().splitlines()[-1])
     assert (prepared / "config.json").is_file()
     assert list(prepared.glob("*.safetensors"))
+
+
+def test_status_shows_registered_workers_and_the_prefill_backlog(
+    etcd_server: EtcdServer, nats_server: NatsServer
+) -> None:
+    keys = PoolKeys("default", "status-test")
+
+    async def populate() -> None:
+        async with etcd_client(Settings(etcd_endpoints=(etcd_server.endpoint,))) as etcd:
+            record = WorkerRecord(worker_id="decode-0", pod_uid="u", incarnation=3, role="decode",
+                                  fingerprint="f", is_ready=True, transport="nixl-ucx",
+                                  num_running=2, kv_utilization=0.5)  # fmt: skip
+            await etcd.put(keys.worker("decode-0").encode(), record.encode())
+        nc = await connect(Settings(nats_url=nats_server.url), name="test")
+        queue = PrefillQueue(nc.jetstream(), keys)
+        await queue.ensure_stream()
+        await nc.jetstream().publish(keys.prefill_any, b"{}")
+        await nc.close()
+
+    asyncio.run(populate())
+    env = {**os.environ, "KVRAIL_ETCD_ENDPOINTS": etcd_server.endpoint,
+           "KVRAIL_NATS_URL": nats_server.url, "KVRAIL_POOL": "status-test"}  # fmt: skip
+    out = subprocess.run([*KVRAIL, "status"], capture_output=True, text=True, timeout=60,
+                         env=env, check=True)  # fmt: skip
+    assert "pool default/status-test: 1 decode; 1 queued jobs" in out.stdout
+    assert out.stdout.splitlines()[2].split() == [
+        "decode-0", "decode", "3", "yes", "nixl-ucx", "2", "0", "50%"]  # fmt: skip
+
+
+def test_status_reports_an_unreachable_etcd_clearly(nats_server: NatsServer) -> None:
+    env = {**os.environ, "KVRAIL_ETCD_ENDPOINTS": "http://127.0.0.1:1",
+           "KVRAIL_NATS_URL": nats_server.url}  # fmt: skip
+    out = subprocess.run([*KVRAIL, "status"], capture_output=True, text=True, timeout=90,
+                         env=env)  # fmt: skip
+    assert out.returncode == 2
+    assert "cannot read etcd at http://127.0.0.1:1" in out.stderr
+    assert "Traceback" not in out.stderr
