@@ -13,6 +13,9 @@ NATS (request plane, work queue)::
     kvrail.<namespace>.<pool>.decode.<worker_id>         requests to one decode worker
     kvrail.<namespace>.<pool>.cancel                     cancels, seen by every worker
     kvrail.<namespace>.<pool>.kv.<worker_id>             KV events (blocks stored/removed)
+    kvrail.<namespace>.<pool>.debug.<worker_id>          debug queries to one worker (block counts)
+    kvrail.<namespace>.<pool>.refused.<worker_id>        prefill jobs refused for this decode worker
+    kvrail.<namespace>.<pool>.settled                    prefill jobs whose outcome was consumed
     kvrail.<namespace>.<pool>.prefill.any                prefill jobs for any prefill worker
     kvrail.<namespace>.<pool>.prefill.to.<worker_id>     prefill jobs addressed to one worker
     stream KVRAIL-<namespace>-<pool>-PREFILL             the JetStream work queue of both
@@ -82,6 +85,20 @@ class PoolKeys:
     @property
     def kv_events_all(self) -> str:
         return f"{self._subject_root}.kv.*"
+
+    def debug(self, worker_id: str) -> str:
+        """Request/reply: a worker answers with its `BlockCounts` (tests and operators)."""
+        return f"{self._subject_root}.debug.{check_label('worker id', worker_id)}"
+
+    def prefill_refused(self, worker_id: str) -> str:
+        """`PrefillDone` with an error, to the job's decode worker: nothing was or will be
+        written (a successful completion travels with the NIXL write instead)."""
+        return f"{self._subject_root}.refused.{check_label('worker id', worker_id)}"
+
+    @property
+    def prefill_settled(self) -> str:
+        """`PrefillSettled`, seen by every prefill worker: never run or write this job again."""
+        return f"{self._subject_root}.settled"
 
     @property
     def prefill_any(self) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import types
 import typing
 from array import array
@@ -198,6 +199,22 @@ class PrefillDone(Message):
     transfer_s: float = 0.0
     transport: str = ""
     error: str | None = None
+    # Stage durations on the prefill worker's own clock (added in issue 4; optional on the wire).
+    queue_wait_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_queue_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSettled(Message):
+    """Decode worker -> every prefill worker: the outcome of job `request_id` was consumed.
+
+    A delivery of that job that arrives later (redelivered after its writer died before acking)
+    must not run: the destination blocks may belong to another request by now.
+    """
+
+    kind: ClassVar[str] = "prefill_settled"
+    request_id: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,3 +264,96 @@ class WorkerRecord(Message):
     num_running: int = 0
     num_waiting: int = 0
     kv_utilization: float = 0.0
+
+
+_SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest(Message):
+    """Router -> one decode worker (NATS): generate from `token_ids`, stream to `stream_subject`.
+
+    The decode worker publishes `TokenEvent`s to `stream_subject` until one carries a
+    `finish_reason` or an `error`. Past `deadline_unix_s` the request is aborted with an error
+    event and every block it held is released.
+    """
+
+    kind: ClassVar[str] = "generate_request"
+    request_id: str
+    token_ids: tuple[int, ...]
+    stream_subject: str
+    deadline_unix_s: float
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    tenant_salt: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.request_id or len(self.request_id) > 128:
+            raise ValueError("request_id must be 1-128 characters")
+        if not self.token_ids:
+            raise ValueError("token_ids is empty")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be at least 1")
+        if len(self.stream_subject) > 256 or not _SUBJECT.match(self.stream_subject):
+            raise ValueError("stream_subject must be a literal NATS subject (no wildcards)")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+
+PrefillMode = Literal["", "local", "remote", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent(Message):
+    """Decode worker -> the request's stream subject: the tokens sampled since the last event.
+
+    `seq` counts from 0 per request, so a gap is visible. The last event has a `finish_reason`
+    (`stop`, `length`, `abort`) or an `error` (a metric-safe code, never prompt text). The first
+    event says how the prompt was prefilled and how long each stage of the first token took.
+    """
+
+    kind: ClassVar[str] = "token_event"
+    request_id: str
+    seq: int
+    token_ids: tuple[int, ...] = ()
+    finish_reason: str | None = None
+    error: str | None = None
+    worker_id: str = ""
+    prefill_mode: PrefillMode = ""
+    queue_wait_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_queue_s: float = 0.0
+    copy_s: float = 0.0
+    validation_s: float = 0.0
+    admission_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.seq < 0:
+            raise ValueError("seq must be >= 0")
+
+    @property
+    def is_last(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass(frozen=True, slots=True)
+class BlockCounts(Message):
+    """A worker's answer on its debug subject: what its KV pool and its roles hold right now.
+
+    `num_free_blocks` counts blocks an allocation could take (free or cached-unreferenced);
+    `num_blocks` excludes the null block. After every request ended, the two are equal.
+    """
+
+    kind: ClassVar[str] = "block_counts"
+    worker_id: str
+    incarnation: int
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int = 0
+    num_retained: int = 0
+    num_pending: int = 0

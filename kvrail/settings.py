@@ -84,6 +84,13 @@ class Settings(BaseModel):
     min_remote_prefill_tokens: int = Field(512, ge=0)
     kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
     transfer_backend: TransferBackend = "nixl"
+    transfer_checksums: bool = Field(
+        False, description="checksum every transferred KV block (always on in tests)"
+    )
+    num_kv_blocks: int = Field(512, ge=2, description="KV cache blocks per worker (incl. null)")
+    torch_num_threads: int | None = Field(
+        None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
+    )
     rdma: RdmaMode = "preferred"
 
     # Router.

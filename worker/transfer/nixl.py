@@ -14,6 +14,7 @@ warning, never silently.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -43,6 +44,15 @@ def _nixl() -> Any:
     except ImportError:
         import nixl_cu12._api as api
     return api
+
+
+def _nixl_errors() -> tuple[type[Exception], ...]:
+    """The exception classes NIXL's bindings raise (nixlRemoteDisconnectError and others)."""
+    bind = _nixl().nixlBind
+    return tuple(
+        e for n in dir(bind) if n.startswith("nixl") and isinstance(e := getattr(bind, n), type)
+        and issubclass(e, Exception)
+    )  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -172,7 +182,11 @@ class NixlConnector:
         src_descs = self._agent.get_xfer_descs(src, self._mem)
         dst_descs = self._agent.get_xfer_descs(dst, self._mem)
         started = time.perf_counter()
-        handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notification)
+        errors = _nixl_errors()
+        try:
+            handle = self._agent.initialize_xfer("WRITE", src_descs, dst_descs, peer, notification)
+        except errors as err:  # e.g. the peer's process is gone
+            raise TransferError(f"transfer to {peer} failed: {type(err).__name__}") from err
         try:
             state = self._agent.transfer(handle)
             while state not in ("DONE", "ERR"):
@@ -181,8 +195,11 @@ class NixlConnector:
                 state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError(f"transfer to {peer} failed")
+        except errors as err:  # e.g. NIXL_ERR_REMOTE_DISCONNECT when the peer died
+            raise TransferError(f"transfer to {peer} failed: {type(err).__name__}") from err
         finally:
-            self._agent.release_xfer_handle(handle)
+            with contextlib.suppress(*errors):
+                self._agent.release_xfer_handle(handle)
         seconds = time.perf_counter() - started
         return TransferStats(len(src_block_ids) * size, seconds, self.transport)
 

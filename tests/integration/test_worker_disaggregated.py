@@ -1,0 +1,336 @@
+"""Disaggregated serving end to end: every role its own process, real etcd, NATS and NIXL.
+
+Four workers of one pool start once for the module (SmolLM2 on CPU, one torch thread each):
+`prefill-0`, `decode-0` and `decode-1` (disaggregated, a low remote-prefill threshold,
+checksums on, kvLoadFailurePolicy recompute) and `colo-0` (role `both`, colocated: the
+baseline). Tests talk to them as the router would: a `GenerateRequest` on a decode worker's
+subject, `TokenEvent`s back on a stream subject, and each worker's debug subject for its block
+counts; every test ends with every live worker's blocks free. The fault tests kill workers, so
+they run last, in file order: `decode-1` is killed and restarted (a new incarnation, with the
+`fail` policy), then `prefill-0` is killed for good.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import sys
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from nats.aio.client import Client as NatsClient
+
+from kvrail.bus import PrefillQueue, connect
+from kvrail.keys import PoolKeys
+from kvrail.messages import BlockCounts, Cancel, GenerateRequest, PrefillJob, TokenEvent, decode
+from kvrail.procs import ManagedProcess, free_port
+from kvrail.registry import Registry, etcd_client
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.settings import Settings
+
+POOL = f"wd-{uuid.uuid4().hex[:8]}"
+KEYS = PoolKeys("default", POOL)
+READY_TIMEOUT_S = 240.0
+LONG_PROMPT = 150  # tokens: remote prefill (threshold 32)
+SHORT_PROMPT = 12  # tokens: local prefill
+
+
+def prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
+    rng = random.Random(seed)
+    return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))
+
+
+class Pool:
+    def __init__(self, etcd: EtcdServer, nats: NatsServer, log_dir: Path) -> None:
+        self.settings = Settings(pool=POOL, etcd_endpoints=(etcd.endpoint,), nats_url=nats.url)
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            "KVRAIL_POOL": POOL,
+            "KVRAIL_ETCD_ENDPOINTS": etcd.endpoint,
+            "KVRAIL_NATS_URL": nats.url,
+            "KVRAIL_MIN_REMOTE_PREFILL_TOKENS": "32",
+            "KVRAIL_TRANSFER_CHECKSUMS": "true",
+            "KVRAIL_KV_LOAD_FAILURE_POLICY": "recompute",
+            "KVRAIL_NUM_KV_BLOCKS": "96",
+            "KVRAIL_MAX_MODEL_LEN": "1024",
+            "KVRAIL_TORCH_NUM_THREADS": "1",
+        }
+        self.log_dir = log_dir
+        self.procs: dict[str, ManagedProcess] = {}
+        self.ready: set[str] = set()
+        self.metrics_ports = {"prefill-0": free_port(), "decode-0": free_port()}
+
+    def start(self, worker_id: str, role: str, **env: str) -> ManagedProcess:
+        argv = [sys.executable, "-P", "-m", "kvrail.worker", "--role", role]
+        generation = sum(1 for p in self.log_dir.glob(f"{worker_id}.*.log"))
+        proc = ManagedProcess(
+            worker_id,
+            [*argv, "--worker-id", worker_id],
+            self.log_dir / f"{worker_id}.{generation}.log",
+            env={**self.env, **env},
+        )
+        self.procs[worker_id] = proc.start()
+        self.ready.discard(worker_id)
+        return proc
+
+    def wait_ready(self, worker_id: str) -> None:
+        proc = self.procs[worker_id]
+        proc.wait_ready(lambda: "worker ready" in proc.log_path.read_text(), READY_TIMEOUT_S, 0.5)
+        self.ready.add(worker_id)
+
+    def kill(self, worker_id: str) -> None:
+        """kill -9 one worker and wait until it is gone."""
+        proc = self.procs[worker_id]
+        self.ready.discard(worker_id)
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while proc.is_running():
+            assert time.monotonic() < deadline, f"{worker_id} survived kill -9"
+            time.sleep(0.01)
+
+    def live(self) -> list[str]:
+        """Workers that became ready and still run."""
+        return [wid for wid, p in self.procs.items() if wid in self.ready and p.is_running()]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop(grace_s=20)
+
+
+@pytest.fixture(scope="module")
+def pool(
+    etcd_server: EtcdServer, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Pool]:
+    p = Pool(etcd_server, nats_server, tmp_path_factory.mktemp("workers"))
+    try:
+        p.start("prefill-0", "prefill", KVRAIL_HTTP_PORT=str(p.metrics_ports["prefill-0"]))
+        p.start("decode-0", "decode", KVRAIL_HTTP_PORT=str(p.metrics_ports["decode-0"]))
+        p.start("decode-1", "decode")
+        p.start("colo-0", "both", KVRAIL_DISAGGREGATION_MODE="colocated")
+        for worker_id in p.procs:
+            p.wait_ready(worker_id)
+        yield p
+        for worker_id in p.live():  # a clean SIGTERM exits 0
+            proc = p.procs[worker_id]
+            proc.stop(grace_s=20)
+            assert proc.returncode() == 0, proc.tail()
+    finally:
+        p.stop()
+
+
+async def generate(
+    nc: NatsClient,
+    worker_id: str,
+    token_ids: tuple[int, ...],
+    *,
+    max_tokens: int = 8,
+    deadline_s: float = 30.0,
+    request_id: str | None = None,
+    wait: bool = True,
+) -> list[TokenEvent]:
+    """Send one request as the router would; with `wait`, collect its events until the last."""
+    request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
+    subject = f"test.stream.{request_id}"
+    sub = await nc.subscribe(subject)
+    request = GenerateRequest(
+        request_id=request_id, token_ids=token_ids, stream_subject=subject,
+        deadline_unix_s=time.time() + deadline_s, max_tokens=max_tokens, ignore_eos=True,
+    )  # fmt: skip
+    await nc.publish(KEYS.decode_requests(worker_id), request.encode())
+    events: list[TokenEvent] = []
+    if not wait:
+        return events
+    try:
+        stop_at = time.monotonic() + deadline_s + 5
+        while not events or not events[-1].is_last:
+            msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
+            events.append(decode(msg.data, TokenEvent))
+    finally:
+        await sub.unsubscribe()
+    assert [e.seq for e in events] == list(range(len(events)))
+    return events
+
+
+def tokens_of(events: list[TokenEvent]) -> list[int]:
+    assert events[-1].error is None, events[-1].error
+    return [t for e in events for t in e.token_ids]
+
+
+async def block_counts(nc: NatsClient, worker_id: str) -> BlockCounts:
+    reply = await nc.request(KEYS.debug(worker_id), b"", timeout=5)
+    return decode(reply.data, BlockCounts)
+
+
+async def assert_all_blocks_free(nc: NatsClient, pool: Pool, timeout_s: float = 30.0) -> None:
+    """Every live worker holds no request, no retained and no quarantined block (polled)."""
+    deadline = time.monotonic() + timeout_s
+    for worker_id in pool.live():
+        while True:
+            c = await block_counts(nc, worker_id)
+            idle = c.num_requests == c.num_retained == c.num_pending == 0
+            if idle and c.num_free_blocks == c.num_blocks:
+                break
+            assert time.monotonic() < deadline, f"{worker_id} still holds blocks: {c}"
+            await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+async def nc(pool: Pool) -> NatsClient:
+    client = await connect(pool.settings, "test-client")
+    yield client  # type: ignore[misc]
+    await client.close()
+
+
+async def test_remote_prefill_decodes_exactly_like_a_colocated_worker(
+    pool: Pool, nc: NatsClient
+) -> None:
+    token_ids = prompt(LONG_PROMPT, seed=1)
+    colocated = await generate(nc, "colo-0", token_ids)
+    disaggregated = await generate(nc, "decode-0", token_ids)
+    assert colocated[0].prefill_mode == "local"
+    assert disaggregated[0].prefill_mode == "remote"
+    assert len(tokens_of(colocated)) == 8
+    assert tokens_of(disaggregated) == tokens_of(colocated)
+    assert disaggregated[-1].finish_reason == "length"
+    first = disaggregated[0]
+    assert first.prefill_compute_s > 0 and first.validation_s > 0
+    await assert_all_blocks_free(nc, pool)
+    decode_metrics = scrape(pool.metrics_ports["decode-0"])
+    assert 'kvrail_ttft_stage_seconds_count{stage="copy"} 1.0' in decode_metrics
+    assert 'kvrail_kv_transfer_bytes_total{transport="nixl-ucx"} 7.3728e+06' in scrape(
+        pool.metrics_ports["prefill-0"]
+    )
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+async def test_a_short_prompt_is_prefilled_on_the_decode_worker(pool: Pool, nc: NatsClient) -> None:
+    token_ids = prompt(SHORT_PROMPT, seed=2)
+    local = await generate(nc, "decode-0", token_ids, max_tokens=5)
+    colocated = await generate(nc, "colo-0", token_ids, max_tokens=5)
+    assert local[0].prefill_mode == "local"
+    assert tokens_of(local) == tokens_of(colocated)
+    await assert_all_blocks_free(nc, pool)
+
+
+async def test_a_request_past_its_deadline_fails_cleanly_and_frees_everything(
+    pool: Pool, nc: NatsClient
+) -> None:
+    events = await generate(nc, "decode-0", prompt(LONG_PROMPT, seed=3), deadline_s=-1.0)
+    assert events[-1].error == "deadline"
+    await assert_all_blocks_free(nc, pool)
+
+
+async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
+    pool: Pool, nc: NatsClient
+) -> None:
+    queue = PrefillQueue(nc.jetstream(), KEYS)
+    remote = asyncio.create_task(
+        generate(nc, "decode-0", prompt(LONG_PROMPT, seed=8), request_id="cancel-remote")
+    )
+    await wait_for_job(queue)
+    await nc.publish(KEYS.cancel, Cancel(request_id="cancel-remote").encode())
+    events = await asyncio.wait_for(remote, 30)
+    assert events[-1].error == "cancelled"
+    local = asyncio.create_task(
+        generate(nc, "decode-0", prompt(SHORT_PROMPT, seed=9), max_tokens=400,
+                 request_id="cancel-local")
+    )  # fmt: skip
+    await asyncio.sleep(1.0)
+    await nc.publish(KEYS.cancel, Cancel(request_id="cancel-local").encode())
+    events = await asyncio.wait_for(local, 30)
+    assert events[-1].error == "cancelled"
+    # Well before the 30 s deadline: the prefill worker's refusal (or its late completion)
+    # lifts the quarantine of the remote request's blocks.
+    await assert_all_blocks_free(nc, pool, timeout_s=15.0)
+
+
+async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
+    pool: Pool, nc: NatsClient
+) -> None:
+    etcd = etcd_client(pool.settings)
+    try:
+        records, _ = await Registry(etcd, KEYS).workers()
+    finally:
+        await etcd.close()
+    dest = records["decode-0"]
+    queue = PrefillQueue(nc.jetstream(), KEYS)
+    base = PrefillJob(
+        request_id="stale-0", token_ids=prompt(40, seed=10), fingerprint=dest.fingerprint,
+        dest_worker_id="decode-0", dest_incarnation=dest.incarnation,
+        dest_agent_name=dest.nixl_agent_name, dest_block_ids=(5, 6, 7), first_block_index=0,
+        deadline_unix_s=time.time() + 30,
+    )  # fmt: skip
+    for request_id, changes in (
+        ("stale-deadline", {"deadline_unix_s": time.time() - 1}),
+        ("stale-incarnation", {"dest_incarnation": dest.incarnation - 1}),
+        ("stale-fingerprint", {"fingerprint": "0" * 64}),
+    ):
+        assert await queue.publish(replace(base, request_id=request_id, **changes))
+    want = [f'kvrail_prefill_jobs_rejected_total{{reason="{r}"}} 1.0'
+            for r in ("deadline", "stale_destination", "fingerprint")]  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not all(w in scrape(pool.metrics_ports["prefill-0"]) for w in want):
+        assert time.monotonic() < deadline, scrape(pool.metrics_ports["prefill-0"])
+        await asyncio.sleep(0.2)
+    assert await queue.backlog() == 0
+    await assert_all_blocks_free(nc, pool)
+
+
+async def wait_for_job(queue: PrefillQueue, num_jobs: int = 1, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while await queue.backlog() < num_jobs:
+        assert time.monotonic() < deadline, "no prefill job was queued"
+        await asyncio.sleep(0.005)
+
+
+async def test_killing_the_decode_worker_mid_request_leaves_the_prefill_side_clean(
+    pool: Pool, nc: NatsClient
+) -> None:
+    queue = PrefillQueue(nc.jetstream(), KEYS)
+    await generate(nc, "decode-1", prompt(LONG_PROMPT, seed=4), deadline_s=15, wait=False)
+    await wait_for_job(queue)
+    pool.kill("decode-1")
+    # It comes back with the `fail` policy (the last test needs one).
+    pool.start("decode-1", "decode", KVRAIL_KV_LOAD_FAILURE_POLICY="fail")
+    await assert_all_blocks_free(nc, pool, timeout_s=25.0)
+    assert pool.procs["prefill-0"].is_running()
+    # The prefill worker still serves the others, and the restarted worker (a new incarnation,
+    # so a new NIXL agent under the same worker id) once it registers.
+    events = await generate(nc, "decode-0", prompt(LONG_PROMPT, seed=5))
+    assert events[0].prefill_mode == "remote" and events[-1].error is None
+    await asyncio.to_thread(pool.wait_ready, "decode-1")
+    events = await generate(nc, "decode-1", prompt(LONG_PROMPT, seed=7))
+    assert events[0].prefill_mode == "remote" and events[-1].error is None
+    await assert_all_blocks_free(nc, pool)
+
+
+async def test_killing_the_prefill_worker_mid_job_recomputes_or_fails_by_policy(
+    pool: Pool, nc: NatsClient
+) -> None:
+    token_ids = prompt(LONG_PROMPT, seed=6)
+    expected = tokens_of(await generate(nc, "colo-0", token_ids))
+    queue = PrefillQueue(nc.jetstream(), KEYS)
+    recompute = asyncio.create_task(generate(nc, "decode-0", token_ids, deadline_s=15))
+    fail = asyncio.create_task(generate(nc, "decode-1", prompt(LONG_PROMPT, 11), deadline_s=15))
+    await wait_for_job(queue, num_jobs=2)
+    pool.kill("prefill-0")
+    started = time.monotonic()
+    events = await asyncio.wait_for(recompute, timeout=25)
+    assert events[0].prefill_mode == "recompute"  # decode-0: kvLoadFailurePolicy recompute
+    assert tokens_of(events) == expected
+    assert time.monotonic() - started < 15
+    events = await asyncio.wait_for(fail, timeout=25)  # decode-1: kvLoadFailurePolicy fail
+    assert len(events) == 1 and events[0].error == "prefill_worker_lost"
+    assert events[0].token_ids == ()
+    await assert_all_blocks_free(nc, pool, timeout_s=25.0)

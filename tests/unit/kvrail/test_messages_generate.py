@@ -1,0 +1,143 @@
+"""The request-plane messages of issue 4: GenerateRequest, TokenEvent, BlockCounts."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from kvrail.keys import PoolKeys
+from kvrail.messages import (
+    BlockCounts,
+    GenerateRequest,
+    MessageError,
+    PrefillDone,
+    TokenEvent,
+    decode,
+)
+
+
+def request(**overrides: Any) -> GenerateRequest:
+    base: dict[str, Any] = dict(
+        request_id="req-1", token_ids=tuple(range(100, 140)), stream_subject="_INBOX.abc.1",
+        deadline_unix_s=1e9,
+    )  # fmt: skip
+    base.update(overrides)
+    return GenerateRequest(**base)
+
+
+def _tamper(message: Any, **changes: Any) -> bytes:
+    body = json.loads(message.encode())
+    body.update(changes)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        request(),
+        request(
+            max_tokens=64,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=40,
+            seed=7,
+            stop_token_ids=(2, 5),
+            ignore_eos=True,
+            tenant_salt="tenant-a",
+        ),
+        TokenEvent(
+            request_id="r",
+            seq=0,
+            token_ids=(5, 6),
+            prefill_mode="remote",
+            queue_wait_s=0.01,
+            prefill_compute_s=0.2,
+            copy_s=0.003,
+        ),
+        TokenEvent(request_id="r", seq=3, finish_reason="length"),
+        TokenEvent(request_id="r", seq=1, error="deadline"),
+        BlockCounts(
+            worker_id="d-0",
+            incarnation=9,
+            num_blocks=95,
+            num_free_blocks=90,
+            num_requests=1,
+            num_retained=0,
+            num_pending=1,
+        ),
+        PrefillDone(
+            request_id="r",
+            fingerprint="f",
+            dest_incarnation=1,
+            block_ids=(1,),
+            first_token_id=5,
+            num_prompt_tokens=9,
+            prefill_worker_id="p-0",
+            prefill_incarnation=2,
+            queue_wait_s=0.5,
+            prefill_compute_s=1.5,
+            transfer_queue_s=0.1,
+        ),
+    ],
+)
+def test_every_request_plane_message_round_trips(message: Any) -> None:
+    assert decode(message.encode(), type(message)) == message
+
+
+def test_prompt_and_new_tokens_travel_packed() -> None:
+    body = json.loads(request(token_ids=tuple(range(5000))).encode())
+    assert isinstance(body["token_ids"], str)
+    body = json.loads(TokenEvent(request_id="r", seq=0, token_ids=(1, 2)).encode())
+    assert isinstance(body["token_ids"], str)
+
+
+def test_a_prefill_done_without_the_stage_fields_still_decodes() -> None:
+    done = PrefillDone(
+        request_id="r", fingerprint="f", dest_incarnation=1, block_ids=(1,), first_token_id=5,
+        num_prompt_tokens=9, prefill_worker_id="p-0", prefill_incarnation=2,
+    )  # fmt: skip
+    body = json.loads(done.encode())
+    for name in ("queue_wait_s", "prefill_compute_s", "transfer_queue_s"):
+        del body[name]
+    assert decode(json.dumps(body).encode(), PrefillDone) == done
+
+
+def test_only_the_last_event_is_last() -> None:
+    assert not TokenEvent(request_id="r", seq=0, token_ids=(1,)).is_last
+    assert TokenEvent(request_id="r", seq=1, finish_reason="stop").is_last
+    assert TokenEvent(request_id="r", seq=1, error="kv_load_failed").is_last
+
+
+@pytest.mark.parametrize(
+    "data,cls,message",
+    [
+        (_tamper(request(), request_id=""), GenerateRequest, "request_id"),
+        (_tamper(request(), request_id="x" * 129), GenerateRequest, "request_id"),
+        (_tamper(request(), max_tokens=0), GenerateRequest, "max_tokens"),
+        (_tamper(request(), max_tokens="8"), GenerateRequest, "max_tokens must be int"),
+        (_tamper(request(), stream_subject="kvrail.*"), GenerateRequest, "stream_subject"),
+        (_tamper(request(), stream_subject="a.>"), GenerateRequest, "stream_subject"),
+        (_tamper(request(), stream_subject="a b"), GenerateRequest, "stream_subject"),
+        (_tamper(request(), stop_token_ids=[1, -2]), GenerateRequest, "stop_token_ids"),
+        (_tamper(request(), seed=1.5), GenerateRequest, "seed"),
+        (_tamper(request(), ignore_eos=1), GenerateRequest, "ignore_eos"),
+        (_tamper(TokenEvent(request_id="r", seq=0), seq=-1), TokenEvent, "seq"),
+        (_tamper(TokenEvent(request_id="r", seq=0), prefill_mode="guess"), TokenEvent, "prefill"),
+        (_tamper(TokenEvent(request_id="r", seq=0), error=7), TokenEvent, "error"),
+    ],
+)
+def test_malformed_request_plane_messages_raise_message_error(
+    data: bytes, cls: Any, message: str
+) -> None:
+    with pytest.raises(MessageError, match=message):
+        decode(data, cls)
+
+
+def test_the_debug_and_refusal_subjects_are_scoped_per_worker() -> None:
+    keys = PoolKeys("team-a", "llama")
+    assert keys.debug("d-0") == "kvrail.team-a.llama.debug.d-0"
+    assert keys.prefill_refused("d-0") == "kvrail.team-a.llama.refused.d-0"
+    with pytest.raises(ValueError, match="worker id"):
+        keys.debug("d.*")

@@ -1,0 +1,144 @@
+"""EngineService: the engine on its own thread, driven from asyncio (tiny random Llama)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from kvrail.errors import DeadlineExceededError, InvalidRequestError
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.service import EngineService, Update
+from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
+
+PROMPT = list(range(10, 31))  # 21 tokens: 5 full 4-token blocks and a partial one
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+LONG = SamplingParams(max_tokens=1500, ignore_eos=True)  # seconds of steps: still running later
+
+
+def engine(**overrides: Any) -> Any:
+    overrides.setdefault("num_blocks", 400)
+    overrides.setdefault("max_model_len", 2048)
+    return make_engine(tiny_llama_config(max_position_embeddings=2048), seed=3, **overrides)
+
+
+@pytest.fixture
+async def service() -> AsyncIterator[EngineService]:
+    svc = EngineService(engine(), asyncio.get_running_loop()).start()
+    yield svc
+    await svc.close()
+    assert_engine_empty(svc.engine)
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.updates: list[Update] = []
+        self.done = asyncio.Event()
+
+    def __call__(self, update: Update) -> None:
+        assert asyncio.get_running_loop()  # delivered on the event loop, not the engine thread
+        assert not self.done.is_set(), "an update arrived after the last one"
+        self.updates.append(update)
+        if update.is_last:
+            self.done.set()
+
+    async def wait(self, timeout_s: float = 30.0) -> Update:
+        await asyncio.wait_for(self.done.wait(), timeout_s)
+        return self.updates[-1]
+
+
+async def test_a_submitted_request_streams_the_tokens_generate_would_give(
+    service: EngineService,
+) -> None:
+    expected = engine().generate([PROMPT], GREEDY)[0]
+    got = Collector()
+    await service.submit("r1", PROMPT, GREEDY, got)
+    last = await got.wait()
+    assert last.finished and last.finish_reason == "length"
+    assert list(last.output_token_ids) == expected
+    lengths = [len(u.output_token_ids) for u in got.updates]
+    assert lengths == sorted(lengths) and lengths[-1] == 6
+
+
+async def test_an_invalid_request_raises_and_keeps_nothing(service: EngineService) -> None:
+    with pytest.raises(InvalidRequestError):
+        await service.submit("bad", [], GREEDY, Collector())
+    counts = await service.counts()
+    assert counts.num_requests == 0 and counts.num_free_blocks == counts.num_blocks
+
+
+async def test_a_request_past_its_deadline_is_aborted_with_one_error_update(
+    service: EngineService,
+) -> None:
+    got = Collector()
+    await service.submit("late", PROMPT, LONG, got, deadline_monotonic=time.monotonic() + 0.2)
+    last = await got.wait()
+    assert last.error == "deadline" and not last.finished
+    assert len(got.updates) > 1  # it ran until the deadline, then stopped
+    assert (await service.counts()).num_requests == 0
+
+
+async def test_a_reserved_request_runs_only_once_installed(service: EngineService) -> None:
+    reservation = await service.reserve("r", PROMPT, GREEDY)
+    assert reservation is not None and len(reservation.block_ids) == 6
+    counts = await service.counts()
+    assert counts.num_free_blocks == counts.num_blocks - 6
+    got = Collector()
+    await service.install("r", 42, got)
+    last = await got.wait()
+    assert last.output_token_ids[0] == 42 and len(last.output_token_ids) == 6
+    assert got.updates[0].output_token_ids == (42,)
+
+
+async def test_an_abandoned_reservation_is_freed_by_abort(service: EngineService) -> None:
+    assert await service.reserve("r", PROMPT, GREEDY) is not None
+    assert await service.abort("r")
+    assert not await service.abort("r")
+    counts = await service.counts()
+    assert counts.num_requests == 0 and counts.num_free_blocks == counts.num_blocks
+
+
+async def test_a_prefill_retains_its_blocks_until_released(service: EngineService) -> None:
+    result = await service.prefill("p", PROMPT, SamplingParams(max_tokens=1))
+    assert len(result.block_ids) == 6
+    assert result.first_token_id == engine().generate([PROMPT], SamplingParams(max_tokens=1))[0][0]
+    counts = await service.counts()
+    assert counts.num_retained == 1 and counts.num_free_blocks == counts.num_blocks - 6
+    await service.release("p")
+    await service.release("p")  # idempotent
+    assert (await service.counts()).num_retained == 0
+
+
+async def test_a_prefill_past_its_deadline_raises_and_retains_nothing(
+    service: EngineService,
+) -> None:
+    with pytest.raises(DeadlineExceededError):
+        await service.prefill("p", PROMPT, SamplingParams(max_tokens=1), deadline_monotonic=0.0)
+    assert (await service.counts()).num_retained == 0
+
+
+async def test_an_aborted_request_gets_no_more_updates(service: EngineService) -> None:
+    got = Collector()
+    await service.submit("r", PROMPT, LONG, got)
+    await asyncio.sleep(0.05)
+    assert await service.abort("r")
+    seen = len(got.updates)
+    await asyncio.sleep(0.1)
+    assert len(got.updates) == seen and not got.done.is_set()
+
+
+async def test_close_fails_what_is_left_and_the_engine_ends_empty() -> None:
+    svc = EngineService(engine(), asyncio.get_running_loop()).start()
+    got = Collector()
+    await svc.submit("r", PROMPT, LONG, got)
+    assert await svc.reserve("q", list(range(50, 60)), GREEDY) is not None
+    await svc.close()
+    assert (await got.wait()).error == "shutdown"
+    assert_engine_empty(svc.engine)
+    with pytest.raises(RuntimeError, match="stopped"):
+        await svc.counts()

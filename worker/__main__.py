@@ -1,0 +1,236 @@
+"""`python -P -m kvrail.worker --role prefill|decode|both [--worker-id ID]`
+
+Loads settings from the environment, builds the engine (CUDA when available, else CPU), registers
+the NIXL agent over the engine's one KV tensor, registers the worker in etcd under a lease
+(refreshed, with its load, about every second), answers debug queries with its block counts and
+runs its role. SIGTERM (or SIGINT): stop taking work, finish what is in flight, deregister and
+exit 0. Logs hold ids and sizes only, never token ids, text or KV bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Literal
+
+import aetcd
+import torch
+from nats.aio.msg import Msg
+
+from kvrail.bus import PrefillQueue, connect
+from kvrail.errors import ConfigError
+from kvrail.keys import PoolKeys, check_label
+from kvrail.messages import BlockCounts, WorkerRecord
+from kvrail.registry import Registration, Registry, etcd_client
+from kvrail.settings import Settings, load_settings
+from kvrail.worker import metrics
+from kvrail.worker.decode import DecodeRole
+from kvrail.worker.engine.engine import LLMEngine
+from kvrail.worker.peers import PeerTable
+from kvrail.worker.prefill import PrefillRole
+from kvrail.worker.service import EngineService
+from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.transfer.nixl import NixlConnector
+
+log = logging.getLogger("kvrail.worker")
+
+Role = Literal["prefill", "decode", "both"]
+_DRAIN_S = 30.0
+_LOAD_REFRESH_S = 1.0
+
+
+def build_engine(settings: Settings) -> LLMEngine:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+    if settings.dtype == "auto":
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    else:
+        dtype = names[settings.dtype]
+    config: dict[str, object] = {
+        "num_blocks": settings.num_kv_blocks, "block_size": settings.block_size,
+        "max_num_seqs": settings.max_num_seqs,
+        "max_num_batched_tokens": settings.max_num_batched_tokens,
+    }  # fmt: skip
+    if settings.max_model_len is not None:
+        config["max_model_len"] = settings.max_model_len
+    return LLMEngine.from_source(settings.model, dtype=dtype, device=device, **config)
+
+
+class Worker:
+    def __init__(self, settings: Settings, role: Role, worker_id: str) -> None:
+        self.settings = settings
+        self.role: Role = role
+        self.worker_id = worker_id
+        self.incarnation = time.time_ns()
+        self.agent_name = f"{worker_id}-{self.incarnation}"
+        self.keys = PoolKeys(settings.namespace, settings.pool)
+        self.stopping = asyncio.Event()
+
+    async def run(self) -> None:
+        settings = self.settings
+        engine = await asyncio.to_thread(build_engine, settings)
+        fingerprint = engine.fingerprint.digest
+        region = BlockRegion(engine.kv_cache.tensor, engine.kv_cache.num_blocks)
+        nixl = NixlConnector(self.agent_name, region)
+        service = EngineService(engine, asyncio.get_running_loop()).start()
+        nc = await connect(settings, f"kvrail-{self.role}-{self.worker_id}")
+        etcd = etcd_client(settings)
+        registry = Registry(etcd, self.keys)
+        prefill_queue = PrefillQueue(nc.jetstream(), self.keys)
+        await prefill_queue.ensure_stream()
+        counts = await service.counts()
+        record = WorkerRecord(
+            worker_id=self.worker_id, pod_uid=settings.pod_uid or f"local-{os.getpid()}",
+            incarnation=self.incarnation, role=self.role, fingerprint=fingerprint,
+            address=settings.pod_ip or "", nixl_agent_name=self.agent_name,
+            nixl_metadata_b64=base64.b64encode(nixl.metadata()).decode(),
+            num_blocks=counts.num_blocks, block_bytes=region.block_bytes, transport=nixl.transport,
+            is_ready=False,
+        )  # fmt: skip
+        registration = await registry.register(record)
+        peers = PeerTable(registry, self.worker_id)
+        peers_task = asyncio.create_task(peers.run(), name="peers")
+        roles: list[DecodeRole | PrefillRole] = []
+        if self.role in ("decode", "both"):
+            roles.append(
+                DecodeRole(
+                    settings=settings,
+                    keys=self.keys,
+                    worker_id=self.worker_id,
+                    incarnation=self.incarnation,
+                    agent_name=self.agent_name,
+                    fingerprint=fingerprint,
+                    nc=nc,
+                    prefill_queue=prefill_queue,
+                    service=service,
+                    region=region,
+                    notifications=nixl.notifications,
+                    peers=peers,
+                )
+            )
+        if self.role == "prefill":
+            roles.append(
+                PrefillRole(
+                    keys=self.keys,
+                    worker_id=self.worker_id,
+                    incarnation=self.incarnation,
+                    fingerprint=fingerprint,
+                    nc=nc,
+                    prefill_queue=prefill_queue,
+                    service=service,
+                    nixl=nixl,
+                    peers=peers,
+                )
+            )
+
+        async def answer_debug(msg: Msg) -> None:
+            c = await service.counts()
+            reply = BlockCounts(
+                worker_id=self.worker_id, incarnation=self.incarnation, num_blocks=c.num_blocks,
+                num_free_blocks=c.num_free_blocks, num_requests=c.num_requests,
+                num_retained=c.num_retained, num_pending=sum(r.num_pending for r in roles),
+            )  # fmt: skip
+            await msg.respond(reply.encode())
+
+        debug_sub = await nc.subscribe(self.keys.debug(self.worker_id), cb=answer_debug)
+        try:
+            await asyncio.wait_for(peers.ready.wait(), timeout=30.0)
+            for role in roles:
+                await role.start()
+            record = _with(record, is_ready=True)
+            await _update(registration, record)
+            log.info(
+                "worker ready worker=%s role=%s incarnation=%d agent=%s fingerprint=%s "
+                "blocks=%d block_bytes=%d device=%s transport=%s",
+                self.worker_id, self.role, self.incarnation, self.agent_name, fingerprint[:12],
+                counts.num_blocks, region.block_bytes, engine.device, nixl.transport,
+            )  # fmt: skip
+            while not self.stopping.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stopping.wait(), _LOAD_REFRESH_S)
+                if self.stopping.is_set():
+                    break
+                c = await service.counts()
+                utilization = 1.0 - c.num_free_blocks / max(c.num_blocks, 1)
+                metrics.RUNNING_REQUESTS.set(c.num_running)
+                metrics.WAITING_REQUESTS.set(c.num_waiting)
+                metrics.KV_CACHE_UTILIZATION.set(utilization)
+                record = _with(
+                    record, num_running=c.num_running, num_waiting=c.num_waiting,
+                    kv_utilization=utilization,
+                )  # fmt: skip
+                await _update(registration, record)
+            log.info("worker draining worker=%s", self.worker_id)
+            await _update(registration, _with(record, is_ready=False))
+            for role in roles:
+                await role.drain(_DRAIN_S)
+        finally:
+            with contextlib.suppress(Exception):
+                await debug_sub.unsubscribe()
+            peers_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await peers_task
+            try:
+                await registration.close()
+            except aetcd.exceptions.ClientError as err:  # the lease expired already
+                log.warning("deregistration failed worker=%s error=%s", self.worker_id, err)
+            await service.close()
+            await nc.drain()
+            await etcd.close()
+            nixl.close()
+        log.info("worker stopped worker=%s", self.worker_id)
+
+
+async def _update(registration: Registration, record: WorkerRecord) -> None:
+    """Publish a new record; a failure is logged (the lease keeper registers again)."""
+    try:
+        await registration.update(record)
+    except aetcd.exceptions.ClientError as err:
+        log.warning("worker record update failed worker=%s error=%s", record.worker_id, err)
+
+
+def _with(record: WorkerRecord, **changes: object) -> WorkerRecord:
+    from dataclasses import replace
+
+    return replace(record, **changes)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -P -m kvrail.worker")
+    parser.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
+    parser.add_argument("--worker-id", help="a DNS-1123 label; default: the pod name")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings()
+        worker_id = check_label("worker id", args.worker_id or settings.pod_name or "")
+    except (ConfigError, ValueError) as err:
+        print(f"kvrail worker: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    if settings.http_port is not None:
+        metrics.serve(settings.http_port)
+    if settings.torch_num_threads is not None:
+        torch.set_num_threads(settings.torch_num_threads)
+    worker = Worker(settings, args.role, worker_id)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stopping.set)
+        await worker.run()
+
+    asyncio.run(run())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""The decode role: admit requests, prefill them locally or remotely, stream their tokens.
+
+For each `GenerateRequest` on `PoolKeys.decode_requests(worker_id)`: prefill remotely (see
+`remote_prefill.py`) when the pool is disaggregated, a ready prefill worker with our fingerprint
+is registered and at least `min_remote_prefill_tokens` prompt tokens are not cached here;
+otherwise (and after a failed remote prefill under the `recompute` policy) prefill locally.
+Tokens go to the request's stream subject as `TokenEvent`s, the first with the TTFT stages; the
+deadline aborts the request with an error event; a `Cancel` releases everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from kvrail.bus import PrefillQueue
+from kvrail.errors import InvalidRequestError
+from kvrail.keys import PoolKeys
+from kvrail.messages import Cancel, GenerateRequest, MessageError, PrefillMode, TokenEvent, decode
+from kvrail.settings import Settings
+from kvrail.worker import metrics
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.peers import PeerTable
+from kvrail.worker.remote_prefill import Outcome, RemotePrefill, RequestFailed
+from kvrail.worker.service import EngineService, Update
+from kvrail.worker.transfer.connector import BlockRegion
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Publishes one request's TokenEvents in order; the first carries the TTFT stages."""
+
+    nc: NatsClient
+    request: GenerateRequest
+    worker_id: str
+    mode: PrefillMode = ""
+    stages: dict[str, float] = field(default_factory=dict)
+    seq: int = 0
+    num_sent: int = 0
+    closed: bool = False
+
+    async def send(self, update: Update) -> None:
+        new = update.output_token_ids[self.num_sent :]
+        await self._publish(new, update.finish_reason, update.error)
+        self.num_sent = len(update.output_token_ids)
+
+    async def fail(self, reason: str) -> None:
+        if not self.closed:
+            await self._publish((), None, reason)
+
+    async def _publish(
+        self, token_ids: tuple[int, ...], finish_reason: str | None, error: str | None
+    ) -> None:
+        first = {"prefill_mode": self.mode, **self.stages} if self.seq == 0 else {}
+        event = TokenEvent(
+            self.request.request_id, self.seq, token_ids, finish_reason, error, self.worker_id,
+            **first,  # type: ignore[arg-type]
+        )  # fmt: skip
+        self.seq += 1
+        self.closed = event.is_last
+        await self.nc.publish(self.request.stream_subject, event.encode())
+
+
+class DecodeRole:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        keys: PoolKeys,
+        worker_id: str,
+        incarnation: int,
+        agent_name: str,
+        fingerprint: str,
+        nc: NatsClient,
+        prefill_queue: PrefillQueue,
+        service: EngineService,
+        region: BlockRegion,
+        notifications: Callable[[], list[tuple[str, bytes]]],
+        peers: PeerTable,
+    ) -> None:
+        self.keys = keys
+        self.worker_id = worker_id
+        self.nc = nc
+        self.service = service
+        self.remote = RemotePrefill(
+            settings=settings, keys=keys, worker_id=worker_id, incarnation=incarnation,
+            agent_name=agent_name, fingerprint=fingerprint, nc=nc, prefill_queue=prefill_queue,
+            service=service, region=region, notifications=notifications, peers=peers,
+        )  # fmt: skip
+        self._active: dict[str, asyncio.Task[None]] = {}
+        self._subs: list[Subscription] = []
+        self._draining = False
+
+    @property
+    def num_pending(self) -> int:
+        """Requests in flight plus quarantined reservations (debug counts)."""
+        return len(self._active) + self.remote.num_quarantined
+
+    async def start(self) -> None:
+        self._subs.append(
+            await self.nc.subscribe(self.keys.decode_requests(self.worker_id), cb=self._on_request)
+        )
+        self._subs.append(await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel))
+        await self.remote.start()
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop taking requests, let those in flight finish (bounded), then stop."""
+        self._draining = True
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if self._active:
+            await asyncio.wait(list(self._active.values()), timeout=timeout_s)
+        for task in self._active.values():
+            task.cancel()
+        await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await self.remote.stop()
+
+    # -- request plane --------------------------------------------------------------------------
+
+    async def _on_request(self, msg: Msg) -> None:
+        try:
+            request = decode(msg.data, GenerateRequest)
+        except MessageError as err:
+            log.warning("dropping an invalid generate request error=%s", err)
+            return
+        stream = _Stream(self.nc, request, self.worker_id)
+        if self._draining or request.request_id in self._active:
+            await stream.fail("shutting_down" if self._draining else "duplicate_request")
+            return
+        task = asyncio.create_task(self._serve(request, stream), name=request.request_id)
+        self._active[request.request_id] = task
+        task.add_done_callback(lambda _: self._active.pop(request.request_id, None))
+        task.add_done_callback(_log_failure)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except MessageError as err:
+            log.warning("dropping an invalid cancel error=%s", err)
+            return
+        task = self._active.get(cancel.request_id)
+        if task is not None:
+            log.info("request cancelled request_id=%s reason=%s", cancel.request_id, cancel.reason)
+            task.cancel()
+
+    async def _serve(self, request: GenerateRequest, stream: _Stream) -> None:
+        arrived = time.monotonic()
+        deadline = arrived + (request.deadline_unix_s - time.time())
+        engine_id = request.request_id
+        try:
+            if time.monotonic() >= deadline:
+                raise RequestFailed("deadline")
+            try:
+                params = SamplingParams(
+                    max_tokens=request.max_tokens, temperature=request.temperature,
+                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
+                )  # fmt: skip
+            except InvalidRequestError as err:
+                raise RequestFailed("invalid_request") from err
+            updates: asyncio.Queue[Update] = asyncio.Queue()
+            outcome: Outcome = "local"
+            if self.remote.wants(request):
+                stream.mode = "remote"
+                outcome = await self.remote.prefill(
+                    request, params, updates.put_nowait, stream.stages, arrived, deadline
+                )
+                if self.remote.is_quarantined(engine_id):
+                    engine_id = request.request_id + "~local"
+            installed = outcome == "installed"
+            if not installed:
+                stream.mode = "recompute" if outcome == "recompute" else "local"
+                submitted = time.monotonic()
+                stream.stages["admission_s"] = submitted - arrived
+                try:
+                    await self.service.submit(
+                        engine_id, request.token_ids, params, updates.put_nowait,
+                        deadline_monotonic=deadline, tenant_salt=request.tenant_salt,
+                    )  # fmt: skip
+                except InvalidRequestError as err:
+                    raise RequestFailed("invalid_request") from err
+            await self._stream(updates, stream, deadline, None if installed else time.monotonic())
+        except RequestFailed as err:
+            log.info("request failed request_id=%s reason=%s", request.request_id, err.reason)
+            await stream.fail(err.reason)
+        except (KeyError, RuntimeError) as err:  # the service stopped, or a reservation vanished
+            log.warning("request failed request_id=%s error=%s", request.request_id, err)
+            await stream.fail("internal_error")
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(stream.fail("cancelled"))
+            raise
+        finally:
+            if not self.remote.is_quarantined(engine_id):
+                await asyncio.shield(self.service.abort(engine_id))
+
+    async def _stream(
+        self,
+        updates: asyncio.Queue[Update],
+        stream: _Stream,
+        deadline: float,
+        submitted: float | None,
+    ) -> None:
+        while True:
+            remaining = deadline - time.monotonic() + 1.0  # the service aborts at the deadline
+            try:
+                update = await asyncio.wait_for(updates.get(), max(remaining, 0.0))
+            except TimeoutError as err:
+                raise RequestFailed("deadline") from err
+            if submitted is not None and stream.seq == 0:
+                stream.stages["prefill_compute_s"] = time.monotonic() - submitted
+            if stream.seq == 0:
+                for stage, seconds in stream.stages.items():
+                    metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
+                log.info(
+                    "first token request_id=%s mode=%s prompt_tokens=%d %s",
+                    stream.request.request_id, stream.mode, len(stream.request.token_ids),
+                    " ".join(f"{k}={v:.4f}" for k, v in sorted(stream.stages.items())),
+                )  # fmt: skip
+            await stream.send(update)
+            if update.is_last:
+                return
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A request task that died of an unexpected error (a bug): log it, with its id only."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("request task failed request_id=%s", task.get_name(), exc_info=task.exception())

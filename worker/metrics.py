@@ -1,0 +1,54 @@
+"""A worker's Prometheus metrics (names from `kvrail.metrics`), served on `http_port` when the
+settings set one. Labels are identifiers only: stage, transport, reason."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from kvrail import metrics
+
+REGISTRY = CollectorRegistry()
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+TTFT_STAGE_SECONDS = Histogram(
+    metrics.TTFT_STAGE_SECONDS,
+    "Time to first token by stage: queue_wait, prefill_compute, transfer_queue, copy, "
+    "validation, admission",
+    ["stage"],
+    buckets=_SECONDS,
+    registry=REGISTRY,
+)
+KV_TRANSFER_BYTES = Counter(
+    metrics.KV_TRANSFER_BYTES_TOTAL, "KV bytes written to decode workers", ["transport"],
+    registry=REGISTRY,
+)  # fmt: skip
+KV_TRANSFER_SECONDS = Histogram(
+    metrics.KV_TRANSFER_SECONDS, "Duration of one KV write", ["transport"], buckets=_SECONDS,
+    registry=REGISTRY,
+)  # fmt: skip
+KV_TRANSFER_FAILURES = Counter(
+    metrics.KV_TRANSFER_FAILURES_TOTAL,
+    "Remote prefills that did not deliver valid KV, by reason",
+    ["reason"],
+    registry=REGISTRY,
+)
+KV_TRANSPORT_BANDWIDTH = Gauge(
+    metrics.KV_TRANSPORT_BANDWIDTH_BYTES_PER_SECOND,
+    "Bandwidth of the last KV write, by transport",
+    ["transport"],
+    registry=REGISTRY,
+)
+PREFILL_JOBS_REJECTED = Counter(
+    metrics.PREFILL_JOBS_REJECTED_TOTAL, "Prefill jobs dropped without running, by reason",
+    ["reason"], registry=REGISTRY,
+)  # fmt: skip
+RUNNING_REQUESTS = Gauge(metrics.RUNNING_REQUESTS, "Requests running", registry=REGISTRY)
+WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=REGISTRY)
+KV_CACHE_UTILIZATION = Gauge(
+    metrics.KV_CACHE_UTILIZATION, "Fraction of KV blocks held by requests", registry=REGISTRY
+)
+
+
+def serve(port: int, addr: str = "0.0.0.0") -> None:
+    """Serve /metrics from a daemon thread."""
+    start_http_server(port, addr=addr, registry=REGISTRY)

@@ -1,0 +1,80 @@
+"""The pool as one worker sees it: the registry's records, kept current by a watch.
+
+`PeerTable.run()` follows `Registry.watch()` (a snapshot, then every change) and keeps
+`worker_id -> WorkerRecord`. Listeners hear every change, so a prefill worker can add a decode
+worker's NIXL agent when it appears and drop it at once when the worker goes away or comes back
+with a new incarnation (a restarted process is a different agent). `ready` is set once the
+snapshot has been applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aetcd
+
+from kvrail.messages import WorkerRecord
+from kvrail.registry import Registry
+
+log = logging.getLogger(__name__)
+
+Listener = Callable[[str, WorkerRecord | None, WorkerRecord | None], None]
+"""(worker_id, old record or None, new record or None), called on the event loop."""
+
+
+class PeerTable:
+    def __init__(self, registry: Registry, self_worker_id: str) -> None:
+        self.registry = registry
+        self.self_worker_id = self_worker_id
+        self.records: dict[str, WorkerRecord] = {}
+        self.ready = asyncio.Event()
+        self._listeners: list[Listener] = []
+
+    def listen(self, listener: Listener) -> None:
+        self._listeners.append(listener)
+
+    def prefill_workers(self, fingerprint: str) -> list[WorkerRecord]:
+        """Ready prefill workers of this model, other than this worker, by worker id."""
+        return [
+            r
+            for wid, r in sorted(self.records.items())
+            if wid != self.self_worker_id
+            and r.role == "prefill"
+            and r.is_ready
+            and r.fingerprint == fingerprint
+        ]
+
+    async def run(self) -> None:
+        """Follow the registry until cancelled; a broken watch is re-established."""
+        while True:
+            try:
+                await self._follow()
+            except (aetcd.exceptions.ClientError, ConnectionError) as err:
+                log.warning("registry watch failed, retrying error=%s", type(err).__name__)
+                await asyncio.sleep(0.5)
+
+    async def _follow(self) -> None:
+        records, _ = await self.registry.workers()
+        seen = set(records)
+        for worker_id in set(self.records) - seen:  # gone while we were not watching
+            self._apply(worker_id, None)
+        if not seen:
+            self.ready.set()
+        async for change in self.registry.watch():
+            self._apply(change.worker_id, change.record)
+            if not self.ready.is_set() and set(self.records) >= seen:
+                self.ready.set()
+
+    def _apply(self, worker_id: str, record: WorkerRecord | None) -> None:
+        old = self.records.get(worker_id)
+        if record is None:
+            if self.records.pop(worker_id, None) is None:
+                return
+        else:
+            if old == record:
+                return
+            self.records[worker_id] = record
+        for listener in self._listeners:
+            listener(worker_id, old, record)

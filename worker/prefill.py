@@ -1,0 +1,351 @@
+"""The prefill role: pull a job, compute its KV, write it into the decode worker, then ack.
+
+For each `PrefillJob` from the pool's work queue (jobs addressed to this worker first):
+
+- refuse it for good (`drop`, never redelivered) when it is past its deadline, when its
+  destination worker id and incarnation are not registered now, when its fingerprint is not ours,
+  when its block ranges do not match the prompt, or when it was cancelled or settled (its outcome
+  already consumed by the decode worker, so a late redelivery never writes); the decode worker is
+  told on `PoolKeys.prefill_refused` (nothing was written, so it may reuse its blocks at once);
+- otherwise compute the prompt's KV and first token with the engine, retaining the blocks, write
+  blocks `[first_block_index:]` into `dest_block_ids` with one NIXL WRITE whose notification is
+  the encoded `PrefillDone`, and ack only after the write completed. A failed write is nak'ed
+  with a delay (redelivered, bounded by max_deliver); the retained blocks are released in every
+  case.
+
+A job with a request id in flight here, or completed here recently, never writes twice.
+Decode workers' NIXL agents are loaded when they register and dropped at once when they go away
+or restart (new incarnation); every NIXL call runs on one thread, in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import concurrent.futures
+import contextlib
+import datetime
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import TypeVar
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from kvrail.bus import PrefillConsumer, PrefillQueue, QueuedJob
+from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
+from kvrail.keys import PoolKeys
+from kvrail.messages import (
+    Cancel,
+    MessageError,
+    PrefillDone,
+    PrefillJob,
+    PrefillSettled,
+    WorkerRecord,
+    decode,
+)
+from kvrail.worker import metrics
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.peers import PeerTable
+from kvrail.worker.service import EngineService
+from kvrail.worker.transfer.envelope import block_checksums
+from kvrail.worker.transfer.nixl import NixlConnector
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_RECENT_LIMIT = 10_000  # completed job ids remembered (dedupe of late redeliveries)
+_NAK_DELAY_S = 0.5
+_MAX_JOBS_IN_FLIGHT = 4
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PrefillRole:
+    def __init__(
+        self,
+        *,
+        keys: PoolKeys,
+        worker_id: str,
+        incarnation: int,
+        fingerprint: str,
+        nc: NatsClient,
+        prefill_queue: PrefillQueue,
+        service: EngineService,
+        nixl: NixlConnector,
+        peers: PeerTable,
+    ) -> None:
+        self.keys = keys
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.fingerprint = fingerprint
+        self.nc = nc
+        self.prefill_queue = prefill_queue
+        self.service = service
+        self.nixl = nixl
+        self.peers = peers
+        self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self._in_flight: set[str] = set()
+        self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
+        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        self._settled: OrderedDict[str, None] = OrderedDict()  # outcomes consumed by decode
+        self._jobs: set[asyncio.Task[None]] = set()
+        self._slots = asyncio.Semaphore(_MAX_JOBS_IN_FLIGHT)
+        self._consumer: PrefillConsumer | None = None
+        self._subs: list[Subscription] = []
+        self._fetcher: asyncio.Task[None] | None = None
+        self._stopping = False
+        peers.listen(self._on_peer_change)
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._in_flight)
+
+    async def start(self) -> None:
+        self._consumer = await self.prefill_queue.consumer(self.worker_id)
+        self._subs.append(await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel))
+        self._subs.append(await self.nc.subscribe(self.keys.prefill_settled, cb=self._on_settled))
+        self._fetcher = asyncio.create_task(self._fetch_loop(), name="prefill-fetch")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Stop pulling, finish the jobs in flight (bounded), then close."""
+        self._stopping = True
+        if self._fetcher is not None:
+            await asyncio.wait([self._fetcher], timeout=2.0)
+            self._fetcher.cancel()
+        if self._jobs:
+            await asyncio.wait(list(self._jobs), timeout=timeout_s)
+        for task in self._jobs:
+            task.cancel()
+        await asyncio.gather(*self._jobs, return_exceptions=True)
+        for sub in self._subs:
+            with contextlib.suppress(nats.errors.Error):
+                await sub.unsubscribe()
+        if self._consumer is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._consumer.close()
+        self._nixl_thread.shutdown(wait=True)
+
+    # -- NIXL peers (decode workers) ------------------------------------------------------------
+
+    async def _nixl_call(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._nixl_thread, fn)
+
+    def _on_peer_change(
+        self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
+    ) -> None:
+        restarted = old is not None and (new is None or new.incarnation != old.incarnation)
+        if restarted and old is not None and old.nixl_agent_name:
+            self._nixl_thread.submit(self._remove_peer, old.nixl_agent_name)
+        added = new is not None and (old is None or restarted)
+        if added and new is not None and self._is_destination(new):
+            self._nixl_thread.submit(self._add_peer, new)
+
+    def _is_destination(self, record: WorkerRecord) -> bool:
+        return (
+            record.worker_id != self.worker_id
+            and record.role in ("decode", "both")
+            and record.fingerprint == self.fingerprint
+            and bool(record.nixl_metadata_b64)
+        )
+
+    def _add_peer(self, record: WorkerRecord) -> None:  # on the NIXL thread
+        try:
+            self.nixl.add_peer(base64.b64decode(record.nixl_metadata_b64, validate=True))
+        except (TransferError, binascii.Error, ValueError) as err:
+            log.warning("cannot load a decode worker's agent worker=%s error=%s",
+                        record.worker_id, err)  # fmt: skip
+
+    def _remove_peer(self, agent_name: str) -> None:  # on the NIXL thread
+        self.nixl.remove_peer(agent_name)
+
+    # -- the queue ------------------------------------------------------------------------------
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        try:
+            cancel = decode(msg.data, Cancel)
+        except MessageError:
+            return
+        _remember(self._cancelled, cancel.request_id)
+
+    async def _on_settled(self, msg: Msg) -> None:
+        try:
+            settled = decode(msg.data, PrefillSettled)
+        except MessageError:
+            return
+        _remember(self._settled, settled.request_id)
+
+    async def _fetch_loop(self) -> None:
+        assert self._consumer is not None
+        while not self._stopping:
+            await self._slots.acquire()
+            try:
+                queued = await self._consumer.fetch(timeout_s=0.5)
+            except (nats.errors.Error, TimeoutError) as err:
+                self._slots.release()
+                log.warning("prefill fetch failed error=%s", type(err).__name__)
+                await asyncio.sleep(0.5)
+                continue
+            if queued is None or queued.job is None:
+                self._slots.release()
+                if queued is not None:  # an invalid payload, terminated by the consumer
+                    metrics.PREFILL_JOBS_REJECTED.labels("invalid").inc()
+                continue
+            task = asyncio.create_task(self._run(queued, queued.job), name=queued.job.request_id)
+            self._jobs.add(task)
+            task.add_done_callback(self._jobs.discard)
+            task.add_done_callback(_log_failure)
+            task.add_done_callback(lambda _: self._slots.release())
+
+    async def _run(self, queued: QueuedJob, job: PrefillJob) -> None:
+        job_id = job.request_id
+        if job_id in self._in_flight:
+            return  # a redelivery while the first attempt runs: that attempt acks the message
+        if job_id in self._recent:
+            log.info("duplicate prefill job acked without a write request_id=%s", job_id)
+            await queued.ack()
+            return
+        self._in_flight.add(job_id)
+        try:
+            await self._prefill_and_write(queued, job)
+            _remember(self._recent, job_id)
+            await queued.ack()
+        except _Refused as err:
+            _remember(self._recent, job_id)
+            log.info("prefill job refused request_id=%s reason=%s", job_id, err.reason)
+            metrics.PREFILL_JOBS_REJECTED.labels(err.reason).inc()
+            await queued.drop()
+            await self._tell_refused(job, err.reason)
+        except TransferError as err:
+            final = queued.num_delivered >= self.prefill_queue.max_deliver
+            log.warning(
+                "prefill write failed request_id=%s delivery=%d final=%s error=%s",
+                job_id, queued.num_delivered, final, err,
+            )  # fmt: skip
+            metrics.KV_TRANSFER_FAILURES.labels("write").inc()
+            if final:
+                await queued.drop()
+                await self._tell_refused(job, "transfer_failed")
+            else:
+                await queued.nak(_NAK_DELAY_S)
+        finally:
+            self._in_flight.discard(job_id)
+
+    async def _prefill_and_write(self, queued: QueuedJob, job: PrefillJob) -> None:
+        fetched = time.monotonic()
+        published = queued.msg.metadata.timestamp
+        queue_wait_s = max(0.0, (datetime.datetime.now(datetime.UTC) - published).total_seconds())
+        self._check(job)
+        deadline = fetched + (job.deadline_unix_s - time.time())
+        try:
+            params = SamplingParams(
+                max_tokens=1, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
+                seed=job.seed,
+            )  # fmt: skip
+        except InvalidRequestError as err:
+            raise _Refused("invalid_request") from err
+        try:
+            result = await self.service.prefill(
+                job.request_id, job.token_ids, params,
+                deadline_monotonic=deadline, tenant_salt=job.tenant_salt,
+            )  # fmt: skip
+        except DeadlineExceededError as err:
+            raise _Refused("deadline") from err
+        except InvalidRequestError as err:
+            raise _Refused("invalid_request") from err
+        try:
+            computed = time.monotonic()
+            src = result.block_ids[job.first_block_index :]
+            if len(src) != len(job.dest_block_ids):
+                raise _Refused("block_count")
+            self._check(job)  # the destination may have gone while we computed
+            sums = (
+                await asyncio.to_thread(block_checksums, self.nixl.region, src)
+                if job.with_checksums
+                else ()
+            )
+            done = PrefillDone(
+                request_id=job.request_id, fingerprint=self.fingerprint,
+                dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
+                first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
+                prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation,
+                block_checksums=sums, transfer_bytes=len(src) * self.nixl.region.block_bytes,
+                transport=self.nixl.transport, queue_wait_s=queue_wait_s,
+                prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
+            )  # fmt: skip
+            stats = await self._nixl_call(
+                lambda: self.nixl.write(
+                    job.dest_agent_name, src, job.dest_block_ids, done.encode(), deadline
+                )
+            )
+        finally:
+            await self.service.release(job.request_id)
+        metrics.KV_TRANSFER_BYTES.labels(stats.transport).inc(stats.num_bytes)
+        metrics.KV_TRANSFER_SECONDS.labels(stats.transport).observe(stats.seconds)
+        metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)
+        log.info(
+            "prefill written request_id=%s dest=%s prompt_tokens=%d blocks=%d bytes=%d "
+            "transfer_s=%.4f transport=%s compute_s=%.4f",
+            job.request_id, job.dest_worker_id, len(job.token_ids), len(src), stats.num_bytes,
+            stats.seconds, stats.transport, computed - fetched,
+        )  # fmt: skip
+
+    def _check(self, job: PrefillJob) -> None:
+        """Raise _Refused unless the job may run (or write) now."""
+        if time.time() >= job.deadline_unix_s:
+            raise _Refused("deadline")
+        if job.request_id.split("~", 1)[0] in self._cancelled:
+            raise _Refused("cancelled")
+        if job.request_id in self._settled:
+            raise _Refused("settled")
+        if job.fingerprint != self.fingerprint:
+            raise _Refused("fingerprint")
+        dest = self.peers.records.get(job.dest_worker_id)
+        if (
+            dest is None
+            or dest.incarnation != job.dest_incarnation
+            or dest.nixl_agent_name != job.dest_agent_name
+        ):
+            raise _Refused("stale_destination")
+        num_prompt_blocks = -(-len(job.token_ids) // self.nixl_block_size)
+        if len(job.dest_block_ids) != num_prompt_blocks - job.first_block_index:
+            raise _Refused("block_count")
+
+    @property
+    def nixl_block_size(self) -> int:
+        return int(self.service.engine.config.block_size)
+
+    async def _tell_refused(self, job: PrefillJob, reason: str) -> None:
+        """Tell the decode worker nothing will be written for this job (best effort)."""
+        if reason in ("stale_destination", "settled"):
+            return  # nobody waits for the answer
+        done = PrefillDone(
+            request_id=job.request_id, fingerprint=self.fingerprint,
+            dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
+            first_token_id=0, num_prompt_tokens=len(job.token_ids),
+            prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation, error=reason,
+        )  # fmt: skip
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(self.keys.prefill_refused(job.dest_worker_id), done.encode())
+
+
+def _remember(recent: OrderedDict[str, None], key: str) -> None:
+    recent[key] = None
+    recent.move_to_end(key)
+    while len(recent) > _RECENT_LIMIT:
+        recent.popitem(last=False)
+
+
+def _log_failure(task: asyncio.Task[None]) -> None:
+    """A job task that died of an unexpected error (a bug): log it, with its id only."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("prefill job failed request_id=%s", task.get_name(), exc_info=task.exception())

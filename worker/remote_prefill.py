@@ -1,0 +1,369 @@
+"""Remote prefill, the decode side: reserve, publish the job, wait, validate, install.
+
+`RemotePrefill.prefill()` reserves the prompt's blocks first (reusing cached prefix blocks),
+publishes a `PrefillJob` naming them, waits (bounded by the deadline) for the prefill worker's
+NIXL notification carrying a `PrefillDone` (a refusal comes over NATS instead, as nothing was
+written), validates it against the reservation (checksums when asked) and only then installs the
+request, so a half-written block table never runs. A failure follows `kv_load_failure_policy`:
+`recompute` (the caller prefills locally), `fail` (an error), `reroute` (one more attempt on
+another prefill worker within the deadline, then an error).
+
+Blocks handed to a remote writer are never reused while a write may still land: when a remote
+prefill is abandoned without its completion (deadline, lost prefill worker, cancel), its
+reservation is quarantined until the job's deadline (a prefill worker never writes past it) or
+until every attempt's completion or refusal arrived, whichever comes first. Every completion
+consumed, and every abandoned job, is announced as `PrefillSettled`, so a later redelivery of
+the job never writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import nats.errors
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from kvrail.bus import PrefillQueue
+from kvrail.keys import PoolKeys
+from kvrail.messages import (
+    GenerateRequest,
+    MessageError,
+    PrefillDone,
+    PrefillJob,
+    PrefillSettled,
+    WorkerRecord,
+    decode,
+)
+from kvrail.settings import Settings
+from kvrail.worker import metrics
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.peers import PeerTable
+from kvrail.worker.service import EngineService, Update
+from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, validate
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.002  # NIXL notification polling interval while a remote prefill is pending
+_IDLE_POLL_S = 0.05  # otherwise (late completions only lift quarantines)
+_QUARANTINE_MARGIN_S = 1.0
+
+Outcome = Literal["installed", "local", "recompute"]
+
+
+class RequestFailed(Exception):
+    """A request ends with an error event; `reason` is a metric-safe code."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class _Quarantined:
+    engine_id: str
+    release_at_monotonic: float
+    outstanding_job_ids: set[str]
+
+
+class RemotePrefill:
+    def __init__(
+        self,
+        *,
+        settings: Settings,
+        keys: PoolKeys,
+        worker_id: str,
+        incarnation: int,
+        agent_name: str,
+        fingerprint: str,
+        nc: NatsClient,
+        prefill_queue: PrefillQueue,
+        service: EngineService,
+        region: BlockRegion,
+        notifications: Callable[[], list[tuple[str, bytes]]],
+        peers: PeerTable,
+    ) -> None:
+        self.settings = settings
+        self.keys = keys
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.agent_name = agent_name
+        self.fingerprint = fingerprint
+        self.nc = nc
+        self.prefill_queue = prefill_queue
+        self.service = service
+        self.region = region
+        self._notifications = notifications
+        self.peers = peers
+        self._pending: dict[str, asyncio.Future[tuple[PrefillDone, float]]] = {}
+        self._quarantine: dict[str, _Quarantined] = {}  # by job id, all attempts of a request
+        self._lifted: list[str] = []  # engine ids whose writers all reported late
+        self._settling: set[asyncio.Task[None]] = set()
+        self._sub: Subscription | None = None
+        self._poller: asyncio.Task[None] | None = None
+        peers.listen(self._on_peer_change)
+
+    @property
+    def num_quarantined(self) -> int:
+        return len(self._quarantined_engine_ids())
+
+    async def start(self) -> None:
+        self._sub = await self.nc.subscribe(
+            self.keys.prefill_refused(self.worker_id), cb=self._on_refused
+        )
+        self._poller = asyncio.create_task(self._poll_notifications(), name="decode-notify")
+
+    async def stop(self) -> None:
+        """Stop listening and free every quarantined reservation (the process is leaving)."""
+        if self._sub is not None:
+            with contextlib.suppress(nats.errors.Error):
+                await self._sub.unsubscribe()
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+        for engine_id in self._quarantined_engine_ids():
+            await self.service.abort(engine_id)
+        self._quarantine.clear()
+
+    async def _on_refused(self, msg: Msg) -> None:
+        self._on_notification(msg.data)
+
+    def wants(self, request: GenerateRequest) -> bool:
+        """Whether to try a remote prefill: disaggregated, long enough, a prefill worker ready."""
+        return (
+            self.settings.disaggregation_mode == "disaggregated"
+            and len(request.token_ids) >= self.settings.min_remote_prefill_tokens
+            and bool(self.peers.prefill_workers(self.fingerprint))
+        )
+
+    async def prefill(
+        self,
+        request: GenerateRequest,
+        params: SamplingParams,
+        on_update: Callable[[Update], None],
+        stages: dict[str, float],
+        arrived: float,
+        deadline: float,
+    ) -> Outcome:
+        """Prefill on a prefill worker into reserved blocks. `installed`: the request runs, its
+        tokens flow to `on_update`; `local`: nothing was tried, prefill locally; `recompute`: the
+        remote prefill failed, prefill locally (under another engine id if `is_quarantined`).
+        Raises RequestFailed under the `fail` and `reroute` policies. TTFT stages go to `stages`."""
+        rid = request.request_id
+        reservation = await self.service.reserve(
+            rid, request.token_ids, params, tenant_salt=request.tenant_salt
+        )
+        if reservation is None:
+            return "local"  # the pool is short now: queue it locally, where it waits for blocks
+        block_size = self.settings.block_size
+        first_block = reservation.num_cached_tokens // block_size
+        dest = tuple(reservation.block_ids[first_block:])
+        uncached = len(request.token_ids) - reservation.num_cached_tokens
+        if not dest or uncached < self.settings.min_remote_prefill_tokens:
+            await self.service.abort(rid)
+            return "local"
+        policy = self.settings.kv_load_failure_policy
+        job_ids: list[str] = []
+        failed_worker = ""
+        reason = "kv_load_failed"
+        try:
+            for attempt in range(2 if policy == "reroute" else 1):
+                target = None
+                if attempt > 0:
+                    others = [
+                        r.worker_id
+                        for r in self.peers.prefill_workers(self.fingerprint)
+                        if r.worker_id != failed_worker
+                    ]
+                    if not others or time.monotonic() >= deadline:
+                        break
+                    target = others[0]
+                job = PrefillJob(
+                    request_id=rid if attempt == 0 else f"{rid}~r{attempt}",
+                    token_ids=request.token_ids, fingerprint=self.fingerprint,
+                    dest_worker_id=self.worker_id, dest_incarnation=self.incarnation,
+                    dest_agent_name=self.agent_name, dest_block_ids=dest,
+                    first_block_index=first_block, deadline_unix_s=request.deadline_unix_s,
+                    tenant_salt=request.tenant_salt, temperature=request.temperature,
+                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                    with_checksums=self.settings.transfer_checksums,
+                )  # fmt: skip
+                job_ids.append(job.request_id)
+                try:
+                    done = await self._run_job(job, target, stages, arrived, deadline)
+                except RequestFailed as err:
+                    reason = err.reason
+                    continue
+                if done.error is None:
+                    job_ids.remove(job.request_id)  # its write completed: nothing outstanding
+                    if await self._validate(done, job, request, stages):
+                        installed_at = time.monotonic()
+                        await self.service.install(
+                            rid, done.first_token_id, on_update, deadline_monotonic=deadline
+                        )
+                        stages["admission_s"] += time.monotonic() - installed_at
+                        for outstanding in job_ids:  # an earlier attempt must never write now
+                            self._settle_soon(outstanding)
+                        return "installed"
+                    reason = "kv_invalid"
+                else:
+                    job_ids.remove(job.request_id)  # the prefill worker refused it for good
+                    reason = "prefill_refused"
+                failed_worker = done.prefill_worker_id
+        except BaseException:
+            await asyncio.shield(self._quarantine_or_release(rid, job_ids, request.deadline_unix_s))
+            raise
+        await self._quarantine_or_release(rid, job_ids, request.deadline_unix_s)
+        metrics.KV_TRANSFER_FAILURES.labels(reason).inc()
+        log.warning("remote prefill failed request_id=%s reason=%s policy=%s", rid, reason, policy)
+        if policy == "recompute":
+            return "recompute"
+        raise RequestFailed(reason)
+
+    async def _run_job(
+        self,
+        job: PrefillJob,
+        target: str | None,
+        stages: dict[str, float],
+        arrived: float,
+        deadline: float,
+    ) -> PrefillDone:
+        future: asyncio.Future[tuple[PrefillDone, float]] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._pending[job.request_id] = future
+        try:
+            published = time.monotonic()
+            stages["admission_s"] = published - arrived
+            if not await self.prefill_queue.publish(job, to_worker=target):
+                raise RequestFailed("duplicate_job")
+            remaining = deadline - time.monotonic()
+            try:
+                done, landed = await asyncio.wait_for(asyncio.shield(future), max(remaining, 0.0))
+            except TimeoutError as err:
+                raise RequestFailed("deadline") from err
+        finally:
+            self._pending.pop(job.request_id, None)
+        if done.error is None:
+            known = done.queue_wait_s + done.prefill_compute_s + done.transfer_queue_s
+            stages.update(
+                queue_wait_s=done.queue_wait_s, prefill_compute_s=done.prefill_compute_s,
+                transfer_queue_s=done.transfer_queue_s,
+                copy_s=max(0.0, landed - published - known),
+            )  # fmt: skip
+        return done
+
+    async def _validate(
+        self, done: PrefillDone, job: PrefillJob, request: GenerateRequest, stages: dict[str, float]
+    ) -> bool:
+        reservation = Reservation(
+            job.request_id, self.fingerprint, self.incarnation, job.dest_block_ids,
+            len(request.token_ids), request.deadline_unix_s,
+        )  # fmt: skip
+        region = self.region if job.with_checksums else None
+        started = time.monotonic()
+        try:
+            await asyncio.to_thread(validate, done, reservation, time.time(), region)
+        except EnvelopeError as err:
+            log.warning(
+                "completion refused request_id=%s reason=%s blocks=%d",
+                request.request_id, err.reason, len(job.dest_block_ids),
+            )  # fmt: skip
+            return False
+        stages["validation_s"] = time.monotonic() - started
+        return True
+
+    async def _quarantine_or_release(
+        self, engine_id: str, job_ids: list[str], deadline: float
+    ) -> None:
+        """Free the reservation now when no write can land in it any more, else later."""
+        if not job_ids:
+            await self.service.abort(engine_id)
+            return
+        release_at = time.monotonic() + (deadline - time.time()) + _QUARANTINE_MARGIN_S
+        entry = _Quarantined(engine_id, release_at, set(job_ids))
+        for job_id in job_ids:
+            self._quarantine[job_id] = entry
+            self._settle_soon(job_id)  # later deliveries never run; a write under way may land
+        log.info(
+            "reservation quarantined request_id=%s jobs=%d release_in_s=%.1f",
+            engine_id, len(job_ids), release_at - time.monotonic(),
+        )  # fmt: skip
+
+    def is_quarantined(self, engine_id: str) -> bool:
+        return engine_id in self._quarantined_engine_ids()
+
+    def _quarantined_engine_ids(self) -> set[str]:
+        return {q.engine_id for q in self._quarantine.values()}
+
+    async def _poll_notifications(self) -> None:
+        next_sweep = 0.0
+        while True:
+            for _peer, payload in self._notifications():
+                self._on_notification(payload)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + 0.1
+                await self._sweep_quarantine(now)
+            await asyncio.sleep(_POLL_S if self._pending else _IDLE_POLL_S)
+
+    def _on_notification(self, payload: bytes) -> None:
+        try:
+            done = decode(payload, PrefillDone)
+        except MessageError as err:
+            log.warning("ignoring an invalid completion error=%s", err)
+            return
+        self._settle_soon(done.request_id)
+        future = self._pending.get(done.request_id)
+        if future is not None and not future.done():
+            future.set_result((done, time.monotonic()))
+            return
+        entry = self._quarantine.pop(done.request_id, None)
+        if entry is not None:
+            entry.outstanding_job_ids.discard(done.request_id)
+            if not entry.outstanding_job_ids:  # every writer reported: release at the next sweep
+                log.info("quarantine lifted, every writer reported request_id=%s", entry.engine_id)
+                self._lifted.append(entry.engine_id)
+
+    def _settle_soon(self, job_id: str) -> None:
+        task = asyncio.create_task(self._settle(job_id))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle(self, job_id: str) -> None:
+        """Tell prefill workers never to run this job again (best effort, core NATS)."""
+        with contextlib.suppress(nats.errors.Error):
+            await self.nc.publish(self.keys.prefill_settled, PrefillSettled(job_id).encode())
+
+    async def _sweep_quarantine(self, now: float) -> None:
+        expired = {
+            job_id: q for job_id, q in self._quarantine.items() if now >= q.release_at_monotonic
+        }
+        for job_id in expired:
+            del self._quarantine[job_id]
+        released = {q.engine_id for q in expired.values()} | set(self._lifted)
+        self._lifted.clear()
+        for engine_id in released - self._quarantined_engine_ids():
+            await self.service.abort(engine_id)
+
+    def _on_peer_change(
+        self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
+    ) -> None:
+        """A prefill worker went away (or restarted): jobs it held will never complete, and we
+        cannot tell which ones it held, so every pending remote prefill gives up now."""
+        if old is None or old.role != "prefill":
+            return
+        if new is not None and new.incarnation == old.incarnation:
+            return
+        for job_id, future in list(self._pending.items()):
+            if not future.done():
+                log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)
+                future.set_exception(RequestFailed("prefill_worker_lost"))

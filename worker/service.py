@@ -1,0 +1,355 @@
+"""The engine behind one thread, for asyncio code.
+
+`LLMEngine` is synchronous and not thread-safe, so exactly one thread (the engine thread) ever
+touches it. Asyncio code calls the `EngineService` coroutines (`submit`, `reserve`, `install`,
+`prefill`, `abort`, `release`, `counts`): each queues a command, the engine thread runs it between
+two steps, and the coroutine gets its result. Outputs go back through each request's callback,
+called on the event loop (`loop.call_soon_threadsafe`), in order.
+
+Guarantees:
+- a request with a deadline is aborted by the engine thread once the deadline passes, and its
+  callback gets one final `Update` with `error="deadline"`; no request outlives its deadline;
+- after a callback saw `finished` (or an error) it is never called again, and the engine holds
+  none of the request's blocks (except a `prefill` request's retained blocks, until `release`);
+- `close()` aborts whatever is left (reservations and retained blocks too), so the engine
+  ends empty.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from kvrail.worker.engine.engine import LLMEngine, RequestOutput
+from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.engine.scheduler_output import RemoteReservation
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 0.02  # how long an idle engine thread sleeps between deadline checks
+_BUSY_WAIT_S = 0.002  # after a step that produced nothing (e.g. only reserved requests)
+
+
+@dataclass(frozen=True, slots=True)
+class Update:
+    """A request's state after a step: every output token so far, and why it ended (if so)."""
+
+    request_id: str
+    output_token_ids: tuple[int, ...]
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def is_last(self) -> bool:
+        return self.finished or self.error is not None
+
+
+OnUpdate = Callable[[Update], None]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """A finished prefill whose blocks are retained until `EngineService.release`."""
+
+    first_token_id: int
+    block_ids: tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Tracked:
+    on_update: OnUpdate
+    deadline_monotonic: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Counts:
+    """Blocks (null block excluded) and requests the engine holds right now."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    num_retained: int
+    num_running: int
+    num_waiting: int
+
+
+class EngineService:
+    """Owns the engine thread. Start with `start()`, stop with `close()`."""
+
+    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+        self.engine = engine
+        self._loop = loop
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._tracked: dict[str, _Tracked] = {}  # engine thread only: requests with a callback
+        self._held: set[str] = set()  # engine thread only: reservations and retained prefills
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+
+    def start(self) -> EngineService:
+        self._thread.start()
+        return self
+
+    async def close(self, timeout_s: float = 10.0) -> None:
+        """Abort every request still tracked, then stop the engine thread."""
+        if not self._thread.is_alive():
+            return
+        await self._call(self._abort_all)
+        self._stopping.set()
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    # -- the API (coroutines, called on the event loop) -----------------------------------------
+
+    async def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        on_update: OnUpdate,
+        *,
+        deadline_monotonic: float | None = None,
+        tenant_salt: str = "",
+    ) -> None:
+        """Queue a request for local prefill and decode; raises InvalidRequestError (nothing
+        kept) when the engine refuses it."""
+
+        def run() -> None:
+            self.engine.add_request(request_id, prompt_token_ids, params, tenant_salt=tenant_salt)
+            self._tracked[request_id] = _Tracked(on_update, deadline_monotonic)
+
+        await self._call(run)
+
+    async def reserve(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        tenant_salt: str = "",
+    ) -> RemoteReservation | None:
+        """Reserve blocks for a prompt whose KV is written from elsewhere; None when short.
+        The caller must `install` or `abort` it."""
+
+        def run() -> RemoteReservation | None:
+            reservation = self.engine.reserve_remote(
+                request_id, prompt_token_ids, params, tenant_salt=tenant_salt
+            )
+            if reservation is not None:
+                self._held.add(request_id)
+            return reservation
+
+        return await self._call(run)
+
+    async def install(
+        self,
+        request_id: str,
+        first_token_id: int,
+        on_update: OnUpdate,
+        *,
+        deadline_monotonic: float | None = None,
+    ) -> None:
+        """Make a reserved request runnable (its KV landed and was validated). The callback gets
+        the first token at once."""
+
+        def run() -> None:
+            # NOTE(adapter): LLMEngine.install_remote returns nothing, so the request is read
+            # from the scheduler to report the first token and a finish on it.
+            request = self.engine.scheduler.requests.get(request_id)
+            self.engine.install_remote(request_id, first_token_id)
+            self._held.discard(request_id)
+            if request is None:  # pragma: no cover - install_remote raised KeyError already
+                return
+            tracked = _Tracked(on_update, deadline_monotonic)
+            if not request.is_finished:
+                self._tracked[request_id] = tracked
+            self._deliver(
+                tracked,
+                Update(
+                    request_id,
+                    tuple(request.output_token_ids),
+                    request.is_finished,
+                    request.status.finish_reason,
+                ),
+            )
+
+        await self._call(run)
+
+    async def prefill(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        deadline_monotonic: float | None = None,
+        tenant_salt: str = "",
+    ) -> PrefillResult:
+        """Compute a prompt's KV and its first token, retaining the blocks; the caller must
+        `release(request_id)` in a finally. Raises DeadlineExceededError or InvalidRequestError
+        (nothing retained then)."""
+        from kvrail.errors import DeadlineExceededError
+
+        done: asyncio.Future[Update] = self._loop.create_future()
+
+        def on_update(update: Update) -> None:
+            if update.is_last and not done.done():
+                done.set_result(update)
+
+        def run() -> None:
+            self.engine.add_request(
+                request_id, prompt_token_ids, params, retain_blocks=True, tenant_salt=tenant_salt
+            )
+            self._tracked[request_id] = _Tracked(on_update, deadline_monotonic)
+            self._held.add(request_id)
+
+        await self._call(run)
+        try:
+            update = await asyncio.shield(done)
+        except asyncio.CancelledError:
+            await self.abort(request_id)
+            raise
+        if update.error is not None or not update.output_token_ids:
+            await self.abort(request_id)
+            raise DeadlineExceededError(f"prefill of {request_id} ended: {update.error}")
+        block_ids = await self._call(lambda: self.engine.retained_block_ids(request_id))
+        return PrefillResult(update.output_token_ids[0], tuple(block_ids))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request in any state (reserved, running, retained); its callback is dropped.
+        False if the engine did not know it."""
+
+        def run() -> bool:
+            self._tracked.pop(request_id, None)
+            self._held.discard(request_id)
+            return self.engine.abort(request_id)
+
+        return await self._call(run)
+
+    async def release(self, request_id: str) -> None:
+        """Free a finished prefill's retained blocks (idempotent)."""
+        await self.abort(request_id)
+
+    async def counts(self) -> Counts:
+        return await self._call(lambda: block_counts(self.engine))
+
+    # -- the engine thread ----------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[[], T]) -> T:
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn())
+            except BaseException as err:  # handed to the awaiting coroutine, not swallowed
+                future.set_exception(err)
+
+        if self._stopping.is_set() or not self._thread.is_alive():
+            raise RuntimeError("the engine service is stopped")
+        self._commands.put(run)
+        return await asyncio.wrap_future(future)
+
+    def _run(self) -> None:
+        wait_s = _IDLE_WAIT_S
+        while not self._stopping.is_set():
+            try:
+                command = self._commands.get(timeout=wait_s)
+            except queue.Empty:
+                pass
+            else:
+                command()
+                while True:  # run every queued command before the next step
+                    try:
+                        self._commands.get_nowait()()
+                    except queue.Empty:
+                        break
+            self._expire_deadlines()
+            if not self.engine.has_unfinished_requests():
+                wait_s = _IDLE_WAIT_S
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception:  # an engine bug: fail every request rather than hang them
+                log.exception("engine step failed; aborting every request")
+                self._abort_all(error="engine_error", include_held=False)
+                continue
+            for output in outputs:
+                self._on_output(output)
+            wait_s = 0.0 if outputs else _BUSY_WAIT_S
+        while True:  # fail commands that raced with the stop
+            try:
+                self._commands.get_nowait()()
+            except queue.Empty:
+                break
+
+    def _on_output(self, output: RequestOutput) -> None:
+        tracked = self._tracked.get(output.request_id)
+        if tracked is None:
+            return
+        if output.finished:
+            del self._tracked[output.request_id]
+        update = Update(
+            output.request_id,
+            tuple(output.output_token_ids),
+            output.finished,
+            output.finish_reason,
+        )
+        self._deliver(tracked, update)
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        expired = [
+            rid
+            for rid, t in self._tracked.items()
+            if t.deadline_monotonic is not None and now > t.deadline_monotonic
+        ]
+        for request_id in expired:
+            tracked = self._tracked.pop(request_id)
+            self.engine.abort(request_id)
+            log.info("request aborted at its deadline request_id=%s", request_id)
+            self._deliver(tracked, Update(request_id, (), error="deadline"))
+
+    def _abort_all(self, error: str = "shutdown", include_held: bool = True) -> None:
+        """Abort every request with a callback; with `include_held`, reservations and retained
+        prefills too (their writers may still be busy, so only when shutting down)."""
+        for request_id, tracked in list(self._tracked.items()):
+            self.engine.abort(request_id)
+            self._deliver(tracked, Update(request_id, (), error=error))
+        self._tracked.clear()
+        if not include_held:
+            return
+        for request_id in self._held:
+            self.engine.abort(request_id)
+        self._held.clear()
+
+    def _deliver(self, tracked: _Tracked, update: Update) -> None:
+        try:
+            self._loop.call_soon_threadsafe(tracked.on_update, update)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+def block_counts(engine: LLMEngine) -> Counts:
+    """Block and request counts of an engine (call on the engine thread).
+
+    NOTE(adapter): reads the scheduler and block pool directly; the engine exposes no counts.
+    """
+    scheduler: Any = engine.scheduler
+    pool = scheduler.kv_cache_manager.block_pool
+    _used, cached, free = pool.counts()
+    return Counts(
+        num_blocks=pool.num_blocks - 1,
+        num_free_blocks=cached + free,
+        num_requests=len(scheduler.requests),
+        num_retained=len(scheduler.retained),
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+    )
