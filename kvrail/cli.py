@@ -17,7 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import aetcd
@@ -28,13 +28,11 @@ from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail")
 
-# What `kvrail up` would run, in order, and the module that provides each piece. A piece whose
-# module does not exist yet is reported as not built, never faked.
-STACK = (
-    ("prefill worker", "kvrail.worker.__main__", "issue 4 (disaggregated serving)"),
-    ("decode worker", "kvrail.worker.__main__", "issue 4 (disaggregated serving)"),
-    ("router (OpenAI API)", "kvrail.router.__main__", "issue 5 (router)"),
-)
+# The workers `kvrail up` starts, each its own process, and what it cannot start yet. A piece
+# that is not built is reported as such, never faked.
+UP_WORKERS = (("prefill-0", "prefill"), ("decode-0", "decode"))
+NOT_BUILT = (("router (OpenAI API)", "kvrail.router.__main__", "issue 5 (router)"),)
+WORKER_READY_TIMEOUT_S = 900.0  # a cold start converts the GGUF model first (~35 s here)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -110,11 +108,13 @@ def _prepare_model(settings: Settings) -> int:
 
 def _up(settings: Settings, run_dir: Path, check: bool) -> int:
     # Imported here: `kvrail config` and `kvrail version` need no server binaries.
+    from kvrail.procs import ManagedProcess
     from kvrail.servers import EtcdServer, NatsServer
 
     run_dir.mkdir(parents=True, exist_ok=True)
     etcd = EtcdServer(run_dir / "etcd", run_dir / "logs" / "etcd.log")
     nats = NatsServer(run_dir / "nats", run_dir / "logs" / "nats.log")
+    workers: list[ManagedProcess] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
@@ -122,13 +122,28 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
         etcd.start()
         nats.start()
         print(f"  etcd                 running  {etcd.endpoint}")
-        print(f"  NATS (JetStream)     running  {nats.url}")
-        missing = [(name, issue) for name, module, issue in STACK if not _module_exists(module)]
-        for name, issue in missing:
-            print(f"  {name:<20} NOT BUILT YET ({issue})")
-        if missing:
-            print("kvrail up: nothing serves the OpenAI API yet; this stack only runs the "
-                  "discovery and request planes until the pieces above are built.")  # fmt: skip
+        print(f"  NATS (JetStream)     running  {nats.url}", flush=True)
+        env = {
+            **os.environ, "KVRAIL_ETCD_ENDPOINTS": etcd.endpoint, "KVRAIL_NATS_URL": nats.url,
+            "KVRAIL_NAMESPACE": settings.namespace, "KVRAIL_POOL": settings.pool,
+            "KVRAIL_MODEL": settings.model, "KVRAIL_CACHE_DIR": str(settings.cache_dir),
+        }  # fmt: skip
+        for worker_id, role in UP_WORKERS:
+            argv = [sys.executable, "-P", "-m", "kvrail.worker", "--role", role,
+                    "--worker-id", worker_id]  # fmt: skip
+            log_path = run_dir / "logs" / f"{worker_id}.log"
+            workers.append(ManagedProcess(f"{role} worker", argv, log_path, env=env).start())
+        print(f"kvrail up: loading {settings.model} in the workers (logs in {run_dir / 'logs'})",
+              flush=True)  # fmt: skip
+        for (worker_id, role), proc in zip(UP_WORKERS, workers, strict=True):
+            proc.wait_ready(_logged("worker ready", proc.log_path), WORKER_READY_TIMEOUT_S, 0.5)
+            print(f"  {role + ' worker':<20} running  {worker_id}", flush=True)
+        for name, module, issue in NOT_BUILT:
+            if not _module_exists(module):
+                print(f"  {name:<20} NOT BUILT YET ({issue})")
+        print("kvrail up: nothing serves the OpenAI API yet; the workers serve the request plane "
+              f"on NATS (see `kvrail status` with KVRAIL_NATS_URL={nats.url} "
+              f"KVRAIL_ETCD_ENDPOINTS={etcd.endpoint}).", flush=True)  # fmt: skip
         if check:
             return 0
         print("kvrail up: press Ctrl-C to stop everything started here.", flush=True)
@@ -138,9 +153,21 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
             pass
         return 0
     finally:
+        for proc in reversed(workers):
+            proc.stop(grace_s=30)
         nats.stop()
         etcd.stop()
-        print("kvrail up: stopped etcd and NATS.", flush=True)
+        print("kvrail up: stopped everything it started.", flush=True)
+
+
+def _logged(marker: str, path: Path) -> Callable[[], bool]:
+    def check() -> bool:
+        try:
+            return marker in path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    return check
 
 
 if __name__ == "__main__":  # pragma: no cover

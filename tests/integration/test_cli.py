@@ -21,16 +21,22 @@ KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; 
 
 
 @pytest.mark.usefixtures("etcd_server")  # fails early, with a clear message, if etcd is missing
-def test_up_starts_etcd_and_nats_reports_missing_pieces_and_stops(tmp_path: Path) -> None:
+def test_up_starts_servers_and_workers_reports_the_missing_router_and_stops(tmp_path: Path) -> None:
     out = subprocess.run([*KVRAIL, "up", "--check", "--run-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, check=True)  # fmt: skip
+                         capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
     assert "etcd                 running  http://127.0.0.1:" in out.stdout
     assert "NATS (JetStream)     running  nats://127.0.0.1:" in out.stdout
-    assert "stopped etcd and NATS" in out.stdout
-    # No server outlives the command.
-    for name in ("etcd", "nats-server"):
+    assert "prefill worker       running  prefill-0" in out.stdout
+    assert "decode worker        running  decode-0" in out.stdout
+    assert "router (OpenAI API)  NOT BUILT YET" in out.stdout
+    assert "stopped everything it started" in out.stdout
+    # No process outlives the command.
+    for name in ("etcd", "nats-server", "kvrail.worker"):
         ps = subprocess.run(["pgrep", "-f", f"{name}.*{tmp_path}"], capture_output=True)
         assert ps.returncode == 1, f"{name} still running: {ps.stdout!r}"
+    ps = subprocess.run(["pgrep", "-f", "kvrail.worker --role .* --worker-id (prefill|decode)-0"],
+                        capture_output=True)  # fmt: skip
+    assert ps.returncode == 1, f"a worker is still running: {ps.stdout!r}"
 
 
 def test_invalid_settings_exit_with_a_clear_message() -> None:
