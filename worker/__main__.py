@@ -31,6 +31,7 @@ from kvrail.messages import BlockCounts, WorkerRecord
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.worker import metrics
+from kvrail.worker.context import WorkerContext
 from kvrail.worker.decode import DecodeRole
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.peers import PeerTable
@@ -97,38 +98,16 @@ class Worker:
         registration = await registry.register(record)
         peers = PeerTable(registry, self.worker_id)
         peers_task = asyncio.create_task(peers.run(), name="peers")
+        ctx = WorkerContext(
+            settings=settings, keys=self.keys, worker_id=self.worker_id,
+            incarnation=self.incarnation, agent_name=self.agent_name, fingerprint=fingerprint,
+            nc=nc, prefill_queue=prefill_queue, service=service, nixl=nixl, peers=peers,
+        )  # fmt: skip
         roles: list[DecodeRole | PrefillRole] = []
         if self.role in ("decode", "both"):
-            roles.append(
-                DecodeRole(
-                    settings=settings,
-                    keys=self.keys,
-                    worker_id=self.worker_id,
-                    incarnation=self.incarnation,
-                    agent_name=self.agent_name,
-                    fingerprint=fingerprint,
-                    nc=nc,
-                    prefill_queue=prefill_queue,
-                    service=service,
-                    region=region,
-                    notifications=nixl.notifications,
-                    peers=peers,
-                )
-            )
+            roles.append(DecodeRole(ctx))
         if self.role == "prefill":
-            roles.append(
-                PrefillRole(
-                    keys=self.keys,
-                    worker_id=self.worker_id,
-                    incarnation=self.incarnation,
-                    fingerprint=fingerprint,
-                    nc=nc,
-                    prefill_queue=prefill_queue,
-                    service=service,
-                    nixl=nixl,
-                    peers=peers,
-                )
-            )
+            roles.append(PrefillRole(ctx))
 
         async def answer_debug(msg: Msg) -> None:
             c = await service.counts()

@@ -14,24 +14,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvrail.bus import PrefillQueue
 from kvrail.errors import InvalidRequestError
-from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, MessageError, PrefillMode, TokenEvent, decode
-from kvrail.settings import Settings
 from kvrail.worker import metrics
+from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
-from kvrail.worker.peers import PeerTable
 from kvrail.worker.remote_prefill import Outcome, RemotePrefill, RequestFailed
-from kvrail.worker.service import EngineService, Update
-from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.service import Update
 
 log = logging.getLogger(__name__)
 
@@ -72,31 +67,12 @@ class _Stream:
 
 
 class DecodeRole:
-    def __init__(
-        self,
-        *,
-        settings: Settings,
-        keys: PoolKeys,
-        worker_id: str,
-        incarnation: int,
-        agent_name: str,
-        fingerprint: str,
-        nc: NatsClient,
-        prefill_queue: PrefillQueue,
-        service: EngineService,
-        region: BlockRegion,
-        notifications: Callable[[], list[tuple[str, bytes]]],
-        peers: PeerTable,
-    ) -> None:
-        self.keys = keys
-        self.worker_id = worker_id
-        self.nc = nc
-        self.service = service
-        self.remote = RemotePrefill(
-            settings=settings, keys=keys, worker_id=worker_id, incarnation=incarnation,
-            agent_name=agent_name, fingerprint=fingerprint, nc=nc, prefill_queue=prefill_queue,
-            service=service, region=region, notifications=notifications, peers=peers,
-        )  # fmt: skip
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.keys = ctx.keys
+        self.worker_id = ctx.worker_id
+        self.nc = ctx.nc
+        self.service = ctx.service
+        self.remote = RemotePrefill(ctx)
         self._active: dict[str, asyncio.Task[None]] = {}
         self._subs: list[Subscription] = []
         self._draining = False

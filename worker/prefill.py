@@ -33,13 +33,11 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import nats.errors
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvrail.bus import PrefillConsumer, PrefillQueue, QueuedJob
+from kvrail.bus import PrefillConsumer, QueuedJob
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
-from kvrail.keys import PoolKeys
 from kvrail.messages import (
     Cancel,
     MessageError,
@@ -50,11 +48,9 @@ from kvrail.messages import (
     decode,
 )
 from kvrail.worker import metrics
+from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
-from kvrail.worker.peers import PeerTable
-from kvrail.worker.service import EngineService
 from kvrail.worker.transfer.envelope import block_checksums
-from kvrail.worker.transfer.nixl import NixlConnector
 
 log = logging.getLogger(__name__)
 
@@ -71,28 +67,16 @@ class _Refused(Exception):
 
 
 class PrefillRole:
-    def __init__(
-        self,
-        *,
-        keys: PoolKeys,
-        worker_id: str,
-        incarnation: int,
-        fingerprint: str,
-        nc: NatsClient,
-        prefill_queue: PrefillQueue,
-        service: EngineService,
-        nixl: NixlConnector,
-        peers: PeerTable,
-    ) -> None:
-        self.keys = keys
-        self.worker_id = worker_id
-        self.incarnation = incarnation
-        self.fingerprint = fingerprint
-        self.nc = nc
-        self.prefill_queue = prefill_queue
-        self.service = service
-        self.nixl = nixl
-        self.peers = peers
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.keys = ctx.keys
+        self.worker_id = ctx.worker_id
+        self.incarnation = ctx.incarnation
+        self.fingerprint = ctx.fingerprint
+        self.nc = ctx.nc
+        self.prefill_queue = ctx.prefill_queue
+        self.service = ctx.service
+        self.nixl = ctx.nixl
+        self.peers = ctx.peers
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._in_flight: set[str] = set()
         self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
@@ -104,7 +88,7 @@ class PrefillRole:
         self._subs: list[Subscription] = []
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
-        peers.listen(self._on_peer_change)
+        self.peers.listen(self._on_peer_change)
 
     @property
     def num_pending(self) -> int:

@@ -27,12 +27,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import nats.errors
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvrail.bus import PrefillQueue
-from kvrail.keys import PoolKeys
 from kvrail.messages import (
     GenerateRequest,
     MessageError,
@@ -42,12 +39,10 @@ from kvrail.messages import (
     WorkerRecord,
     decode,
 )
-from kvrail.settings import Settings
 from kvrail.worker import metrics
+from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
-from kvrail.worker.peers import PeerTable
-from kvrail.worker.service import EngineService, Update
-from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.service import Update
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, validate
 
 log = logging.getLogger(__name__)
@@ -75,41 +70,26 @@ class _Quarantined:
 
 
 class RemotePrefill:
-    def __init__(
-        self,
-        *,
-        settings: Settings,
-        keys: PoolKeys,
-        worker_id: str,
-        incarnation: int,
-        agent_name: str,
-        fingerprint: str,
-        nc: NatsClient,
-        prefill_queue: PrefillQueue,
-        service: EngineService,
-        region: BlockRegion,
-        notifications: Callable[[], list[tuple[str, bytes]]],
-        peers: PeerTable,
-    ) -> None:
-        self.settings = settings
-        self.keys = keys
-        self.worker_id = worker_id
-        self.incarnation = incarnation
-        self.agent_name = agent_name
-        self.fingerprint = fingerprint
-        self.nc = nc
-        self.prefill_queue = prefill_queue
-        self.service = service
-        self.region = region
-        self._notifications = notifications
-        self.peers = peers
+    def __init__(self, ctx: WorkerContext) -> None:
+        self.settings = ctx.settings
+        self.keys = ctx.keys
+        self.worker_id = ctx.worker_id
+        self.incarnation = ctx.incarnation
+        self.agent_name = ctx.agent_name
+        self.fingerprint = ctx.fingerprint
+        self.nc = ctx.nc
+        self.prefill_queue = ctx.prefill_queue
+        self.service = ctx.service
+        self.region = ctx.nixl.region
+        self._notifications = ctx.nixl.notifications
+        self.peers = ctx.peers
         self._pending: dict[str, asyncio.Future[tuple[PrefillDone, float]]] = {}
         self._quarantine: dict[str, _Quarantined] = {}  # by job id, all attempts of a request
         self._lifted: list[str] = []  # engine ids whose writers all reported late
         self._settling: set[asyncio.Task[None]] = set()
         self._sub: Subscription | None = None
         self._poller: asyncio.Task[None] | None = None
-        peers.listen(self._on_peer_change)
+        self.peers.listen(self._on_peer_change)
 
     @property
     def num_quarantined(self) -> int:
