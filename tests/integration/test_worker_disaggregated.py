@@ -235,9 +235,12 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
     pool: Pool, nc: NatsClient
 ) -> None:
     queue = PrefillQueue(nc.jetstream(), KEYS)
+    # max_tokens leaves the request running long after its prefill: if the prefill worker wins
+    # the race with the cancel, the cancel lands while decoding, never after the finish.
     remote = asyncio.create_task(
-        generate(nc, "decode-0", prompt(LONG_PROMPT, seed=8), request_id="cancel-remote")
-    )
+        generate(nc, "decode-0", prompt(LONG_PROMPT, seed=8), max_tokens=400,
+                 request_id="cancel-remote")
+    )  # fmt: skip
     await wait_for_job(queue)
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-remote").encode())
     events = await asyncio.wait_for(remote, 30)
