@@ -99,6 +99,39 @@ def start_operator(
     return proc
 
 
+def launch_operator(
+    admin_kubeconfig: Path,
+    helm: Path,
+    namespaces: Sequence[str],
+    workdir: Path,
+    settings: Mapping[str, str] | None = None,
+    timeout_s: float = 60,
+) -> tuple[ManagedProcess, Path, str]:
+    """The whole production-like start, as the admin: the namespaces and the chart's RBAC
+    applied (idempotently), a token for the operator's ServiceAccount, and the operator started
+    with only that token. Returns (process, its kubeconfig, the token: for leak checks only)."""
+    kubectl = [str(Path(sys.executable).parent / "kubectl"), f"--kubeconfig={admin_kubeconfig}"]
+    docs: list[dict[str, Any]] = [
+        {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": n}}
+        for n in (OPERATOR_NAMESPACE, *namespaces)
+    ]
+    _kubectl([*kubectl, "apply", "-f", "-"], yaml.safe_dump_all(docs))
+    _kubectl([*kubectl, "apply", "-f", "-"], yaml.safe_dump_all(operator_rbac(helm, namespaces)))
+    token = _kubectl([*kubectl, "-n", OPERATOR_NAMESPACE, "create", "token",
+                      OPERATOR_SERVICE_ACCOUNT, "--duration=1h"]).strip()  # fmt: skip
+    kubeconfig = token_kubeconfig(admin_kubeconfig, token, workdir / "operator.kubeconfig")
+    operator = start_operator(kubeconfig, namespaces, workdir / "operator.log", timeout_s, settings)
+    return operator, kubeconfig, token
+
+
+def _kubectl(argv: list[str], stdin: str | None = None) -> str:
+    done = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=60,
+                          check=False)  # fmt: skip
+    if done.returncode != 0:  # stderr only: stdout may hold a token
+        raise RuntimeError(f"kubectl {argv[2]} failed: {done.stderr.strip()}")
+    return done.stdout
+
+
 def wait_for(
     what: str, check: Callable[[], T | None], timeout_s: float, interval_s: float = 0.2
 ) -> T:

@@ -22,12 +22,8 @@ from kubernetes import client, config
 from kvrail.crd import GROUP, PLURAL, VERSION
 from kvrail.operator.builders.meta import POOL_LABEL
 from kvrail.operator.harness import (
-    OPERATOR_NAMESPACE,
-    OPERATOR_SERVICE_ACCOUNT,
     REPO,
-    operator_rbac,
-    start_operator,
-    token_kubeconfig,
+    launch_operator,
     wait_for,
 )
 from kvrail.operator.testing import pool_manifest
@@ -54,18 +50,12 @@ def main() -> None:
         for i in range(4):
             plane.add_node(f"bench-node-{i}", capacity={"cpu": "256", "pods": "250"})
         admin = config.new_client_from_config(str(plane.kubeconfig(ADMIN)))
-        core, ext = client.CoreV1Api(admin), client.ApiextensionsV1Api(admin)
+        ext = client.ApiextensionsV1Api(admin)
         crd = yaml.safe_load((REPO / "crds" / "kvrail.dev_inferencepools.yaml").read_text())
         ext.create_custom_resource_definition(crd)
-        for ns in (OPERATOR_NAMESPACE, NAMESPACE):
-            core.create_namespace({"metadata": {"name": ns}})
-        for doc in operator_rbac(bin_dir / "helm", [NAMESPACE]):
-            _create(plane, doc)
-        token = core.create_namespaced_service_account_token(
-            OPERATOR_SERVICE_ACCOUNT, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
-        ).status.token
-        kubeconfig = token_kubeconfig(plane.kubeconfig(ADMIN), token, workdir / "op.kubeconfig")
-        operator = start_operator(kubeconfig, [NAMESPACE], workdir / "operator.log")
+        operator, _, _ = launch_operator(
+            plane.kubeconfig(ADMIN), bin_dir / "helm", [NAMESPACE], workdir
+        )
         objects = client.CustomObjectsApi(admin)
 
         start = time.monotonic()
@@ -100,22 +90,6 @@ def main() -> None:
             operator.stop()
         plane.stop()
         print(f"logs: {workdir}")
-
-
-def _create(plane: KubeControlPlane, doc: dict[str, object]) -> None:
-    kind = str(doc["kind"])
-    meta = doc["metadata"]
-    assert isinstance(meta, dict)
-    paths = {
-        "ServiceAccount": f"/api/v1/namespaces/{meta.get('namespace')}/serviceaccounts",
-        "ClusterRole": "/apis/rbac.authorization.k8s.io/v1/clusterroles",
-        "ClusterRoleBinding": "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
-        "Role": f"/apis/rbac.authorization.k8s.io/v1/namespaces/{meta.get('namespace')}/roles",
-        "RoleBinding": (
-            f"/apis/rbac.authorization.k8s.io/v1/namespaces/{meta.get('namespace')}/rolebindings"
-        ),
-    }
-    plane.api("POST", paths[kind], doc)
 
 
 def _children_per_pool(plane: KubeControlPlane) -> Counter[str]:

@@ -31,11 +31,8 @@ from kvrail.messages import PrefillJob
 from kvrail.operator.builders.meta import MODEL_HASH_LABEL, POOL_LABEL, ROLE_LABEL
 from kvrail.operator.harness import (
     OPERATOR_NAMESPACE,
-    OPERATOR_SERVICE_ACCOUNT,
     REPO,
-    operator_rbac,
-    start_operator,
-    token_kubeconfig,
+    launch_operator,
     wait_for,
 )
 from kvrail.procs import ManagedProcess
@@ -223,21 +220,13 @@ def env(
                  "volumeName": "e2e-llama-weights", "resources": {"requests": {"storage": "20Gi"}}},
     })  # fmt: skip
     # The chart's RBAC, applied as the admin; then the operator gets only its own token.
-    rbac = operator_rbac(helm_binary, [NAMESPACE, RDMA_NAMESPACE])
-    setup.kubectl("apply", "-f", "-", stdin=yaml.safe_dump_all(rbac))
-    token = core.create_namespaced_service_account_token(
-        OPERATOR_SERVICE_ACCOUNT, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
-    ).status.token
     root = tmp_path_factory.mktemp("operator")
-    kubeconfig = token_kubeconfig(
-        kube_cluster.kubeconfig(ADMIN), token, root / "operator.kubeconfig"
-    )
-    operator_api = config.new_client_from_config(str(kubeconfig))
     servers = {"etcd_endpoints": etcd_server.endpoint, "nats_url": nats_server.url,
                "operator_cleanup_retries": "2", "operator_cleanup_retry_delay_s": "1"}  # fmt: skip
-    operator = start_operator(
-        kubeconfig, [NAMESPACE, RDMA_NAMESPACE], root / "operator.log", settings=servers
+    operator, kubeconfig, token = launch_operator(
+        kube_cluster.kubeconfig(ADMIN), helm_binary, [NAMESPACE, RDMA_NAMESPACE], root, servers
     )
+    operator_api = config.new_client_from_config(str(kubeconfig))
     try:
         defaults = Settings(etcd_endpoints=(etcd_server.endpoint,), nats_url=nats_server.url)
         yield Env(kube_cluster, admin, operator_api, operator, defaults)

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
-import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
@@ -29,12 +28,8 @@ from kvrail.crd import GROUP, PLURAL, VERSION
 from kvrail.keys import PoolKeys
 from kvrail.messages import PrefillJob, WorkerRecord
 from kvrail.operator.harness import (
-    OPERATOR_NAMESPACE,
-    OPERATOR_SERVICE_ACCOUNT,
     REPO,
-    operator_rbac,
-    start_operator,
-    token_kubeconfig,
+    launch_operator,
     wait_for,
 )
 from kvrail.operator.testing import mutate, pool_manifest
@@ -127,27 +122,16 @@ def env(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Env]:
     admin = config.new_client_from_config(str(kube_cluster.kubeconfig(ADMIN)))
-    core = client.CoreV1Api(admin)
-    for namespace in (OPERATOR_NAMESPACE, NAMESPACE):
-        try:
-            core.create_namespace({"metadata": {"name": namespace}})
-        except ApiException as err:
-            if err.status != 409:
-                raise
     kubectl = [str(Path(sys.executable).parent / "kubectl"),
                f"--kubeconfig={kube_cluster.kubeconfig(ADMIN)}"]  # fmt: skip
     _run([*kubectl, "apply", "--server-side", "-f", str(REPO / "crds")])
     _run([*kubectl, "wait", "--for=condition=Established", "--timeout=60s",
           "crd/inferencepools.kvrail.dev"])  # fmt: skip
-    rbac = operator_rbac(helm_binary, [NAMESPACE])
-    _run([*kubectl, "apply", "-f", "-"], stdin=yaml.safe_dump_all(rbac))
-    token = core.create_namespaced_service_account_token(
-        OPERATOR_SERVICE_ACCOUNT, OPERATOR_NAMESPACE, {"spec": {"expirationSeconds": 3600}}
-    ).status.token
-    root = tmp_path_factory.mktemp("planner")
-    kubeconfig = token_kubeconfig(kube_cluster.kubeconfig(ADMIN), token, root / "op.kubeconfig")
     settings = {"etcd_endpoints": etcd_server.endpoint, "nats_url": nats_server.url}
-    operator = start_operator(kubeconfig, [NAMESPACE], root / "operator.log", settings=settings)
+    operator, _, _ = launch_operator(
+        kube_cluster.kubeconfig(ADMIN), helm_binary, [NAMESPACE],
+        tmp_path_factory.mktemp("planner"), settings,
+    )  # fmt: skip
     loop = Loop()
     servers = Settings(etcd_endpoints=(etcd_server.endpoint,), nats_url=nats_server.url)
     try:
@@ -157,7 +141,7 @@ def env(
         operator.stop()
         loop.stop()
         admin.close()
-    log = (root / "operator.log").read_text()
+    log = operator.log_path.read_text()
     assert "Forbidden" not in log and " 403" not in log, "the operator lacked a permission"
 
 
