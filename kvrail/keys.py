@@ -13,6 +13,7 @@ NATS (request plane, work queue)::
     kvrail.<namespace>.<pool>.decode.<worker_id>         requests to one decode worker
     kvrail.<namespace>.<pool>.cancel                     cancels, seen by every worker
     kvrail.<namespace>.<pool>.kv.<worker_id>             KV events (blocks stored/removed)
+    kvrail.<namespace>.<pool>.kvstate.<worker_id>        request/reply: a worker's whole KV state
     kvrail.<namespace>.<pool>.debug.<worker_id>          debug queries to one worker (block counts)
     kvrail.<namespace>.<pool>.refused.<worker_id>        prefill jobs refused for this decode worker
     kvrail.<namespace>.<pool>.settled                    prefill jobs whose outcome was consumed
@@ -85,6 +86,12 @@ class PoolKeys:
     @property
     def kv_events_all(self) -> str:
         return f"{self._subject_root}.kv.*"
+
+    def kv_state(self, worker_id: str) -> str:
+        """Request/reply: a worker answers with one `KvEvent` (`cleared=True`, every hash it
+        caches, `seq` = its latest event), so a router rebuilds its index after a restart or a
+        gap in the event stream."""
+        return f"{self._subject_root}.kvstate.{check_label('worker id', worker_id)}"
 
     def debug(self, worker_id: str) -> str:
         """Request/reply: a worker answers with its `BlockCounts` (tests and operators)."""
