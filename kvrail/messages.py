@@ -223,7 +223,7 @@ class Cancel(Message):
 
     kind: ClassVar[str] = "cancel"
     request_id: str
-    reason: Literal["client_disconnect", "deadline", "error"] = "client_disconnect"
+    reason: Literal["client_disconnect", "deadline", "error", "stop"] = "client_disconnect"
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +258,10 @@ class WorkerRecord(Message):
     nixl_metadata_b64: str = ""
     num_blocks: int = 0
     block_bytes: int = 0
+    # Tokens per KV block, so a router hashes prompts the way this worker does (added with the
+    # router; optional on the wire: 0 = unknown, from a worker that predates the field).
+    block_size: int = 0
+    max_model_len: int = 0  # the longest prompt + completion it serves (0 = unknown)
     transport: str = ""
     bandwidth_bytes_per_s: float = 0.0
     is_ready: bool = False

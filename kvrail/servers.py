@@ -88,8 +88,14 @@ class NatsServer:
         return f"nats://127.0.0.1:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> NatsServer:
+        # The one setting without a flag: messages up to kvrail.messages.MAX_MESSAGE_BYTES
+        # (KV state replies of large pools); the default is 1 MiB.
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        config = self.store_dir / "nats.conf"
+        config.write_text("max_payload: 8MB\n")
         argv = [
             self.binary,
+            "-c", str(config),
             "-a", "127.0.0.1",
             "-p", str(self.port),
             "-m", str(self.monitor_port),

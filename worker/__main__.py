@@ -2,9 +2,10 @@
 
 Loads settings from the environment, builds the engine (CUDA when available, else CPU), registers
 the NIXL agent over the engine's one KV tensor, registers the worker in etcd under a lease
-(refreshed, with its load, about every second), answers debug queries with its block counts and
-runs its role. SIGTERM (or SIGINT): stop taking work, finish what is in flight, deregister and
-exit 0. Logs hold ids and sizes only, never token ids, text or KV bytes.
+(refreshed, with its load, about every second), answers debug queries with its block counts,
+publishes KV events and answers KV state queries (see `kv_events.py`) and runs its role. SIGTERM
+(or SIGINT): stop taking work, finish what is in flight, deregister and exit 0. Logs hold ids and
+sizes only, never token ids, text or KV bytes.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from kvrail.worker import metrics
 from kvrail.worker.context import WorkerContext
 from kvrail.worker.decode import DecodeRole
 from kvrail.worker.engine.engine import LLMEngine
+from kvrail.worker.kv_events import KvEventPublisher
 from kvrail.worker.peers import PeerTable
 from kvrail.worker.prefill import PrefillRole
 from kvrail.worker.service import EngineService
@@ -80,8 +82,11 @@ class Worker:
         fingerprint = engine.fingerprint.digest
         region = BlockRegion(engine.kv_cache.tensor, engine.kv_cache.num_blocks)
         nixl = NixlConnector(self.agent_name, region)
-        service = EngineService(engine, asyncio.get_running_loop()).start()
         nc = await connect(settings, f"kvrail-{self.role}-{self.worker_id}")
+        kv_events = KvEventPublisher(nc, self.keys, self.worker_id, self.incarnation)
+        service = EngineService(
+            engine, asyncio.get_running_loop(), on_kv_changes=kv_events.on_changes
+        ).start()
         etcd = etcd_client(settings)
         registry = Registry(etcd, self.keys)
         prefill_queue = PrefillQueue(nc.jetstream(), self.keys)
@@ -92,8 +97,9 @@ class Worker:
             incarnation=self.incarnation, role=self.role, fingerprint=fingerprint,
             address=settings.pod_ip or "", nixl_agent_name=self.agent_name,
             nixl_metadata_b64=base64.b64encode(nixl.metadata()).decode(),
-            num_blocks=counts.num_blocks, block_bytes=region.block_bytes, transport=nixl.transport,
-            is_ready=False,
+            num_blocks=counts.num_blocks, block_bytes=region.block_bytes,
+            block_size=engine.config.block_size, max_model_len=engine.config.max_model_len,
+            transport=nixl.transport, is_ready=False,
         )  # fmt: skip
         registration = await registry.register(record)
         peers = PeerTable(registry, self.worker_id)
@@ -119,6 +125,7 @@ class Worker:
             await msg.respond(reply.encode())
 
         debug_sub = await nc.subscribe(self.keys.debug(self.worker_id), cb=answer_debug)
+        await kv_events.start()
         try:
             await asyncio.wait_for(peers.ready.wait(), timeout=30.0)
             for role in roles:
@@ -161,6 +168,7 @@ class Worker:
             except aetcd.exceptions.ClientError as err:  # the lease expired already
                 log.warning("deregistration failed worker=%s error=%s", self.worker_id, err)
             await service.close()
+            await kv_events.close()
             await nc.drain()
             await etcd.close()
             nixl.close()

@@ -4,7 +4,11 @@
 touches it. Asyncio code calls the `EngineService` coroutines (`submit`, `reserve`, `install`,
 `prefill`, `abort`, `release`, `counts`): each queues a command, the engine thread runs it between
 two steps, and the coroutine gets its result. Outputs go back through each request's callback,
-called on the event loop (`loop.call_soon_threadsafe`), in order.
+called on the event loop (`loop.call_soon_threadsafe`), in order. Prefix-cache changes go the
+same way to `on_kv_changes` (if given): the engine's net `KvChanges` at the end of each loop
+iteration (its commands and its step), in order and never empty, so a subscriber that applies
+them in order holds exactly the engine's cached hashes as of the last batch delivered. A
+request's computed (or installed) prompt blocks are delivered before its first token.
 
 Guarantees:
 - a request with a deadline is aborted by the engine thread once the deadline passes, and its
@@ -27,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.engine import LLMEngine, RequestOutput
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.engine.scheduler_output import RemoteReservation
@@ -54,6 +59,7 @@ class Update:
 
 
 OnUpdate = Callable[[Update], None]
+OnKvChanges = Callable[[KvChanges], None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +91,16 @@ class Counts:
 class EngineService:
     """Owns the engine thread. Start with `start()`, stop with `close()`."""
 
-    def __init__(self, engine: LLMEngine, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        loop: asyncio.AbstractEventLoop,
+        *,
+        on_kv_changes: OnKvChanges | None = None,
+    ) -> None:
         self.engine = engine
         self._loop = loop
+        self._on_kv_changes = on_kv_changes
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only: requests with a callback
         self._held: set[str] = set()  # engine thread only: reservations and retained prefills
@@ -170,6 +183,7 @@ class EngineService:
             tracked = _Tracked(on_update, deadline_monotonic)
             if not request.is_finished:
                 self._tracked[request_id] = tracked
+            self._deliver_kv_changes()  # its prompt blocks are reported before its first token
             self._deliver(
                 tracked,
                 Update(
@@ -273,6 +287,7 @@ class EngineService:
                         break
             self._expire_deadlines()
             if not self.engine.has_unfinished_requests():
+                self._deliver_kv_changes()
                 wait_s = _IDLE_WAIT_S
                 continue
             try:
@@ -280,7 +295,9 @@ class EngineService:
             except Exception:  # an engine bug: fail every request rather than hang them
                 log.exception("engine step failed; aborting every request")
                 self._abort_all(error="engine_error", include_held=False)
+                self._deliver_kv_changes()
                 continue
+            self._deliver_kv_changes()
             for output in outputs:
                 self._on_output(output)
             wait_s = 0.0 if outputs else _BUSY_WAIT_S
@@ -289,6 +306,18 @@ class EngineService:
                 self._commands.get_nowait()()
             except queue.Empty:
                 break
+        self._deliver_kv_changes()
+
+    def _deliver_kv_changes(self) -> None:
+        if self._on_kv_changes is None:
+            return  # nobody listens: the engine's journal stays bounded on its own
+        changes = self.engine.take_kv_events()
+        if changes.is_empty:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._on_kv_changes, changes)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
     def _on_output(self, output: RequestOutput) -> None:
         tracked = self._tracked.get(output.request_id)

@@ -4,10 +4,10 @@ Four workers of one pool start once for the module (SmolLM2 on CPU, one torch th
 `prefill-0`, `decode-0` and `decode-1` (disaggregated, a low remote-prefill threshold,
 checksums on, kvLoadFailurePolicy recompute) and `colo-0` (role `both`, colocated: the
 baseline). Tests talk to them as the router would: a `GenerateRequest` on a decode worker's
-subject, `TokenEvent`s back on a stream subject, and each worker's debug subject for its block
-counts; every test ends with every live worker's blocks free. The fault tests kill workers, so
-they run last, in file order: `decode-1` is killed and restarted (a new incarnation, with the
-`fail` policy), then `prefill-0` is killed for good.
+subject, `TokenEvent`s back on a stream subject, each worker's debug subject for its block
+counts, and its KV events and KV state; every test ends with every live worker's blocks free.
+The fault tests kill workers, so they run last, in file order: `decode-1` is killed and
+restarted (a new incarnation, with the `fail` policy), then `prefill-0` is killed for good.
 """
 
 from __future__ import annotations
@@ -27,8 +27,17 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import PrefillQueue, connect
+from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
-from kvrail.messages import BlockCounts, Cancel, GenerateRequest, PrefillJob, TokenEvent, decode
+from kvrail.messages import (
+    BlockCounts,
+    Cancel,
+    GenerateRequest,
+    KvEvent,
+    PrefillJob,
+    TokenEvent,
+    decode,
+)
 from kvrail.procs import ManagedProcess, free_port
 from kvrail.registry import Registry, etcd_client
 from kvrail.servers import EtcdServer, NatsServer
@@ -288,6 +297,54 @@ async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
         await asyncio.sleep(0.2)
     assert await queue.backlog() == 0
     await assert_all_blocks_free(nc, pool)
+
+
+async def test_workers_publish_kv_events_and_answer_their_kv_state(
+    pool: Pool, nc: NatsClient
+) -> None:
+    etcd = etcd_client(pool.settings)
+    try:
+        records, _ = await Registry(etcd, KEYS).workers()
+    finally:
+        await etcd.close()
+    dest, prefill = records["decode-0"], records["prefill-0"]
+    assert dest.block_size == prefill.block_size == 16
+    token_ids = prompt(LONG_PROMPT, seed=12)
+    expected = {h.hex() for h in block_hashes(token_ids, 16, root_hash(dest.fingerprint))}
+    assert len(expected) == LONG_PROMPT // 16
+    received: dict[str, list[KvEvent]] = {}
+    sub = await nc.subscribe(KEYS.kv_events_all)  # events first, then the state (the contract)
+    await nc.flush()
+    try:
+        events = await generate(nc, "decode-0", token_ids)
+        assert events[0].prefill_mode == "remote"
+        deadline = time.monotonic() + 10
+        while not all(expected <= stored_by(received, w) for w in ("decode-0", "prefill-0")):
+            msg = await sub.next_msg(timeout=max(deadline - time.monotonic(), 0.01))
+            event = decode(msg.data, KvEvent)
+            assert msg.subject == KEYS.kv_events(event.worker_id)
+            received.setdefault(event.worker_id, []).append(event)
+    finally:
+        await sub.unsubscribe()
+    for worker_id, record in (("decode-0", dest), ("prefill-0", prefill)):
+        seqs = [e.seq for e in received[worker_id]]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # no gap, no reorder
+        assert {e.incarnation for e in received[worker_id]} == {record.incarnation}
+        reply = await nc.request(KEYS.kv_state(worker_id), b"", timeout=5)
+        state = decode(reply.data, KvEvent)
+        assert state.cleared and state.worker_id == worker_id and not state.removed
+        assert state.incarnation == record.incarnation and state.seq >= seqs[-1]
+        assert expected <= set(state.stored)
+    await assert_all_blocks_free(nc, pool)
+
+
+def stored_by(received: dict[str, list[KvEvent]], worker_id: str) -> set[str]:
+    """What a router learned of one worker's cache from the events it received."""
+    cached: set[str] = set()
+    for event in received.get(worker_id, []):
+        cached.difference_update(event.removed)
+        cached.update(event.stored)
+    return cached
 
 
 async def wait_for_job(queue: PrefillQueue, num_jobs: int = 1, timeout_s: float = 20.0) -> None:

@@ -10,6 +10,10 @@ one of three sets:
 Cached and free blocks share one queue in LRU order (least recently freed first). Allocation takes
 from its head and evicts a cached block's hash when it reuses it, so the prefix cache never costs
 capacity. `check_invariants()` proves the three sets partition the pool.
+
+Every hash entering or leaving the prefix cache is journaled; `take_changes()` returns the net
+changes since its last call (the source of the worker's KV events, see `kvrail.worker.kv_events`).
+The journal holds at most one entry per hash, so it stays bounded even if nobody takes it.
 """
 
 from __future__ import annotations
@@ -17,6 +21,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class KvChanges:
+    """Net prefix-cache changes over some interval: hashes that entered (`stored`) and left
+    (`removed`) it, each list in the order the changes happened. No hash is in both lists (one
+    stored and removed again within the interval appears in neither), so applying the lists in
+    either order to the cache's state at the interval's start gives its state at the end."""
+
+    stored: tuple[bytes, ...] = ()
+    removed: tuple[bytes, ...] = ()
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.stored and not self.removed
 
 
 @dataclass(eq=False, slots=True)
@@ -40,6 +59,9 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
+        # Net changes since the last take_changes(): True = stored (absent at the interval's
+        # start), False = removed (present at its start). Bounded by 2 x num_blocks.
+        self._changes: dict[bytes, bool] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -68,8 +90,7 @@ class BlockPool:
             block_id, _none = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._uncache(block)
             block.ref_cnt = 1
             taken.append(block)
         return taken
@@ -101,13 +122,43 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self._record(block_hash, stored=True)
 
     def reset_prefix_cache(self) -> None:
-        """Forget every unreferenced cached hash (referenced blocks keep theirs)."""
-        for block_hash, block in list(self._cached.items()):
+        """Forget every unreferenced cached hash (referenced blocks keep theirs, so this is
+        journaled as individual removals, not as a clear)."""
+        for block in list(self._cached.values()):
             if block.ref_cnt == 0:
-                block.block_hash = None
-                del self._cached[block_hash]
+                self._uncache(block)
+
+    def _uncache(self, block: KVBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        del self._cached[block_hash]
+        block.block_hash = None
+        self._record(block_hash, stored=False)
+
+    def _record(self, block_hash: bytes, *, stored: bool) -> None:
+        if self._changes.get(block_hash) is (not stored):
+            del self._changes[block_hash]  # the opposite change in this interval: net nothing
+        else:
+            self._changes[block_hash] = stored
+
+    def take_changes(self) -> KvChanges:
+        """The net prefix-cache changes since the last call (see `KvChanges`); resets the
+        journal."""
+        if not self._changes:
+            return KvChanges()
+        changes = KvChanges(
+            stored=tuple(h for h, is_stored in self._changes.items() if is_stored),
+            removed=tuple(h for h, is_stored in self._changes.items() if not is_stored),
+        )
+        self._changes = {}
+        return changes
+
+    def cached_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache now (referenced blocks included)."""
+        return list(self._cached)
 
     def counts(self) -> tuple[int, int, int]:
         """(used, cached-unreferenced, free) block counts, excluding the null block."""

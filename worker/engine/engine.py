@@ -17,6 +17,7 @@ import torch
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
 from kvrail.models import ModelSource
+from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.kv_cache import KVCache
@@ -206,6 +207,16 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Abort a request in any state, freeing all its blocks. False if unknown."""
         return self.scheduler.abort(request_id)
+
+    def take_kv_events(self) -> KvChanges:
+        """Block hashes that entered or left the prefix cache since the last call, net (see
+        `KvChanges`). A stored hash's KV is fully written: a later request with that prefix hits
+        it here. Remotely installed prompts count too (they enter the cache at install)."""
+        return self.scheduler.kv_cache_manager.take_kv_changes()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache now (those of running requests included)."""
+        return self.scheduler.kv_cache_manager.cached_block_hashes()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)

@@ -9,6 +9,8 @@ Guarantees:
   block's KV has been written (or, for remote KV, after it was fully installed), so a prefix hit
   never reads a half-written block.
 - Block tables are append-only while a request holds them; `free` releases them tail first.
+- `take_kv_changes` returns the hashes that entered or left the prefix cache since its last call
+  (a hash enters only through `cache_blocks`, so its block's KV is complete by then).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvrail.hashing import block_hashes
-from kvrail.worker.engine.block_pool import BlockPool, KVBlock
+from kvrail.worker.engine.block_pool import BlockPool, KVBlock, KvChanges
 from kvrail.worker.engine.request import Request
 
 
@@ -125,6 +127,14 @@ class KVCacheManager:
         table = self.req_to_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
+
+    def take_kv_changes(self) -> KvChanges:
+        """Net prefix-cache changes since the last call (see `BlockPool.take_changes`)."""
+        return self.block_pool.take_changes()
+
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every block hash in the prefix cache now."""
+        return self.block_pool.cached_hashes()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]

@@ -105,3 +105,17 @@ def test_errors_never_echo_payload_contents() -> None:
     with pytest.raises(MessageError) as err:
         decode(_tamper(job(), kind=secret), PrefillJob)
     assert secret not in str(err.value)
+
+
+def test_a_worker_record_from_before_block_size_still_decodes_with_block_size_unknown() -> None:
+    current = WorkerRecord(
+        worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f", block_size=16
+    )
+    body = json.loads(current.encode())
+    del body["block_size"]  # what a worker built before the field existed publishes
+    old = decode(json.dumps(body).encode(), WorkerRecord)
+    assert old.block_size == 0
+    assert old == WorkerRecord(
+        worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f"
+    )
+    assert decode(current.encode(), WorkerRecord).block_size == 16

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError
+from kvrail.hashing import block_hashes, root_hash
+from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.service import EngineService, Update
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
@@ -142,3 +144,73 @@ async def test_close_fails_what_is_left_and_the_engine_ends_empty() -> None:
     assert_engine_empty(svc.engine)
     with pytest.raises(RuntimeError, match="stopped"):
         await svc.counts()
+
+
+class KvMirror:
+    """An `on_kv_changes` subscriber: the cached hashes, rebuilt from the changes delivered."""
+
+    def __init__(self) -> None:
+        self.cached: set[bytes] = set()
+        self.num_batches = 0
+
+    def __call__(self, changes: KvChanges) -> None:
+        assert asyncio.get_running_loop()  # delivered on the event loop
+        assert not changes.is_empty
+        assert not set(changes.stored) & self.cached and set(changes.removed) <= self.cached
+        self.cached.difference_update(changes.removed)
+        self.cached.update(changes.stored)
+        self.num_batches += 1
+
+
+def prompt_hashes(svc: EngineService, prompt: list[int]) -> set[bytes]:
+    e = svc.engine
+    return set(block_hashes(prompt, e.config.block_size, root_hash(e.fingerprint.digest)))
+
+
+async def test_kv_changes_reach_the_loop_before_the_first_token_and_mirror_the_cache() -> None:
+    mirror = KvMirror()
+    svc = EngineService(engine(num_blocks=12), asyncio.get_running_loop(), on_kv_changes=mirror)
+    svc.start()
+    expected = prompt_hashes(svc, PROMPT)
+    seen_at_first_token: list[set[bytes]] = []
+
+    got = Collector()
+
+    def on_update(update: Update) -> None:
+        if len(update.output_token_ids) == 1:
+            seen_at_first_token.append(set(mirror.cached))
+        got(update)
+
+    await svc.submit("r1", PROMPT, GREEDY, on_update)
+    await got.wait()
+    assert seen_at_first_token == [expected]  # the 5 full prompt blocks, before the token
+    # Another prompt needs 6 of the 11 blocks: it evicts some of r1's cached ones.
+    other = list(range(40, 61))
+    got = Collector()
+    await svc.submit("r2", other, GREEDY, got)
+    await got.wait()
+    await svc.close()
+    assert_engine_empty(svc.engine)
+    assert mirror.cached == set(svc.engine.cached_block_hashes())
+    assert prompt_hashes(svc, other) <= mirror.cached and not expected <= mirror.cached
+
+
+async def test_an_installed_remote_prompt_is_reported_before_its_first_token() -> None:
+    mirror = KvMirror()
+    svc = EngineService(engine(), asyncio.get_running_loop(), on_kv_changes=mirror).start()
+    assert await svc.reserve("r", PROMPT, GREEDY) is not None
+    await svc.counts()  # one more engine loop iteration: reserving stores nothing
+    assert mirror.cached == set()
+    seen: list[set[bytes]] = []
+    got = Collector()
+
+    def on_update(update: Update) -> None:
+        seen.append(set(mirror.cached))
+        got(update)
+
+    await svc.install("r", 42, on_update)
+    await got.wait()
+    assert seen[0] == prompt_hashes(svc, PROMPT)
+    await svc.close()
+    assert mirror.cached == set(svc.engine.cached_block_hashes())
+    assert_engine_empty(svc.engine)
