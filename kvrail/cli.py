@@ -19,20 +19,22 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import aetcd
 
 from kvrail import __version__
 from kvrail.errors import KvrailError
+from kvrail.procs import ProcessFailed
 from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail")
 
-# The workers `kvrail up` starts, each its own process, and what it cannot start yet. A piece
-# that is not built is reported as such, never faked.
+# The workers `kvrail up` starts, each its own process, then the router in front of them.
 UP_WORKERS = (("prefill-0", "prefill"), ("decode-0", "decode"))
-NOT_BUILT = (("router (OpenAI API)", "kvrail.router.__main__", "issue 5 (router)"),)
 WORKER_READY_TIMEOUT_S = 900.0  # a cold start converts the GGUF model first (~35 s here)
+ROUTER_READY_TIMEOUT_S = 300.0
+PROGRESS_EVERY_S = 5.0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KvrailError as err:
         print(f"kvrail: error: {err}", file=sys.stderr)
         return 2
+    except ProcessFailed as err:
+        print(f"kvrail: error: {err}", file=sys.stderr)
+        return 1
 
 
 async def _status(settings: Settings, all_pools: bool) -> str:
@@ -112,11 +117,13 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
     from kvrail.servers import EtcdServer, NatsServer
 
     run_dir.mkdir(parents=True, exist_ok=True)
-    etcd = EtcdServer(run_dir / "etcd", run_dir / "logs" / "etcd.log")
-    nats = NatsServer(run_dir / "nats", run_dir / "logs" / "nats.log")
-    workers: list[ManagedProcess] = []
+    logs = run_dir / "logs"
+    etcd = EtcdServer(run_dir / "etcd", logs / "etcd.log")
+    nats = NatsServer(run_dir / "nats", logs / "nats.log")
+    procs: list[ManagedProcess] = []
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    port = settings.http_port or 8000
     try:
         print(f"kvrail up: starting etcd and NATS (data and logs in {run_dir})", flush=True)
         etcd.start()
@@ -128,22 +135,24 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
             "KVRAIL_NAMESPACE": settings.namespace, "KVRAIL_POOL": settings.pool,
             "KVRAIL_MODEL": settings.model, "KVRAIL_CACHE_DIR": str(settings.cache_dir),
         }  # fmt: skip
+        env.pop("KVRAIL_HTTP_PORT", None)  # the router's port; workers serve no HTTP here
         for worker_id, role in UP_WORKERS:
             argv = [sys.executable, "-P", "-m", "kvrail.worker", "--role", role,
                     "--worker-id", worker_id]  # fmt: skip
-            log_path = run_dir / "logs" / f"{worker_id}.log"
-            workers.append(ManagedProcess(f"{role} worker", argv, log_path, env=env).start())
-        print(f"kvrail up: loading {settings.model} in the workers (logs in {run_dir / 'logs'})",
-              flush=True)  # fmt: skip
-        for (worker_id, role), proc in zip(UP_WORKERS, workers, strict=True):
-            proc.wait_ready(_logged("worker ready", proc.log_path), WORKER_READY_TIMEOUT_S, 0.5)
+            log_path = logs / f"{worker_id}.log"
+            procs.append(ManagedProcess(f"{role} worker", argv, log_path, env=env).start())
+        print(f"kvrail up: loading {settings.model} in the workers (logs in {logs})", flush=True)
+        for (worker_id, role), proc in zip(UP_WORKERS, procs, strict=True):
+            _wait_with_progress(proc, "worker ready", WORKER_READY_TIMEOUT_S)
             print(f"  {role + ' worker':<20} running  {worker_id}", flush=True)
-        for name, module, issue in NOT_BUILT:
-            if not _module_exists(module):
-                print(f"  {name:<20} NOT BUILT YET ({issue})")
-        print("kvrail up: nothing serves the OpenAI API yet; the workers serve the request plane "
-              f"on NATS (see `kvrail status` with KVRAIL_NATS_URL={nats.url} "
-              f"KVRAIL_ETCD_ENDPOINTS={etcd.endpoint}).", flush=True)  # fmt: skip
+        router_env = {**env, "KVRAIL_HTTP_PORT": str(port)}
+        argv = [sys.executable, "-P", "-m", "kvrail.router"]
+        router = ManagedProcess("router", argv, logs / "router.log", env=router_env).start()
+        procs.append(router)
+        _wait_with_progress(router, "router ready", ROUTER_READY_TIMEOUT_S)
+        url = f"http://{settings.router_host}:{port}"
+        print(f"  router (OpenAI API)  running  {url}/v1", flush=True)
+        print(_curl_hint(url, settings), flush=True)
         if check:
             return 0
         print("kvrail up: press Ctrl-C to stop everything started here.", flush=True)
@@ -153,11 +162,57 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
             pass
         return 0
     finally:
-        for proc in reversed(workers):
+        for proc in reversed(procs):
             proc.stop(grace_s=30)
         nats.stop()
         etcd.stop()
         print("kvrail up: stopped everything it started.", flush=True)
+
+
+def _curl_hint(url: str, settings: Settings) -> str:
+    from kvrail.models import PACKAGED_MODELS, resolve
+
+    packaged = PACKAGED_MODELS.get(settings.model)
+    name = settings.served_model_name or (
+        packaged.served_name if packaged else resolve(settings.model).served_name
+    )
+    body = (
+        f'{{"model": "{name}", "max_tokens": 32, '
+        '"messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+    )
+    return (
+        f"kvrail up: serving {name}. Try:\n\n"
+        f"  curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+        f"    -d '{body}'\n"
+    )
+
+
+def _wait_with_progress(proc: Any, marker: str, timeout_s: float) -> None:
+    """Wait for `marker` in the process's log, printing its latest log line now and then."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    while True:
+        remaining = deadline - time.monotonic()
+        try:
+            proc.wait_ready(_logged(marker, proc.log_path), min(PROGRESS_EVERY_S, remaining), 0.25)
+            return
+        except ProcessFailed:
+            if not proc.is_running() or time.monotonic() >= deadline:
+                raise
+        last = _last_line(proc.log_path)
+        print(f"    {proc.name}: {time.monotonic() - started:4.0f} s  {last}", flush=True)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    # "<date> <time> LEVEL logger message": show the message only, cut to one terminal line.
+    text = lines[-1].split(" ", 4)[-1] if lines else "starting"
+    return text[:100]
 
 
 def _logged(marker: str, path: Path) -> Callable[[], bool]:

@@ -17,6 +17,14 @@ REQUEST_DURATION_SECONDS = PREFIX + "request_duration_seconds"
 ROUTING_DECISIONS_TOTAL = PREFIX + "routing_decisions_total"
 # TTFT stages, labelled stage=queue_wait|prefill_compute|transfer_queue|copy|validation|admission
 TTFT_STAGE_SECONDS = PREFIX + "ttft_stage_seconds"
+PROMPT_TOKENS_TOTAL = PREFIX + "prompt_tokens_total"
+GENERATION_TOKENS_TOTAL = PREFIX + "generation_tokens_total"
+REQUESTS_IN_FLIGHT = PREFIX + "requests_in_flight"
+REQUESTS_REJECTED_TOTAL = PREFIX + "requests_rejected_total"
+# the router's view of each decode worker, labelled worker=<id>
+ROUTER_WORKER_REQUESTS = PREFIX + "router_worker_requests"
+ROUTER_WORKER_KV_UTILIZATION = PREFIX + "router_worker_kv_utilization_ratio"
+ROUTER_WORKER_CACHED_BLOCKS = PREFIX + "router_worker_cached_blocks"
 
 # workers
 KV_CACHE_UTILIZATION = PREFIX + "kv_cache_utilization_ratio"

@@ -95,6 +95,13 @@ class Settings(BaseModel):
 
     # Router.
     router_policy: RouterPolicy = "kv-aware"
+    router_host: str = Field("127.0.0.1", description="address the router listens on")
+    request_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="deadline of every request, from its arrival"
+    )
+    router_max_attempts: int = Field(
+        3, ge=1, le=10, description="decode workers tried for a request nobody took yet"
+    )
     api_keys_file: Path | None = None
     router_config_file: Path | None = None
 

@@ -158,6 +158,7 @@ def router_env(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
         setting("min_remote_prefill_tokens", dis.min_remote_prefill_tokens),
         setting("kv_load_failure_policy", dis.kv_load_failure_policy),
         setting("router_policy", pool.spec.router.policy),
+        setting("router_host", "0.0.0.0"),
         setting("http_port", ROUTER_PORT),
         setting("cache_dir", CACHE_DIR),
     ]

@@ -1,9 +1,11 @@
-"""`kvrail up` (what `make run` starts) runs the real servers and says what is not built."""
+"""The `kvrail` command: `kvrail up` (what `make run` starts) serves for real, and the rest."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +15,7 @@ import pytest
 from kvrail.bus import PrefillQueue, connect
 from kvrail.keys import PoolKeys
 from kvrail.messages import WorkerRecord
+from kvrail.procs import free_port
 from kvrail.registry import etcd_client
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
@@ -21,17 +24,38 @@ KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; 
 
 
 @pytest.mark.usefixtures("etcd_server")  # fails early, with a clear message, if etcd is missing
-def test_up_starts_servers_and_workers_reports_the_missing_router_and_stops(tmp_path: Path) -> None:
-    out = subprocess.run([*KVRAIL, "up", "--check", "--run-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=900, check=True)  # fmt: skip
-    assert "etcd                 running  http://127.0.0.1:" in out.stdout
-    assert "NATS (JetStream)     running  nats://127.0.0.1:" in out.stdout
-    assert "prefill worker       running  prefill-0" in out.stdout
-    assert "decode worker        running  decode-0" in out.stdout
-    assert "router (OpenAI API)  NOT BUILT YET" in out.stdout
-    assert "stopped everything it started" in out.stdout
+def test_up_serves_the_model_and_the_printed_curl_returns_generated_text(tmp_path: Path) -> None:
+    """What the README promises: `make run` (= `kvrail up`), then the curl it prints."""
+    port = free_port()
+    env = {**os.environ, "KVRAIL_HTTP_PORT": str(port), "KVRAIL_TORCH_NUM_THREADS": "1"}
+    proc = subprocess.Popen([*KVRAIL, "up", "--run-dir", str(tmp_path)], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "press Ctrl-C" in line or proc.poll() is not None:
+                break
+        out = "".join(lines)
+        assert "press Ctrl-C" in out, out
+        for expected in ("etcd                 running", "NATS (JetStream)     running",
+                         "prefill worker       running  prefill-0",
+                         "decode worker        running  decode-0",
+                         f"router (OpenAI API)  running  http://127.0.0.1:{port}/v1"):  # fmt: skip
+            assert expected in out
+        curl = out[out.index("  curl ") : out.index("press Ctrl-C")].rsplit("kvrail up:", 1)[0]
+        reply = subprocess.run(["bash", "-c", curl], capture_output=True, text=True, timeout=120)
+        body = json.loads(reply.stdout)
+        text = body["choices"][0]["message"]["content"]
+        assert body["object"] == "chat.completion" and text.strip(), body
+        assert body["usage"]["completion_tokens"] > 0
+    finally:
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    assert "stopped everything it started" in rest
     # No process outlives the command.
-    for name in ("etcd", "nats-server", "kvrail.worker"):
+    for name in ("etcd", "nats-server", "kvrail.worker", "kvrail.router"):
         ps = subprocess.run(["pgrep", "-f", f"{name}.*{tmp_path}"], capture_output=True)
         assert ps.returncode == 1, f"{name} still running: {ps.stdout!r}"
     ps = subprocess.run(["pgrep", "-f", "kvrail.worker --role .* --worker-id (prefill|decode)-0"],

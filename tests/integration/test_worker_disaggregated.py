@@ -13,9 +13,7 @@ restarted (a new incarnation, with the `fail` policy), then `prefill-0` is kille
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import sys
 import time
 import urllib.request
 import uuid
@@ -30,7 +28,6 @@ from kvrail.bus import PrefillQueue, connect
 from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
 from kvrail.messages import (
-    BlockCounts,
     Cancel,
     GenerateRequest,
     KvEvent,
@@ -38,14 +35,13 @@ from kvrail.messages import (
     TokenEvent,
     decode,
 )
-from kvrail.procs import ManagedProcess, free_port
+from kvrail.procs import free_port
 from kvrail.registry import Registry, etcd_client
 from kvrail.servers import EtcdServer, NatsServer
-from kvrail.settings import Settings
+from kvrail.testing.pool import LocalPool
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"
 KEYS = PoolKeys("default", POOL)
-READY_TIMEOUT_S = 240.0
 LONG_PROMPT = 150  # tokens: remote prefill (threshold 32)
 SHORT_PROMPT = 12  # tokens: local prefill
 
@@ -55,62 +51,18 @@ def prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))
 
 
-class Pool:
+class Pool(LocalPool):
+    """The module's workers; `metrics_ports` are where two of them serve Prometheus."""
+
     def __init__(self, etcd: EtcdServer, nats: NatsServer, log_dir: Path) -> None:
-        self.settings = Settings(pool=POOL, etcd_endpoints=(etcd.endpoint,), nats_url=nats.url)
-        self.env = {
-            **os.environ,
-            "HF_HUB_OFFLINE": "1",
-            "KVRAIL_POOL": POOL,
-            "KVRAIL_ETCD_ENDPOINTS": etcd.endpoint,
-            "KVRAIL_NATS_URL": nats.url,
+        super().__init__(etcd, nats, log_dir, POOL, {
             "KVRAIL_MIN_REMOTE_PREFILL_TOKENS": "32",
             "KVRAIL_TRANSFER_CHECKSUMS": "true",
             "KVRAIL_KV_LOAD_FAILURE_POLICY": "recompute",
             "KVRAIL_NUM_KV_BLOCKS": "96",
             "KVRAIL_MAX_MODEL_LEN": "1024",
-            "KVRAIL_TORCH_NUM_THREADS": "1",
-        }
-        self.log_dir = log_dir
-        self.procs: dict[str, ManagedProcess] = {}
-        self.ready: set[str] = set()
+        })  # fmt: skip
         self.metrics_ports = {"prefill-0": free_port(), "decode-0": free_port()}
-
-    def start(self, worker_id: str, role: str, **env: str) -> ManagedProcess:
-        argv = [sys.executable, "-P", "-m", "kvrail.worker", "--role", role]
-        generation = sum(1 for p in self.log_dir.glob(f"{worker_id}.*.log"))
-        proc = ManagedProcess(
-            worker_id,
-            [*argv, "--worker-id", worker_id],
-            self.log_dir / f"{worker_id}.{generation}.log",
-            env={**self.env, **env},
-        )
-        self.procs[worker_id] = proc.start()
-        self.ready.discard(worker_id)
-        return proc
-
-    def wait_ready(self, worker_id: str) -> None:
-        proc = self.procs[worker_id]
-        proc.wait_ready(lambda: "worker ready" in proc.log_path.read_text(), READY_TIMEOUT_S, 0.5)
-        self.ready.add(worker_id)
-
-    def kill(self, worker_id: str) -> None:
-        """kill -9 one worker and wait until it is gone."""
-        proc = self.procs[worker_id]
-        self.ready.discard(worker_id)
-        proc.kill()
-        deadline = time.monotonic() + 10
-        while proc.is_running():
-            assert time.monotonic() < deadline, f"{worker_id} survived kill -9"
-            time.sleep(0.01)
-
-    def live(self) -> list[str]:
-        """Workers that became ready and still run."""
-        return [wid for wid, p in self.procs.items() if wid in self.ready and p.is_running()]
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            proc.stop(grace_s=20)
 
 
 @pytest.fixture(scope="module")
@@ -172,22 +124,8 @@ def tokens_of(events: list[TokenEvent]) -> list[int]:
     return [t for e in events for t in e.token_ids]
 
 
-async def block_counts(nc: NatsClient, worker_id: str) -> BlockCounts:
-    reply = await nc.request(KEYS.debug(worker_id), b"", timeout=5)
-    return decode(reply.data, BlockCounts)
-
-
 async def assert_all_blocks_free(nc: NatsClient, pool: Pool, timeout_s: float = 30.0) -> None:
-    """Every live worker holds no request, no retained and no quarantined block (polled)."""
-    deadline = time.monotonic() + timeout_s
-    for worker_id in pool.live():
-        while True:
-            c = await block_counts(nc, worker_id)
-            idle = c.num_requests == c.num_retained == c.num_pending == 0
-            if idle and c.num_free_blocks == c.num_blocks:
-                break
-            assert time.monotonic() < deadline, f"{worker_id} still holds blocks: {c}"
-            await asyncio.sleep(0.2)
+    await pool.assert_all_blocks_free(nc, timeout_s)
 
 
 @pytest.fixture

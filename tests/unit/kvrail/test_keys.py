@@ -10,7 +10,8 @@ def test_every_key_and_subject_is_scoped_by_namespace_and_pool() -> None:
     assert k.worker("decode-0") == "/kvrail/v1/team-a/llama/workers/decode-0"
     assert k.worker("decode-0").startswith(k.pool_prefix)
     subjects = [k.decode_requests("d-0"), k.cancel, k.kv_events("d-0"), k.kv_state("d-0"),
-                k.prefill_any, k.prefill_to("p-0"), *k.prefill_subjects, k.kv_events_all]  # fmt: skip
+                k.prefill_any, k.prefill_to("p-0"), *k.prefill_subjects,
+                k.kv_events_all]  # fmt: skip
     assert all(s.startswith("kvrail.team-a.llama.") for s in subjects)
     assert k.prefill_to("p-0") != k.prefill_any
     assert k.prefill_stream == "KVRAIL-team-a-llama-PREFILL"

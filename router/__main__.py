@@ -1,0 +1,134 @@
+"""`python -P -m kvrail.router`: the OpenAI-compatible router of one pool.
+
+Settings come from the environment (and `KVRAIL_CONFIG`); in a cluster the operator also mounts
+the pool's `router.json` (`router_config_file`), whose `maxModelLen`, `blockSize` and
+`servedModelName` apply when the environment leaves them unset. The router loads the model's
+tokenizer (never its weights), follows the pool's workers in etcd and their KV events on NATS,
+and serves HTTP on `router_host:http_port` (default 127.0.0.1:8000) until SIGTERM, when it stops
+taking connections and lets requests in flight finish (bounded by `_GRACE_S`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from kvrail.bus import connect
+from kvrail.errors import ConfigError, KvrailError
+from kvrail.keys import PoolKeys
+from kvrail.registry import Registry, etcd_client
+from kvrail.router.app import RouterState, create_app
+from kvrail.router.discovery import WorkerView
+from kvrail.router.dispatch import Dispatcher
+from kvrail.router.metrics import RouterMetrics
+from kvrail.router.policy import Chooser
+from kvrail.router.tenants import Admission, TenantTable
+from kvrail.router.text import TextCodec
+from kvrail.settings import Settings, load_settings
+
+log = logging.getLogger("kvrail.router")
+
+DEFAULT_PORT = 8000
+_GRACE_S = 30
+
+
+def pool_config(settings: Settings) -> dict[str, Any]:
+    """The operator's `router.json`, if mounted; {} otherwise."""
+    path = settings.router_config_file
+    if path is None:
+        return {}
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise ConfigError(f"cannot read router config {path}: {err.strerror}") from err
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"router config {path} is not valid JSON") from err
+    if not isinstance(data, dict):
+        raise ConfigError(f"router config {path} must hold a JSON object")
+    return data
+
+
+async def serve(settings: Settings) -> None:
+    config = pool_config(settings)
+    tenants = TenantTable.load(settings.api_keys_file)
+    log.info("loading the tokenizer model=%s", settings.model)
+    codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir)
+    served_name = settings.served_model_name or config.get("servedModelName") or codec.served_name
+    max_model_len = settings.max_model_len or config.get("maxModelLen") or 0
+    block_size = int(config.get("blockSize") or settings.block_size)
+    keys = PoolKeys(settings.namespace, settings.pool)
+    nc = await connect(settings, name=f"kvrail-router-{settings.pod_name or 'local'}")
+    etcd = etcd_client(settings)
+    view = WorkerView(Registry(etcd, keys), nc, keys)
+    await view.start()
+    metrics = RouterMetrics()
+    dispatcher = Dispatcher(
+        nc, keys, view, Chooser(settings.router_policy, random.Random()), block_size,
+        max_attempts=settings.router_max_attempts, on_decision=metrics.decision,
+    )  # fmt: skip
+    state = RouterState(
+        codec=codec, dispatcher=dispatcher, view=view, tenants=tenants, admission=Admission(),
+        metrics=metrics, served_name=served_name, max_model_len=int(max_model_len),
+        request_timeout_s=settings.request_timeout_s,
+    )  # fmt: skip
+    port = settings.http_port or DEFAULT_PORT
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(state),
+            host=settings.router_host,
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=_GRACE_S,
+            access_log=False,
+        )
+    )
+    try:
+        await asyncio.wait_for(view.ready.wait(), timeout=30)
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():  # noqa: ASYNC110 (uvicorn sets a flag)
+            await asyncio.sleep(0.05)
+        if server.started:
+            log.info(
+                "router ready url=http://%s:%d model=%s policy=%s pool=%s/%s tenants=%s",
+                settings.router_host, port, served_name, settings.router_policy, keys.namespace,
+                keys.pool, "on" if tenants.enabled else "off",
+            )  # fmt: skip
+        await serving
+        if not server.started:
+            raise KvrailError(f"cannot listen on {settings.router_host}:{port}")
+    finally:
+        await view.stop()
+        await nc.drain()
+        await etcd.close()
+        log.info("router stopped")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -P -m kvrail.router")
+    parser.parse_args(argv)
+    try:
+        settings = load_settings()
+    except ConfigError as err:
+        print(f"kvrail router: {err}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    try:
+        asyncio.run(serve(settings))
+    except KvrailError as err:
+        print(f"kvrail router: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Send one request to a decode worker and follow its token stream (DESIGN.md, steps 2-3 and 7).
+
+`Dispatcher.open(job)` picks a decode worker (the `Chooser` over the `WorkerView`'s ready decode
+workers, each scored by the prompt blocks it already caches), subscribes a fresh inbox, and
+publishes a `GenerateRequest` whose reply subject is that inbox, so NATS answers "no responders"
+at once when the worker is gone. The returned `TokenStream` yields the worker's `TokenEvent`s in
+order and guarantees three things:
+
+- **Retry only while nothing changed hands**: no responders, a worker shutting down, or a worker
+  whose lease vanished before its first event: the request goes to another worker (at most
+  `max_attempts` in all). After the first event a failure is the client's error.
+- **Every wait has a deadline**: the request's own, and a worker whose etcd record disappears
+  (lease expired: killed, partitioned) fails the request within about a second.
+- **Nothing outlives the client**: leaving the stream before its last event (client disconnect,
+  stop string, deadline, error) publishes a `Cancel`, which every worker of the pool sees, so the
+  decode worker and any prefill worker holding blocks for it release them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.errors import TimeoutError as NatsTimeoutError
+
+from kvrail.keys import PoolKeys
+from kvrail.messages import Cancel, GenerateRequest, MessageError, TokenEvent, decode
+from kvrail.router.discovery import WorkerView
+from kvrail.router.index import prompt_hashes
+from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
+
+log = logging.getLogger(__name__)
+
+_NO_RESPONDERS = "503"
+_POLL_S = 0.5  # how often a silent worker's lease is checked
+# Worker errors that mean "not taken": nothing was generated, no block changed hands.
+_NOT_TAKEN = {"shutting_down", "duplicate_request"}
+
+CancelReason = Literal["client_disconnect", "deadline", "error", "stop"]
+
+
+class DispatchError(Exception):
+    """The request failed; `code` is a metric-safe reason (a worker error code or our own)."""
+
+    def __init__(self, code: str, detail: str = "") -> None:
+        super().__init__(detail or code)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What the router sends, already tokenized and admitted."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    deadline_unix_s: float
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    tenant_salt: str = ""
+
+    @property
+    def deadline_monotonic(self) -> float:
+        return time.monotonic() + (self.deadline_unix_s - time.time())
+
+
+@dataclass(slots=True)
+class Dispatcher:
+    nc: NatsClient
+    keys: PoolKeys
+    view: WorkerView
+    chooser: Chooser
+    block_size: int
+    max_attempts: int = 3
+    on_decision: Callable[[Decision, int], None] | None = None
+    in_flight: dict[str, int] = field(default_factory=dict)
+
+    def candidates(self, job: Job) -> tuple[list[Candidate], int]:
+        """Ready decode workers scored for `job`, and the prompt's number of full blocks (in the
+        workers' block size; every worker of a pool shares it, as part of its fingerprint)."""
+        hashes_by_model: dict[tuple[str, int], list[str]] = {}
+        out: list[Candidate] = []
+        num_blocks = len(job.token_ids) // self.block_size
+        for record in self.view.decode_workers():
+            block_size = record.block_size or self.block_size
+            num_blocks = len(job.token_ids) // block_size
+            key = (record.fingerprint, block_size)
+            if key not in hashes_by_model:
+                hashes_by_model[key] = prompt_hashes(
+                    job.token_ids, block_size, record.fingerprint, job.tenant_salt
+                )
+            hashes = hashes_by_model[key]
+            out.append(
+                Candidate(
+                    worker_id=record.worker_id,
+                    matched_blocks=self.view.index.matched_blocks(record.worker_id, hashes),
+                    num_running=record.num_running,
+                    num_waiting=record.num_waiting,
+                    in_flight=self.in_flight.get(record.worker_id, 0),
+                    kv_utilization=record.kv_utilization,
+                )
+            )
+        return out, num_blocks
+
+    @contextlib.asynccontextmanager
+    async def open(self, job: Job) -> AsyncIterator[TokenStream]:
+        stream = TokenStream(self, job)
+        try:
+            yield stream
+        finally:
+            await asyncio.shield(stream.close())
+
+    def _choose(self, job: Job, exclude: set[str]) -> Decision:
+        candidates, num_blocks = self.candidates(job)
+        candidates = [c for c in candidates if c.worker_id not in exclude]
+        decision = self.chooser.choose(candidates, num_blocks)
+        if self.on_decision is not None:
+            self.on_decision(decision, num_blocks)
+        return decision
+
+
+class _Retry(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class TokenStream:
+    """One request's events; iterate it, then leave `Dispatcher.open`'s context."""
+
+    dispatcher: Dispatcher
+    job: Job
+    worker_id: str = ""
+    decision: Decision | None = None
+    attempts: int = 0
+    finished: bool = False
+    _sub: Subscription | None = None
+    _incarnation: int = 0
+    _seq: int = 0
+    _tried: set[str] = field(default_factory=set)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        deadline = self.job.deadline_monotonic
+        while True:
+            await self._send()
+            try:
+                first = await self._next(deadline)
+            except _Retry as retry:
+                log.info(
+                    "request not taken, retrying request_id=%s worker=%s reason=%s",
+                    self.job.request_id, self.worker_id, retry.reason,
+                )  # fmt: skip
+                await self._unsubscribe()
+                if self.attempts >= self.dispatcher.max_attempts:
+                    raise DispatchError("no_worker", "no decode worker took the request") from None
+                continue
+            break
+        event = first
+        while True:
+            yield event
+            if event.is_last:
+                self.finished = True
+                return
+            event = await self._next(deadline)
+
+    async def _send(self) -> None:
+        d = self.dispatcher
+        try:
+            self.decision = d._choose(self.job, self._tried)
+        except NoWorkerError as err:
+            raise DispatchError("no_worker", "no ready decode worker") from err
+        self.worker_id = self.decision.worker_id
+        self._tried.add(self.worker_id)
+        self.attempts += 1
+        record = d.view.records().get(self.worker_id)
+        self._incarnation = record.incarnation if record else 0
+        self._seq = 0
+        inbox = d.nc.new_inbox()
+        self._sub = await d.nc.subscribe(inbox)
+        request = GenerateRequest(
+            request_id=self.job.request_id, token_ids=self.job.token_ids, stream_subject=inbox,
+            deadline_unix_s=self.job.deadline_unix_s, max_tokens=self.job.max_tokens,
+            temperature=self.job.temperature, top_p=self.job.top_p, seed=self.job.seed,
+            tenant_salt=self.job.tenant_salt,
+        )  # fmt: skip
+        d.in_flight[self.worker_id] = d.in_flight.get(self.worker_id, 0) + 1
+        await d.nc.publish(d.keys.decode_requests(self.worker_id), request.encode(), reply=inbox)
+
+    async def _next(self, deadline: float) -> TokenEvent:
+        """The next event in order; raises _Retry (before the first), DispatchError."""
+        assert self._sub is not None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DispatchError("deadline", "the request's deadline passed")
+            try:
+                msg = await self._sub.next_msg(timeout=min(remaining, _POLL_S))
+            except NatsTimeoutError:
+                if not self._worker_alive():
+                    if self._seq == 0:
+                        raise _Retry("worker_lost") from None
+                    raise DispatchError("worker_lost", "the decode worker went away") from None
+                continue
+            event = self._parse(msg)
+            if event is None:
+                continue
+            if event.seq != self._seq:
+                raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
+            if self._seq == 0 and event.error in _NOT_TAKEN:
+                raise _Retry(event.error or "")
+            self._seq += 1
+            return event
+
+    def _parse(self, msg: Msg) -> TokenEvent | None:
+        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
+            if self._seq == 0:
+                raise _Retry("no_responders")
+            return None
+        try:
+            event = decode(msg.data, TokenEvent)
+        except MessageError as err:
+            log.warning("ignoring an invalid token event request_id=%s error=%s",
+                        self.job.request_id, err)  # fmt: skip
+            return None
+        if event.request_id != self.job.request_id:
+            return None
+        return event
+
+    def _worker_alive(self) -> bool:
+        record = self.dispatcher.view.records().get(self.worker_id)
+        return record is not None and record.incarnation == self._incarnation
+
+    async def _unsubscribe(self) -> None:
+        d = self.dispatcher
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+            left = d.in_flight.get(self.worker_id, 1) - 1
+            if left > 0:
+                d.in_flight[self.worker_id] = left
+            else:
+                d.in_flight.pop(self.worker_id, None)
+
+    async def cancel(self, reason: CancelReason) -> None:
+        """Tell every worker to drop this request (idempotent; a no-op once it finished)."""
+        if self.finished or not self.worker_id:
+            return
+        self.finished = True
+        msg = Cancel(self.job.request_id, reason)
+        with contextlib.suppress(Exception):
+            await self.dispatcher.nc.publish(self.dispatcher.keys.cancel, msg.encode())
+
+    async def close(self, reason: CancelReason = "client_disconnect") -> None:
+        await self.cancel(reason)
+        await self._unsubscribe()

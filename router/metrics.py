@@ -1,0 +1,100 @@
+"""The router's Prometheus metrics (names from `kvrail.metrics`), served on its own `/metrics`.
+
+Labels are identifiers only: endpoint, status code, reason, policy, stage, tenant and worker ids;
+never prompt text or token ids. Per-worker gauges are refreshed from the router's `WorkerView`
+when `/metrics` is scraped, so they show what the router routes by.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvrail import metrics
+from kvrail.messages import TokenEvent
+from kvrail.router.discovery import WorkerView
+from kvrail.router.policy import Decision
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_DURATION = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+STAGES = ("queue_wait", "prefill_compute", "transfer_queue", "copy", "validation", "admission")
+
+
+class RouterMetrics:
+    """One registry per router (tests run several routers in one process)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            metrics.REQUESTS_TOTAL, "Requests answered, by endpoint and HTTP status",
+            ["endpoint", "status"], registry=r,
+        )  # fmt: skip
+        self.rejected = Counter(
+            metrics.REQUESTS_REJECTED_TOTAL, "Requests refused before routing, by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        self.in_flight = Gauge(metrics.REQUESTS_IN_FLIGHT, "Requests in flight", registry=r)
+        self.ttft = Histogram(
+            metrics.TIME_TO_FIRST_TOKEN_SECONDS, "Arrival to first token, seen by the router",
+            ["prefill_mode"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.itl = Histogram(
+            metrics.INTER_TOKEN_LATENCY_SECONDS, "Time between tokens after the first",
+            buckets=_ITL, registry=r,
+        )  # fmt: skip
+        self.duration = Histogram(
+            metrics.REQUEST_DURATION_SECONDS, "Arrival to last token, by outcome",
+            ["outcome"], buckets=_DURATION, registry=r,
+        )  # fmt: skip
+        self.stages = Histogram(
+            metrics.TTFT_STAGE_SECONDS, "Time to first token by stage (the workers' clocks)",
+            ["stage"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.decisions = Counter(
+            metrics.ROUTING_DECISIONS_TOTAL,
+            "Routing decisions by policy and prefix cache outcome (hit: >= 1 cached block)",
+            ["policy", "cache"], registry=r,
+        )  # fmt: skip
+        self.prompt_tokens = Counter(
+            metrics.PROMPT_TOKENS_TOTAL, "Prompt tokens routed", ["tenant"], registry=r
+        )
+        self.generation_tokens = Counter(
+            metrics.GENERATION_TOKENS_TOTAL, "Tokens generated", ["tenant"], registry=r
+        )
+        self.worker_requests = Gauge(
+            metrics.ROUTER_WORKER_REQUESTS,
+            "A decode worker's requests: running, waiting (its record) and in_flight (ours)",
+            ["worker", "state"], registry=r,
+        )  # fmt: skip
+        self.worker_kv = Gauge(
+            metrics.ROUTER_WORKER_KV_UTILIZATION, "A decode worker's KV utilization",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.worker_cached = Gauge(
+            metrics.ROUTER_WORKER_CACHED_BLOCKS, "Blocks the router's KV index holds per worker",
+            ["worker"], registry=r,
+        )  # fmt: skip
+
+    def decision(self, decision: Decision, num_prompt_blocks: int) -> None:
+        cache = "hit" if decision.matched_blocks > 0 else "miss"
+        self.decisions.labels(decision.policy, cache).inc()
+
+    def first_event(self, event: TokenEvent, ttft_s: float) -> None:
+        self.ttft.labels(event.prefill_mode or "unknown").observe(ttft_s)
+        for stage in STAGES:
+            seconds = getattr(event, stage + "_s")
+            if seconds > 0:
+                self.stages.labels(stage).observe(seconds)
+
+    def render(self, view: WorkerView, in_flight: dict[str, int]) -> bytes:
+        self.worker_requests.clear()
+        self.worker_kv.clear()
+        self.worker_cached.clear()
+        for record in view.decode_workers():
+            w = record.worker_id
+            self.worker_requests.labels(w, "running").set(record.num_running)
+            self.worker_requests.labels(w, "waiting").set(record.num_waiting)
+            self.worker_requests.labels(w, "in_flight").set(in_flight.get(w, 0))
+            self.worker_kv.labels(w).set(record.kv_utilization)
+            self.worker_cached.labels(w).set(view.index.num_hashes(w))
+        return generate_latest(self.registry)

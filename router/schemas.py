@@ -1,0 +1,699 @@
+"""The OpenAI API at kvrail's edge: request bodies, response bodies and the error format.
+
+Request models are strict (`"true"` is not a boolean, `1.5` is not an integer, NaN is not a
+number) and forbid unknown fields, so their JSON schema (which FastAPI publishes and a fuzzer
+reads) says exactly what is accepted. Fields the OpenAI API has but kvrail does not implement are
+declared with only their neutral value (`tools: []`, `logprobs: false`, `frequency_penalty: 0`,
+...), so a client that sends the default still works and one that asks for the feature gets a 400
+naming the field. `validation_error` turns the first problem pydantic or FastAPI found into that
+400; no message ever contains prompt or message text.
+
+The builders (`chat_completion`, `chat_chunk`, `completion`, `completion_chunk`, `usage`,
+`model_list`) return plain dicts shaped as the OpenAI API returns them; the response models below
+describe the same shapes for the OpenAPI schema (tests check both against the `openai` client).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationError,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from kvrail.errors import (
+    DeadlineExceededError,
+    InvalidRequestError,
+    KvrailError,
+    ModelNotFoundError,
+)
+
+# The seed range: int64, with the top end rounded down to 2**63 - 1024, the largest int64 that a
+# float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
+SEED_MIN = -(2**63)
+SEED_MAX = 2**63 - 1024
+MAX_STOP_STRINGS = 4
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+FinishReason = Literal["stop", "length"]
+
+# Feature fields that are accepted only with their neutral value -> what that value is.
+UNSUPPORTED: dict[str, str] = {
+    "tools": "null or []",
+    "tool_choice": 'null or "none"',
+    "functions": "null or []",
+    "function_call": 'null or "none"',
+    "parallel_tool_calls": "null",
+    "logprobs": "null or false",
+    "top_logprobs": "null or 0",
+    "logit_bias": "null or {}",
+    "response_format": '{"type": "text"}',
+    "frequency_penalty": "0",
+    "presence_penalty": "0",
+    "audio": "null",
+    "modalities": '["text"]',
+    "prediction": "null",
+    "reasoning_effort": "null",
+    "verbosity": "null",
+    "web_search_options": "null",
+    "service_tier": 'null, "auto" or "default"',
+    "store": "null or false",
+    "metadata": "null",
+    "moderation": "null",
+    "prompt_cache_retention": "null",
+    "prompt_cache_options": "null",
+    "echo": "false",
+    "suffix": "null",
+    "best_of": "1",
+}
+# Message fields of OpenAI features kvrail lacks (never declared: reported as unsupported).
+_MESSAGE_FEATURES = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio"})
+_MESSAGES = {"n": "n must be 1: kvrail returns one choice per request"}
+_PART_TYPES = frozenset({"image_url", "input_audio", "file", "refusal"})  # quoted in messages
+
+
+class ApiError(Exception):
+    """An error as the OpenAI API reports it: an HTTP status and `{"error": {...}}`.
+
+    `type` is OpenAI's error type (`invalid_request_error`, `authentication_error`,
+    `not_found_error`, `rate_limit_error`, `server_error`, ...), `param` the request field at
+    fault (dotted path) and `code` a stable machine-readable code. `headers` go on the HTTP
+    response (Retry-After on a 429). The message never contains prompt or completion text.
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers: dict[str, str] = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def __repr__(self) -> str:
+        return f"ApiError({self.status}, {self.message!r}, {self.type!r}, param={self.param!r})"
+
+
+def error_body(
+    message: str, type: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def api_error_of(err: KvrailError) -> ApiError:
+    """The one mapping from kvrail's exception hierarchy to HTTP. Only client-facing errors keep
+    their message (they never quote the prompt); anything else becomes a generic 500."""
+    if isinstance(err, InvalidRequestError):
+        return ApiError(400, str(err), "invalid_request_error")
+    if isinstance(err, ModelNotFoundError):
+        return ApiError(404, str(err), "not_found_error", "model", "model_not_found")
+    if isinstance(err, DeadlineExceededError):
+        return ApiError(504, "the request did not finish within its deadline", "timeout_error")
+    return ApiError(500, "internal error", "server_error")
+
+
+def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -> ApiError:
+    """A 400 for the first problem in a pydantic `ValidationError` or FastAPI's
+    `RequestValidationError.errors()` (or anything with an `errors()` method)."""
+    errors = exc.errors() if hasattr(exc, "errors") else exc
+    if not errors:
+        return ApiError(400, "invalid request")
+    first = errors[0]
+    kind = str(first.get("type", ""))
+    loc = tuple(first.get("loc", ()))
+    if loc[:1] == ("body",):  # FastAPI's prefix for the request body
+        loc = loc[1:]
+    if kind == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error")
+        detail = f" ({_safe(str(reason))})" if reason else ""
+        return ApiError(400, f"the request body is not valid JSON{detail}", code="invalid_json")
+    ctx = first.get("ctx") or {}
+    if "param" in ctx:
+        return ApiError(400, str(first.get("msg")), param=str(ctx["param"]))
+    path = [p for p in loc if not _is_union_tag(p)]
+    if kind == "extra_forbidden" and loc:
+        path = path[:-1] + [loc[-1]]  # the unknown key itself may look like a tag
+    param = ".".join(_safe(str(p)) for p in path) or None
+    if kind == "missing":
+        if param is None:
+            return ApiError(400, "the request body is missing", code="missing_body")
+        return ApiError(400, f"missing required parameter: '{param}'", param=param)
+    if param is None:
+        return ApiError(400, f"the request body must be a JSON object ({first.get('msg')})")
+    top, name = str(path[0]), str(path[-1])
+    if kind == "extra_forbidden":
+        if top == "messages" and name in _MESSAGE_FEATURES:
+            message = f"'{param}' is not supported by kvrail (no tool calling or audio)"
+            return ApiError(400, message, param=param, code="unsupported_parameter")
+        message = f"unrecognized request argument supplied: '{param}'"
+        return ApiError(400, message, param=param, code="unknown_parameter")
+    if top in UNSUPPORTED:  # a declared feature field sent with a value other than its neutral one
+        message = f"'{top}' is not supported by kvrail (accepted: {UNSUPPORTED[top]})"
+        return ApiError(400, message, param=top, code="unsupported_parameter")
+    if len(path) == 1 and top in _MESSAGES:
+        return ApiError(400, _MESSAGES[top], param=param)
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if kind.startswith("kvrail"):
+        return ApiError(400, msg, param=param)
+    return ApiError(400, f"invalid '{param}': {msg}", param=param)
+
+
+def _is_union_tag(part: object) -> bool:
+    # pydantic names the union member it tried in `loc` ("str", "list[int]", "function-after[..]").
+    return isinstance(part, str) and (
+        "[" in part or part in {"str", "int", "float", "bool", "none", "list", "dict"}
+    )
+
+
+def _safe(text: str, limit: int = 64) -> str:
+    """A client-supplied name, shortened and printable, fit to quote in a message."""
+    cut = "".join(c if c.isprintable() else "?" for c in text[:limit])
+    return cut + "..." if len(text) > limit else cut
+
+
+def _fail(message: str) -> PydanticCustomError:
+    return PydanticCustomError("kvrail_invalid", message)
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
+
+
+def _is_false(value: bool) -> bool:
+    if value:
+        raise _fail("must be false")
+    return value
+
+
+OnlyFalse = Annotated[bool, AfterValidator(_is_false), WithJsonSchema({"const": False})]
+OnlyZero = Annotated[float, Field(ge=0, le=0)]
+EmptyList = Annotated[list[Any], Field(max_length=0)]
+StopString = Annotated[str, Field(min_length=1)]
+Stop = StopString | Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP_STRINGS)]
+
+
+def _check_text(value: Any) -> Any:
+    """Lone surrogates (legal in JSON escapes) cannot be tokenized: reject them up front."""
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise _fail("the text is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None:
+        return value
+    if isinstance(value, str):
+        if not value:
+            raise _fail("stop must not be an empty string")
+        return _check_text(value)
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise _fail("stop must be a string or a list of strings")
+    if not 1 <= len(value) <= MAX_STOP_STRINGS or not all(value):
+        raise _fail(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
+    return [_check_text(s) for s in value]
+
+
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str
+
+
+# Tagged by the input's type, so an error inside a part is reported at its own path.
+Content = Annotated[
+    Annotated[str, Tag("str")] | Annotated[list[TextPart], Tag("list")],
+    Discriminator(lambda v: "str" if isinstance(v, str) else "list"),
+]
+
+
+class ChatMessage(BaseModel):
+    """One message. `content` is a string or a list of text parts; `name` is passed to the
+    chat template, which may ignore it."""
+
+    model_config = _STRICT
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Content
+    name: str | None = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, value: Any) -> Any:
+        if value in ("tool", "function"):
+            raise _fail(f"role '{value}' is not supported by kvrail (no tool calling)")
+        return value
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _check_text(value)
+        if not isinstance(value, list):
+            raise _fail("content must be a string or a list of text parts")
+        for part in value:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if isinstance(kind, str) and kind != "text":
+                what = f"'{kind}'" if kind in _PART_TYPES else "other than 'text'"
+                raise _fail(f"content parts of type {what} are not supported by kvrail")
+            if isinstance(part, dict):
+                _check_text(part.get("text"))
+        return value
+
+    @property
+    def text(self) -> str:
+        """The content as one string; text parts are joined by newlines (as vLLM does)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool | None = None
+    include_obfuscation: bool | None = Field(None, description="accepted; kvrail never pads")
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+
+
+class _GenerationRequest(BaseModel):
+    """What /v1/chat/completions and /v1/completions share."""
+
+    model_config = _STRICT
+    model: str
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(1.0, ge=0, le=2)
+    top_p: float | None = Field(1.0, gt=0, le=1)
+    stop: Stop | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    n: int | None = Field(1, ge=1, le=1)
+    user: str | None = Field(None, description="accepted and ignored")
+    safety_identifier: str | None = Field(None, description="accepted and ignored")
+    prompt_cache_key: str | None = Field(None, description="accepted and ignored")
+    frequency_penalty: OnlyZero | None = None
+    presence_penalty: OnlyZero | None = None
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _GenerationRequest:
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError(
+                "kvrail_invalid",
+                "stream_options is only allowed when stream is true",
+                {"param": "stream_options"},
+            )
+        return self
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: OnlyFalse | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    tools: EmptyList | None = None
+    tool_choice: Literal["none"] | None = None
+    functions: EmptyList | None = None
+    function_call: Literal["none"] | None = None
+    parallel_tool_calls: None = None
+    response_format: ResponseFormat | None = None
+    audio: None = None
+    modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    service_tier: Literal["auto", "default"] | None = None
+    store: OnlyFalse | None = None
+    metadata: None = None
+    moderation: None = None
+    prompt_cache_retention: None = None
+    prompt_cache_options: None = None
+
+    @model_validator(mode="after")
+    def _max_tokens_agree(self) -> ChatCompletionRequest:
+        a, b = self.max_tokens, self.max_completion_tokens
+        if a is not None and b is not None and a != b:
+            raise PydanticCustomError(
+                "kvrail_invalid",
+                "max_tokens and max_completion_tokens disagree; send only max_completion_tokens",
+                {"param": "max_completion_tokens"},
+            )
+        return self
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them: role, content string, name if given."""
+        out: list[dict[str, str]] = []
+        for m in self.messages:
+            item = {"role": m.role, "content": m.text}
+            if m.name is not None:
+                item["name"] = m.name
+            out.append(item)
+        return out
+
+
+Prompt = (
+    str
+    | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    | Annotated[list[str], Field(min_length=1, max_length=1)]
+)
+
+
+class CompletionRequest(_GenerationRequest):
+    """POST /v1/completions: one prompt, as a string, a list of token ids or `[string]`.
+    `max_tokens` defaults to 16 (OpenAI's default); `null` means as many as the context allows."""
+
+    prompt: Prompt
+    max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    echo: OnlyFalse | None = None
+    suffix: None = None
+    logprobs: OnlyFalse | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return _check_text(value)
+        if isinstance(value, list):
+            if not value:
+                raise _fail("prompt must not be empty")
+            if len(value) > 1 and all(isinstance(p, str | list) for p in value):
+                raise _fail("batches of several prompts are not supported by kvrail")
+            if isinstance(value[0], list):
+                raise _fail("batches of token-id prompts are not supported by kvrail")
+            if isinstance(value[0], str):
+                _check_text(value[0])
+            elif not all(type(t) is int and t >= 0 for t in value):
+                raise _fail("prompt token ids must be integers >= 0")
+        return value
+
+    @property
+    def prompt_text(self) -> str | None:
+        """The prompt string, or None when the prompt is token ids."""
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        return p[0] if isinstance(p[0], str) else None
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt token ids, or None when the prompt is text."""
+        p = self.prompt
+        return None if isinstance(p, str) or isinstance(p[0], str) else [int(t) for t in p]
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What both endpoints ask of generation. `max_tokens=None`: as many as the context allows
+    (the app clamps with the model length)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+
+
+def sampling_of(req: ChatCompletionRequest | CompletionRequest) -> Sampling:
+    if isinstance(req, ChatCompletionRequest):
+        max_tokens = req.max_completion_tokens or req.max_tokens
+    else:
+        max_tokens = req.max_tokens
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    stream = bool(req.stream)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        seed=req.seed,
+        stop=tuple(dict.fromkeys(stop)),
+        stream=stream,
+        include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Responses: models for the OpenAPI schema, and dict builders for the hot path.
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    logprobs: None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One server-sent event of a streamed chat completion; the optional last one (usage) has
+    no choices."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: FinishReason | None = Field(description="null in a streamed chunk only")
+
+
+class Completion(BaseModel):
+    """A text completion; a streamed chunk has the same shape (and object name)."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+def usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None
+) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    if cached_tokens is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
+
+
+def chat_completion(
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage: Mapping[str, Any],
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    message = {"role": "assistant", "content": text, "refusal": None}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint,
+        "choices": [choice],
+        "usage": dict(usage),
+    }
+
+
+def chat_chunk(
+    id: str,
+    model: str,
+    created: int,
+    delta_text: str | None,
+    role: bool = False,
+    finish_reason: str | None = None,
+    usage: Mapping[str, Any] | None = None,
+    system_fingerprint: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One chunk. The first carries `role` (and `delta_text=""`), the last a `finish_reason`
+    with an empty delta; a chunk with `usage` and nothing else is the usage chunk (no choices).
+    `include_usage` adds `"usage": null` to the other chunks, as OpenAI does when the client
+    asked for usage."""
+    out: dict[str, Any] = {
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint,
+        "choices": [],
+    }
+    if delta_text is not None or role or finish_reason is not None or usage is None:
+        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+        if delta_text is not None:
+            delta["content"] = delta_text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        out["choices"].append(choice)
+    if usage is not None or include_usage:
+        out["usage"] = None if usage is None else dict(usage)
+    return out
+
+
+def completion(
+    id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str,
+    usage: Mapping[str, Any],
+    system_fingerprint: str | None = None,
+) -> dict[str, Any]:
+    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    return {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint,
+        "choices": [choice],
+        "usage": dict(usage),
+    }
+
+
+def completion_chunk(
+    id: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    usage: Mapping[str, Any] | None = None,
+    system_fingerprint: str | None = None,
+    include_usage: bool = False,
+) -> dict[str, Any]:
+    """One chunk of a streamed completion (object `text_completion`, like the whole one); with
+    `usage` and nothing else it is the usage chunk (no choices)."""
+    out: dict[str, Any] = {
+        "id": id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": system_fingerprint,
+        "choices": [],
+    }
+    if text is not None or finish_reason is not None or usage is None:
+        choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        out["choices"].append(choice)
+    if usage is not None or include_usage:
+        out["usage"] = None if usage is None else dict(usage)
+    return out
+
+
+def model_list(ids: Sequence[str], created: int, owned_by: str = "kvrail") -> dict[str, Any]:
+    data = [{"id": i, "object": "model", "created": created, "owned_by": owned_by} for i in ids]
+    return {"object": "list", "data": data}

@@ -1,0 +1,299 @@
+"""The router end to end: the real `openai` client against two router replicas in front of real
+workers (SmolLM2 on CPU), over real etcd, NATS and NIXL.
+
+One pool for the module: `prefill-0`, `decode-0` and `decode-1` (disaggregated, a low
+remote-prefill threshold, checksums on), and two router processes, `router-a` and `router-b`,
+sharing one API keys file with two tenants. Every test ends with every worker's blocks free.
+The routing tests drive a `Dispatcher` in this process against the same real workers, so they can
+see which worker served; the last test kills a decode worker, so it runs last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.request
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from random import Random
+
+import openai
+import pytest
+from nats.aio.client import Client as NatsClient
+from openai.types.chat import ChatCompletionMessageParam
+
+from kvrail.bus import connect
+from kvrail.procs import free_port
+from kvrail.registry import Registry, etcd_client
+from kvrail.router.discovery import WorkerView
+from kvrail.router.dispatch import Dispatcher, Job
+from kvrail.router.policy import Chooser
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.testing.pool import LocalPool
+
+POOL = f"rt-{uuid.uuid4().hex[:8]}"
+MODEL = "SmolLM2-135M-Instruct"
+KEY_A, KEY_B = "sk-test-team-a", "sk-test-team-b"
+API_KEYS = f"""tenants:
+  team-a:
+    keys: [{KEY_A}]
+    maxConcurrentRequests: 4
+  team-b:
+    keys: [{KEY_B}]
+    tokensPerMinute: 60
+"""
+PORTS = {"router-a": free_port(), "router-b": free_port()}
+QUESTION: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
+]
+
+
+@pytest.fixture(scope="module")
+def pool(
+    etcd_server: EtcdServer, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalPool]:
+    logs = tmp_path_factory.mktemp("router-pool")
+    keys_file = logs / "api-keys.yaml"
+    keys_file.write_text(API_KEYS)
+    env = {
+        "KVRAIL_MIN_REMOTE_PREFILL_TOKENS": "32",
+        "KVRAIL_TRANSFER_CHECKSUMS": "true",
+        "KVRAIL_NUM_KV_BLOCKS": "128",
+        "KVRAIL_MAX_MODEL_LEN": "1024",
+        "KVRAIL_API_KEYS_FILE": str(keys_file),
+        "KVRAIL_REQUEST_TIMEOUT_S": "60",
+    }
+    p = LocalPool(etcd_server, nats_server, logs, POOL, env)
+    try:
+        for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"),
+                                ("decode-1", "decode")):  # fmt: skip
+            p.start(worker_id, role)
+        for name in ("prefill-0", "decode-0", "decode-1"):
+            p.wait_ready(name)
+        for name, port in PORTS.items():
+            p.start_router(name, KVRAIL_HTTP_PORT=str(port))
+        for name in PORTS:
+            p.wait_ready(name)
+        yield p
+    finally:
+        p.stop()
+
+
+def client(pool: LocalPool, router: str = "router-a", key: str = KEY_A) -> openai.OpenAI:
+    port = PORTS[router]
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=key, max_retries=0)
+
+
+def url(pool: LocalPool, path: str, router: str = "router-a") -> str:
+    return f"http://127.0.0.1:{PORTS[router]}{path}"
+
+
+@pytest.fixture
+async def nc(pool: LocalPool) -> AsyncIterator[NatsClient]:
+    client_ = await connect(pool.settings, "router-test")
+    yield client_
+    await pool.assert_all_blocks_free(client_)
+    await client_.close()
+
+
+@pytest.mark.usefixtures("nc")
+def test_chat_completion_with_the_openai_client_is_deterministic_across_replicas(
+    pool: LocalPool,
+) -> None:
+    answers = [
+        client(pool, router).chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            max_tokens=24,
+            temperature=0,
+        )
+        for router in ("router-a", "router-b")
+    ]
+    first = answers[0]
+    assert first.object == "chat.completion" and first.model == MODEL
+    assert first.choices[0].message.role == "assistant"
+    assert "Paris" in (first.choices[0].message.content or "")
+    assert first.choices[0].finish_reason in ("stop", "length")
+    assert first.usage is not None and first.usage.prompt_tokens > 10
+    assert 0 < first.usage.completion_tokens <= 24
+    assert answers[1].choices[0].message.content == first.choices[0].message.content
+
+
+@pytest.mark.usefixtures("nc")
+def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(pool: LocalPool) -> None:
+    c = client(pool)
+    whole = c.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=20,
+        temperature=0,
+    )
+    stream = c.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == whole.choices[0].message.content
+    finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
+    assert finishes[-1] == whole.choices[0].finish_reason
+    assert finishes.count(None) == len(finishes) - 1
+    assert not chunks[-1].choices and chunks[-1].usage == whole.usage
+
+
+@pytest.mark.usefixtures("nc")
+def test_completions_from_text_or_token_ids_streamed_or_not(pool: LocalPool) -> None:
+    c = client(pool)
+    whole = c.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                 temperature=0)  # fmt: skip
+    assert whole.object == "text_completion" and whole.choices[0].finish_reason == "length"
+    assert whole.usage is not None and whole.usage.completion_tokens == 8
+    stream = c.completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0, stream=True
+    )
+    streamed = "".join(ch.choices[0].text for ch in stream)
+    assert streamed == whole.choices[0].text
+    ids = c.completions.create(model=MODEL, prompt=[504, 3575, 282, 4649, 314], max_tokens=4)
+    assert ids.usage is not None and ids.usage.prompt_tokens == 5
+
+
+@pytest.mark.usefixtures("nc")
+def test_a_stop_string_cuts_the_text_and_frees_the_request(pool: LocalPool) -> None:
+    c = client(pool)
+    full = c.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=16,
+                                temperature=0).choices[0].text  # fmt: skip
+    stop = full.strip()[4:6] if len(full.strip()) > 6 else full.strip()[-1:]
+    cut = c.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=16,
+                               temperature=0, stop=[stop])  # fmt: skip
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[: full.index(stop)]
+
+
+@pytest.mark.usefixtures("nc")
+def test_bad_requests_get_openai_errors_and_leave_the_pool_intact(pool: LocalPool) -> None:
+    c = client(pool)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        c.chat.completions.create(model="gpt-4", messages=QUESTION)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        c.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=7)
+    assert err.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError, match="context"):
+        c.completions.create(model=MODEL, prompt="word " * 1100, max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="tools"):
+        c.chat.completions.create(
+            model=MODEL, messages=QUESTION,
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )  # fmt: skip
+    with pytest.raises(openai.AuthenticationError):
+        client(pool, key="sk-wrong").models.list()
+    # The pool still serves.
+    assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
+
+
+@pytest.mark.usefixtures("nc")
+def test_tenant_limits_answer_429_with_retry_after(pool: LocalPool) -> None:
+    b = client(pool, key=KEY_B)  # 60 tokens per minute: one request of 1 + 40 fits, two do not
+    first = b.completions.create(model=MODEL, prompt="Hi", max_tokens=40, stream=True)
+    next(iter(first))  # admitted and running: its 41 tokens are reserved
+    with pytest.raises(openai.RateLimitError) as err:
+        b.completions.create(model=MODEL, prompt="Hi", max_tokens=40)
+    assert int(err.value.response.headers["retry-after"]) >= 1
+    assert err.value.body["type"] == "rate_limit_error"
+    # team-a is not affected by team-b's limit.
+    assert client(pool).completions.create(model=MODEL, prompt="Hi", max_tokens=2).choices
+    first.close()
+
+
+@pytest.mark.usefixtures("nc")
+def test_models_health_ready_and_metrics(pool: LocalPool) -> None:
+    assert [m.id for m in client(pool).models.list()] == [MODEL]
+    for path in ("/health", "/ready"):
+        with urllib.request.urlopen(url(pool, path), timeout=10) as reply:
+            assert reply.status == 200
+    with urllib.request.urlopen(url(pool, "/ready"), timeout=10) as reply:
+        assert json.loads(reply.read())["decode_workers"] == 2
+    with urllib.request.urlopen(url(pool, "/metrics"), timeout=10) as reply:
+        text = reply.read().decode()
+    for name in ("kvrail_time_to_first_token_seconds_bucket", "kvrail_inter_token_latency_seconds",
+                 "kvrail_request_duration_seconds", "kvrail_routing_decisions_total",
+                 'kvrail_router_worker_requests{state="running",worker="decode-0"}',
+                 'kvrail_ttft_stage_seconds_count{stage="queue_wait"}'):  # fmt: skip
+        assert name in text, name
+    assert "France" not in text  # no prompt text in metrics
+
+
+async def test_a_client_that_disconnects_cancels_its_request_on_every_worker(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    c = openai.AsyncOpenAI(base_url=url(pool, "/v1"), api_key=KEY_A, max_retries=0)
+    long_prompt = "Write a long story about a dragon. " * 12  # remote prefill
+    stream = await c.completions.create(model=MODEL, prompt=long_prompt, max_tokens=900,
+                                        temperature=1.0, seed=3, stream=True)  # fmt: skip
+    got = 0
+    async for chunk in stream:
+        assert chunk.choices[0].finish_reason is None
+        got += 1
+        if got == 3:
+            break
+    await stream.close()
+    # The decode worker must drop it long before 900 tokens would have been generated.
+    await pool.assert_all_blocks_free(nc, timeout_s=10)
+    await c.close()
+
+
+# -- routing, with a dispatcher in this process over the same real workers -------------------------
+
+
+@pytest.fixture
+async def dispatcher(pool: LocalPool, nc: NatsClient) -> AsyncIterator[Dispatcher]:
+    etcd = etcd_client(pool.settings)
+    view = WorkerView(Registry(etcd, pool.keys), nc, pool.keys)
+    await view.start()
+    await view.wait_for_workers(2, timeout_s=30)
+    yield Dispatcher(nc, pool.keys, view, Chooser("kv-aware", Random(7)), block_size=16)
+    await view.stop()
+    await etcd.close()
+
+
+async def run(dispatcher: Dispatcher, token_ids: tuple[int, ...], max_tokens: int = 2) -> str:
+    job = Job(f"rt-{uuid.uuid4().hex[:12]}", token_ids, max_tokens, time.time() + 60)
+    async with dispatcher.open(job) as stream:
+        events = [event async for event in stream]
+    assert events[-1].error is None and events[-1].finish_reason is not None
+    return stream.worker_id
+
+
+async def test_the_worker_holding_the_prefix_wins(dispatcher: Dispatcher) -> None:
+    rng = Random(11)
+    # 48 blocks: more than the policy's price of one request of load (32 blocks), which the
+    # holder's etcd record may still show for a second after the first request ended.
+    prefix = tuple(rng.randrange(100, 40_000) for _ in range(48 * 16))
+    holder = await run(dispatcher, prefix + (7, 8, 9))
+    # The holder's KV events reach the router's index within moments.
+    deadline = time.monotonic() + 10
+    while dispatcher.view.index.num_hashes(holder) < 48:
+        assert time.monotonic() < deadline, "no KV events from the holder"
+        await asyncio.sleep(0.05)
+    for i in range(6):
+        suffix = tuple(rng.randrange(100, 40_000) for _ in range(5 + i))
+        assert await run(dispatcher, prefix + suffix) == holder
+
+
+async def test_a_killed_decode_worker_is_never_chosen_and_no_request_fails(
+    pool: LocalPool, dispatcher: Dispatcher
+) -> None:
+    pool.kill("decode-1")
+    # Its lease lasts a few seconds more: requests routed to it meanwhile get "no responders"
+    # from NATS and go to decode-0; none fails.
+    served = [await run(dispatcher, (i + 300,) * 40) for i in range(6)]
+    assert set(served) == {"decode-0"}
+    deadline = time.monotonic() + 15
+    while any(r.worker_id == "decode-1" for r in dispatcher.view.decode_workers()):
+        assert time.monotonic() < deadline, "the dead worker's record outlived its lease"
+        await asyncio.sleep(0.1)
+    ready = await asyncio.to_thread(urllib.request.urlopen, url(pool, "/ready"), timeout=10)
+    assert json.loads(ready.read())["decode_workers"] == 1  # the routers in processes agree

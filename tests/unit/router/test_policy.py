@@ -1,0 +1,181 @@
+from __future__ import annotations
+
+import random
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrail.errors import ConfigError, KvrailError
+from kvrail.router.policy import (
+    POLICIES,
+    Candidate,
+    Chooser,
+    Decision,
+    NoWorkerError,
+    Policy,
+)
+
+
+def cand(worker_id: str, matched: int = 0, running: int = 0, waiting: int = 0,
+         in_flight: int = 0, util: float = 0.0) -> Candidate:  # fmt: skip
+    return Candidate(worker_id, matched, running, waiting, in_flight, util)
+
+
+def test_the_policies_are_the_crd_router_policies() -> None:
+    assert set(POLICIES) == {"kv-aware", "least-loaded", "round-robin"}
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_no_candidate_raises_no_worker_error(policy: Policy) -> None:
+    with pytest.raises(NoWorkerError):
+        Chooser(policy).choose([], num_prompt_blocks=4)
+    assert issubclass(NoWorkerError, KvrailError)
+
+
+def test_an_unknown_policy_or_a_negative_weight_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="random"):
+        Chooser("random")
+    with pytest.raises(ConfigError):
+        Chooser("kv-aware", load_weight_blocks=-1)
+
+
+def test_kv_aware_prefers_a_long_cached_prefix_over_a_slightly_busier_worker() -> None:
+    # 2k-token prompt (128 blocks of 16): the cached worker runs 3 more requests.
+    cached = cand("cached", matched=128, running=3)
+    idle = cand("idle")
+    decision = Chooser("kv-aware").choose([idle, cached], num_prompt_blocks=128)
+    assert decision == Decision("cached", "kv-aware", 128, 3 * 32.0)
+
+
+def test_kv_aware_avoids_a_worker_with_a_big_queue_despite_its_cache() -> None:
+    busy = cand("busy", matched=128, running=4, waiting=6)
+    idle = cand("idle")
+    decision = Chooser("kv-aware").choose([busy, idle], num_prompt_blocks=128)
+    assert decision.worker_id == "idle"
+    assert decision.matched_blocks == 0
+    assert decision.score == 128
+
+
+def test_the_routers_own_in_flight_counts_before_etcd_reports_them() -> None:
+    # etcd still says both are idle; this router just sent 5 requests to "a".
+    a, b = cand("a", in_flight=5), cand("b")
+    assert Chooser("kv-aware").choose([a, b], 10).worker_id == "b"
+    assert Chooser("least-loaded").choose([a, b], 10).worker_id == "b"
+    # Once etcd reports them, they are not counted twice.
+    assert cand("a", running=5, in_flight=5).load == 5
+
+
+def test_kv_utilization_breaks_a_tie_towards_free_blocks_and_bad_reports_do_not_win() -> None:
+    full, free = cand("full", util=0.95), cand("free", util=0.1)
+    assert Chooser("kv-aware").choose([full, free], 8).worker_id == "free"
+    for bad in (float("nan"), -1.0, 7.0):
+        liar = cand("liar", util=bad)
+        assert Chooser("kv-aware").choose([liar, cand("ok", util=0.5)], 8).worker_id == "ok"
+
+
+def test_matched_blocks_beyond_the_prompt_are_not_a_negative_cost() -> None:
+    chooser = Chooser("kv-aware")
+    assert chooser.kv_cost(cand("a", matched=10), num_prompt_blocks=4) == 0.0
+
+
+def test_ties_are_broken_at_random_and_reproducibly_with_a_seed() -> None:
+    workers = [cand(f"w{i}") for i in range(4)]
+    picks = [Chooser("kv-aware", random.Random(7)).choose(workers, 4).worker_id for _ in range(3)]
+    assert len(set(picks)) == 1  # same seed, same pick
+    chooser = Chooser("least-loaded", random.Random(1))
+    counts = Counter(chooser.choose(workers, 4).worker_id for _ in range(400))
+    assert set(counts) == {"w0", "w1", "w2", "w3"}
+    assert min(counts.values()) > 50
+
+
+def test_round_robin_continues_after_the_last_pick_when_the_pool_changes() -> None:
+    chooser = Chooser("round-robin")
+    pool = [cand("c"), cand("a"), cand("b")]
+    assert [chooser.choose(pool, 0).worker_id for _ in range(4)] == ["a", "b", "c", "a"]
+    # "b" leaves and "bb" joins: the rotation goes on after "a", not from the start.
+    pool = [cand("a"), cand("bb"), cand("c")]
+    assert [chooser.choose(pool, 0).worker_id for _ in range(3)] == ["bb", "c", "a"]
+    decision = chooser.choose([cand("z", matched=3)], 5)
+    assert decision == Decision("z", "round-robin", 3, 0.0)
+
+
+# Properties --------------------------------------------------------------------------------------
+_ids = st.lists(st.sampled_from([f"w{i}" for i in range(8)]), min_size=1, max_size=8, unique=True)
+
+
+@st.composite
+def candidates(draw: Any) -> list[Candidate]:
+    return [
+        cand(
+            worker_id,
+            matched=draw(st.integers(0, 64)),
+            running=draw(st.integers(0, 20)),
+            waiting=draw(st.integers(0, 20)),
+            in_flight=draw(st.integers(0, 40)),
+            util=draw(st.floats(0.0, 1.0)),
+        )
+        for worker_id in draw(_ids)
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(cs=candidates(), policy=st.sampled_from(POLICIES), blocks=st.integers(0, 64),
+       seed=st.integers(0, 2**32))  # fmt: skip
+def test_the_chosen_worker_is_always_a_candidate(
+    cs: list[Candidate], policy: Policy, blocks: int, seed: int
+) -> None:
+    decision = Chooser(policy, random.Random(seed)).choose(cs, blocks)
+    chosen = next(c for c in cs if c.worker_id == decision.worker_id)
+    assert decision.matched_blocks == chosen.matched_blocks
+    assert decision.policy == policy
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=_ids, matches=st.lists(st.integers(0, 64), min_size=8, max_size=8),
+       load=st.integers(0, 10), util=st.floats(0.0, 1.0), seed=st.integers(0, 2**32))  # fmt: skip
+def test_kv_aware_with_equal_load_picks_a_worker_with_the_most_matched_blocks(
+    ids: list[str], matches: list[int], load: int, util: float, seed: int
+) -> None:
+    cs = [cand(w, matched=m, running=load, util=util) for w, m in zip(ids, matches, strict=False)]
+    decision = Chooser("kv-aware", random.Random(seed)).choose(cs, num_prompt_blocks=64)
+    assert decision.matched_blocks == max(c.matched_blocks for c in cs)
+
+
+_loads = st.tuples(st.integers(0, 20), st.integers(0, 20), st.integers(0, 40))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ids=_ids,
+    loads=st.lists(_loads, min_size=8, max_size=8),
+    matched=st.integers(0, 64),
+    policy=st.sampled_from(["kv-aware", "least-loaded"]),
+    seed=st.integers(0, 2**32),
+)
+def test_with_equal_matches_a_least_loaded_worker_is_picked(
+    ids: list[str],
+    loads: list[tuple[int, int, int]],
+    matched: int,
+    policy: Policy,
+    seed: int,
+) -> None:
+    cs = [cand(w, matched, r, q, f, util=0.5) for w, (r, q, f) in zip(ids, loads, strict=False)]
+    decision = Chooser(policy, random.Random(seed)).choose(cs, num_prompt_blocks=64)
+    chosen = next(c for c in cs if c.worker_id == decision.worker_id)
+    assert chosen.load == min(c.load for c in cs)
+
+
+@settings(max_examples=100, deadline=None)
+@given(cs=candidates(), rounds=st.integers(1, 3), order_seed=st.integers(0, 2**32))
+def test_round_robin_visits_each_of_n_stable_candidates_once_per_n_calls(
+    cs: list[Candidate], rounds: int, order_seed: int
+) -> None:
+    chooser = Chooser("round-robin")
+    shuffled = list(cs)
+    for _ in range(rounds):
+        random.Random(order_seed).shuffle(shuffled)  # the caller's order does not matter
+        picks = [chooser.choose(shuffled, 8).worker_id for _ in range(len(cs))]
+        assert sorted(picks) == sorted(c.worker_id for c in cs)

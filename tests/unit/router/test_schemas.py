@@ -1,0 +1,509 @@
+"""OpenAI request validation, error bodies and response builders, checked against the real
+`openai` client (its types, and its parser through an in-memory HTTP transport)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import openai
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.testclient import TestClient
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from openai.types import Completion as OpenAICompletion
+from openai.types import Model as OpenAIModel
+from openai.types.chat import ChatCompletion as OpenAIChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from pydantic import BaseModel, ValidationError
+
+from kvrail.errors import DeadlineExceededError, InvalidRequestError, KvrailError
+from kvrail.errors import ModelNotFoundError as ModelMissing
+from kvrail.router import schemas
+
+try:  # the openai client 3.x speaks httpx2, older ones httpx
+    import httpx2 as http
+except ImportError:  # pragma: no cover
+    import httpx as http  # type: ignore[no-redef]
+
+from kvrail.router.schemas import (
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Sampling,
+    sampling_of,
+    validation_error,
+)
+
+SECRET = "SECRET-PROMPT-TEXT"
+CHAT = {"model": "m", "messages": [{"role": "user", "content": SECRET}]}
+COMPLETION = {"model": "m", "prompt": SECRET}
+
+
+def chat(**changes: Any) -> dict[str, Any]:
+    return {**CHAT, **changes}
+
+
+def completion(**changes: Any) -> dict[str, Any]:
+    return {**COMPLETION, **changes}
+
+
+def message(**changes: Any) -> dict[str, Any]:
+    return {"role": "user", "content": SECRET, **changes}
+
+
+def rejected(model: type[BaseModel], body: Any) -> ApiError:
+    with pytest.raises(ValidationError) as info:
+        model.model_validate(body)
+    err = validation_error(info.value)
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert SECRET not in json.dumps(err.body())
+    return err
+
+
+# (request body, expected param, a fragment of the message, expected code)
+CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
+    ({"model": "m"}, "messages", "missing required parameter", None),
+    (chat(messages=[]), "messages", "at least 1", None),
+    (chat(bogus=1), "bogus", "unrecognized request argument supplied: 'bogus'",
+     "unknown_parameter"),
+    (chat(tools=[{"type": "function"}]), "tools", "not supported by kvrail",
+     "unsupported_parameter"),
+    (chat(tool_choice="auto"), "tool_choice", "not supported", "unsupported_parameter"),
+    (chat(functions=[{}]), "functions", "not supported", "unsupported_parameter"),
+    (chat(logprobs=True), "logprobs", "not supported", "unsupported_parameter"),
+    (chat(top_logprobs=3), "top_logprobs", "not supported", "unsupported_parameter"),
+    (chat(logit_bias={"42": 5}), "logit_bias", "not supported", "unsupported_parameter"),
+    (chat(response_format={"type": "json_object"}), "response_format", "not supported",
+     "unsupported_parameter"),
+    (chat(frequency_penalty=0.5), "frequency_penalty", "not supported", "unsupported_parameter"),
+    (chat(presence_penalty=-1), "presence_penalty", "not supported", "unsupported_parameter"),
+    (chat(parallel_tool_calls=True), "parallel_tool_calls", "not supported",
+     "unsupported_parameter"),
+    (chat(audio={"voice": "x"}), "audio", "not supported", "unsupported_parameter"),
+    (chat(modalities=["text", "audio"]), "modalities", "not supported", "unsupported_parameter"),
+    (chat(prediction={"type": "content"}), "prediction", "not supported", "unsupported_parameter"),
+    (chat(n=2), "n", "n must be 1", None),
+    (chat(stream_options={"include_usage": True}), "stream_options", "only allowed when stream",
+     None),
+    (chat(stream=False, stream_options={}), "stream_options", "only allowed when stream", None),
+    (chat(max_tokens=5, max_completion_tokens=6), "max_completion_tokens", "disagree", None),
+    (chat(max_completion_tokens=0), "max_completion_tokens", "greater than or equal to 1", None),
+    (chat(temperature=2.5), "temperature", "less than or equal to 2", None),
+    (chat(temperature="1"), "temperature", "valid number", None),
+    (chat(top_p=0), "top_p", "greater than 0", None),
+    (chat(top_p=1.01), "top_p", "less than or equal to 1", None),
+    (chat(stop=""), "stop", "empty", None),
+    (chat(stop=["a", "b", "c", "d", "e"]), "stop", "1 to 4", None),
+    (chat(stop=["a", ""]), "stop", "1 to 4 non-empty", None),
+    (chat(stop=7), "stop", "a string or a list of strings", None),
+    (chat(seed=2**63), "seed", "less than or equal to", None),
+    (chat(seed=1.5), "seed", "valid integer", None),
+    (chat(stream="true"), "stream", "valid boolean", None),
+    (chat(max_tokens=True), "max_tokens", "valid integer", None),
+    (chat(user=5), "user", "valid string", None),
+    (chat(messages=[message(role="tool")]), "messages.0.role", "role 'tool' is not supported",
+     None),
+    (chat(messages=[message(role="robot")]), "messages.0.role", "Input should be", None),
+    (chat(messages=[message(content=None)]), "messages.0.content", "string or a list", None),
+    (chat(messages=[message(content=[{"type": "image_url", "image_url": {"url": "x"}}])]),
+     "messages.0.content", "type 'image_url' are not supported", None),
+    (chat(messages=[message(content=[{"type": SECRET}])]), "messages.0.content",
+     "other than 'text'", None),
+    (chat(messages=[message(content=[{"type": "text", "text": 5}])]),
+     "messages.0.content.0.text", "valid string", None),
+    (chat(messages=[message(content=[{"type": "text", "text": "x", "extra": 1}])]),
+     "messages.0.content.0.extra", "unrecognized", "unknown_parameter"),
+    (chat(messages=[message(tool_calls=[])]), "messages.0.tool_calls", "not supported",
+     "unsupported_parameter"),
+    (chat(messages=[message(content="\ud800" + SECRET)]), "messages.0.content", "surrogate",
+     None),
+    (chat(messages=[message(), "hello"]), "messages.1", "valid dictionary", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param", "fragment", "code"), CHAT_ERRORS)
+def test_an_invalid_chat_request_is_a_400_naming_the_field(
+    body: dict[str, Any], param: str | None, fragment: str, code: str | None
+) -> None:
+    err = rejected(ChatCompletionRequest, body)
+    assert (err.param, err.code) == (param, code)
+    assert fragment in err.message
+
+
+COMPLETION_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
+    ({"model": "m"}, "prompt", "missing required parameter", None),
+    (completion(prompt=["a", "b"]), "prompt", "batches of several prompts", None),
+    (completion(prompt=[[1, 2], [3]]), "prompt", "batches", None),
+    (completion(prompt=[[1, 2]]), "prompt", "batches of token-id prompts", None),
+    (completion(prompt=[]), "prompt", "must not be empty", None),
+    (completion(prompt=[1, -2]), "prompt", "integers >= 0", None),
+    (completion(prompt=[1, True]), "prompt", "integers >= 0", None),
+    (completion(prompt=None), "prompt", "valid string", None),
+    (completion(echo=True), "echo", "not supported", "unsupported_parameter"),
+    (completion(suffix="x"), "suffix", "not supported", "unsupported_parameter"),
+    (completion(logprobs=2), "logprobs", "not supported", "unsupported_parameter"),
+    (completion(best_of=3), "best_of", "not supported", "unsupported_parameter"),
+    (completion(n=3), "n", "n must be 1", None),
+    (completion(max_tokens=0), "max_tokens", "greater than or equal to 1", None),
+    (completion(stream_options={"include_usage": False}), "stream_options", "only allowed", None),
+    (completion(messages=[]), "messages", "unrecognized", "unknown_parameter"),
+    (completion(tools=[]), "tools", "unrecognized", "unknown_parameter"),
+    (completion(stream=True, stream_options={"store": True}), "stream_options.store",
+     "unrecognized", "unknown_parameter"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("body", "param", "fragment", "code"), COMPLETION_ERRORS)
+def test_an_invalid_completion_request_is_a_400_naming_the_field(
+    body: dict[str, Any], param: str | None, fragment: str, code: str | None
+) -> None:
+    err = rejected(CompletionRequest, body)
+    assert (err.param, err.code) == (param, code)
+    assert fragment in err.message
+
+
+def test_neutral_values_of_unsupported_features_are_accepted() -> None:
+    neutral = chat(
+        tools=[], tool_choice="none", functions=None, logprobs=False, top_logprobs=0,
+        logit_bias={}, response_format={"type": "text"}, frequency_penalty=0,
+        presence_penalty=0.0, modalities=["text"], store=False, service_tier="auto",
+        user="u", safety_identifier="s", prompt_cache_key="k", n=1, parallel_tool_calls=None,
+    )  # fmt: skip
+    assert sampling_of(ChatCompletionRequest.model_validate(neutral)) == sampling_of(
+        ChatCompletionRequest.model_validate(CHAT)
+    )
+    assert CompletionRequest.model_validate(completion(echo=False, best_of=1, logprobs=None))
+
+
+def test_sampling_of_a_chat_request_normalizes_both_spellings_of_max_tokens() -> None:
+    plain = sampling_of(ChatCompletionRequest.model_validate(CHAT))
+    assert plain == Sampling(
+        max_tokens=None, temperature=1.0, top_p=1.0, seed=None, stop=(), stream=False,
+        include_usage=False,
+    )  # fmt: skip
+    both = chat(max_tokens=7, max_completion_tokens=7)
+    for body in [chat(max_tokens=7), chat(max_completion_tokens=7), both]:
+        assert sampling_of(ChatCompletionRequest.model_validate(body)).max_tokens == 7
+    full = chat(
+        temperature=0, top_p=0.5, seed=-3, stop=["\n", "END", "\n"], stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    s = sampling_of(ChatCompletionRequest.model_validate(full))
+    assert (s.temperature, s.top_p, s.seed, s.stop) == (0.0, 0.5, -3, ("\n", "END"))
+    assert s.stream and s.include_usage
+    nulls = chat(temperature=None, top_p=None, stream=None, stop=None, n=None)
+    assert sampling_of(ChatCompletionRequest.model_validate(nulls)) == plain
+    streamed = sampling_of(ChatCompletionRequest.model_validate(chat(stream=True)))
+    assert streamed.stream and not streamed.include_usage
+
+
+def test_sampling_of_a_completion_defaults_to_16_tokens_and_null_means_unbounded() -> None:
+    assert sampling_of(CompletionRequest.model_validate(COMPLETION)).max_tokens == 16
+    unbounded = CompletionRequest.model_validate(completion(max_tokens=None))
+    assert sampling_of(unbounded).max_tokens is None
+    assert sampling_of(CompletionRequest.model_validate(completion(stop="x"))).stop == ("x",)
+
+
+def test_a_completion_prompt_is_text_or_token_ids() -> None:
+    text = CompletionRequest.model_validate(completion(prompt="hi"))
+    assert (text.prompt_text, text.prompt_ids) == ("hi", None)
+    one = CompletionRequest.model_validate(completion(prompt=["hi"]))
+    assert (one.prompt_text, one.prompt_ids) == ("hi", None)
+    ids = CompletionRequest.model_validate(completion(prompt=[5, 0, 7]))
+    assert (ids.prompt_text, ids.prompt_ids) == (None, [5, 0, 7])
+
+
+def test_template_messages_flatten_text_parts_and_keep_names() -> None:
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    req = ChatCompletionRequest.model_validate(
+        chat(
+            messages=[message(role="developer", content="sys", name="ops"), message(content=parts)]
+        )
+    )
+    assert req.template_messages() == [
+        {"role": "developer", "content": "sys", "name": "ops"},
+        {"role": "user", "content": "a\nb"},
+    ]
+
+
+def test_api_error_body_headers_and_the_mapping_from_kvrail_errors() -> None:
+    err = ApiError(429, "slow down", "rate_limit_error", headers={"Retry-After": "3"})
+    assert err.body() == {
+        "error": {"message": "slow down", "type": "rate_limit_error", "param": None, "code": None}
+    }
+    assert err.headers == {"Retry-After": "3"} and str(err) == "slow down"
+    cases: list[tuple[KvrailError, int, str]] = [
+        (InvalidRequestError("bad template"), 400, "bad template"),
+        (ModelMissing("no such model"), 404, "no such model"),
+        (DeadlineExceededError("t"), 504, "deadline"),
+        (KvrailError("/secret/path leaked"), 500, "internal error"),
+    ]
+    for source, status, fragment in cases:
+        mapped = schemas.api_error_of(source)
+        assert mapped.status == status and fragment in mapped.message
+        assert "/secret/path" not in mapped.message
+
+
+# -- the same validation behind FastAPI ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def app() -> FastAPI:
+    app = FastAPI()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = validation_error(exc.errors())
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.post("/v1/chat/completions", response_model=schemas.ChatCompletion)
+    async def chat_completions(body: ChatCompletionRequest) -> Any:
+        return schemas.chat_completion("c", body.model, 1, "ok", "stop", schemas.usage(1, 1))
+
+    @app.post("/v1/completions", response_model=schemas.Completion)
+    async def completions(body: CompletionRequest) -> Any:
+        return schemas.completion("c", body.model, 1, "ok", "length", schemas.usage(1, 1))
+
+    return app
+
+
+def test_fastapi_validation_problems_become_openai_400s(app: FastAPI) -> None:
+    client = TestClient(app)
+    cases: list[tuple[str, bytes, str | None, str]] = [
+        ("/v1/chat/completions", b'{"model": "m", "messages": [', None, "not valid JSON"),
+        ("/v1/chat/completions", b"", None, "missing"),
+        ("/v1/chat/completions", b"[1, 2]", None, "must be a JSON object"),
+        ("/v1/chat/completions", b'{"model":"m","messages":[],"temperature":NaN}',
+         "temperature", "finite"),
+        ("/v1/chat/completions", json.dumps(chat(top_p=float("inf"))).encode(), "top_p",
+         "finite"),
+        ("/v1/chat/completions", json.dumps(chat(messages=[{"role": "user"}])).encode(),
+         "messages.0.content", "missing required parameter"),
+        ("/v1/completions", json.dumps(completion(prompt=["a", "b"])).encode(), "prompt",
+         "batches"),
+    ]  # fmt: skip
+    for path, body, param, fragment in cases:
+        response = client.post(path, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, body
+        error = response.json()["error"]
+        assert error["param"] == param and fragment in error["message"]
+        assert error["type"] == "invalid_request_error"
+    ok = client.post("/v1/chat/completions", json=chat(top_p=1))
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "ok"
+
+
+def test_the_openapi_schema_states_exactly_what_is_accepted(app: FastAPI) -> None:
+    components = app.openapi()["components"]["schemas"]
+    request = components["ChatCompletionRequest"]
+    assert request["additionalProperties"] is False and request["required"] == [
+        "model",
+        "messages",
+    ]
+    props = request["properties"]
+    assert props["tools"]["anyOf"][0]["maxItems"] == 0
+    assert props["logprobs"]["anyOf"][0] == {"const": False}
+    assert props["n"]["anyOf"][0]["maximum"] == 1
+    # The seed bound survives FastAPI writing bounds as floats.
+    assert int(props["seed"]["anyOf"][0]["maximum"]) == schemas.SEED_MAX
+    assert ChatCompletionRequest.model_validate(chat(seed=schemas.SEED_MAX)).seed
+    prompt = components["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string"} in prompt
+    assert components["ChatCompletion"]["properties"]["object"]["const"] == "chat.completion"
+
+
+# -- responses, parsed by the openai client -----------------------------------------------------
+
+USAGE = schemas.usage(12, 3)
+_SSE = {"content-type": "text/event-stream"}
+
+
+def test_usage_counts_add_up_and_may_report_cached_prompt_tokens() -> None:
+    assert USAGE == {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
+    cached = schemas.usage(12, 3, cached_tokens=8)
+    parsed = OpenAICompletion.model_validate(
+        schemas.completion("c", "m", 1, "x", "stop", cached)
+    ).usage
+    assert parsed is not None and parsed.prompt_tokens_details is not None
+    assert parsed.prompt_tokens_details.cached_tokens == 8
+
+
+def _roundtrip(model: type[BaseModel], body: dict[str, Any]) -> None:
+    """`body` has exactly the fields of our response model, with the same values."""
+    assert model.model_validate(body).model_dump(mode="json", exclude_unset=True) == body
+
+
+def test_whole_responses_parse_as_the_openai_types() -> None:
+    body = schemas.chat_completion("chatcmpl-1", "m", 7, "Hi!", "length", USAGE, "fp_1")
+    _roundtrip(schemas.ChatCompletion, body)
+    parsed = OpenAIChatCompletion.model_validate(body)
+    assert (
+        parsed.choices[0].message.content == "Hi!" and parsed.choices[0].finish_reason == "length"
+    )
+    assert parsed.usage is not None and parsed.usage.total_tokens == 15
+    assert parsed.system_fingerprint == "fp_1"
+    body = schemas.completion("cmpl-1", "m", 7, "Hi!", "stop", USAGE)
+    _roundtrip(schemas.Completion, body)
+    done = OpenAICompletion.model_validate(body)
+    assert done.choices[0].text == "Hi!" and done.object == "text_completion"
+    listing = schemas.model_list(["a", "b"], 5)
+    _roundtrip(schemas.ModelList, listing)
+    assert [OpenAIModel.model_validate(m).id for m in listing["data"]] == ["a", "b"]
+    _roundtrip(schemas.ErrorBody, ApiError(400, "x", param="p").body())
+
+
+def _chat_stream(include_usage: bool) -> list[dict[str, Any]]:
+    def chunk(
+        text: str | None, role: bool = False, finish: str | None = None, usage: Any = None
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = schemas.chat_chunk(
+            "chatcmpl-2", "m", 9, text, role, finish, usage, include_usage=include_usage
+        )
+        return out
+
+    chunks = [chunk("", True), chunk("Hel"), chunk("lo"), chunk(None, False, "stop")]
+    if include_usage:
+        chunks.append(chunk(None, False, None, USAGE))
+    return chunks
+
+
+def test_chat_chunks_parse_as_openai_chunks() -> None:
+    for include_usage in (False, True):
+        chunks = _chat_stream(include_usage)
+        for chunk in chunks:
+            _roundtrip(schemas.ChatCompletionChunk, chunk)
+            OpenAIChatCompletionChunk.model_validate(chunk)
+            assert ("usage" in chunk) == include_usage
+        first, *_, finish = chunks[:4]
+        assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        assert finish["choices"][0] == {
+            "index": 0, "delta": {}, "logprobs": None, "finish_reason": "stop"
+        }  # fmt: skip
+    last = _chat_stream(True)[-1]
+    assert last["choices"] == [] and last["usage"] == USAGE
+
+
+def test_completion_chunks_share_the_completion_shape() -> None:
+    args = ("cmpl-2", "m", 9)
+    text = schemas.completion_chunk(*args, "Hel")
+    finish = schemas.completion_chunk(*args, None, "length")
+    usage = schemas.completion_chunk(*args, None, None, USAGE)
+    for chunk in (text, finish, usage):
+        _roundtrip(schemas.Completion, chunk)
+        assert chunk["object"] == "text_completion"
+    assert text["choices"][0]["finish_reason"] is None and text["choices"][0]["text"] == "Hel"
+    assert OpenAICompletion.model_validate(finish).choices[0].finish_reason == "length"
+    assert usage["choices"] == [] and OpenAICompletion.model_validate(usage).usage is not None
+
+
+def _sse(chunks: list[dict[str, Any]]) -> bytes:
+    events = [b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks]
+    return b"".join(events) + b"data: [DONE]\n\n"
+
+
+def _client(handler: Callable[[Any], Any]) -> openai.OpenAI:
+    transport = http.MockTransport(handler)
+    return openai.OpenAI(
+        api_key="sk-test", base_url="http://kvrail.test/v1", max_retries=0,
+        http_client=http.Client(transport=transport),
+    )  # fmt: skip
+
+
+def test_the_openai_client_reads_every_response_unchanged() -> None:
+    seen: list[dict[str, Any]] = []
+
+    def handler(request: Any) -> Any:
+        path = request.url.path
+        if path == "/v1/models":
+            return http.Response(200, json=schemas.model_list(["SmolLM2"], 3))
+        body = json.loads(request.content)
+        seen.append(body)
+        stream = body.get("stream", False)
+        if path == "/v1/chat/completions":
+            ChatCompletionRequest.model_validate(body)  # what the client sends, we accept
+            if stream:
+                events = _sse(_chat_stream(True))
+                return http.Response(200, content=events, headers=_SSE)
+            whole = schemas.chat_completion("chatcmpl-3", "m", 1, "Hello", "stop", USAGE)
+            return http.Response(200, json=whole)
+        CompletionRequest.model_validate(body)
+        if stream:
+            args = ("cmpl-3", "m", 1)
+            chunks = [schemas.completion_chunk(*args, "Hel"), schemas.completion_chunk(*args,
+                      "lo", "stop")]  # fmt: skip
+            return http.Response(200, content=_sse(chunks), headers=_SSE)
+        whole = schemas.completion("cmpl-3", "m", 1, "Hello", "length", USAGE)
+        return http.Response(200, json=whole)
+
+    client = _client(handler)
+    messages: Any = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="m", messages=messages, max_tokens=4, seed=1)
+    assert reply.choices[0].message.content == "Hello" and reply.usage is not None
+    stream = client.chat.completions.create(
+        model="m", messages=messages, stream=True, stream_options={"include_usage": True},
+        stop=["\n"], max_completion_tokens=4, temperature=0.2, top_p=0.9,
+    )  # fmt: skip
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+    assert client.completions.create(model="m", prompt="hi").choices[0].text == "Hello"
+    streamed = client.completions.create(model="m", prompt=[1, 2, 3], stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == "Hello"
+    assert [m.id for m in client.models.list()] == ["SmolLM2"]
+    assert len(seen) == 4
+
+
+def test_the_openai_client_raises_our_errors_with_their_fields() -> None:
+    invalid = rejected(ChatCompletionRequest, chat(n=3))
+    limited = ApiError(
+        429, "tenant over its limit", "rate_limit_error", headers={"Retry-After": "2"}
+    )
+    for err, kind in ((invalid, openai.BadRequestError), (limited, openai.RateLimitError)):
+
+        def reply(_: Any, e: ApiError = err) -> Any:
+            return http.Response(e.status, json=e.body(), headers=e.headers)
+
+        client = _client(reply)
+        with pytest.raises(kind) as info:
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}])
+        assert info.value.body == err.body()["error"] and err.message in info.value.message
+        assert info.value.param == err.param and info.value.code == err.code
+        assert info.value.type == err.type
+
+
+# -- no message ever quotes the request's text --------------------------------------------------
+
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.just(SECRET),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(["k", "type", "text", "include_usage"]), inner, max_size=2
+        )
+    ),
+    max_leaves=6,
+)
+_FIELDS = sorted(
+    set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields) | {"zz", "type"}
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    changes=st.dictionaries(st.sampled_from(_FIELDS), _VALUES, max_size=3),
+    part=st.sampled_from([SECRET, [{"type": "text", "text": SECRET}], [{"type": SECRET}], 5]),
+)
+def test_no_error_message_quotes_the_request_text(changes: dict[str, Any], part: Any) -> None:
+    for model, base in ((ChatCompletionRequest, CHAT), (CompletionRequest, COMPLETION)):
+        body = {**base, **changes}
+        if "messages" not in changes and model is ChatCompletionRequest:
+            body["messages"] = [message(content=part)]
+        try:
+            model.model_validate(body)
+        except ValidationError as exc:
+            err = validation_error(exc)
+            assert err.status == 400 and SECRET not in json.dumps(err.body())
