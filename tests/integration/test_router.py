@@ -20,6 +20,8 @@ from random import Random
 
 import openai
 import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
 from nats.aio.client import Client as NatsClient
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -28,6 +30,7 @@ from kvrail.procs import free_port
 from kvrail.registry import Registry, etcd_client
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher, Job
+from kvrail.router.index import prompt_hashes
 from kvrail.router.policy import Chooser
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
@@ -43,7 +46,9 @@ API_KEYS = f"""tenants:
     keys: [{KEY_B}]
     tokensPerMinute: 60
 """
-PORTS = {"router-a": free_port(), "router-b": free_port()}
+PORTS = {"router-a": free_port(), "router-b": free_port(), "router-fuzz": free_port()}
+# The fuzzed router allows a short context only, so valid fuzzed requests generate a few tokens.
+ROUTER_ENV = {"router-fuzz": {"KVRAIL_MAX_MODEL_LEN": "48", "KVRAIL_REQUEST_TIMEOUT_S": "30"}}
 QUESTION: list[ChatCompletionMessageParam] = [
     {"role": "user", "content": "What is the capital of France? Answer in one sentence."}
 ]
@@ -72,7 +77,7 @@ def pool(
         for name in ("prefill-0", "decode-0", "decode-1"):
             p.wait_ready(name)
         for name, port in PORTS.items():
-            p.start_router(name, KVRAIL_HTTP_PORT=str(port))
+            p.start_router(name, KVRAIL_HTTP_PORT=str(port), **ROUTER_ENV.get(name, {}))
         for name in PORTS:
             p.wait_ready(name)
         yield p
@@ -245,6 +250,36 @@ async def test_a_client_that_disconnects_cancels_its_request_on_every_worker(
     await c.close()
 
 
+# -- fuzzing: the router's own OpenAPI schema drives schemathesis ----------------------------------
+
+
+@pytest.fixture(scope="module")
+def router_schema(pool: LocalPool) -> schemathesis.BaseSchema:
+    return schemathesis.openapi.from_url(url(pool, "/openapi.json", "router-fuzz"))
+
+
+fuzzed = schemathesis.pytest.from_fixture("router_schema")
+
+
+@fuzzed.parametrize()
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+def test_fuzzed_requests_never_get_a_server_error(case: schemathesis.Case) -> None:
+    response = case.call(headers={"Authorization": f"Bearer {KEY_A}"}, timeout=60)
+    assert response.status_code < 500, (case.method, case.path, response.text[:500])
+    if response.status_code >= 400:
+        error = response.json()["error"]
+        assert error["message"] and error["type"], error
+
+
+async def test_after_fuzzing_every_block_is_free_and_the_pool_serves(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    await pool.assert_all_blocks_free(nc)
+    c = openai.AsyncOpenAI(base_url=url(pool, "/v1"), api_key=KEY_A, max_retries=0)
+    assert (await c.completions.create(model=MODEL, prompt="Hi", max_tokens=2)).choices
+    await c.close()
+
+
 # -- routing, with a dispatcher in this process over the same real workers -------------------------
 
 
@@ -267,7 +302,7 @@ async def run(dispatcher: Dispatcher, token_ids: tuple[int, ...], max_tokens: in
     return stream.worker_id
 
 
-async def test_the_worker_holding_the_prefix_wins(dispatcher: Dispatcher) -> None:
+async def test_the_worker_holding_the_prefix_wins(pool: LocalPool, dispatcher: Dispatcher) -> None:
     rng = Random(11)
     # 48 blocks: more than the policy's price of one request of load (32 blocks), which the
     # holder's etcd record may still show for a second after the first request ended.
@@ -281,6 +316,18 @@ async def test_the_worker_holding_the_prefix_wins(dispatcher: Dispatcher) -> Non
     for i in range(6):
         suffix = tuple(rng.randrange(100, 40_000) for _ in range(5 + i))
         assert await run(dispatcher, prefix + suffix) == holder
+    # A router that starts now (a restart, a new replica) rebuilds the same picture from the
+    # workers' KV state replies, before any new event.
+    view = dispatcher.view
+    hashes = prompt_hashes(prefix, 16, view.records()[holder].fingerprint)
+    async with etcd_client(pool.settings) as etcd:
+        restarted = WorkerView(Registry(etcd, pool.keys), dispatcher.nc, pool.keys)
+        await restarted.start()
+        try:
+            await restarted.wait_for_workers(2, timeout_s=30, with_state=True)
+            assert restarted.index.matched_blocks(holder, hashes) == 48
+        finally:
+            await restarted.stop()
 
 
 async def test_a_killed_decode_worker_is_never_chosen_and_no_request_fails(
