@@ -138,7 +138,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         pin = ["taskset", "-c", str(args.router_core)] if args.router_core >= 0 else []
         argv = [*pin, sys.executable, "-P", "-m", "kvrail.router"]
         router = ManagedProcess("router", argv, work / "router.log", env=env).start()
-        router.wait_ready(lambda: _get(f"http://127.0.0.1:{port}/ready"), 120, 0.2)
+        ready = f"http://127.0.0.1:{port}/ready"  # off the loop: the lease keeper runs on it
+        await asyncio.to_thread(router.wait_ready, lambda: _get(ready), 120, 0.2)
         limits = httpx.Limits(max_connections=args.concurrency * 2)
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
                                      timeout=30) as http:  # fmt: skip
