@@ -92,6 +92,10 @@ class Settings(BaseModel):
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )
     rdma: RdmaMode = "preferred"
+    drain_timeout_s: float = Field(
+        30.0, ge=0, le=3600,
+        description="on SIGTERM, how long a worker lets in-flight work finish before failing it",
+    )  # fmt: skip
 
     # Router.
     router_policy: RouterPolicy = "kv-aware"

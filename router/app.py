@@ -47,6 +47,7 @@ _ERRORS: dict[str, tuple[int, str]] = {
     "deadline": (504, "timeout_error"),
     "no_worker": (503, "service_unavailable_error"),
     "shutting_down": (503, "service_unavailable_error"),
+    "worker_lost": (503, "service_unavailable_error"),
 }
 
 
@@ -352,6 +353,8 @@ def _message(code: str) -> str:
         "deadline": "the request did not finish within its deadline",
         "no_worker": "no decode worker is ready to take the request; retry later",
         "invalid_request": "a worker refused the request as invalid",
+        "shutting_down": "the decode worker shut down before the request finished; retry it",
+        "worker_lost": "the decode worker went away before the request finished; retry it",
     }.get(code, f"the request failed ({code})")
 
 

@@ -45,7 +45,6 @@ from kvrail.worker.transfer.nixl import NixlConnector
 log = logging.getLogger("kvrail.worker")
 
 Role = Literal["prefill", "decode", "both"]
-_DRAIN_S = 30.0
 _LOAD_REFRESH_S = 1.0
 
 
@@ -156,7 +155,7 @@ class Worker:
             log.info("worker draining worker=%s", self.worker_id)
             await _update(registration, _with(record, is_ready=False))
             for role in roles:
-                await role.drain(_DRAIN_S)
+                await role.drain(settings.drain_timeout_s)
         finally:
             with contextlib.suppress(Exception):
                 await debug_sub.unsubscribe()

@@ -90,7 +90,9 @@ class DecodeRole:
         await self.remote.start()
 
     async def drain(self, timeout_s: float) -> None:
-        """Stop taking requests, let those in flight finish (bounded), then stop."""
+        """Stop taking requests, let those in flight finish (bounded), then stop. A request
+        still running at the timeout fails with `shutting_down` (its router retries it only if
+        no token was sent yet)."""
         self._draining = True
         for sub in self._subs:
             with contextlib.suppress(Exception):
@@ -174,8 +176,10 @@ class DecodeRole:
             log.warning("request failed request_id=%s error=%s", request.request_id, err)
             await stream.fail("internal_error")
         except asyncio.CancelledError:
+            # Cancelled by the client, or by a drain that ran out of time.
+            reason = "shutting_down" if self._draining else "cancelled"
             with contextlib.suppress(Exception):
-                await asyncio.shield(stream.fail("cancelled"))
+                await asyncio.shield(stream.fail(reason))
             raise
         finally:
             if not self.remote.is_quarantined(engine_id):

@@ -141,11 +141,19 @@ def worker_env(pool: InferencePool, spec: RoleSpec, ctx: BuildContext) -> list[d
         setting("rdma", topology.rdma),
         setting("http_port", WORKER_PORT),
         setting("cache_dir", CACHE_DIR),
+        setting("drain_timeout_s", drain_timeout_s(spec.termination_grace_period_seconds)),
         {"name": "UCX_TLS", "value": ucx_tls(pool, spec)},
     ]
     if topology.ucx_net_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": topology.ucx_net_devices})
     return merge_env(env, [e.model_dump(mode="json") for e in spec.env])
+
+
+def drain_timeout_s(grace_period_s: int) -> int:
+    """The part of the pod's termination grace period a worker spends letting in-flight work
+    finish after SIGTERM; the rest (10 s, or a fifth of a short period) is for failing what is
+    left cleanly and deregistering before the kubelet's SIGKILL."""
+    return max(grace_period_s - 10, grace_period_s * 4 // 5)
 
 
 def router_env(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from kvrail.testing.pool import LocalPool
 
 POOL = f"rt-{uuid.uuid4().hex[:8]}"
 MODEL = "SmolLM2-135M-Instruct"
-KEY_A, KEY_B = "sk-test-team-a", "sk-test-team-b"
+KEY_A, KEY_B, KEY_C = "sk-test-team-a", "sk-test-team-b", "sk-test-team-c"
 API_KEYS = f"""tenants:
   team-a:
     keys: [{KEY_A}]
@@ -45,6 +45,8 @@ API_KEYS = f"""tenants:
   team-b:
     keys: [{KEY_B}]
     tokensPerMinute: 60
+  team-c:
+    keys: [{KEY_C}]
 """
 PORTS = {"router-a": free_port(), "router-b": free_port(), "router-fuzz": free_port()}
 # The fuzzed router allows a short context only, so valid fuzzed requests generate a few tokens.
@@ -247,6 +249,59 @@ async def test_a_client_that_disconnects_cancels_its_request_on_every_worker(
     await stream.close()
     # The decode worker must drop it long before 900 tokens would have been generated.
     await pool.assert_all_blocks_free(nc, timeout_s=10)
+    await c.close()
+
+
+async def test_workers_removed_under_load_lose_no_request(pool: LocalPool, nc: NatsClient) -> None:
+    """Scale-down: a prefill worker stopped (SIGTERM) while it runs jobs stops pulling, finishes
+    its writes and exits 0; a decode worker stopped while it streams finishes its requests. Every
+    request completes, with the same text as when nothing is stopped."""
+    pool.start("prefill-1", "prefill")
+    pool.start("decode-2", "decode")
+    for name in ("prefill-1", "decode-2"):
+        await asyncio.to_thread(pool.wait_ready, name)
+    c = openai.AsyncOpenAI(base_url=url(pool, "/v1"), api_key=KEY_C, max_retries=0)
+    words = [
+        "river",
+        "stone",
+        "lamp",
+        "orchard",
+        "signal",
+        "copper",
+        "meadow",
+        "harbor",
+        "violet",
+        "engine",
+    ]
+    prompts = [" ".join(Random(i).choice(words) for _ in range(220)) for i in range(8)]
+
+    async def ask(prompt: str) -> str:
+        reply = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                           temperature=0)  # fmt: skip
+        assert reply.choices[0].finish_reason == "length"
+        return reply.choices[0].text
+
+    async def stop_when(name: str, marker: str) -> int | None:
+        proc = pool.procs[name]
+        deadline = time.monotonic() + 120
+        while marker not in proc.log_path.read_text():
+            assert time.monotonic() < deadline, f"{name} never logged {marker!r}"
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(proc.stop, 60)
+        return proc.returncode()
+
+    requests = [asyncio.create_task(ask(p)) for p in prompts]
+    stopped = await asyncio.gather(
+        stop_when("prefill-1", "prefill written"), stop_when("decode-2", "first token")
+    )
+    texts = await asyncio.gather(*requests)
+    assert stopped == [0, 0]
+    for name in ("prefill-1", "decode-2"):
+        log_text = pool.procs[name].log_path.read_text()
+        assert "worker draining" in log_text and "worker stopped" in log_text
+    assert await asyncio.gather(*(ask(p) for p in prompts)) == texts  # nothing stopped now
+    info = await nc.jetstream().consumer_info(pool.keys.prefill_stream, pool.keys.prefill_consumer)
+    assert info.num_pending == 0 and info.num_ack_pending == 0
     await c.close()
 
 

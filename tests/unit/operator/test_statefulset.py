@@ -188,3 +188,13 @@ def test_model_hash_label_changes_only_with_the_model(
     for role in ("prefill", "decode"):
         assert (label(before, role) != label(after, role)) is changes_hash
     assert label(after, "prefill") == label(after, "decode")
+
+
+@pytest.mark.parametrize(("grace_s", "drain_s"), [(60, 50), (30, 24), (5, 4), (0, 0)])
+def test_workers_drain_within_the_grace_period_leaving_time_to_deregister(
+    grace_s: int, drain_s: int
+) -> None:
+    decode = pool_with(("spec.decode.terminationGracePeriodSeconds", grace_s))
+    sts = build_statefulset(decode, "decode", CTX)
+    assert pod(sts)["terminationGracePeriodSeconds"] == grace_s
+    assert env(sts)["KVRAIL_DRAIN_TIMEOUT_S"] == str(drain_s)
