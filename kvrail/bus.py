@@ -11,10 +11,14 @@ payload that does not decode is terminated (never redelivered) and counted by th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import nats
+import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
@@ -67,6 +71,28 @@ class QueuedJob:
     async def in_progress(self) -> None:
         """Still working: push the ack deadline back."""
         await self.msg.in_progress()
+
+    @contextlib.asynccontextmanager
+    async def working(self, interval_s: float) -> AsyncIterator[None]:
+        """Tell the server every `interval_s` that this delivery is still being worked on, so a
+        job that runs longer than the consumer's ack wait (a long prompt on a slow device) is not
+        redelivered to a second worker while the first still computes and writes it."""
+
+        async def beat() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.in_progress()
+                except nats.errors.Error as err:  # the connection is down: the ack may fail too
+                    log.warning("job heartbeat failed error=%s", type(err).__name__)
+
+        task = asyncio.create_task(beat(), name="job-heartbeat")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def drop(self) -> None:
         """Never run this job (past its deadline, stale destination): no redelivery."""

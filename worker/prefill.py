@@ -200,7 +200,8 @@ class PrefillRole:
             return
         self._in_flight.add(job_id)
         try:
-            await self._prefill_and_write(queued, job)
+            async with queued.working(self.prefill_queue.ack_wait_s / 3):
+                await self._prefill_and_write(queued, job)
             _remember(self._recent, job_id)
             await queued.ack()
         except _Refused as err:

@@ -92,3 +92,30 @@ async def test_a_dropped_job_is_never_redelivered(queue: PrefillQueue) -> None:
     assert got is not None
     await got.drop()
     assert await consumer.fetch(timeout_s=1.0) is None
+
+
+async def test_a_job_worked_on_longer_than_the_ack_wait_is_not_redelivered(
+    nats_server: NatsServer,
+) -> None:
+    nc = await connect(Settings(nats_url=nats_server.url), name="test")
+    q = PrefillQueue(nc.jetstream(), PoolKeys("default", f"q-{uuid.uuid4().hex[:8]}"),
+                     ack_wait_s=1, max_deliver=3)  # fmt: skip
+    await q.ensure_stream()
+    try:
+        await q.publish(job("long"))
+        worker, other = await q.consumer("prefill-0"), await q.consumer("prefill-1")
+        got = await worker.fetch(timeout_s=2)
+        assert got is not None
+        async with got.working(interval_s=0.3):
+            assert await other.fetch(timeout_s=3.0) is None  # three ack waits, no redelivery
+        await got.ack()
+        # Without the heartbeat the same wait redelivers it (the case the heartbeat prevents).
+        await q.publish(job("silent"))
+        first = await worker.fetch(timeout_s=2)
+        assert first is not None
+        again = await other.fetch(timeout_s=3.0)
+        assert again is not None and again.num_delivered == 2
+        await again.ack()
+    finally:
+        await q.delete_stream()
+        await nc.close()

@@ -378,6 +378,10 @@ async def test_the_worker_holding_the_prefix_wins(pool: LocalPool, dispatcher: D
     for i in range(6):
         suffix = tuple(rng.randrange(100, 40_000) for _ in range(5 + i))
         assert await run(dispatcher, prefix + suffix) == holder
+    # Another tenant's salt makes other hashes: the same prompt finds nothing cached, anywhere.
+    other = Job("rt-other", prefix, 2, time.time() + 60, tenant_salt="team-c")
+    candidates, _ = dispatcher.candidates(other)
+    assert [c.matched_blocks for c in candidates] == [0, 0]
     # A router that starts now (a restart, a new replica) rebuilds the same picture from the
     # workers' KV state replies, before any new event.
     view = dispatcher.view
