@@ -92,6 +92,11 @@ class Settings(BaseModel):
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )
     rdma: RdmaMode = "preferred"
+    fault_corrupt_kv_transfers: float = Field(
+        0.0, ge=0, le=1,
+        description="fault injection for tests: the fraction of KV transfers a decode worker "
+        "receives whose first block gets one byte flipped before validation",
+    )  # fmt: skip
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600,
         description="on SIGTERM, how long a worker lets in-flight work finish before failing it",

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -249,6 +250,12 @@ class RemotePrefill:
             len(request.token_ids), request.deadline_unix_s,
         )  # fmt: skip
         region = self.region if job.with_checksums else None
+        fault = self.settings.fault_corrupt_kv_transfers
+        if fault and random.random() < fault and done.block_ids:
+            # Fault injection (tests): a block corrupted in flight, as the checksum sees it.
+            log.warning("fault injection: corrupting a received block request_id=%s",
+                        request.request_id)  # fmt: skip
+            self.region.block_bytes_view(done.block_ids[0])[0] ^= 0xFF
         started = time.monotonic()
         try:
             await asyncio.to_thread(validate, done, reservation, time.time(), region)

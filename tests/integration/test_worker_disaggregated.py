@@ -292,6 +292,26 @@ async def wait_for_job(queue: PrefillQueue, num_jobs: int = 1, timeout_s: float 
         await asyncio.sleep(0.005)
 
 
+async def test_a_block_corrupted_in_flight_is_caught_and_recomputed(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """A decode worker that flips a byte of every block it receives (fault injection) must not
+    decode from it: the checksum refuses the transfer and the recompute policy prefills locally,
+    so the tokens are still exactly the colocated worker's."""
+    pool.start("decode-bad", "decode", KVRAIL_FAULT_CORRUPT_KV_TRANSFERS="1")
+    await asyncio.to_thread(pool.wait_ready, "decode-bad")
+    token_ids = prompt(LONG_PROMPT, seed=21)
+    colocated = await generate(nc, "colo-0", token_ids)
+    events = await generate(nc, "decode-bad", token_ids)
+    assert events[0].prefill_mode == "recompute"
+    assert tokens_of(events) == tokens_of(colocated)
+    log_text = pool.procs["decode-bad"].log_path.read_text()
+    assert "fault injection: corrupting a received block" in log_text
+    assert "completion refused" in log_text and "reason=checksum" in log_text
+    await assert_all_blocks_free(nc, pool)
+    await asyncio.to_thread(pool.procs["decode-bad"].stop, 20)
+
+
 async def test_killing_the_decode_worker_mid_request_leaves_the_prefill_side_clean(
     pool: Pool, nc: NatsClient
 ) -> None:
