@@ -136,6 +136,10 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
             "KVRAIL_MODEL": settings.model, "KVRAIL_CACHE_DIR": str(settings.cache_dir),
         }  # fmt: skip
         env.pop("KVRAIL_HTTP_PORT", None)  # the router's port; workers serve no HTTP here
+        if not Path("/dev/nvidiactl").exists():
+            # One machine, KV in DRAM: UCX's shared-memory transport moved 3.5 GB/s here where
+            # its default selection moved 1.7 GB/s (bench/transfer/handoff.py --device cpu).
+            env.setdefault("UCX_TLS", "sm,self,tcp")
         for worker_id, role in UP_WORKERS:
             argv = [sys.executable, "-P", "-m", "kvrail.worker", "--role", role,
                     "--worker-id", worker_id]  # fmt: skip
