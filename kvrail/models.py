@@ -8,13 +8,22 @@ and identifies sources; loading them into torch is the worker's job (`kvrail.wor
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import json
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvrail.errors import ModelNotFoundError
 from kvrail.settings import default_cache_dir
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2"
 
@@ -94,6 +103,42 @@ def resolve(source: str = DEFAULT_MODEL) -> ModelSource:
 def cache_dir(root: Path | None = None) -> Path:
     """Where converted weights are cached: `<Settings.cache_dir>/models`."""
     return (root or default_cache_dir()) / "models"
+
+
+PREPARED_MARKER = "kvrail-prepared.json"
+"""Written last into a worker's converted model directory: its presence means complete."""
+CACHE_FORMAT = 1
+
+
+def cache_entry_name(source: ModelSource) -> str:
+    """The directory name a conversion of `source` is cached under (in any cache folder)."""
+    digest = source.weights_id().split(":", 1)[-1][:16]
+    return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', source.served_name)}-{digest}"
+
+
+@contextlib.contextmanager
+def building(target: Path, marker: str, source: ModelSource) -> Iterator[Path]:
+    """Build the cache directory `target` atomically: yields an empty sibling to fill; when the
+    block succeeds, writes `marker` (last: its presence means complete), makes the entry
+    world-readable and renames it into place. A concurrent builder that got there first keeps
+    its copy. The temporary directory is removed in every case."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        yield tmp
+        stamp = {"format": CACHE_FORMAT, "weights_id": source.weights_id()}
+        (tmp / marker).write_text(json.dumps(stamp))
+        for f in tmp.iterdir():
+            f.chmod(0o644)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / marker).is_file():
+                raise
+            log.info("cache entry written concurrently path=%s", target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _file_sha256(path: Path) -> str:

@@ -118,7 +118,7 @@ class Registry:
         result = await self.client.get_prefix(self.keys.workers_prefix.encode())
         records: dict[str, WorkerRecord] = {}
         for kv in result:
-            change = self._parse(kv.key, kv.value)
+            change = self.change_of("PUT", kv.key, kv.value)
             if change is not None and change.record is not None:
                 records[change.worker_id] = change.record
         return records, result.header.revision
@@ -132,12 +132,7 @@ class Registry:
         watch = await self.client.watch_prefix(prefix, start_revision=revision + 1)
         try:
             async for event in watch:
-                if event.kind == "DELETE":
-                    gone = self._worker_id(event.kv.key)
-                    if gone is not None:
-                        yield WorkerChange(gone, None)
-                    continue
-                change = self._parse(event.kv.key, event.kv.value)
+                change = self.change_of(event.kind, event.kv.key, event.kv.value)
                 if change is not None:
                     yield change
         finally:
@@ -157,10 +152,14 @@ class Registry:
             log.warning("ignoring a foreign key under the workers prefix")
             return None
 
-    def _parse(self, key: bytes, value: bytes) -> WorkerChange | None:
+    def change_of(self, kind: str, key: bytes, value: bytes) -> WorkerChange | None:
+        """The change one etcd event (`kind` PUT or DELETE) under the workers prefix means, or
+        None for a foreign key or an invalid record (logged, ignored)."""
         worker_id = self._worker_id(key)
         if worker_id is None:
             return None
+        if kind == "DELETE":
+            return WorkerChange(worker_id, None)
         try:
             record = decode(value, WorkerRecord)
         except MessageError as err:

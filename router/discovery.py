@@ -211,9 +211,9 @@ class WorkerView:
                 )
                 try:
                     async for event in watch:
-                        change = self._parse(event.kind, event.kv.key, event.kv.value)
+                        change = self.registry.change_of(event.kind, event.kv.key, event.kv.value)
                         if change is not None:
-                            self._apply_record(*change)
+                            self._apply_record(change.worker_id, change.record)
                         delay_s = self._retry_initial_s
                 finally:
                     await watch.cancel()
@@ -222,25 +222,6 @@ class WorkerView:
                 log.warning("registry watch failed, retrying error=%s", type(err).__name__)
             await asyncio.sleep(self._jittered(delay_s))
             delay_s = min(delay_s * 2, self._retry_max_s)
-
-    def _parse(self, kind: str, key: bytes, value: bytes) -> tuple[str, WorkerRecord | None] | None:
-        """(worker id, record or None when deleted) of one watch event; None to ignore it, as
-        `Registry` ignores foreign keys and invalid records."""
-        try:
-            worker_id = self.keys.worker_id_of(key.decode())
-        except (UnicodeDecodeError, ValueError):
-            return None
-        if kind == "DELETE":
-            return worker_id, None
-        try:
-            record = decode(value, WorkerRecord)
-        except MessageError as err:
-            log.warning("ignoring an invalid worker record worker=%s error=%s", worker_id, err)
-            return None
-        if record.worker_id != worker_id:
-            log.warning("ignoring a worker record filed under another id worker=%s", worker_id)
-            return None
-        return worker_id, record
 
     async def _resync_periodically(self) -> None:
         while True:

@@ -3,9 +3,9 @@
 Everything here runs on `tokenizers` and `jinja2` only; the router process never imports torch
 (an import-linter contract). Tokenizer files come from, in order:
 1. a model directory that has `tokenizer.json` (read in place);
-2. the worker's converted cache, `<cache_dir>/models/<name>-<weights id prefix>/` (the same rule as
-   `kvrail.worker.models.loader.prepared_dir`, duplicated because the router may not import the
-   worker), when a worker on this machine prepared it;
+2. the worker's converted cache, `<cache_dir>/models/<name>-<weights id prefix>/` (the naming
+   rule and the atomic build are shared with the worker's loader in `kvrail.models`), when a
+   worker on this machine prepared it;
 3. the router's own cache, `<cache_dir>/tokenizers/<name>-<weights id prefix>/`, written once by
    a subprocess that runs transformers (which imports torch) on the GGUF file or directory and
    saves its tokenizer. The entry is written into a temporary directory and renamed into place,
@@ -22,11 +22,8 @@ import hashlib
 import json
 import logging
 import os
-import re
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
@@ -40,14 +37,19 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
-from kvrail.models import ModelSource, resolve
+from kvrail.models import (
+    PREPARED_MARKER,
+    ModelSource,
+    building,
+    cache_entry_name,
+    resolve,
+)
+from kvrail.models import cache_dir as models_cache_dir
 
 log = logging.getLogger(__name__)
 
-WORKER_MARKER = "kvrail-prepared.json"  # written last by the worker's converter
 TOKENIZER_MARKER = "kvrail-tokenizer.json"  # written last by ours
 CONVERT_TIMEOUT_S = 600.0
-_CACHE_FORMAT = 1
 _SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
@@ -334,10 +336,9 @@ def tokenizer_dir(source: ModelSource, cache_dir: Path) -> Path:
     """A directory with `tokenizer.json` for `source`, converting it once if needed."""
     if not source.is_gguf and (source.path / "tokenizer.json").is_file():
         return source.path
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.served_name)
-    entry = f"{name}-{source.weights_id().split(':', 1)[-1][:16]}"
-    prepared = cache_dir / "models" / entry
-    if (prepared / WORKER_MARKER).is_file() and (prepared / "tokenizer.json").is_file():
+    entry = cache_entry_name(source)
+    prepared = models_cache_dir(cache_dir) / entry
+    if (prepared / PREPARED_MARKER).is_file() and (prepared / "tokenizer.json").is_file():
         return prepared
     own = cache_dir / "tokenizers" / entry
     if not (own / TOKENIZER_MARKER).is_file():
@@ -349,10 +350,8 @@ def _convert(source: ModelSource, target: Path) -> None:
     """Run transformers in a subprocess (it imports torch) to save the tokenizer of `source`
     into `target`, atomically. Raises ModelNotFoundError."""
     started = time.monotonic()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    try:
+    with building(target, TOKENIZER_MARKER, source) as tmp:
         try:
             done = subprocess.run(
                 [sys.executable, "-P", "-c", _CONVERT, str(source.path), str(tmp)],
@@ -366,19 +365,6 @@ def _convert(source: ModelSource, target: Path) -> None:
         if done.returncode != 0:
             lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
             raise ModelNotFoundError(f"cannot convert the tokenizer of {source.path}: {lines[-1]}")
-        marker = {"format": _CACHE_FORMAT, "weights_id": source.weights_id()}
-        (tmp / TOKENIZER_MARKER).write_text(json.dumps(marker))
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / TOKENIZER_MARKER).is_file():
-                raise
-            log.info("tokenizer cache written concurrently path=%s", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     log.info(
         "tokenizer converted name=%s path=%s seconds=%.1f",
         source.name,

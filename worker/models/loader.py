@@ -12,13 +12,9 @@ CLI: `python -P -m kvrail.worker.models.loader [SOURCE]` prepares SOURCE and pri
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +23,17 @@ from typing import Any
 import torch
 
 from kvrail.errors import ModelNotFoundError
-from kvrail.models import DEFAULT_MODEL, ModelSource, cache_dir, resolve
+from kvrail.models import (
+    DEFAULT_MODEL,
+    PREPARED_MARKER,
+    ModelSource,
+    building,
+    cache_dir,
+    cache_entry_name,
+    resolve,
+)
 
 logger = logging.getLogger(__name__)
-
-_MARKER = "kvrail-prepared.json"
-_CACHE_FORMAT = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +50,7 @@ class LoadedModel:
 
 def prepared_dir(source: ModelSource) -> Path:
     """Where `prepare` caches a GGUF source (side-effect free apart from hashing the file)."""
-    digest = source.weights_id().split(":", 1)[-1][:16]
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", source.served_name)
-    return cache_dir() / f"{name}-{digest}"
+    return cache_dir() / cache_entry_name(source)
 
 
 def prepare(source: ModelSource) -> Path:
@@ -64,26 +63,11 @@ def prepare(source: ModelSource) -> Path:
     if not source.is_gguf:
         return source.path
     target = prepared_dir(source)
-    if (target / _MARKER).is_file():
+    if (target / PREPARED_MARKER).is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    try:
+    with building(target, PREPARED_MARKER, source) as tmp:
         _convert_gguf(source, tmp)
-        marker = {"format": _CACHE_FORMAT, "weights_id": source.weights_id()}
-        (tmp / _MARKER).write_text(json.dumps(marker))
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        tmp.chmod(0o755)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / _MARKER).is_file():
-                raise
-            logger.info("model cache written concurrently path=%s", target)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     logger.info(
         "model prepared name=%s path=%s seconds=%.1f",
         source.name,

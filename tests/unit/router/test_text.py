@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
-from kvrail.models import resolve
+from kvrail.models import PREPARED_MARKER, resolve
 from kvrail.router import text
 from kvrail.router.text import TextCodec
 from kvrail.settings import default_cache_dir
@@ -330,7 +330,7 @@ def test_a_complete_worker_cache_entry_is_used_without_converting(
     prepared = _copy_tokenizer(codec, tmp_path / "models" / entry)
     half_written = TextCodec.load("smollm2", tmp_path)  # no worker marker yet: not used
     assert half_written.directory != prepared
-    (prepared / text.WORKER_MARKER).write_text("{}")
+    (prepared / PREPARED_MARKER).write_text("{}")
     assert TextCodec.load("smollm2", tmp_path).directory == prepared
     assert len(fake_converter) == 1
 
