@@ -41,6 +41,7 @@ from kvrail.worker.prefill import PrefillRole
 from kvrail.worker.service import EngineService
 from kvrail.worker.transfer.connector import BlockRegion
 from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.rdma import rdma_devices, rdma_problem
 
 log = logging.getLogger("kvrail.worker")
 
@@ -127,6 +128,13 @@ class Worker:
         await kv_events.start()
         try:
             await asyncio.wait_for(peers.ready.wait(), timeout=30.0)
+            problem = rdma_problem(settings.rdma, os.environ, rdma_devices())
+            if problem is not None:
+                # Registered, never ready: no router or peer sends it work; the reason is in the
+                # log until the worker is stopped.
+                log.error("worker not ready worker=%s reason=%s", self.worker_id, problem)
+                await self.stopping.wait()
+                return
             for role in roles:
                 await role.start()
             record = _with(record, is_ready=True)

@@ -312,6 +312,24 @@ async def test_a_block_corrupted_in_flight_is_caught_and_recomputed(
     await asyncio.to_thread(pool.procs["decode-bad"].stop, 20)
 
 
+async def test_a_worker_that_cannot_use_rdma_where_the_pool_requires_it_is_never_ready(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """No RDMA device here (or no UCX_TLS restricted to RDMA): with `rdma: required` the worker
+    registers, says why it is not ready, never becomes ready, and stops cleanly."""
+    proc = pool.start("decode-rdma", "decode", KVRAIL_RDMA="required")
+    deadline = time.monotonic() + 120
+    while "worker not ready" not in proc.log_path.read_text():
+        assert proc.is_running() and time.monotonic() < deadline, proc.tail()
+        await asyncio.sleep(0.2)
+    assert "reason=rdma is required but" in proc.log_path.read_text()
+    async with etcd_client(pool.settings) as etcd:
+        records, _ = await Registry(etcd, KEYS).workers()
+    assert not records["decode-rdma"].is_ready
+    await asyncio.to_thread(proc.stop, 20)
+    assert proc.returncode() == 0
+
+
 async def test_killing_the_decode_worker_mid_request_leaves_the_prefill_side_clean(
     pool: Pool, nc: NatsClient
 ) -> None:
