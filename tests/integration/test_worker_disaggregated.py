@@ -312,6 +312,33 @@ async def test_a_block_corrupted_in_flight_is_caught_and_recomputed(
     await asyncio.to_thread(pool.procs["decode-bad"].stop, 20)
 
 
+async def test_reroute_retries_on_another_prefill_worker_then_fails_cleanly(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """kvLoadFailurePolicy reroute: a transfer refused by validation (every received block is
+    corrupted by fault injection here) is retried once on a different prefill worker, within
+    the deadline; when that fails too the request ends with a clean error and frees everything."""
+    pool.start("prefill-1", "prefill")
+    pool.start("decode-rr", "decode", KVRAIL_KV_LOAD_FAILURE_POLICY="reroute",
+               KVRAIL_FAULT_CORRUPT_KV_TRANSFERS="1")  # fmt: skip
+    for name in ("prefill-1", "decode-rr"):
+        await asyncio.to_thread(pool.wait_ready, name)
+    request_id = f"rr-{uuid.uuid4().hex[:8]}"
+    events = await generate(nc, "decode-rr", prompt(LONG_PROMPT, seed=31), request_id=request_id)
+    assert events[-1].error == "kv_invalid" and not tokens_of_any(events)
+    writers = {name: pool.procs[name].log_path.read_text() for name in ("prefill-0", "prefill-1")}
+    first = [n for n, text in writers.items() if f"request_id={request_id} " in text]
+    second = [n for n, text in writers.items() if f"request_id={request_id}~r1 " in text]
+    assert len(first) == 1 and len(second) == 1 and first != second, (first, second)
+    await assert_all_blocks_free(nc, pool)
+    for name in ("decode-rr", "prefill-1"):
+        await asyncio.to_thread(pool.procs[name].stop, 20)
+
+
+def tokens_of_any(events: list[TokenEvent]) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
 async def test_a_worker_that_cannot_use_rdma_where_the_pool_requires_it_is_never_ready(
     pool: Pool, nc: NatsClient
 ) -> None:
