@@ -89,11 +89,14 @@ class NixlConnector:
         self.prefer_ipc = prefer_ipc
         self.agent_name = agent_name
         self.region = region
-        # No progress thread: NIXL's polls with a zero timeout and keeps a core busy even when
-        # idle (bench/routing/idle_cpu.json: 1.01 cores per idle worker, 0.012 without). Both
-        # sides progress UCX themselves: the writer polls its transfer, the reader polls its
-        # notifications.
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
+        # NIXL's progress thread polls with a zero timeout: on CPU it keeps a core busy even
+        # when idle (bench/routing/idle_cpu.json: 1.01 cores per idle worker, 0.012 without),
+        # and both sides progress UCX themselves there (the writer polls its transfer, the
+        # reader its notifications). On the GPU it stays: without it, NIXL's default UCX path
+        # moved a 1 GiB handoff on the H200 at 1.07 TB/s, with it at 1.74 TB/s (same session,
+        # bench/transfer/handoff.py; kvrail's CUDA IPC path, 2.0 TB/s, does not use it).
+        progress_thread = region.tensor.is_cuda
+        config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self._agent = api.nixl_agent(agent_name, config)
         self._reg = self._agent.register_memory(region.tensor)
         self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
