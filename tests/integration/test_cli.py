@@ -27,7 +27,9 @@ KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; 
 def test_up_serves_the_model_and_the_printed_curl_returns_generated_text(tmp_path: Path) -> None:
     """What the README promises: `make run` (= `kvrail up`), then the curl it prints."""
     port = free_port()
-    env = {**os.environ, "KVRAIL_HTTP_PORT": str(port), "KVRAIL_TORCH_NUM_THREADS": "1"}
+    pool = f"up-{port}"  # to tell this stack's processes from other tests'
+    env = {**os.environ, "KVRAIL_HTTP_PORT": str(port), "KVRAIL_TORCH_NUM_THREADS": "1",
+           "KVRAIL_POOL": pool}  # fmt: skip
     proc = subprocess.Popen([*KVRAIL, "up", "--run-dir", str(tmp_path)], env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     lines: list[str] = []
@@ -54,13 +56,20 @@ def test_up_serves_the_model_and_the_printed_curl_returns_generated_text(tmp_pat
         proc.send_signal(signal.SIGINT)
         rest, _ = proc.communicate(timeout=120)
     assert "stopped everything it started" in rest
-    # No process outlives the command.
-    for name in ("etcd", "nats-server", "kvrail.worker", "kvrail.router"):
+    # No process outlives the command: none runs from its run dir or with its pool.
+    for name in ("etcd", "nats-server"):
         ps = subprocess.run(["pgrep", "-f", f"{name}.*{tmp_path}"], capture_output=True)
         assert ps.returncode == 1, f"{name} still running: {ps.stdout!r}"
-    ps = subprocess.run(["pgrep", "-f", "kvrail.worker --role .* --worker-id (prefill|decode)-0"],
-                        capture_output=True)  # fmt: skip
-    assert ps.returncode == 1, f"a worker is still running: {ps.stdout!r}"
+    ps = subprocess.run(["pgrep", "-f", "kvrail[.](worker|router)"], capture_output=True, text=True)
+    left = [pid for pid in ps.stdout.split() if f"KVRAIL_POOL={pool}".encode() in _environ(pid)]
+    assert not left, f"kvrail processes of this stack still running: {left}"
+
+
+def _environ(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:  # gone meanwhile
+        return b""
 
 
 def test_invalid_settings_exit_with_a_clear_message() -> None:
