@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
@@ -123,11 +123,17 @@ class Registry:
                 records[change.worker_id] = change.record
         return records, result.header.revision
 
-    async def watch(self) -> AsyncIterator[WorkerChange]:
-        """The current records, then every change, in order, until the caller stops iterating."""
+    async def watch(
+        self, on_snapshot: Callable[[], None] | None = None
+    ) -> AsyncIterator[WorkerChange]:
+        """The current records, then every change, in order, until the caller stops iterating.
+        `on_snapshot` is called once the current records were yielded, before the first change:
+        a caller that held older records learns which of them are gone by their absence."""
         records, revision = await self.workers()
         for worker_id, record in sorted(records.items()):
             yield WorkerChange(worker_id, record)
+        if on_snapshot is not None:
+            on_snapshot()
         prefix = self.keys.workers_prefix.encode()
         watch = await self.client.watch_prefix(prefix, start_revision=revision + 1)
         try:

@@ -56,16 +56,22 @@ class PeerTable:
                 await asyncio.sleep(0.5)
 
     async def _follow(self) -> None:
-        records, _ = await self.registry.workers()
-        seen = set(records)
-        for worker_id in set(self.records) - seen:  # gone while we were not watching
-            self._apply(worker_id, None)
-        if not seen:
+        snapshot: set[str] = set()
+        in_snapshot = True
+
+        def snapshot_applied() -> None:
+            nonlocal in_snapshot
+            in_snapshot = False
+            for worker_id in set(self.records) - snapshot:  # gone while we were not watching
+                self._apply(worker_id, None)
             self.ready.set()
-        async for change in self.registry.watch():
+
+        # One read: the watch's own snapshot (a second read before it could list a worker that
+        # is gone by the watch's read, and `ready` would wait for it forever).
+        async for change in self.registry.watch(on_snapshot=snapshot_applied):
+            if in_snapshot:
+                snapshot.add(change.worker_id)
             self._apply(change.worker_id, change.record)
-            if not self.ready.is_set() and set(self.records) >= seen:
-                self.ready.set()
 
     def _apply(self, worker_id: str, record: WorkerRecord | None) -> None:
         old = self.records.get(worker_id)

@@ -72,6 +72,19 @@ async def test_watchers_see_snapshot_changes_restart_and_death(registry: Registr
     assert await _next(it) == WorkerChange("prefill-0", None)
 
 
+async def test_the_snapshot_end_is_signalled_before_the_first_change(registry: Registry) -> None:
+    regs = [await registry.register(record(w)) for w in ("decode-0", "decode-1")]
+    seen: list[str] = []
+    at_snapshot: list[list[str]] = []
+    it = registry.watch(on_snapshot=lambda: at_snapshot.append(list(seen))).__aiter__()
+    for _ in range(2):
+        seen.append((await _next(it)).worker_id)
+    await regs[0].close()
+    assert await _next(it) == WorkerChange("decode-0", None)
+    assert at_snapshot == [["decode-0", "decode-1"]]  # once, after exactly the snapshot
+    await regs[1].close()
+
+
 async def test_a_crashed_worker_disappears_when_its_lease_expires(registry: Registry) -> None:
     reg = await registry.register(record("decode-9"), ttl_s=1)
     it = registry.watch().__aiter__()
