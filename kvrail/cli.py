@@ -174,12 +174,9 @@ def _up(settings: Settings, run_dir: Path, check: bool) -> int:
 
 
 def _curl_hint(url: str, settings: Settings) -> str:
-    from kvrail.models import PACKAGED_MODELS, resolve
+    from kvrail.models import resolve
 
-    packaged = PACKAGED_MODELS.get(settings.model)
-    name = settings.served_model_name or (
-        packaged.served_name if packaged else resolve(settings.model).served_name
-    )
+    name = settings.served_model_name or resolve(settings.model).served_name
     body = (
         f'{{"model": "{name}", "max_tokens": 32, '
         '"messages": [{"role": "user", "content": "What is the capital of France?"}]}'

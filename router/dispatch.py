@@ -81,34 +81,21 @@ class Dispatcher:
     chooser: Chooser
     block_size: int
     max_attempts: int = 3
-    on_decision: Callable[[Decision, int], None] | None = None
+    on_decision: Callable[[Decision], None] | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
 
     def candidates(self, job: Job) -> tuple[list[Candidate], int]:
-        """Ready decode workers scored for `job`, and the prompt's number of full blocks (in the
-        workers' block size; every worker of a pool shares it, as part of its fingerprint)."""
-        hashes_by_model: dict[tuple[str, int], list[str]] = {}
+        """Ready decode workers scored for `job`, and the prompt's number of full blocks. The
+        prompt is hashed once per model fingerprint (which covers the block size)."""
+        block_sizes = {
+            r.fingerprint: r.block_size or self.block_size for r in self.view.decode_workers()
+        }
         out: list[Candidate] = []
         num_blocks = len(job.token_ids) // self.block_size
-        for record in self.view.decode_workers():
-            block_size = record.block_size or self.block_size
+        for fingerprint, block_size in sorted(block_sizes.items()):
+            hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
+            out += self.view.candidates(hashes, self.in_flight, fingerprint)
             num_blocks = len(job.token_ids) // block_size
-            key = (record.fingerprint, block_size)
-            if key not in hashes_by_model:
-                hashes_by_model[key] = prompt_hashes(
-                    job.token_ids, block_size, record.fingerprint, job.tenant_salt
-                )
-            hashes = hashes_by_model[key]
-            out.append(
-                Candidate(
-                    worker_id=record.worker_id,
-                    matched_blocks=self.view.index.matched_blocks(record.worker_id, hashes),
-                    num_running=record.num_running,
-                    num_waiting=record.num_waiting,
-                    in_flight=self.in_flight.get(record.worker_id, 0),
-                    kv_utilization=record.kv_utilization,
-                )
-            )
         return out, num_blocks
 
     @contextlib.asynccontextmanager
@@ -124,7 +111,7 @@ class Dispatcher:
         candidates = [c for c in candidates if c.worker_id not in exclude]
         decision = self.chooser.choose(candidates, num_blocks)
         if self.on_decision is not None:
-            self.on_decision(decision, num_blocks)
+            self.on_decision(decision)
         return decision
 
 

@@ -75,7 +75,7 @@ class RouterMetrics:
             ["worker"], registry=r,
         )  # fmt: skip
 
-    def decision(self, decision: Decision, num_prompt_blocks: int) -> None:
+    def decision(self, decision: Decision) -> None:
         cache = "hit" if decision.matched_blocks > 0 else "miss"
         self.decisions.labels(decision.policy, cache).inc()
 

@@ -17,8 +17,9 @@ from pathlib import Path
 from nats.aio.client import Client as NatsClient
 
 from kvrail.keys import PoolKeys
-from kvrail.messages import BlockCounts, decode
+from kvrail.messages import BlockCounts, WorkerRecord, decode
 from kvrail.procs import ManagedProcess
+from kvrail.registry import Registry, etcd_client
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
@@ -97,6 +98,12 @@ class LocalPool:
     def stop(self) -> None:
         for proc in self.procs.values():
             proc.stop(grace_s=20)
+
+    async def records(self) -> dict[str, WorkerRecord]:
+        """The pool's worker records in etcd now."""
+        async with etcd_client(self.settings) as etcd:
+            records, _ = await Registry(etcd, self.keys).workers()
+        return records
 
     async def block_counts(self, nc: NatsClient, worker_id: str) -> BlockCounts:
         reply = await nc.request(self.keys.debug(worker_id), b"", timeout=5)

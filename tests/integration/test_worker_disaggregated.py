@@ -36,7 +36,6 @@ from kvrail.messages import (
     decode,
 )
 from kvrail.procs import free_port
-from kvrail.registry import Registry, etcd_client
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
@@ -208,11 +207,7 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
 async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
     pool: Pool, nc: NatsClient
 ) -> None:
-    etcd = etcd_client(pool.settings)
-    try:
-        records, _ = await Registry(etcd, KEYS).workers()
-    finally:
-        await etcd.close()
+    records = await pool.records()
     dest = records["decode-0"]
     queue = PrefillQueue(nc.jetstream(), KEYS)
     base = PrefillJob(
@@ -240,11 +235,7 @@ async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
 async def test_workers_publish_kv_events_and_answer_their_kv_state(
     pool: Pool, nc: NatsClient
 ) -> None:
-    etcd = etcd_client(pool.settings)
-    try:
-        records, _ = await Registry(etcd, KEYS).workers()
-    finally:
-        await etcd.close()
+    records = await pool.records()
     dest, prefill = records["decode-0"], records["prefill-0"]
     assert dest.block_size == prefill.block_size == 16
     token_ids = prompt(LONG_PROMPT, seed=12)
@@ -350,9 +341,7 @@ async def test_a_worker_that_cannot_use_rdma_where_the_pool_requires_it_is_never
         assert proc.is_running() and time.monotonic() < deadline, proc.tail()
         await asyncio.sleep(0.2)
     assert "reason=rdma is required but" in proc.log_path.read_text()
-    async with etcd_client(pool.settings) as etcd:
-        records, _ = await Registry(etcd, KEYS).workers()
-    assert not records["decode-rdma"].is_ready
+    assert not (await pool.records())["decode-rdma"].is_ready
     await asyncio.to_thread(proc.stop, 20)
     assert proc.returncode() == 0
 
