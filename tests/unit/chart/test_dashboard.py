@@ -120,7 +120,7 @@ def _observed_values() -> dict[tuple[str, str], set[str]]:
     from a fresh registry after exercising it (routing decisions, per-worker gauges)."""
     router = RouterMetrics()
     for matched in (0, 2):
-        router.decision(Decision("w0", "kv-aware", matched, 0.0), num_prompt_blocks=4)
+        router.decision(Decision("w0", "kv-aware", matched, 0.0))
     record = SimpleNamespace(worker_id="w0", num_running=1, num_waiting=1, kv_utilization=0.5)
     view = SimpleNamespace(
         decode_workers=lambda: [record], index=SimpleNamespace(num_hashes=lambda w: 3)
