@@ -4,9 +4,12 @@
 durable pull consumer shared by all of them) or to one named worker (its own durable consumer,
 for prefix-cache affinity); the two filters never overlap, as a work-queue stream requires. A job
 is published with its request id as the JetStream message id, so a duplicate publish within the
-dedupe window is dropped by the server. A consumer acks only after the KV write completed, naks
-with a delay on failure, and the server stops redelivering after `max_deliver` attempts. A
-payload that does not decode is terminated (never redelivered) and counted by the caller.
+dedupe window is dropped by the server. A consumer acks only after the KV write completed. After
+a failure it hands the job over to another prefill worker (`PrefillQueue.hand_over`: the job is
+republished to that worker's subject with its attempt count, and the failed delivery terminated)
+or, with nobody else to take it, naks it with a delay; either way a job runs at most
+`max_deliver` times. A payload that does not decode is terminated (never redelivered) and counted
+by the caller.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import nats
 import nats.errors
@@ -25,27 +30,90 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
 from kvrail.messages import MessageError, PrefillJob, decode
 from kvrail.settings import Settings, read_secret
+from kvrail.tls import nats_ssl_context, require_nats_tls
 
 log = logging.getLogger(__name__)
 
 DUPLICATE_WINDOW_S = 120.0
 TOKENS_HEADER = "Kvrail-Tokens"
 """Prompt tokens of a queued job, so the planner sums the backlog without decoding payloads."""
+ATTEMPTS_HEADER = "Kvrail-Attempts"
+"""Deliveries a handed-over job had before it was republished (absent: none)."""
 
 
-async def connect(settings: Settings, name: str) -> NatsClient:
-    """A NATS connection with credentials read from their files; `name` shows in server logs."""
-    return await nats.connect(
-        settings.nats_url,
-        name=name,
-        user=settings.nats_user,
-        password=read_secret(settings.nats_password_file),
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,
-    )
+async def connect(settings: Settings, name: str, **options: Any) -> NatsClient:
+    """A NATS connection with credentials read from their files; `name` shows in server logs.
+
+    TLS as `kvrail.tls` decides (a `tls://` URL or a CA file), and then never plaintext: the
+    password is only sent once the server required TLS. The first connection fails fast with
+    ConfigError when the server's certificate does not verify or it refuses the credentials (nats-py
+    would retry those forever); once connected, it reconnects forever. `options` go to
+    `nats.connect` (deadlines, callbacks).
+    """
+    url = settings.nats_url
+    tls = nats_ssl_context(url, settings.nats_ca_file)
+    password = read_secret(settings.nats_password_file)
+    nc = NatsClient()
+    connected = False
+    error_cb = options.pop("error_cb", None)
+
+    def tls_checked_password() -> str:
+        # NOTE(kvrail): nats-py upgrades to TLS only when the server's INFO asks for it.
+        require_nats_tls(url, nc._server_info)
+        assert password is not None
+        return password
+
+    async def on_error(err: Exception) -> None:
+        if not connected:
+            _raise_if_permanent(url, settings.nats_user, err)
+        if error_cb is not None:
+            await error_cb(err)
+        else:
+            log.warning("nats error url=%s error=%s", url, err)
+
+    try:
+        await nc.connect(
+            url,
+            name=name,
+            user=settings.nats_user,
+            password=tls_checked_password if tls is not None and password is not None else password,
+            tls=tls,
+            error_cb=on_error,
+            **{"max_reconnect_attempts": -1, "reconnect_time_wait": 0.5, **options},
+        )
+        if tls is not None:
+            require_nats_tls(url, nc._server_info)
+    except ConfigError:
+        connected = True  # close() reports its own errors through on_error
+        await _close_quietly(nc)
+        raise
+    connected = True
+    return nc
+
+
+async def _close_quietly(nc: NatsClient) -> None:
+    """Close a connection whose TLS or CONNECT failed, without waiting long: the socket of a
+    failed TLS upgrade may never report itself closed."""
+    with contextlib.suppress(TimeoutError, OSError, nats.errors.Error):
+        await asyncio.wait_for(nc.close(), 1.0)
+
+
+def _raise_if_permanent(url: str, user: str | None, err: Exception) -> None:
+    """Errors of a first connection that a retry cannot fix: a certificate that does not verify,
+    refused credentials, a TLS requirement the server does not meet."""
+    if isinstance(err, ConfigError):
+        raise err
+    if isinstance(err, ssl.SSLError):
+        raise ConfigError(
+            f"NATS {url}: TLS failed ({err.reason or err}): is nats_ca_file the CA that signed the "
+            "server's certificate, and the URL's host in its subjectAltName?"
+        ) from err
+    if isinstance(err, nats.errors.Error) and "authorization violation" in str(err).lower():
+        raise ConfigError(f"NATS {url} refused the credentials of user {user!r}") from err
 
 
 @dataclass
@@ -58,7 +126,9 @@ class QueuedJob:
 
     @property
     def num_delivered(self) -> int:
-        return int(self.msg.metadata.num_delivered)
+        """Attempts at this job so far, this one included (across hand-overs)."""
+        earlier = (self.msg.headers or {}).get(ATTEMPTS_HEADER, "0")
+        return int(self.msg.metadata.num_delivered) + (int(earlier) if earlier.isdigit() else 0)
 
     async def ack(self) -> None:
         """The KV write completed: remove the job from the queue for good."""
@@ -138,10 +208,25 @@ class PrefillQueue:
 
     async def publish(self, job: PrefillJob, to_worker: str | None = None) -> bool:
         """Queue `job`; returns False when the server dropped it as a duplicate."""
+        return await self._publish(job, to_worker, job.request_id, {})
+
+    async def hand_over(self, queued: QueuedJob, to_worker: str) -> None:
+        """After a failed attempt: queue the job for `to_worker` (another prefill worker), then
+        terminate this delivery. The attempt count travels along, so `max_deliver` still bounds
+        the attempts; the message id names the attempt, so the dedupe window does not drop it."""
+        assert queued.job is not None
+        attempts = queued.num_delivered
+        msg_id = f"{queued.job.request_id}@{attempts}"
+        await self._publish(queued.job, to_worker, msg_id, {ATTEMPTS_HEADER: str(attempts)})
+        await queued.drop()
+
+    async def _publish(
+        self, job: PrefillJob, to_worker: str | None, msg_id: str, headers: dict[str, str]
+    ) -> bool:
         subject = self.keys.prefill_to(to_worker) if to_worker else self.keys.prefill_any
         ack = await self.js.publish(
             subject, job.encode(), stream=self.keys.prefill_stream,
-            headers={"Nats-Msg-Id": job.request_id, TOKENS_HEADER: str(len(job.token_ids))},
+            headers={"Nats-Msg-Id": msg_id, TOKENS_HEADER: str(len(job.token_ids)), **headers},
         )  # fmt: skip
         return not ack.duplicate
 

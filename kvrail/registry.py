@@ -15,26 +15,76 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlparse
 
 import aetcd
+import aetcd.client
+import aetcd.rpc
+import aetcd.watcher
 
 from kvrail.keys import PoolKeys
 from kvrail.messages import MessageError, WorkerRecord, decode
 from kvrail.settings import Settings, read_secret
+from kvrail.tls import etcd_credentials
 
 log = logging.getLogger(__name__)
 
 
 def etcd_client(settings: Settings) -> aetcd.Client:
-    """A client for the first configured endpoint, with credentials read from their files."""
+    """A client for the first configured endpoint, with credentials read from their files: TLS
+    for `https://` endpoints (see `kvrail.tls`), plaintext for `http://` ones. Raises ConfigError
+    for a CA file with plaintext endpoints or a CA file that cannot be read."""
+    credentials = etcd_credentials(settings.etcd_endpoints, settings.etcd_ca_file)
     url = urlparse(settings.etcd_endpoints[0])
-    return aetcd.Client(
-        host=url.hostname or "127.0.0.1",
-        port=url.port or 2379,
-        username=settings.etcd_username,
-        password=read_secret(settings.etcd_password_file),
-    )
+    args = {
+        "host": url.hostname or "127.0.0.1",
+        "port": url.port or 2379,
+        "username": settings.etcd_username,
+        "password": read_secret(settings.etcd_password_file),
+    }
+    if credentials is None:
+        return aetcd.Client(**args)
+    return _TlsClient(credentials, **args)
+
+
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd has no type hints
+    """An aetcd client over TLS. aetcd 1.0 opens plaintext gRPC channels only
+    (martyanov/aetcd#37), so `connect` is ours: a TLS channel, the login (when credentials are
+    set) only once TLS is up, then the stubs and the watcher aetcd's methods use. The TLS tests
+    in tests/integration/test_secure_planes.py catch an aetcd release that renames them."""
+
+    def __init__(self, credentials: Any, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._credentials = credentials
+        self._connect_lock = asyncio.Lock()
+
+    @aetcd.client._handle_errors  # type: ignore[untyped-decorator]
+    async def connect(self) -> None:
+        async with self._connect_lock:
+            if self._connected.is_set():
+                return
+            channel = aetcd.rpc.secure_channel(
+                f"{self._host}:{self._port}", self._credentials, options=self._options.items()
+            )
+            token: tuple[tuple[str, str], ...] | None = None
+            if self._username is not None and self._password is not None:
+                login = aetcd.rpc.AuthenticateRequest(name=self._username, password=self._password)
+                reply = await aetcd.rpc.AuthStub(channel).Authenticate(login, timeout=self._timeout)
+                token = (("token", reply.token),)
+            self._use(channel, token)
+            self._connected.set()
+
+    def _use(self, channel: Any, token: tuple[tuple[str, str], ...] | None) -> None:
+        """Point every stub aetcd's methods call at `channel`, with the login token."""
+        self.channel, self.metadata = channel, token
+        self.auth_stub = aetcd.rpc.AuthStub(channel)
+        self.kvstub = aetcd.rpc.KVStub(channel)
+        self.clusterstub = aetcd.rpc.ClusterStub(channel)
+        self.leasestub = aetcd.rpc.LeaseStub(channel)
+        self.maintenancestub = aetcd.rpc.MaintenanceStub(channel)
+        watch = aetcd.rpc.WatchStub(channel)
+        self._watcher = aetcd.watcher.Watcher(watch, timeout=self._timeout, metadata=token)
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvrail.crd_spec import (
     DisaggregationMode,
@@ -28,6 +28,7 @@ from kvrail.crd_spec import (
     TransferBackend,
 )
 from kvrail.errors import ConfigError
+from kvrail.tls import check_etcd_endpoints
 
 ENV_PREFIX = "KVRAIL_"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -92,10 +93,18 @@ class Settings(BaseModel):
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )
     rdma: RdmaMode = "preferred"
+    zero_kv_on_release: bool = Field(
+        False, description="zero KV blocks when released (InferencePool security.zeroKVOnRelease)"
+    )
     fault_corrupt_kv_transfers: float = Field(
         0.0, ge=0, le=1,
         description="fault injection for tests: the fraction of KV transfers a decode worker "
         "receives whose first block gets one byte flipped before validation",
+    )  # fmt: skip
+    fault_fail_kv_writes: float = Field(
+        0.0, ge=0, le=1,
+        description="fault injection for tests: the fraction of KV writes a prefill worker "
+        "attempts that fail (a transfer error) before anything is written",
     )  # fmt: skip
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600,
@@ -122,6 +131,9 @@ class Settings(BaseModel):
         6, ge=0, le=1000, description="retries of a pool's etcd/NATS cleanup before giving up"
     )
     operator_cleanup_retry_delay_s: float = Field(10.0, gt=0, le=3600)
+    operator_network_policies: bool = Field(
+        True, description="a NetworkPolicy per pool: its workers reachable only by its workers"
+    )
 
     @field_validator("namespace", "pool")
     @classmethod
@@ -145,6 +157,16 @@ class Settings(BaseModel):
             raise ValueError(f"{value!r} is not nats://host:port or tls://host:port")
         return value
 
+    @model_validator(mode="after")
+    def _etcd_tls(self) -> Settings:
+        """A CA file with plaintext endpoints, or mixed schemes, would be a silent fallback (the
+        clients check again, for settings copied without validation; see `kvrail.tls`)."""
+        try:
+            check_etcd_endpoints(self.etcd_endpoints, self.etcd_ca_file)
+        except ConfigError as err:
+            raise ValueError(str(err)) from err
+        return self
+
 
 def load_settings(
     config_file: str | Path | None = None, environ: Mapping[str, str] | None = None
@@ -167,7 +189,7 @@ def load_settings(
         return Settings(**values)
     except ValidationError as err:
         problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in err.errors()
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg']}" for e in err.errors()
         )
         raise ConfigError(f"invalid settings: {problems}") from err
 

@@ -34,7 +34,11 @@ def configure_operator(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: An
     settings.posting.level = logging.INFO
     config = load_settings()
     memo.cluster = Kube.from_environment()
-    memo.ctx = BuildContext(etcd_endpoints=config.etcd_endpoints, nats_url=config.nats_url)
+    memo.ctx = BuildContext(
+        etcd_endpoints=config.etcd_endpoints,
+        nats_url=config.nats_url,
+        network_policies=config.operator_network_policies,
+    )
     memo.settings = config
     memo.planes = Planes()
     if config.operator_metrics_port is not None:

@@ -18,15 +18,15 @@ import contextlib
 import logging
 
 import aetcd
-import nats
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from kvrail.bus import PrefillQueue
+from kvrail.bus import PrefillQueue, connect
 from kvrail.crd_spec import InfrastructureSpec
+from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
 from kvrail.registry import Registry, etcd_client
-from kvrail.settings import Settings, read_secret
+from kvrail.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -43,12 +43,18 @@ def pool_settings(
     base: Settings, namespace: str, name: str, infrastructure: InfrastructureSpec | None = None
 ) -> Settings:
     """`base` (the operator's settings) scoped to one pool, with the pool's endpoints where its
-    `spec.infrastructure` sets them. Pure."""
+    `spec.infrastructure` sets them. The operator's CA files stay for a pool's `https://` etcd and
+    `tls://` NATS (they must be signed by the same CA) and are dropped for its `http://` and
+    `nats://` ones, which ask for plaintext. Pure."""
     update: dict[str, object] = {"namespace": namespace, "pool": name}
     if infrastructure is not None and infrastructure.etcd is not None:
         update["etcd_endpoints"] = tuple(infrastructure.etcd.endpoints)
+        if all(e.startswith("http://") for e in infrastructure.etcd.endpoints):
+            update["etcd_ca_file"] = None
     if infrastructure is not None and infrastructure.nats is not None:
         update["nats_url"] = infrastructure.nats.url
+        if infrastructure.nats.url.startswith("nats://"):
+            update["nats_ca_file"] = None
     return base.model_copy(update=update)
 
 
@@ -87,9 +93,11 @@ class Planes:
         async with self._locks.setdefault(f"etcd {endpoint}", asyncio.Lock()):
             client = self._etcd.get(endpoint)
             if client is None:
-                client = etcd_client(settings)
                 try:
+                    client = etcd_client(settings)
                     await asyncio.wait_for(client.connect(), self.timeout_s)
+                except ConfigError as err:
+                    raise PlaneError(f"etcd {endpoint}: {err}") from err
                 except UNREACHABLE as err:
                     raise PlaneError(f"etcd {endpoint}: {type(err).__name__}: {err}") from err
                 self._etcd[endpoint] = client
@@ -104,18 +112,17 @@ class Planes:
                 del self._nats[url]
                 nc = None
             if nc is None:
-                connecting = nats.connect(
-                    url,
-                    name="kvrail-operator",
-                    user=settings.nats_user,
-                    password=read_secret(settings.nats_password_file),
+                connecting = connect(
+                    settings,
+                    "kvrail-operator",
                     connect_timeout=self.timeout_s,
-                    max_reconnect_attempts=-1,
                     reconnect_time_wait=1.0,
                     error_cb=_quiet,
                 )
                 try:
                     nc = await asyncio.wait_for(connecting, self.timeout_s)
+                except ConfigError as err:
+                    raise PlaneError(f"NATS {url}: {err}") from err
                 except UNREACHABLE as err:
                     raise PlaneError(f"NATS {url}: unreachable ({type(err).__name__})") from err
                 self._nats[url] = nc

@@ -6,6 +6,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvrail.tls import ServingCert
+
 _SERVER_SANS = (
     "DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,"
     "DNS:kubernetes.default.svc.cluster.local,IP:127.0.0.1,IP:10.96.0.1"
@@ -43,3 +45,19 @@ def make_pki(directory: Path) -> Pki:
     _openssl("ec", "-in", "sa.key", "-pubout", "-out", "sa.pub", cwd=d)
     return Pki(d / "ca.crt", d / "ca.key", d / "apiserver.crt", d / "apiserver.key",
                d / "sa.key", d / "sa.pub")  # fmt: skip
+
+
+def issue_serving_cert(
+    pki: Pki, name: str, sans: str = "DNS:localhost,IP:127.0.0.1"
+) -> ServingCert:
+    """A serving certificate `<name>.crt` (key `<name>.key`) for `sans`, signed by the PKI's CA,
+    next to it: what a local etcd or NATS serves TLS with."""
+    d = pki.ca_crt.parent
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/CN={name}", cwd=d)  # fmt: skip
+    (d / f"{name}.ext").write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", "3650",
+             "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return ServingCert(cert_file=d / f"{name}.crt", key_file=d / f"{name}.key", ca_file=pki.ca_crt)

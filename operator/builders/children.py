@@ -10,6 +10,7 @@ from kvrail.operator.builders.configmap import build_configmap
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.deployment import build_deployment
 from kvrail.operator.builders.httproute import build_httproute
+from kvrail.operator.builders.networkpolicy import build_network_policy, network_policy_name
 from kvrail.operator.builders.pdb import build_pdb
 from kvrail.operator.builders.service import build_router_service, build_worker_service
 from kvrail.operator.builders.statefulset import build_statefulset
@@ -28,12 +29,15 @@ class ChildRef(NamedTuple):
 def build_children(
     pool: InferencePool, ctx: BuildContext, replicas: Mapping[Role, int] | None = None
 ) -> list[dict[str, Any]]:
-    """All desired children: config first, then Services, workloads, budgets and the route.
+    """All desired children: config and the workers' NetworkPolicy first (no worker runs
+    unprotected), then Services, workloads, budgets and the route.
 
     `replicas` overrides the worker StatefulSets' sizes (see `kvrail.operator.replicas`)."""
     sizes = replicas or {}
     roles = [r for r in ROLES if pool.role(r) is not None]
     out: list[dict[str, Any]] = [build_configmap(pool)]
+    if ctx.network_policies:
+        out.append(build_network_policy(pool))
     out += [build_worker_service(pool, r) for r in roles]
     out.append(build_router_service(pool))
     out += [build_statefulset(pool, r, ctx, sizes.get(r)) for r in roles]
@@ -52,7 +56,8 @@ def ref(manifest: dict[str, Any]) -> ChildRef:
 
 def stale_children(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     """Children the pool may have had but must not have now (e.g. prefill after a switch to
-    colocated mode, the HTTPRoute after the gateway is removed); the handler deletes them."""
+    colocated mode, the HTTPRoute after the gateway is removed, the NetworkPolicy after the
+    operator's were turned off); the handler deletes them."""
     every = _every_possible(pool)
     wanted = {ref(m) for m in build_children(pool, ctx)}
     return [r for r in every if r not in wanted]
@@ -69,4 +74,5 @@ def _every_possible(pool: InferencePool) -> list[ChildRef]:
             ChildRef("policy/v1", "PodDisruptionBudget", child),
         ]
     out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
+    out.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(pool)))
     return out

@@ -14,12 +14,14 @@ class BuildContext:
     """Operator-wide defaults a pool may override in `spec`.
 
     The etcd and NATS defaults name the in-cluster services the Helm chart can install; a pool
-    without `spec.infrastructure` uses them.
+    without `spec.infrastructure` uses them. `network_policies` gives every pool a NetworkPolicy
+    for its workers (`builders.networkpolicy`); off, the operator deletes those it made.
     """
 
     image: str = DEFAULT_IMAGE
     etcd_endpoints: tuple[str, ...] = ("http://kvrail-etcd.kvrail-system.svc:2379",)
     nats_url: str = "nats://kvrail-nats.kvrail-system.svc:4222"
+    network_policies: bool = True
 
     def __post_init__(self) -> None:
         if not self.image:

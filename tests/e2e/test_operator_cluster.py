@@ -52,7 +52,8 @@ RDMA_RESOURCE = "rdma/rdma_shared_device_a"
 RDMA_NODES = {"e2e-rdma-a0": "rack-a", "e2e-rdma-a1": "rack-a",
               "e2e-rdma-b0": "rack-b", "e2e-rdma-b1": "rack-b"}  # fmt: skip
 PLAIN_NODE = "e2e-plain-a2"  # GPUs, rack-a, but no RDMA
-CHILD_KINDS = ("configmaps", "services", "statefulsets", "deployments", "poddisruptionbudgets")
+CHILD_KINDS = ("configmaps", "services", "statefulsets", "deployments", "poddisruptionbudgets",
+               "networkpolicies")  # fmt: skip
 DEADLINE_S = 90
 
 
@@ -89,7 +90,8 @@ class Env:
         out = []
         for kind in CHILD_KINDS:
             group = {"statefulsets": "apps/v1", "deployments": "apps/v1",
-                     "poddisruptionbudgets": "policy/v1"}.get(kind)  # fmt: skip
+                     "poddisruptionbudgets": "policy/v1",
+                     "networkpolicies": "networking.k8s.io/v1"}.get(kind)  # fmt: skip
             prefix = f"/apis/{group}" if group else "/api/v1"
             got = self.plane.api(
                 "GET", f"{prefix}/namespaces/{namespace}/{kind}?labelSelector={selector}"
@@ -123,6 +125,15 @@ def ready_at(env: Env, namespace: str, name: str) -> dict[str, Any] | None:
     if ready.get("status") == "True" and ready.get("observedGeneration") == generation:
         return pool if pool["status"]["observedGeneration"] == generation else None
     return None
+
+
+def label_selector(selector: client.V1LabelSelector) -> str:
+    """A LabelSelector as a `labelSelector` query (the In operator only)."""
+    terms = [f"{k}={v}" for k, v in (selector.match_labels or {}).items()]
+    for expr in selector.match_expressions or []:
+        assert expr.operator == "In", expr
+        terms.append(f"{expr.key} in ({','.join(expr.values)})")
+    return ",".join(terms)
 
 
 def running(pods: list[client.V1Pod]) -> list[client.V1Pod]:
@@ -244,6 +255,7 @@ def test_operator_token_is_refused_everything_it_does_not_need(env: Env) -> None
     core = client.CoreV1Api(env.operator_api)
     rbac = client.RbacAuthorizationV1Api(env.operator_api)
     apps = client.AppsV1Api(env.operator_api)
+    networking = client.NetworkingV1Api(env.operator_api)
     # What it needs works with its token ...
     client.CustomObjectsApi(env.operator_api).list_namespaced_custom_object(
         GROUP, VERSION, NAMESPACE, PLURAL
@@ -262,6 +274,9 @@ def test_operator_token_is_refused_everything_it_does_not_need(env: Env) -> None
         lambda: rbac.create_cluster_role(role),
         lambda: apps.list_stateful_set_for_all_namespaces(),
         lambda: apps.read_namespaced_stateful_set("absent", "default"),
+        lambda: networking.list_namespaced_network_policy(NAMESPACE),
+        lambda: networking.read_namespaced_network_policy("absent", NAMESPACE),
+        lambda: networking.delete_namespaced_network_policy("absent", "default"),
         lambda: client.CustomObjectsApi(env.operator_api).list_namespaced_custom_object(
             GROUP, VERSION, "default", PLURAL
         ),
@@ -275,8 +290,8 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
     name, ns = "smol", NAMESPACE
     start = time.monotonic()
     env.kubectl("apply", "-n", ns, "-f", str(REPO / "examples" / "cpu-small.yaml"))
-    kinds = wait_for("10 children", lambda: len(env.children(ns, name)) == 10, DEADLINE_S, 0.05)
-    print(f"\napply to all 10 children created: {time.monotonic() - start:.2f}s")
+    kinds = wait_for("11 children", lambda: len(env.children(ns, name)) == 11, DEADLINE_S, 0.05)
+    print(f"\napply to all 11 children created: {time.monotonic() - start:.2f}s")
     assert kinds
     uid = env.pool(ns, name)["metadata"]["uid"]
     for child in env.children(ns, name):
@@ -289,6 +304,16 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
     assert condition(pool, "Degraded")["status"] == "False"
     assert condition(pool, "Progressing")["status"] == "False"
     assert len(running(env.pods(ns, f"{POOL_LABEL}={name}"))) == 3
+    # The workers' NetworkPolicy selects the two worker pods, not the router, and admits only
+    # them on every port, anyone on the metrics port. (KWOK enforces nothing: no CNI.)
+    policy = client.NetworkingV1Api(env.admin).read_namespaced_network_policy(f"{name}-workers", ns)
+    selector = label_selector(policy.spec.pod_selector)
+    workers = running(env.pods(ns, selector))
+    assert sorted(p.metadata.labels[ROLE_LABEL] for p in workers) == ["decode", "prefill"]
+    peers, metrics = policy.spec.ingress
+    assert peers.ports is None and peers._from[0].namespace_selector is None
+    assert label_selector(peers._from[0].pod_selector) == selector
+    assert (metrics._from, [(p.protocol, p.port) for p in metrics.ports]) == (None, [("TCP", 8080)])
 
     # Scale decode: one more replica, Ready again at the new generation.
     env.patch_pool(ns, name, {"spec": {"decode": {"replicas": 2}}})
@@ -349,7 +374,7 @@ def test_rdma_pool_runs_only_on_rdma_nodes_spread_and_becomes_ready(env: Env) ->
     name, ns = "llama-8b", RDMA_NAMESPACE
     env.kubectl("apply", "-f", str(REPO / "examples" / "gpu-8b-rdma.yaml"))
     wait_for(
-        "11 children incl. the HTTPRoute", lambda: len(env.children(ns, name)) == 11, DEADLINE_S
+        "12 children incl. the HTTPRoute", lambda: len(env.children(ns, name)) == 12, DEADLINE_S
     )
     wait_for("Ready", lambda: ready_at(env, ns, name), DEADLINE_S)
     placed: dict[str, list[str]] = {}
@@ -414,8 +439,10 @@ def test_helm_install_of_the_chart_creates_every_object(env: Env, helm_binary: P
     assert "kubectl get kvpool" in done.stdout  # NOTES
     apps = client.AppsV1Api(env.admin)
     assert apps.read_namespaced_deployment(f"{release}-operator", release)
+    networking = client.NetworkingV1Api(env.admin)
     for name in (f"{release}-etcd", f"{release}-nats"):
         assert apps.read_namespaced_stateful_set(name, release).spec.replicas == 1
+        assert networking.read_namespaced_network_policy(name, release).spec.ingress
     # The post-install Job that enables etcd authentication ran (KWOK completes its pod).
     jobs = client.BatchV1Api(env.admin).list_namespaced_job(release).items
     assert not [j.metadata.name for j in jobs if not j.status.succeeded]

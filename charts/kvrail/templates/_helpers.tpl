@@ -45,7 +45,7 @@ app.kubernetes.io/component: {{ .component }}
 {{/* etcd client URLs the operator gives pools by default (comma-separated), or "". */}}
 {{- define "kvrail.etcdEndpoints" -}}
 {{- if .Values.etcd.enabled -}}
-{{- printf "http://%s-etcd.%s.svc:2379" (include "kvrail.fullname" .) .Release.Namespace -}}
+{{- printf "%s://%s-etcd.%s.svc:2379" (ternary "https" "http" (not (empty .Values.etcd.tls.secretName))) (include "kvrail.fullname" .) .Release.Namespace -}}
 {{- else -}}
 {{- join "," .Values.etcd.endpoints -}}
 {{- end -}}
@@ -53,7 +53,7 @@ app.kubernetes.io/component: {{ .component }}
 
 {{- define "kvrail.natsUrl" -}}
 {{- if .Values.nats.enabled -}}
-{{- printf "nats://%s-nats.%s.svc:4222" (include "kvrail.fullname" .) .Release.Namespace -}}
+{{- printf "%s://%s-nats.%s.svc:4222" (ternary "tls" "nats" (not (empty .Values.nats.tls.secretName))) (include "kvrail.fullname" .) .Release.Namespace -}}
 {{- else -}}
 {{- .Values.nats.url -}}
 {{- end -}}
@@ -72,6 +72,19 @@ in-cluster server, auth.existingSecret for an external one. Pass (dict "ctx" $ "
 {{- else -}}
 {{- $block.auth.existingSecret -}}
 {{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The Secret whose ca.crt the operator trusts for etcd or NATS, or "": caSecret for an external
+server, tls.secretName for the in-cluster one. Pass (dict "ctx" $ "component" "etcd").
+*/}}
+{{- define "kvrail.caSecret" -}}
+{{- $block := index .ctx.Values .component -}}
+{{- if $block.enabled -}}
+{{- $block.tls.secretName -}}
+{{- else -}}
+{{- $block.caSecret -}}
 {{- end -}}
 {{- end -}}
 
@@ -105,10 +118,16 @@ capabilities:
 {{- fail "nats: set either enabled (in-cluster NATS) or url (external), not both" -}}
 {{- end -}}
 {{- if and .Values.etcd.enabled .Values.etcd.caSecret -}}
-{{- fail "etcd.caSecret is for an external etcd (endpoints): the in-cluster etcd serves no TLS" -}}
+{{- fail "etcd.caSecret is for an external etcd (endpoints): the in-cluster etcd serves TLS from etcd.tls.secretName" -}}
 {{- end -}}
 {{- if and .Values.nats.enabled .Values.nats.caSecret -}}
-{{- fail "nats.caSecret is for an external NATS (url): the in-cluster NATS serves no TLS" -}}
+{{- fail "nats.caSecret is for an external NATS (url): the in-cluster NATS serves TLS from nats.tls.secretName" -}}
+{{- end -}}
+{{- if and (not .Values.etcd.enabled) .Values.etcd.tls.secretName -}}
+{{- fail "etcd.tls.secretName is for the in-cluster etcd: for an external etcd set etcd.caSecret" -}}
+{{- end -}}
+{{- if and (not .Values.nats.enabled) .Values.nats.tls.secretName -}}
+{{- fail "nats.tls.secretName is for the in-cluster NATS: for an external NATS set nats.caSecret" -}}
 {{- end -}}
 {{- if and (index .Values.operator "metricsPort") (eq (int (index .Values.operator "metricsPort")) 8080) -}}
 {{- fail "operator.metricsPort must not be 8080, the operator's health port" -}}

@@ -39,6 +39,7 @@ def by_kind(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, A
 def test_disaggregated_pool_has_both_worker_sets_router_budgets_and_config() -> None:
     assert kinds(build_children(make_pool(), CTX)) == [
         ("ConfigMap", "tiny-config"),
+        ("NetworkPolicy", "tiny-workers"),
         ("Service", "tiny-prefill"),
         ("Service", "tiny-decode"),
         ("Service", "tiny-router"),

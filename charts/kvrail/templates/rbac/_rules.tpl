@@ -8,6 +8,9 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
 - inferencepools/finalizers update: owner references with blockOwnerDeletion need it where the
   OwnerReferencesPermissionEnforcement admission plugin is on.
 - statefulsets/scale patch: the planner sets worker replicas through the scale subresource.
+- networkpolicies: each pool's workers' policy is a child like any other (create, patch), and
+  delete removes it where KVRAIL_OPERATOR_NETWORK_POLICIES is false (networkPolicies.enabled);
+  the rule stays when they are off, so turning them off cleans up what the operator made.
 */}}
 {{- define "kvrail.operator.poolRules" -}}
 - apiGroups: [kvrail.dev]
@@ -42,5 +45,8 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
   verbs: [create, patch, delete]
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
+  verbs: [create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
   verbs: [create, patch, delete]
 {{- end -}}
