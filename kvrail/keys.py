@@ -102,6 +102,10 @@ class PoolKeys:
         written (a successful completion travels with the NIXL write instead)."""
         return f"{self._subject_root}.refused.{check_label('worker id', worker_id)}"
 
+    def write_grant(self, worker_id: str) -> str:
+        """Request/reply: a `WriteGrantRequest` to the job's decode worker, before every write."""
+        return f"{self._subject_root}.grant.{check_label('worker id', worker_id)}"
+
     @property
     def prefill_settled(self) -> str:
         """`PrefillSettled`, seen by every prefill worker: never run or write this job again."""

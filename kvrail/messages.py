@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import json
 import re
 import types
@@ -215,6 +216,43 @@ class PrefillSettled(Message):
 
     kind: ClassVar[str] = "prefill_settled"
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteGrantRequest(Message):
+    """Prefill worker -> the job's decode worker (request/reply), right before the NIXL WRITE:
+    may this job's KV go into `block_ids` now?
+
+    The decode worker grants it only while it waits for exactly this job: same incarnation, the
+    very blocks it reserved, the same prompt (`tokens_digest`, see `tokens_digest()`). So a
+    malformed, forged or replayed job (foreign or out-of-range block ids, a request that ended,
+    another prompt) never writes into blocks that another request may own.
+    """
+
+    kind: ClassVar[str] = "write_grant_request"
+    request_id: str
+    dest_incarnation: int
+    block_ids: tuple[int, ...]
+    tokens_digest: str
+
+
+@dataclass(frozen=True, slots=True)
+class WriteGrant(Message):
+    """The decode worker's answer to a `WriteGrantRequest`; `reason` when refused."""
+
+    kind: ClassVar[str] = "write_grant"
+    granted: bool
+    reason: str = ""
+
+
+WRITE_GRANT_REFUSALS = ("invalid", "not_waiting", "stale_incarnation", "foreign_blocks",
+                        "other_prompt")  # fmt: skip
+"""The reasons a decode worker gives for refusing a write grant (metric-safe)."""
+
+
+def tokens_digest(token_ids: tuple[int, ...]) -> str:
+    """A short digest of a prompt's token ids (BLAKE2b-128, hex): the same prompt, or not."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

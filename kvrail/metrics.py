@@ -35,6 +35,7 @@ KV_TRANSFER_SECONDS = PREFIX + "kv_transfer_seconds"
 KV_TRANSFER_FAILURES_TOTAL = PREFIX + "kv_transfer_failures_total"
 KV_TRANSPORT_BANDWIDTH_BYTES_PER_SECOND = PREFIX + "kv_transport_bandwidth_bytes_per_second"
 PREFILL_JOBS_REJECTED_TOTAL = PREFIX + "prefill_jobs_rejected_total"
+KV_WRITE_GRANTS_REFUSED_TOTAL = PREFIX + "kv_write_grants_refused_total"
 
 # operator and planner
 PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"

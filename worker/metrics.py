@@ -42,6 +42,11 @@ PREFILL_JOBS_REJECTED = Counter(
     metrics.PREFILL_JOBS_REJECTED_TOTAL, "Prefill jobs dropped without running, by reason",
     ["reason"], registry=REGISTRY,
 )  # fmt: skip
+KV_WRITE_GRANTS_REFUSED = Counter(
+    metrics.KV_WRITE_GRANTS_REFUSED_TOTAL,
+    "KV writes a decode worker refused to grant (foreign blocks, a request not waiting, ...)",
+    ["reason"], registry=REGISTRY,
+)  # fmt: skip
 RUNNING_REQUESTS = Gauge(metrics.RUNNING_REQUESTS, "Requests running", registry=REGISTRY)
 WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=REGISTRY)
 KV_CACHE_UTILIZATION = Gauge(

@@ -7,11 +7,14 @@ For each `PrefillJob` from the pool's work queue (jobs addressed to this worker 
   when its block ranges do not match the prompt, or when it was cancelled or settled (its outcome
   already consumed by the decode worker, so a late redelivery never writes); the decode worker is
   told on `PoolKeys.prefill_refused` (nothing was written, so it may reuse its blocks at once);
-- otherwise compute the prompt's KV and first token with the engine, retaining the blocks, write
-  blocks `[first_block_index:]` into `dest_block_ids` with one NIXL WRITE whose notification is
-  the encoded `PrefillDone`, and ack only after the write completed. A failed write is nak'ed
-  with a delay (redelivered, bounded by max_deliver); the retained blocks are released in every
-  case.
+- otherwise compute the prompt's KV and first token with the engine, retaining the blocks, ask
+  the decode worker for a write grant (it grants only a job it waits for, with exactly these
+  blocks and this prompt; a refusal drops the job), write blocks `[first_block_index:]` into
+  `dest_block_ids` with one NIXL WRITE whose notification is the encoded `PrefillDone`, and ack
+  only after the write completed. A failed write is handed over to another ready prefill worker
+  (or nak'ed with a delay when there is none), bounded by max_deliver; a job still running when
+  a drain times out is nak'ed for another worker at once; the retained blocks are released in
+  every case.
 
 A job with a request id in flight here, or completed here recently, never writes twice.
 Decode workers' NIXL agents are loaded when they register and dropped at once when they go away
@@ -27,6 +30,7 @@ import concurrent.futures
 import contextlib
 import datetime
 import logging
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -39,13 +43,17 @@ from nats.aio.subscription import Subscription
 from kvrail.bus import PrefillConsumer, QueuedJob
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
+    WRITE_GRANT_REFUSALS,
     Cancel,
     MessageError,
     PrefillDone,
     PrefillJob,
     PrefillSettled,
     WorkerRecord,
+    WriteGrant,
+    WriteGrantRequest,
     decode,
+    tokens_digest,
 )
 from kvrail.worker import metrics
 from kvrail.worker.context import WorkerContext
@@ -57,6 +65,7 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 _RECENT_LIMIT = 10_000  # completed job ids remembered (dedupe of late redeliveries)
 _NAK_DELAY_S = 0.5
+_GRANT_TIMEOUT_S = 2.0
 _MAX_JOBS_IN_FLIGHT = 4
 
 
@@ -77,8 +86,9 @@ class PrefillRole:
         self.service = ctx.service
         self.nixl = ctx.nixl
         self.peers = ctx.peers
+        self.fault_fail_kv_writes = ctx.settings.fault_fail_kv_writes
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
-        self._in_flight: set[str] = set()
+        self._in_flight: dict[str, int] = {}  # job id -> stream sequence of that delivery
         self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
         self._cancelled: OrderedDict[str, None] = OrderedDict()
         self._settled: OrderedDict[str, None] = OrderedDict()  # outcomes consumed by decode
@@ -192,38 +202,53 @@ class PrefillRole:
 
     async def _run(self, queued: QueuedJob, job: PrefillJob) -> None:
         job_id = job.request_id
+        seq = int(queued.msg.metadata.sequence.stream)
         if job_id in self._in_flight:
-            return  # a redelivery while the first attempt runs: that attempt acks the message
+            if self._in_flight[job_id] != seq:  # another message with this id: try it later
+                await queued.nak(_NAK_DELAY_S)
+            return  # else a redelivery while the first attempt runs: that attempt acks it
         if job_id in self._recent:
             log.info("duplicate prefill job acked without a write request_id=%s", job_id)
+            metrics.PREFILL_JOBS_REJECTED.labels("duplicate").inc()
             await queued.ack()
             return
-        self._in_flight.add(job_id)
+        self._in_flight[job_id] = seq
         try:
             async with queued.working(self.prefill_queue.ack_wait_s / 3):
                 await self._prefill_and_write(queued, job)
             _remember(self._recent, job_id)
             await queued.ack()
         except _Refused as err:
-            _remember(self._recent, job_id)
             log.info("prefill job refused request_id=%s reason=%s", job_id, err.reason)
             metrics.PREFILL_JOBS_REJECTED.labels(err.reason).inc()
             await queued.drop()
-            await self._tell_refused(job, err.reason)
+            if not err.reason.startswith("not_granted"):
+                _remember(self._recent, job_id)
+                await self._tell_refused(job, err.reason)
+            # Refused a grant: the decode worker knows, and this (maybe forged) message must not
+            # mark the genuine job with its id as done here.
         except TransferError as err:
             final = queued.num_delivered >= self.prefill_queue.max_deliver
+            others = [r.worker_id for r in self.peers.prefill_workers(self.fingerprint)]
             log.warning(
-                "prefill write failed request_id=%s delivery=%d final=%s error=%s",
-                job_id, queued.num_delivered, final, err,
+                "prefill write failed request_id=%s delivery=%d final=%s handed_to=%s error=%s",
+                job_id, queued.num_delivered, final, "-" if final or not others else others[0],
+                err,
             )  # fmt: skip
             metrics.KV_TRANSFER_FAILURES.labels("write").inc()
             if final:
                 await queued.drop()
                 await self._tell_refused(job, "transfer_failed")
+            elif others:  # prefer a different worker for the next attempt
+                await self.prefill_queue.hand_over(queued, others[0])
             else:
                 await queued.nak(_NAK_DELAY_S)
+        except asyncio.CancelledError:  # a drain timed out: another worker takes it now
+            with contextlib.suppress(nats.errors.Error):
+                await queued.nak(0.0)
+            raise
         finally:
-            self._in_flight.discard(job_id)
+            self._in_flight.pop(job_id, None)
 
     async def _prefill_and_write(self, queued: QueuedJob, job: PrefillJob) -> None:
         fetched = time.monotonic()
@@ -258,6 +283,10 @@ class PrefillRole:
                 if job.with_checksums
                 else ()
             )
+            await self._ask_grant(job)
+            if self.fault_fail_kv_writes and random.random() < self.fault_fail_kv_writes:
+                log.warning("fault injection: failing a KV write request_id=%s", job.request_id)
+                raise TransferError("fault injection: KV write failed")
             done = PrefillDone(
                 request_id=job.request_id, fingerprint=self.fingerprint,
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
@@ -305,14 +334,33 @@ class PrefillRole:
         if len(job.dest_block_ids) != num_prompt_blocks - job.first_block_index:
             raise _Refused("block_count")
 
+    async def _ask_grant(self, job: PrefillJob) -> None:
+        """Raise _Refused unless the decode worker lets this job write into its blocks now."""
+        ask = WriteGrantRequest(
+            request_id=job.request_id, dest_incarnation=job.dest_incarnation,
+            block_ids=job.dest_block_ids, tokens_digest=tokens_digest(job.token_ids),
+        )  # fmt: skip
+        subject = self.keys.write_grant(job.dest_worker_id)
+        try:
+            reply = await self.nc.request(subject, ask.encode(), timeout=_GRANT_TIMEOUT_S)
+            grant = decode(reply.data, WriteGrant)
+        except nats.errors.NoRespondersError as err:
+            raise _Refused("stale_destination") from err
+        except (nats.errors.Error, MessageError) as err:
+            raise TransferError(f"no write grant from {job.dest_worker_id}: {err!r}") from err
+        if not grant.granted:
+            known = grant.reason in WRITE_GRANT_REFUSALS
+            raise _Refused(f"not_granted_{grant.reason}" if known else "not_granted")
+
     @property
     def nixl_block_size(self) -> int:
         return int(self.service.engine.config.block_size)
 
     async def _tell_refused(self, job: PrefillJob, reason: str) -> None:
-        """Tell the decode worker nothing will be written for this job (best effort)."""
-        if reason in ("stale_destination", "settled"):
-            return  # nobody waits for the answer
+        """Tell the decode worker nothing will be written for this job (best effort). A settled
+        job is answered too: its reservation may be quarantined until every writer reports."""
+        if reason == "stale_destination":
+            return  # that incarnation is gone: nobody waits for the answer
         done = PrefillDone(
             request_id=job.request_id, fingerprint=self.fingerprint,
             dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,

@@ -4,14 +4,19 @@
 publishes a `PrefillJob` naming them, waits (bounded by the deadline) for the prefill worker's
 NIXL notification carrying a `PrefillDone` (a refusal comes over NATS instead, as nothing was
 written), validates it against the reservation (checksums when asked) and only then installs the
-request, so a half-written block table never runs. A failure follows `kv_load_failure_policy`:
+request, so a half-written block table never runs. Before writing, the prefill worker asks for a
+write grant (`WriteGrantRequest`), given only while this worker waits for exactly that job: its
+blocks, its prompt, this incarnation; so no forged, stale or replayed job writes into blocks
+another request may hold. A failure follows `kv_load_failure_policy`:
 `recompute` (the caller prefills locally), `fail` (an error), `reroute` (one more attempt on
 another prefill worker within the deadline, then an error).
 
 Blocks handed to a remote writer are never reused while a write may still land: when a remote
-prefill is abandoned without its completion (deadline, lost prefill worker, cancel), its
-reservation is quarantined until the job's deadline (a prefill worker never writes past it) or
-until every attempt's completion or refusal arrived, whichever comes first. Every completion
+prefill is abandoned without its completion (deadline, lost prefill worker, cancel) after a write
+was granted, its reservation is quarantined until the job's deadline (a prefill worker never
+writes past it) or until every granted attempt's completion or refusal arrived, whichever comes
+first. A job never granted cannot write (no more grants once it is abandoned): its blocks are
+free at once. Every completion
 consumed, and every abandoned job, is announced as `PrefillSettled`, so a later redelivery of
 the job never writes.
 """
@@ -38,7 +43,10 @@ from kvrail.messages import (
     PrefillJob,
     PrefillSettled,
     WorkerRecord,
+    WriteGrant,
+    WriteGrantRequest,
     decode,
+    tokens_digest,
 )
 from kvrail.worker import metrics
 from kvrail.worker.context import WorkerContext
@@ -85,10 +93,12 @@ class RemotePrefill:
         self._notifications = ctx.nixl.notifications
         self.peers = ctx.peers
         self._pending: dict[str, asyncio.Future[tuple[PrefillDone, float]]] = {}
+        self._waiting_for: dict[str, tuple[PrefillJob, str]] = {}  # pending job, tokens digest
+        self._granted: set[str] = set()  # job ids granted a write, whose outcome is unknown
         self._quarantine: dict[str, _Quarantined] = {}  # by job id, all attempts of a request
         self._lifted: list[str] = []  # engine ids whose writers all reported late
         self._settling: set[asyncio.Task[None]] = set()
-        self._sub: Subscription | None = None
+        self._subs: list[Subscription] = []
         self._poller: asyncio.Task[None] | None = None
         self.peers.listen(self._on_peer_change)
 
@@ -97,25 +107,56 @@ class RemotePrefill:
         return len(self._quarantined_engine_ids())
 
     async def start(self) -> None:
-        self._sub = await self.nc.subscribe(
-            self.keys.prefill_refused(self.worker_id), cb=self._on_refused
-        )
+        self._subs = [
+            await self.nc.subscribe(self.keys.prefill_refused(self.worker_id), cb=self._on_refused),
+            await self.nc.subscribe(self.keys.write_grant(self.worker_id), cb=self._on_grant),
+        ]
         self._poller = asyncio.create_task(self._poll_notifications(), name="decode-notify")
 
     async def stop(self) -> None:
         """Stop listening and free every quarantined reservation (the process is leaving)."""
-        if self._sub is not None:
+        for sub in self._subs:
             with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
+                await sub.unsubscribe()
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
         for engine_id in self._quarantined_engine_ids():
             await self.service.abort(engine_id)
         self._quarantine.clear()
+        self._granted.clear()
 
     async def _on_refused(self, msg: Msg) -> None:
         self._on_notification(msg.data)
+
+    async def _on_grant(self, msg: Msg) -> None:
+        try:
+            ask = decode(msg.data, WriteGrantRequest)
+            reason = self._grant_refusal(ask)
+        except MessageError:
+            reason = "invalid"
+        if reason:
+            metrics.KV_WRITE_GRANTS_REFUSED.labels(reason).inc()
+            log.warning("kv write not granted reason=%s", reason)
+        else:
+            self._granted.add(ask.request_id)
+        with contextlib.suppress(nats.errors.Error):
+            await msg.respond(WriteGrant(granted=not reason, reason=reason).encode())
+
+    def _grant_refusal(self, ask: WriteGrantRequest) -> str:
+        """Why this write may not happen now ("" when it may)."""
+        future = self._pending.get(ask.request_id)
+        waiting = self._waiting_for.get(ask.request_id)
+        if future is None or future.done() or waiting is None:
+            return "not_waiting"
+        job, digest = waiting
+        if ask.dest_incarnation != self.incarnation:
+            return "stale_incarnation"
+        if ask.block_ids != job.dest_block_ids:
+            return "foreign_blocks"
+        if ask.tokens_digest != digest:
+            return "other_prompt"
+        return ""
 
     def wants(self, request: GenerateRequest) -> bool:
         """Whether to try a remote prefill: disaggregated, long enough, a prefill worker ready."""
@@ -192,7 +233,8 @@ class RemotePrefill:
                         )
                         stages["admission_s"] += time.monotonic() - installed_at
                         for outstanding in job_ids:  # an earlier attempt must never write now
-                            self._settle_soon(outstanding)
+                            self._settle_soon(outstanding)  # (same blocks, same prompt if it did)
+                            self._granted.discard(outstanding)
                         return "installed"
                     reason = "kv_invalid"
                 else:
@@ -221,6 +263,7 @@ class RemotePrefill:
             asyncio.get_running_loop().create_future()
         )
         self._pending[job.request_id] = future
+        self._waiting_for[job.request_id] = (job, tokens_digest(job.token_ids))
         try:
             published = time.monotonic()
             stages["admission_s"] = published - arrived
@@ -233,6 +276,7 @@ class RemotePrefill:
                 raise RequestFailed("deadline") from err
         finally:
             self._pending.pop(job.request_id, None)
+            self._waiting_for.pop(job.request_id, None)
         if done.error is None:
             known = done.queue_wait_s + done.prefill_compute_s + done.transfer_queue_s
             stages.update(
@@ -272,6 +316,7 @@ class RemotePrefill:
         self, engine_id: str, job_ids: list[str], deadline: float
     ) -> None:
         """Free the reservation now when no write can land in it any more, else later."""
+        job_ids = [job_id for job_id in job_ids if job_id in self._granted]
         if not job_ids:
             await self.service.abort(engine_id)
             return
@@ -309,6 +354,7 @@ class RemotePrefill:
             log.warning("ignoring an invalid completion error=%s", err)
             return
         self._settle_soon(done.request_id)
+        self._granted.discard(done.request_id)
         future = self._pending.get(done.request_id)
         if future is not None and not future.done():
             future.set_result((done, time.monotonic()))
@@ -336,6 +382,7 @@ class RemotePrefill:
         }
         for job_id in expired:
             del self._quarantine[job_id]
+            self._granted.discard(job_id)
         released = {q.engine_id for q in expired.values()} | set(self._lifted)
         self._lifted.clear()
         for engine_id in released - self._quarantined_engine_ids():
@@ -344,12 +391,15 @@ class RemotePrefill:
     def _on_peer_change(
         self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
     ) -> None:
-        """A prefill worker went away (or restarted): jobs it held will never complete, and we
-        cannot tell which ones it held, so every pending remote prefill gives up now."""
+        """A prefill worker died (or restarted): jobs it held will never complete, and we cannot
+        tell which ones it held, so every pending remote prefill gives up now. One that drained
+        before leaving (not ready, then gone) held nothing any more: nothing gives up."""
         if old is None or old.role != "prefill":
             return
         if new is not None and new.incarnation == old.incarnation:
             return
+        if new is None and not old.is_ready:
+            return  # it drained and left: it finished or handed back every job it held
         for job_id, future in list(self._pending.items()):
             if not future.done():
                 log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)

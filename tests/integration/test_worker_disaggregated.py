@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import signal
 import time
 import urllib.request
 import uuid
@@ -232,6 +233,66 @@ async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
     await assert_all_blocks_free(nc, pool)
 
 
+def counter(port: int, name: str, reason: str) -> float:
+    """The value of `name{reason="..."}` in a worker's metrics (0 when absent)."""
+    prefix = f'{name}{{reason="{reason}"}} '
+    for line in scrape(port).splitlines():
+        if line.startswith(prefix):
+            return float(line[len(prefix) :])
+    return 0.0
+
+
+async def test_hostile_jobs_are_refused_counted_and_touch_no_other_request(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """Jobs a buggy or hostile publisher puts on the queue, while a genuine request decodes on
+    the same decode worker: blocks the decode worker never reserved for them (in range or not),
+    undecodable or truncated payloads, a prompt longer than the model allows, and a replay of
+    a completed job. The prefill worker refuses and counts every one; the decode worker grants
+    none of their writes; the genuine request's tokens are exactly what they are alone."""
+    prefill, decode_ = pool.metrics_ports["prefill-0"], pool.metrics_ports["decode-0"]
+    rejected, refused = "kvrail_prefill_jobs_rejected_total", "kvrail_kv_write_grants_refused_total"
+    reasons = ("invalid", "invalid_request", "not_granted_not_waiting", "duplicate")
+    before = {r: counter(prefill, rejected, r) for r in reasons}
+    grants_before = counter(decode_, refused, "not_waiting")
+    victim_prompt = prompt(LONG_PROMPT, seed=41)
+    done_id = f"done-{uuid.uuid4().hex[:8]}"
+    alone = tokens_of(await generate(nc, "decode-0", victim_prompt, max_tokens=24,
+                                     request_id=done_id))  # fmt: skip
+    victim = asyncio.create_task(generate(nc, "decode-0", victim_prompt, max_tokens=24))
+    dest = (await pool.records())["decode-0"]
+    base = PrefillJob(
+        request_id="hostile-0", token_ids=prompt(40, seed=61), fingerprint=dest.fingerprint,
+        dest_worker_id="decode-0", dest_incarnation=dest.incarnation,
+        dest_agent_name=dest.nixl_agent_name, dest_block_ids=(1, 2, 3), first_block_index=0,
+        deadline_unix_s=time.time() + 30,
+    )  # fmt: skip
+    too_long = prompt(2000, seed=62)  # max_model_len is 1024
+    jobs = [
+        replace(base, request_id="hostile-foreign"),
+        replace(base, request_id="hostile-out-of-range", dest_block_ids=(90_000, 90_001, 90_002)),
+        replace(base, request_id="hostile-too-long", token_ids=too_long,
+                dest_block_ids=tuple(range(1, 126))),
+        replace(base, request_id=done_id, token_ids=victim_prompt,
+                dest_block_ids=tuple(range(1, 11))),  # a replay of the completed job
+    ]  # fmt: skip
+    payloads = [base.encode()[:-25], b"\x00\xff not json", Cancel("x").encode()]
+    js = nc.jetstream()
+    for i, data in enumerate([*(j.encode() for j in jobs), *payloads]):
+        await js.publish(KEYS.prefill_any, data, stream=KEYS.prefill_stream,
+                         headers={"Nats-Msg-Id": f"hostile-{uuid.uuid4().hex}-{i}"})  # fmt: skip
+    want = {"invalid": 3, "invalid_request": 1, "not_granted_not_waiting": 2, "duplicate": 1}
+    deadline = time.monotonic() + 30
+    while any(counter(prefill, rejected, r) - before[r] < n for r, n in want.items()):
+        assert time.monotonic() < deadline, scrape(prefill)
+        await asyncio.sleep(0.2)
+    assert {r: counter(prefill, rejected, r) - before[r] for r in reasons} == want
+    assert counter(decode_, refused, "not_waiting") - grants_before == 2
+    assert tokens_of(await asyncio.wait_for(victim, 30)) == alone
+    assert await PrefillQueue(js, KEYS).backlog() == 0
+    await assert_all_blocks_free(nc, pool)
+
+
 async def test_workers_publish_kv_events_and_answer_their_kv_state(
     pool: Pool, nc: NatsClient
 ) -> None:
@@ -324,6 +385,35 @@ async def test_reroute_retries_on_another_prefill_worker_then_fails_cleanly(
     await assert_all_blocks_free(nc, pool)
     for name in ("decode-rr", "prefill-1"):
         await asyncio.to_thread(pool.procs[name].stop, 20)
+
+
+async def test_a_failed_write_is_handed_over_to_another_prefill_worker(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """A prefill worker whose KV write fails (fault injection: every write) hands the job over
+    to a different prefill worker instead of retrying it itself; the request is still prefilled
+    remotely and decodes exactly like the colocated worker."""
+    bad = pool.start("prefill-bad", "prefill", KVRAIL_FAULT_FAIL_KV_WRITES="1")
+    await asyncio.to_thread(pool.wait_ready, "prefill-bad")
+    token_ids = prompt(LONG_PROMPT, seed=51)
+    colocated = await generate(nc, "colo-0", token_ids)
+    good = pool.procs["prefill-0"]
+    # Paused (for well under its 3 s lease), so the shared queue's job goes to the failing one.
+    good.kill(signal.SIGSTOP)
+    try:
+        request = asyncio.create_task(generate(nc, "decode-0", token_ids))
+        deadline = time.monotonic() + 30
+        while "handed_to=prefill-0" not in bad.log_path.read_text():
+            assert time.monotonic() < deadline, bad.tail()
+            await asyncio.sleep(0.1)
+    finally:
+        good.kill(signal.SIGCONT)
+    events = await asyncio.wait_for(request, 30)
+    assert events[0].prefill_mode == "remote"
+    assert tokens_of(events) == tokens_of(colocated)
+    assert "fault injection: failing a KV write" in bad.log_path.read_text()
+    await assert_all_blocks_free(nc, pool)
+    await asyncio.to_thread(bad.stop, 20)
 
 
 def tokens_of_any(events: list[TokenEvent]) -> list[int]:

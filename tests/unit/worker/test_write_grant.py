@@ -1,0 +1,92 @@
+"""The decode worker's write grant: which prefill jobs may write into its reserved blocks.
+
+`RemotePrefill._grant_refusal` is pure logic over what the decode worker waits for; the whole
+exchange (a prefill worker asking over NATS before every NIXL write) runs in
+tests/integration/test_worker_disaggregated.py, with hostile jobs on a real queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, cast
+
+from kvrail.messages import (
+    WRITE_GRANT_REFUSALS,
+    PrefillDone,
+    PrefillJob,
+    WriteGrantRequest,
+    tokens_digest,
+)
+from kvrail.settings import Settings
+from kvrail.worker.context import WorkerContext
+from kvrail.worker.remote_prefill import RemotePrefill
+
+JOB = PrefillJob(
+    request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
+    dest_incarnation=7, dest_agent_name="decode-0-7", dest_block_ids=(3, 4), first_block_index=0,
+    deadline_unix_s=2e9,
+)  # fmt: skip
+
+
+def remote_prefill() -> RemotePrefill:
+    ctx = SimpleNamespace(
+        settings=Settings(), keys=None, worker_id="decode-0", incarnation=7,
+        agent_name="decode-0-7", fingerprint="f" * 64, nc=None, prefill_queue=None, service=None,
+        nixl=SimpleNamespace(region=None, notifications=list),
+        peers=SimpleNamespace(listen=lambda _callback: None),
+    )  # fmt: skip
+    return RemotePrefill(cast(WorkerContext, ctx))
+
+
+def ask(**changes: Any) -> WriteGrantRequest:
+    base = WriteGrantRequest(
+        request_id=JOB.request_id, dest_incarnation=7, block_ids=JOB.dest_block_ids,
+        tokens_digest=tokens_digest(JOB.token_ids),
+    )  # fmt: skip
+    return replace(base, **changes)
+
+
+async def test_only_the_job_waited_for_with_its_blocks_and_prompt_is_granted() -> None:
+    rp = remote_prefill()
+    assert rp._grant_refusal(ask()) == "not_waiting"  # nothing pending yet
+    future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
+    rp._pending[JOB.request_id] = future
+    rp._waiting_for[JOB.request_id] = (JOB, tokens_digest(JOB.token_ids))
+    assert rp._grant_refusal(ask()) == ""
+    assert rp._grant_refusal(ask(block_ids=(3, 5))) == "foreign_blocks"
+    assert rp._grant_refusal(ask(block_ids=(3, 4, 5))) == "foreign_blocks"
+    assert rp._grant_refusal(ask(block_ids=(90_000, 90_001))) == "foreign_blocks"
+    assert rp._grant_refusal(ask(dest_incarnation=6)) == "stale_incarnation"
+    assert rp._grant_refusal(ask(tokens_digest=tokens_digest((5, 6, 7, 8)))) == "other_prompt"
+    assert rp._grant_refusal(ask(request_id="r-2")) == "not_waiting"
+    future.cancel()  # abandoned (deadline, cancel): no grant any more
+    assert rp._grant_refusal(ask()) == "not_waiting"
+    reasons = {"foreign_blocks", "stale_incarnation", "other_prompt", "not_waiting", "invalid"}
+    assert reasons == set(WRITE_GRANT_REFUSALS)
+
+
+async def test_an_abandoned_job_never_granted_frees_its_blocks_at_once() -> None:
+    """Quarantine waits only for writers that were granted: a job nobody was granted cannot
+    write, so its reservation is released immediately."""
+    aborted: list[str] = []
+    rp = remote_prefill()
+
+    async def abort(engine_id: str) -> None:
+        aborted.append(engine_id)
+
+    rp.service = cast(Any, SimpleNamespace(abort=abort))
+    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    await rp._quarantine_or_release("r-1", ["r-1"], deadline=2e9)
+    assert aborted == ["r-1"] and not rp.is_quarantined("r-1")
+    rp._granted.add("r-2")
+    await rp._quarantine_or_release("r-2", ["r-2"], deadline=2e9)
+    assert aborted == ["r-1"] and rp.is_quarantined("r-2")
+
+
+def test_digests_tell_prompts_apart() -> None:
+    assert tokens_digest((1, 2, 3)) == tokens_digest((1, 2, 3))
+    assert tokens_digest((1, 2, 3)) != tokens_digest((1, 2, 4))
+    assert tokens_digest((1, 2)) != tokens_digest((1, 2, 0))
+    assert len(tokens_digest(())) == 32
