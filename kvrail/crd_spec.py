@@ -321,3 +321,7 @@ class SecuritySpec(CrdModel):
     api_keys_secret: str | None = Field(None, max_length=253)
     """A Secret with key `api-keys.yaml` mapping API keys to tenants; mounted in the router.
     Optional: without it the router accepts every request."""
+    zero_kv_on_release: bool = False
+    """Zero a KV block as soon as no request holds it, so nothing of a finished request stays
+    in worker memory (or readable by a KV transfer peer). Prefix reuse then happens only between
+    requests that run at the same time. Default false."""

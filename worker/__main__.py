@@ -60,6 +60,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         "num_blocks": settings.num_kv_blocks, "block_size": settings.block_size,
         "max_num_seqs": settings.max_num_seqs,
         "max_num_batched_tokens": settings.max_num_batched_tokens,
+        "zero_kv_on_release": settings.zero_kv_on_release,
     }  # fmt: skip
     if settings.max_model_len is not None:
         config["max_model_len"] = settings.max_model_len

@@ -146,6 +146,8 @@ def worker_env(pool: InferencePool, spec: RoleSpec, ctx: BuildContext) -> list[d
     ]
     if topology.ucx_net_devices:
         env.append({"name": "UCX_NET_DEVICES", "value": topology.ucx_net_devices})
+    if pool.spec.security.zero_kv_on_release:
+        env.append(setting("zero_kv_on_release", "true"))
     return merge_env(env, [e.model_dump(mode="json") for e in spec.env])
 
 

@@ -19,7 +19,7 @@ The journal holds at most one entry per hash, so it stays bounded even if nobody
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
@@ -50,11 +50,21 @@ class KVBlock:
 class BlockPool:
     """Blocks 1..num_blocks-1 for requests; block 0 is the null block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        enable_caching: bool = True,
+        on_release: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`on_release`, when given, is called with the ids of the blocks each `free()` released
+        (their last reference gone), at once, and such blocks leave the prefix cache: the
+        owner zeroes them (`security.zeroKVOnRelease`), so nothing of a finished request stays
+        readable. Prefix reuse then happens only between requests that overlap in time."""
         if num_blocks < 2:
             raise ValueError(f"a block pool needs at least 2 blocks (1 null + 1), got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.on_release = on_release
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -106,11 +116,17 @@ class BlockPool:
     def free(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block, in order; blocks reaching zero join the queue's
         tail (so pass a request's blocks tail first to evict its last blocks first)."""
+        released = []
         for block in blocks:
             assert block.ref_cnt > 0, f"block {block.block_id} freed more often than referenced"
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                released.append(block.block_id)
+                if self.on_release is not None and block.block_hash is not None:
+                    self._uncache(block)
+        if self.on_release is not None and released:
+            self.on_release(released)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Record that `block` (full, its KV written) holds `block_hash`. If another block already

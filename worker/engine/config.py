@@ -15,6 +15,8 @@ class EngineConfig:
     `max_num_batched_tokens` is the per-step token budget; with chunked prefill a prompt longer
     than it is computed over several steps. `max_model_len` bounds prompt + output tokens.
     `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
+    `zero_kv_on_release` zeroes every block whose last reference is dropped, at once (and keeps
+    no finished request's blocks in the prefix cache).
     """
 
     num_blocks: int
@@ -25,6 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_cuda_graphs: bool = True
+    zero_kv_on_release: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_batched_tokens"):

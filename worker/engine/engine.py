@@ -96,8 +96,9 @@ class LLMEngine:
         )
         detokenize = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(
-            config, root_hash(fingerprint.digest), StopChecker(eos_token_id, detokenize)
-        )
+            config, root_hash(fingerprint.digest), StopChecker(eos_token_id, detokenize),
+            self._zero_blocks if config.zero_kv_on_release else None,
+        )  # fmt: skip
         self._tenant_roots: dict[str, bytes] = {}
         graphs = None
         if self.device.type == "cuda" and config.enable_cuda_graphs:
@@ -217,6 +218,12 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache now (those of running requests included)."""
         return self.scheduler.kv_cache_manager.cached_block_hashes()
+
+    def _zero_blocks(self, block_ids: list[int]) -> None:
+        """Zero released blocks (every layer, K and V). On a GPU the fill is queued on the
+        stream, after every kernel that used the blocks and before any later write."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        self.kv_cache.tensor.index_fill_(0, index, 0)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)

@@ -15,7 +15,7 @@ Guarantees:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvrail.hashing import block_hashes
 from kvrail.worker.engine.block_pool import BlockPool, KVBlock, KvChanges
@@ -35,13 +35,14 @@ class KVCacheManager:
         block_size: int,
         hash_root: bytes,
         enable_prefix_caching: bool = True,
+        on_release: Callable[[list[int]], None] | None = None,
     ) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {block_size}")
         self.block_size = block_size
         self.hash_root = hash_root
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching=enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, enable_prefix_caching, on_release)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 

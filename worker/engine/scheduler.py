@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from kvrail.errors import InvalidRequestError
 from kvrail.worker.engine.config import EngineConfig
@@ -39,11 +40,19 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, hash_root: bytes, stop_checker: StopChecker) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        hash_root: bytes,
+        stop_checker: StopChecker,
+        on_release: Callable[[list[int]], None] | None = None,
+    ) -> None:
+        """`on_release`: see `BlockPool` (zeroing released blocks)."""
         self.config = config
         self.kv_cache_manager = KVCacheManager(
-            config.num_blocks, config.block_size, hash_root, config.enable_prefix_caching
-        )
+            config.num_blocks, config.block_size, hash_root, config.enable_prefix_caching,
+            on_release,
+        )  # fmt: skip
         self.stop_checker = stop_checker
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()

@@ -39,3 +39,30 @@ def test_step_reports_each_new_token_and_the_finish_reason() -> None:
     assert outputs[-1].finish_reason == "length"
     assert engine.step() == []
     assert_engine_empty(engine)
+
+
+def test_zero_kv_on_release_leaves_no_finished_request_in_memory() -> None:
+    """`security.zeroKVOnRelease`: once a request finishes (or is aborted) every block it held
+    is zero and out of the prefix cache, and the tokens are the same as without zeroing."""
+    plain = make_engine(tiny_llama_config(), seed=1)
+    zeroing = make_engine(tiny_llama_config(), seed=1, zero_kv_on_release=True)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    outputs = []
+    for engine in (plain, zeroing):
+        engine.add_request("a", PROMPT, params)
+        engine.add_request("b", PROMPT, params)  # the same prompt, at the same time
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.output_token_ids for o in engine.step()})
+        outputs.append(done)
+    assert outputs[0] == outputs[1]
+    assert plain.kv_cache.tensor.abs().sum() > 0 and plain.cached_block_hashes()
+    assert zeroing.kv_cache.tensor.abs().sum() == 0 and not zeroing.cached_block_hashes()
+    # An aborted request's blocks are zeroed too, and a later request recomputes its prefix.
+    zeroing.add_request("c", PROMPT, params)
+    zeroing.step()
+    assert zeroing.kv_cache.tensor.abs().sum() > 0
+    assert zeroing.abort("c")
+    assert zeroing.kv_cache.tensor.abs().sum() == 0
+    assert _run(zeroing, "d", tenant="") == 0
+    assert_engine_empty(zeroing)
