@@ -1,0 +1,325 @@
+"""Faults under load: kill -9 and restart each component while clients keep sending requests.
+
+`Soak` drives a `LocalPool` (real etcd, NATS, prefill and decode workers and a router, each its
+own process) with a few concurrent clients, each sending greedy completions through the real
+`openai` client, one after another. Before any fault it records every prompt's answer; after it,
+each request ends in exactly one of these outcomes:
+
+- `completed`: the answer, identical to the recorded one (anything else is `wrong`);
+- `failed`: a clear error within the request's deadline: an OpenAI error body with a status, or
+  a refused / reset connection while the router itself is down;
+- `lost`: no answer and no error by the deadline plus a margin (a hang): must never happen.
+
+A scenario kills one component with SIGKILL at a moment of load, restarts it (same name, same
+port, same data directory for etcd and NATS) after `down_s`, keeps the load on until the end of
+its window, then waits for every live worker to hold no block. It reports the outcome counts, the
+recovery time (from the restart until the first request that started after it completes) and
+the blocks still held after `settle_s` (must be 0). `bench/soak/run.py` runs the scenarios for a
+bounded duration and writes the figures; `tests/integration/test_faults.py` runs them briefly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import nats.errors
+import openai
+from nats.aio.client import Client as NatsClient
+
+from kvrail.bus import connect
+from kvrail.procs import free_port
+from kvrail.servers import EtcdServer, NatsServer
+from kvrail.testing.pool import LocalPool
+
+MODEL = "SmolLM2-135M-Instruct"
+COMPONENTS = ("prefill", "decode", "router", "nats", "etcd")
+_Server = TypeVar("_Server", EtcdServer, NatsServer)
+_WORDS = ("river", "stone", "lamp", "orchard", "signal", "copper", "meadow", "harbor", "violet")
+
+
+def prompts(count: int, num_words: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [" ".join(rng.choice(_WORDS) for _ in range(num_words)) for _ in range(count)]
+
+
+@dataclass
+class Outcome:
+    kind: str  # completed | wrong | failed | lost
+    started: float
+    ended: float
+    detail: str = ""
+
+
+@dataclass
+class ScenarioResult:
+    component: str
+    outcomes: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    recovery_s: float | None = None
+    blocks_leaked: int = 0
+    settle_s: float = 0.0
+
+    @property
+    def sent(self) -> int:
+        return sum(self.outcomes.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "component": self.component, "sent": self.sent,
+            "completed": self.outcomes["completed"], "wrong": self.outcomes["wrong"],
+            "failed_cleanly": self.outcomes["failed"], "lost": self.outcomes["lost"],
+            "errors": dict(self.errors), "recovery_s": self.recovery_s,
+            "blocks_leaked": self.blocks_leaked, "settle_s": round(self.settle_s, 2),
+        }  # fmt: skip
+
+
+class Soak:
+    """The load and the faults. `pool` runs `prefill-0`, `decode-0`, `decode-1` and `router`
+    (started by the caller, which also owns `etcd` and `nats`); the router listens on
+    `router_port`."""
+
+    def __init__(
+        self,
+        pool: LocalPool,
+        etcd: EtcdServer,
+        nats: NatsServer,
+        router_port: int,
+        *,
+        deadline_s: float,
+        max_tokens: int = 8,
+        num_clients: int = 3,
+        prompt_words: int = 60,
+        num_prompts: int = 6,
+    ) -> None:
+        self.pool = pool
+        self.etcd = etcd
+        self.nats = nats
+        self.router_port = router_port
+        self.deadline_s = deadline_s
+        self.max_tokens = max_tokens
+        self.num_clients = num_clients
+        self.prompts = prompts(num_prompts, prompt_words)
+        self.expected: dict[str, str] = {}
+        self._client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{router_port}/v1", api_key="unused", max_retries=0,
+            timeout=deadline_s + 15.0,
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def record_answers(self) -> None:
+        """Every prompt's answer with nothing failing (the reference for `wrong`)."""
+        for prompt in self.prompts:
+            outcome, text = await self._ask(prompt)
+            if outcome.kind != "completed":
+                raise AssertionError(f"no reference answer: {outcome.kind} {outcome.detail}")
+            self.expected[prompt] = text
+
+    async def _ask(self, prompt: str) -> tuple[Outcome, str]:
+        started = time.monotonic()
+        try:
+            reply = await self._client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=self.max_tokens, temperature=0
+            )
+        except openai.APITimeoutError:
+            return Outcome("lost", started, time.monotonic(), "client timeout"), ""
+        except openai.APIConnectionError as err:
+            return Outcome("failed", started, time.monotonic(), f"connection: {err}"), ""
+        except openai.APIStatusError as err:
+            body = err.body if isinstance(err.body, dict) else {}
+            code = body.get("code") or body.get("type") or "?"
+            return Outcome("failed", started, time.monotonic(), f"{err.status_code} {code}"), ""
+        ended = time.monotonic()
+        text = reply.choices[0].text
+        if prompt in self.expected and text != self.expected[prompt]:
+            return Outcome("wrong", started, ended, "different text"), text
+        return Outcome("completed", started, ended), text
+
+    async def _load(self, stop_at: float, outcomes: list[Outcome]) -> None:
+        async def client(i: int) -> None:
+            rng = random.Random(i)
+            while time.monotonic() < stop_at:
+                outcome, _ = await self._ask(rng.choice(self.prompts))
+                outcomes.append(outcome)
+                if outcome.kind == "failed":  # a client backs off a little after an error
+                    await asyncio.sleep(0.2)
+
+        await asyncio.gather(*(client(i) for i in range(self.num_clients)))
+
+    async def scenario(
+        self,
+        component: str,
+        nc_factory: Callable[[], Any],
+        *,
+        window_s: float,
+        fault_after_s: float,
+        down_s: float,
+        settle_s: float = 60.0,
+    ) -> ScenarioResult:
+        """Load for `window_s`; at `fault_after_s` kill `component`, restart it `down_s` later."""
+        result = ScenarioResult(component)
+        outcomes: list[Outcome] = []
+        started = time.monotonic()
+        load = asyncio.create_task(self._load(started + window_s, outcomes))
+        await asyncio.sleep(fault_after_s)
+        await asyncio.to_thread(self._kill, component)
+        await asyncio.sleep(down_s)
+        restarted = time.monotonic()
+        await asyncio.to_thread(self._restart, component)
+        await load
+        for o in outcomes:
+            result.outcomes[o.kind] += 1
+            if o.kind != "completed":
+                result.errors[o.detail.split(":")[0]] += 1
+        after = sorted(o.ended for o in outcomes if o.kind == "completed" and o.started > restarted)
+        result.recovery_s = round(after[0] - restarted, 2) if after else None
+        settle_from = time.monotonic()
+        nc: NatsClient = await nc_factory()
+        try:
+            result.blocks_leaked = await self._blocks_held(nc, settle_s)
+        finally:
+            await nc.close()
+        result.settle_s = time.monotonic() - settle_from
+        return result
+
+    async def _blocks_held(self, nc: NatsClient, timeout_s: float) -> int:
+        """Blocks live workers still hold after waiting up to `timeout_s` for them to free."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            held = 0
+            for worker_id in self.pool.live():
+                try:
+                    c = await self.pool.block_counts(nc, worker_id)
+                except (nats.errors.Error, TimeoutError):  # still reconnecting: ask again
+                    held += 1
+                    continue
+                held += (c.num_blocks - c.num_free_blocks) + c.num_pending
+            if held == 0 or time.monotonic() > deadline:
+                return held
+            await asyncio.sleep(0.5)
+
+    # -- faults -----------------------------------------------------------------------------------
+
+    def _kill(self, component: str) -> None:
+        if component == "prefill":
+            self.pool.kill("prefill-0")
+        elif component == "decode":
+            self.pool.kill("decode-0")
+        elif component == "router":
+            self.pool.kill("router")
+        elif component == "nats":
+            _kill_server(self.nats)
+        elif component == "etcd":
+            _kill_server(self.etcd)
+        else:
+            raise ValueError(f"unknown component {component!r} (one of {COMPONENTS})")
+
+    def _restart(self, component: str) -> None:
+        if component == "prefill":
+            self.pool.start("prefill-0", "prefill")
+            self.pool.wait_ready("prefill-0")
+        elif component == "decode":
+            self.pool.start("decode-0", "decode")
+            self.pool.wait_ready("decode-0")
+        elif component == "router":
+            self.pool.start_router("router", KVRAIL_HTTP_PORT=str(self.router_port))
+            self.pool.wait_ready("router")
+        elif component == "nats":
+            self.nats = _restarted(self.nats)
+        elif component == "etcd":
+            self.etcd = _restarted(self.etcd)
+
+
+def _kill_server(server: EtcdServer | NatsServer) -> None:
+    assert server.process is not None
+    server.process.kill()
+    deadline = time.monotonic() + 10
+    while server.process.is_running():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{server.process.name} survived kill -9")
+        time.sleep(0.01)
+
+
+def _restarted(server: _Server) -> _Server:
+    """The same server (ports, data directory, settings) started again."""
+    return dataclasses.replace(server, process=None).start()
+
+
+async def run_soak(
+    root: Path,
+    components: tuple[str, ...] = COMPONENTS,
+    *,
+    window_s: float = 40.0,
+    fault_after_s: float = 10.0,
+    down_s: float = 3.0,
+    deadline_s: float = 20.0,
+    settle_s: float = 60.0,
+    num_clients: int = 3,
+) -> tuple[list[ScenarioResult], dict[str, str]]:
+    """Start etcd, NATS and the pool under `root`, record the answers, run one scenario per
+    component in order, stop everything. Returns the results and {prompt: answer}; logs stay
+    under `root`."""
+    etcd = EtcdServer(root / "etcd", root / "etcd.log").start()
+    nats_server = NatsServer(root / "nats", root / "nats.log").start()
+    router_port = free_port()
+    env = {
+        "KVRAIL_MIN_REMOTE_PREFILL_TOKENS": "32",
+        "KVRAIL_TRANSFER_CHECKSUMS": "true",
+        "KVRAIL_NUM_KV_BLOCKS": "96",
+        "KVRAIL_MAX_MODEL_LEN": "512",
+        "KVRAIL_REQUEST_TIMEOUT_S": str(deadline_s),
+    }
+    pool = LocalPool(etcd, nats_server, root / "logs", f"soak-{uuid.uuid4().hex[:6]}", env)
+    soak: Soak | None = None
+    try:
+        for worker_id, role in (("prefill-0", "prefill"), ("decode-0", "decode"),
+                                ("decode-1", "decode")):  # fmt: skip
+            pool.start(worker_id, role)
+        for worker_id in ("prefill-0", "decode-0", "decode-1"):
+            await asyncio.to_thread(pool.wait_ready, worker_id)
+        pool.start_router("router", KVRAIL_HTTP_PORT=str(router_port))
+        await asyncio.to_thread(pool.wait_ready, "router")
+        soak = Soak(pool, etcd, nats_server, router_port, deadline_s=deadline_s,
+                    num_clients=num_clients)  # fmt: skip
+        await soak.record_answers()
+        results = []
+        for component in components:
+            result = await soak.scenario(
+                component, lambda: connect(pool.settings, "soak"), window_s=window_s,
+                fault_after_s=fault_after_s, down_s=down_s, settle_s=settle_s,
+            )  # fmt: skip
+            results.append(result)
+        return results, dict(soak.expected)
+    finally:
+        if soak is not None:
+            await soak.close()
+            etcd, nats_server = soak.etcd, soak.nats
+        pool.stop()
+        nats_server.stop()
+        etcd.stop()
+
+
+def table(results: list[ScenarioResult]) -> str:
+    """A Markdown table of the figures."""
+    rows = [
+        "| killed (-9) and restarted | sent | completed | failed cleanly | lost | wrong | "
+        "recovery s | blocks leaked |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        d = r.as_dict()
+        rows.append(
+            f"| {r.component} | {d['sent']} | {d['completed']} | {d['failed_cleanly']} | "
+            f"{d['lost']} | {d['wrong']} | {d['recovery_s']} | {d['blocks_leaked']} |"
+        )
+    return "\n".join(rows)
