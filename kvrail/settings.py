@@ -106,6 +106,19 @@ class Settings(BaseModel):
         description="fault injection for tests: the fraction of KV writes a prefill worker "
         "attempts that fail (a transfer error) before anything is written",
     )  # fmt: skip
+    fault_delay_kv_writes_s: float = Field(
+        0.0, ge=0, le=60, description="fault injection for tests: a delay before every KV write"
+    )
+    fault_lose_kv_notifications: float = Field(
+        0.0, ge=0, le=1,
+        description="fault injection for tests: the fraction of KV writes whose completion "
+        "notification is lost (the bytes land, the decode worker never hears of it)",
+    )  # fmt: skip
+    remote_prefill_timeout_s: float = Field(
+        30.0, gt=0, le=3600,
+        description="how long a decode worker waits for a remote prefill's KV before following "
+        "kv_load_failure_policy (never past the request's deadline)",
+    )  # fmt: skip
     drain_timeout_s: float = Field(
         30.0, ge=0, le=3600,
         description="on SIGTERM, how long a worker lets in-flight work finish before failing it",

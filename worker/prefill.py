@@ -30,7 +30,6 @@ import concurrent.futures
 import contextlib
 import datetime
 import logging
-import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -59,6 +58,7 @@ from kvrail.worker import metrics
 from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.transfer.envelope import block_checksums
+from kvrail.worker.transfer.faults import TransportFaults
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class PrefillRole:
         self.service = ctx.service
         self.nixl = ctx.nixl
         self.peers = ctx.peers
-        self.fault_fail_kv_writes = ctx.settings.fault_fail_kv_writes
+        self.faults = TransportFaults.from_settings(ctx.settings)
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._in_flight: dict[str, int] = {}  # job id -> stream sequence of that delivery
         self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
@@ -284,9 +284,6 @@ class PrefillRole:
                 else ()
             )
             await self._ask_grant(job)
-            if self.fault_fail_kv_writes and random.random() < self.fault_fail_kv_writes:
-                log.warning("fault injection: failing a KV write request_id=%s", job.request_id)
-                raise TransferError("fault injection: KV write failed")
             done = PrefillDone(
                 request_id=job.request_id, fingerprint=self.fingerprint,
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
@@ -296,9 +293,16 @@ class PrefillRole:
                 transport=self.nixl.transport, queue_wait_s=queue_wait_s,
                 prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
             )  # fmt: skip
+            notification = done.encode()
             stats = await self._nixl_call(
-                lambda: self.nixl.write(
-                    job.dest_agent_name, src, job.dest_block_ids, done.encode(), deadline
+                lambda: self.faults.write(
+                    self.nixl,
+                    job.request_id,
+                    job.dest_agent_name,
+                    src,
+                    job.dest_block_ids,
+                    notification,
+                    deadline,
                 )
             )
         finally:

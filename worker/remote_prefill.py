@@ -269,11 +269,12 @@ class RemotePrefill:
             stages["admission_s"] = published - arrived
             if not await self.prefill_queue.publish(job, to_worker=target):
                 raise RequestFailed("duplicate_job")
-            remaining = deadline - time.monotonic()
+            wait_until = min(deadline, published + self.settings.remote_prefill_timeout_s)
+            remaining = wait_until - time.monotonic()
             try:
                 done, landed = await asyncio.wait_for(asyncio.shield(future), max(remaining, 0.0))
-            except TimeoutError as err:
-                raise RequestFailed("deadline") from err
+            except TimeoutError as err:  # the job's deadline, or our patience with it
+                raise RequestFailed("deadline" if wait_until == deadline else "kv_timeout") from err
         finally:
             self._pending.pop(job.request_id, None)
             self._waiting_for.pop(job.request_id, None)

@@ -21,29 +21,32 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvrail.testing.soak import COMPONENTS, run_soak, table
+from kvrail.testing.soak import COMPONENTS, FAULTS, run_soak, table
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--components", default=",".join(COMPONENTS))
+    parser.add_argument("--scenarios", default=",".join(COMPONENTS + FAULTS))
     parser.add_argument("--window-s", type=float, default=60.0, help="load per scenario")
     parser.add_argument("--fault-after-s", type=float, default=15.0)
     parser.add_argument("--down-s", type=float, default=5.0, help="how long it stays dead")
+    parser.add_argument("--fault-s", type=float, default=15.0, help="how long a fault lasts")
     parser.add_argument("--deadline-s", type=float, default=20.0, help="per request")
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--out", type=Path, help="write results.json and results.md here")
     parser.add_argument("--keep", type=Path, help="keep the logs in this directory")
     args = parser.parse_args()
-    components = tuple(c for c in args.components.split(",") if c)
-    unknown = set(components) - set(COMPONENTS)
+    scenarios = tuple(c for c in args.scenarios.split(",") if c)
+    unknown = set(scenarios) - set(COMPONENTS + FAULTS)
     if unknown:
-        parser.error(f"unknown components {sorted(unknown)} (known: {', '.join(COMPONENTS)})")
+        known = ", ".join(COMPONENTS + FAULTS)
+        parser.error(f"unknown scenarios {sorted(unknown)} (known: {known})")
     root = args.keep or Path(tempfile.mkdtemp(prefix="kvrail-soak-"))
     started = time.monotonic()
     soak = run_soak(
-        root, components, window_s=args.window_s, fault_after_s=args.fault_after_s,
-        down_s=args.down_s, deadline_s=args.deadline_s, num_clients=args.clients,
+        root, scenarios, window_s=args.window_s, fault_after_s=args.fault_after_s,
+        down_s=args.down_s, fault_s=args.fault_s, deadline_s=args.deadline_s,
+        num_clients=args.clients,
     )  # fmt: skip
     results, _answers = asyncio.run(soak)
     report = table(results)
@@ -54,7 +57,7 @@ def main() -> int:
         setup = {
             "command": " ".join(sys.argv), "machine": platform.platform(),
             "python": platform.python_version(), "window_s": args.window_s,
-            "fault_after_s": args.fault_after_s, "down_s": args.down_s,
+            "fault_after_s": args.fault_after_s, "down_s": args.down_s, "fault_s": args.fault_s,
             "deadline_s": args.deadline_s, "clients": args.clients,
         }  # fmt: skip
         body = {"setup": setup, "scenarios": [r.as_dict() for r in results]}

@@ -10,11 +10,15 @@ each request ends in exactly one of these outcomes:
   a refused / reset connection while the router itself is down;
 - `lost`: no answer and no error by the deadline plus a margin (a hang): must never happen.
 
-A scenario kills one component with SIGKILL at a moment of load, restarts it (same name, same
-port, same data directory for etcd and NATS) after `down_s`, keeps the load on until the end of
-its window, then waits for every live worker to hold no block. It reports the outcome counts, the
-recovery time (from the restart until the first request that started after it completes) and
-the blocks still held after `settle_s` (must be 0). `bench/soak/run.py` runs the scenarios for a
+A scenario either kills one component (`COMPONENTS`) with SIGKILL at a moment of load and
+restarts it (same name, same port, same data directory for etcd and NATS) after `down_s`, or
+injects a fault (`FAULTS`) for `fault_s`: prefill-0 restarted with transport faults (failed
+writes, delayed writes, lost completion notifications; `kvrail.worker.transfer.faults`), or a
+burst of extra clients (long answers that fill the KV pools; streams read slowly). The load goes
+on until the end of its window, then the scenario waits for every live worker to hold no block.
+It reports the outcome counts, the recovery time (from the restart, or the end of the fault,
+until the first request that started after it completes) and the blocks still held after
+`settle_s` (must be 0). `bench/soak/run.py` runs the scenarios for a
 bounded duration and writes the figures; `tests/integration/test_faults.py` runs them briefly.
 """
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import random
 import time
 import uuid
@@ -42,6 +47,19 @@ from kvrail.testing.pool import LocalPool
 
 MODEL = "SmolLM2-135M-Instruct"
 COMPONENTS = ("prefill", "decode", "router", "nats", "etcd")
+"""Killed with SIGKILL and restarted: prefill-0, decode-0, the router, NATS, etcd."""
+_TRANSPORT_FAULTS: dict[str, dict[str, str]] = {  # prefill-0 runs with these for a while
+    "transfer-fail": {"KVRAIL_FAULT_FAIL_KV_WRITES": "0.5"},
+    "transfer-delay": {"KVRAIL_FAULT_DELAY_KV_WRITES_S": "1.5"},
+    "transfer-loss": {"KVRAIL_FAULT_LOSE_KV_NOTIFICATIONS": "0.5"},
+}
+_BURSTS: dict[str, tuple[int, int, float]] = {  # extra clients, max_tokens, read pause
+    "kv-full": (8, 200, 0.0),  # about the KV both decode workers hold: preemption, queueing
+    "slow-consumer": (2, 96, 4.0),  # streams it stops reading for 4 s after the first chunk
+}
+_AFTER_HEALING_S = 6.0  # load goes on at least this long after a restart or a fault's end
+FAULTS = (*_TRANSPORT_FAULTS, *_BURSTS)
+"""Injected for a while: transport faults at prefill-0, and bursts of load."""
 _Server = TypeVar("_Server", EtcdServer, NatsServer)
 _WORDS = ("river", "stone", "lamp", "orchard", "signal", "copper", "meadow", "harbor", "violet")
 
@@ -125,12 +143,22 @@ class Soak:
                 raise AssertionError(f"no reference answer: {outcome.kind} {outcome.detail}")
             self.expected[prompt] = text
 
-    async def _ask(self, prompt: str) -> tuple[Outcome, str]:
+    async def _ask(
+        self, prompt: str, max_tokens: int | None = None, pause_s: float = 0.0
+    ) -> tuple[Outcome, str]:
+        """One completion; with `pause_s`, streamed and read slowly (a slow consumer: it stops
+        reading for `pause_s` after its first chunk). A longer answer must begin with the
+        recorded one (greedy decoding)."""
         started = time.monotonic()
         try:
-            reply = await self._client.completions.create(
-                model=MODEL, prompt=prompt, max_tokens=self.max_tokens, temperature=0
-            )
+            if pause_s:
+                text = await self._read_slowly(prompt, max_tokens or self.max_tokens, pause_s)
+            else:
+                reply = await self._client.completions.create(
+                    model=MODEL, prompt=prompt, max_tokens=max_tokens or self.max_tokens,
+                    temperature=0,
+                )  # fmt: skip
+                text = reply.choices[0].text
         except openai.APITimeoutError:
             return Outcome("lost", started, time.monotonic(), "client timeout"), ""
         except openai.APIConnectionError as err:
@@ -139,50 +167,96 @@ class Soak:
             body = err.body if isinstance(err.body, dict) else {}
             code = body.get("code") or body.get("type") or "?"
             return Outcome("failed", started, time.monotonic(), f"{err.status_code} {code}"), ""
+        except openai.APIError as err:  # an error event in the middle of a stream
+            return Outcome("failed", started, time.monotonic(), f"stream: {err.message}"), ""
         ended = time.monotonic()
-        text = reply.choices[0].text
-        if prompt in self.expected and text != self.expected[prompt]:
+        if prompt in self.expected and not text.startswith(self.expected[prompt]):
             return Outcome("wrong", started, ended, "different text"), text
         return Outcome("completed", started, ended), text
 
-    async def _load(self, stop_at: float, outcomes: list[Outcome]) -> None:
+    async def _read_slowly(self, prompt: str, max_tokens: int, pause_s: float) -> str:
+        stream = await self._client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
+        parts: list[str] = []
+        async for chunk in stream:
+            if not parts:
+                await asyncio.sleep(pause_s)
+            parts.append(chunk.choices[0].text if chunk.choices else "")
+        return "".join(parts)
+
+    async def _load(
+        self,
+        stop_at: Callable[[], float],
+        outcomes: list[Outcome],
+        num_clients: int,
+        first_client: int = 0,
+        max_tokens: int | None = None,
+        pause_s: float = 0.0,
+    ) -> None:
         async def client(i: int) -> None:
             rng = random.Random(i)
-            while time.monotonic() < stop_at:
-                outcome, _ = await self._ask(rng.choice(self.prompts))
+            while time.monotonic() < stop_at():
+                outcome, _ = await self._ask(rng.choice(self.prompts), max_tokens, pause_s)
                 outcomes.append(outcome)
                 if outcome.kind == "failed":  # a client backs off a little after an error
                     await asyncio.sleep(0.2)
 
-        await asyncio.gather(*(client(i) for i in range(self.num_clients)))
+        clients = range(first_client, first_client + num_clients)
+        await asyncio.gather(*(client(i) for i in clients))
 
     async def scenario(
         self,
-        component: str,
+        kind: str,
         nc_factory: Callable[[], Any],
         *,
         window_s: float,
         fault_after_s: float,
         down_s: float,
+        fault_s: float = 10.0,
         settle_s: float = 60.0,
     ) -> ScenarioResult:
-        """Load for `window_s`; at `fault_after_s` kill `component`, restart it `down_s` later."""
-        result = ScenarioResult(component)
+        """Load for `window_s` (longer if a restart takes longer). A component (`COMPONENTS`)
+        is killed at `fault_after_s` and restarted `down_s` later; a fault (`FAULTS`) is on from
+        `fault_after_s` (transport faults: once prefill-0 restarted with them) for `fault_s`."""
+        if kind not in COMPONENTS + FAULTS:
+            raise ValueError(f"unknown scenario {kind!r} (one of {COMPONENTS + FAULTS})")
+        result = ScenarioResult(kind)
         outcomes: list[Outcome] = []
         started = time.monotonic()
-        load = asyncio.create_task(self._load(started + window_s, outcomes))
+        end = [math.inf]  # the load goes on until the healing is done (then see below)
+        load = asyncio.create_task(self._load(lambda: end[0], outcomes, self.num_clients))
         await asyncio.sleep(fault_after_s)
-        await asyncio.to_thread(self._kill, component)
-        await asyncio.sleep(down_s)
-        restarted = time.monotonic()
-        await asyncio.to_thread(self._restart, component)
+        extra: asyncio.Task[None] | None = None
+        if kind in COMPONENTS:
+            await asyncio.to_thread(self._kill, kind)
+            await asyncio.sleep(down_s)
+        elif kind in _TRANSPORT_FAULTS:
+            await asyncio.to_thread(self._restart_prefill, _TRANSPORT_FAULTS[kind])
+            await asyncio.sleep(fault_s)
+        else:  # a burst of load beside the steady clients, for down_s
+            more, max_tokens, pause_s = _BURSTS[kind]
+            burst_end = time.monotonic() + fault_s
+            extra = asyncio.create_task(
+                self._load(lambda: burst_end, outcomes, more, 100, max_tokens, pause_s)
+            )
+            await asyncio.sleep(fault_s)
+        healed = time.monotonic()
+        if kind in COMPONENTS:
+            await asyncio.to_thread(self._restart, kind)
+        elif kind in _TRANSPORT_FAULTS:
+            await asyncio.to_thread(self._restart_prefill, {})
+            healed = time.monotonic()  # the fault lasts until the clean worker is back
+        end[0] = max(started + window_s, time.monotonic() + _AFTER_HEALING_S)
         await load
+        if extra is not None:
+            await extra
         for o in outcomes:
             result.outcomes[o.kind] += 1
             if o.kind != "completed":
                 result.errors[o.detail.split(":")[0]] += 1
-        after = sorted(o.ended for o in outcomes if o.kind == "completed" and o.started > restarted)
-        result.recovery_s = round(after[0] - restarted, 2) if after else None
+        after = sorted(o.ended for o in outcomes if o.kind == "completed" and o.started > healed)
+        result.recovery_s = round(after[0] - healed, 2) if after else None
         settle_from = time.monotonic()
         nc: NatsClient = await nc_factory()
         try:
@@ -224,6 +298,12 @@ class Soak:
         else:
             raise ValueError(f"unknown component {component!r} (one of {COMPONENTS})")
 
+    def _restart_prefill(self, faults: dict[str, str]) -> None:
+        """prefill-0 stopped cleanly (it drains), then started with `faults` in its settings."""
+        self.pool.procs["prefill-0"].stop(grace_s=30)
+        self.pool.start("prefill-0", "prefill", **faults)
+        self.pool.wait_ready("prefill-0")
+
     def _restart(self, component: str) -> None:
         if component == "prefill":
             self.pool.start("prefill-0", "prefill")
@@ -257,18 +337,19 @@ def _restarted(server: _Server) -> _Server:
 
 async def run_soak(
     root: Path,
-    components: tuple[str, ...] = COMPONENTS,
+    scenarios: tuple[str, ...] = COMPONENTS + FAULTS,
     *,
     window_s: float = 40.0,
     fault_after_s: float = 10.0,
     down_s: float = 3.0,
+    fault_s: float = 10.0,
     deadline_s: float = 20.0,
     settle_s: float = 60.0,
     num_clients: int = 3,
+    remote_prefill_timeout_s: float = 4.0,
 ) -> tuple[list[ScenarioResult], dict[str, str]]:
-    """Start etcd, NATS and the pool under `root`, record the answers, run one scenario per
-    component in order, stop everything. Returns the results and {prompt: answer}; logs stay
-    under `root`."""
+    """Start etcd, NATS and the pool under `root`, record the answers, run the scenarios in
+    order, stop everything. Returns the results and {prompt: answer}; logs stay under `root`."""
     etcd = EtcdServer(root / "etcd", root / "etcd.log").start()
     nats_server = NatsServer(root / "nats", root / "nats.log").start()
     router_port = free_port()
@@ -278,6 +359,10 @@ async def run_soak(
         "KVRAIL_NUM_KV_BLOCKS": "96",
         "KVRAIL_MAX_MODEL_LEN": "512",
         "KVRAIL_REQUEST_TIMEOUT_S": str(deadline_s),
+        "KVRAIL_REMOTE_PREFILL_TIMEOUT_S": str(remote_prefill_timeout_s),
+        # No prefix reuse between requests that do not overlap, so the same few prompts are
+        # prefilled remotely every time (and zeroing on release runs under every fault).
+        "KVRAIL_ZERO_KV_ON_RELEASE": "true",
     }
     pool = LocalPool(etcd, nats_server, root / "logs", f"soak-{uuid.uuid4().hex[:6]}", env)
     soak: Soak | None = None
@@ -293,10 +378,10 @@ async def run_soak(
                     num_clients=num_clients)  # fmt: skip
         await soak.record_answers()
         results = []
-        for component in components:
+        for kind in scenarios:
             result = await soak.scenario(
-                component, lambda: connect(pool.settings, "soak"), window_s=window_s,
-                fault_after_s=fault_after_s, down_s=down_s, settle_s=settle_s,
+                kind, lambda: connect(pool.settings, "soak"), window_s=window_s,
+                fault_after_s=fault_after_s, down_s=down_s, fault_s=fault_s, settle_s=settle_s,
             )  # fmt: skip
             results.append(result)
         return results, dict(soak.expected)

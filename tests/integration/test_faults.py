@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrail.testing.soak import COMPONENTS, prompts, run_soak, table
+from kvrail.testing.soak import COMPONENTS, FAULTS, prompts, run_soak, table
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -24,11 +24,11 @@ async def test_every_component_killed_and_restarted_under_load_loses_nothing(
 ) -> None:
     root = tmp_path_factory.mktemp("soak")
     results, answers = await run_soak(
-        root, COMPONENTS, window_s=24.0, fault_after_s=6.0, down_s=2.0, deadline_s=15.0,
-        settle_s=45.0,
+        root, COMPONENTS + FAULTS, window_s=24.0, fault_after_s=6.0, down_s=2.0, fault_s=8.0,
+        deadline_s=15.0, settle_s=45.0,
     )  # fmt: skip
     report = table(results) + f"\nlogs: {root}"
-    assert [r.component for r in results] == list(COMPONENTS)
+    assert [r.component for r in results] == list(COMPONENTS + FAULTS)
     for r in results:
         assert r.outcomes["lost"] == 0, report
         assert r.outcomes["wrong"] == 0, report
@@ -36,6 +36,10 @@ async def test_every_component_killed_and_restarted_under_load_loses_nothing(
         assert r.outcomes["completed"] > 0, report
         assert r.recovery_s is not None, report  # requests completed after the restart
     print(report)
+    prefill_logs = "".join(p.read_text() for p in root.rglob("prefill-0.*.log"))
+    for fault in ("failing a KV write", "losing a KV notification"):
+        assert f"fault injection: {fault}" in prefill_logs  # the faults did happen
+    assert prefill_logs.count("prefill written") >= 50, "too few remote prefills to mean much"
     assert sorted(answers) == sorted(prompts(6, 60))  # what the clients sent (the defaults)
     fragments = {" ".join(p.split()[i : i + 4]) for p in answers for i in range(0, 56, 4)}
     fragments |= {a.strip() for a in answers.values() if len(a.strip()) >= 12}

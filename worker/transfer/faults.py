@@ -1,0 +1,59 @@
+"""Fault injection at the KV transport, for tests and the soak (every fault off by default).
+
+A prefill worker's NIXL WRITE goes through `TransportFaults.write`, which can fail it before
+anything is written (`fault_fail_kv_writes`, a fraction of writes), delay it on the NIXL thread
+like a slow link (`fault_delay_kv_writes_s`), or let the bytes land but lose the completion
+notification (`fault_lose_kv_notifications`, a fraction), so the decode worker never hears of
+it and its remote-prefill timeout decides. Each injected fault is logged with the request id.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvrail.errors import TransferError
+from kvrail.settings import Settings
+from kvrail.worker.transfer.connector import TransferStats
+from kvrail.worker.transfer.nixl import NixlConnector
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class TransportFaults:
+    fail: float = 0.0
+    delay_s: float = 0.0
+    lose_notification: float = 0.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TransportFaults:
+        return cls(
+            settings.fault_fail_kv_writes,
+            settings.fault_delay_kv_writes_s,
+            settings.fault_lose_kv_notifications,
+        )
+
+    def write(
+        self,
+        nixl: NixlConnector,
+        request_id: str,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        notification: bytes,
+        deadline_s: float,
+    ) -> TransferStats:
+        """`nixl.write`, with the configured faults (on the NIXL thread)."""
+        if self.fail and random.random() < self.fail:
+            log.warning("fault injection: failing a KV write request_id=%s", request_id)
+            raise TransferError("fault injection: KV write failed")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if self.lose_notification and random.random() < self.lose_notification:
+            log.warning("fault injection: losing a KV notification request_id=%s", request_id)
+            notification = b""
+        return nixl.write(peer, src_block_ids, dst_block_ids, notification, deadline_s)
