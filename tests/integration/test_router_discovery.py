@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -20,10 +21,12 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.keys import PoolKeys
-from kvrail.messages import KvEvent, WorkerRecord
+from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord, decode
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery import WorkerView
+from kvrail.router.dispatch import Dispatcher, DispatchError, Job
 from kvrail.router.index import prompt_hashes
+from kvrail.router.policy import Chooser
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
@@ -305,4 +308,59 @@ async def test_events_that_overtake_the_state_reply_are_replayed_on_top_of_it(po
     finally:
         gate.set()
         await view.stop()
+    await reg.close()
+
+
+async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ignored(
+    pool: Pool,
+) -> None:
+    """A stand-in decode worker answers each request with a scripted sequence of events (seq
+    numbers). A duplicated or reordered event fails the request with `lost_events` (never wrong
+    text) and the router tells every worker to cancel it; events after the last one, or for
+    another request, are ignored."""
+    scripts = {
+        "dup": [0, 0, 1],
+        "reordered": [1, 0],
+        "late": [0, 1, 1, 2],  # 1 is last; what comes after it is never read
+    }
+    cancelled: list[str] = []
+
+    async def on_cancel(msg: Msg) -> None:
+        cancelled.append(decode(msg.data, Cancel).request_id.split("-")[0])
+
+    async def answer(msg: Msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        seqs = scripts[request.request_id.split("-")[0]]
+        last = 1 if request.request_id.startswith("late") else len(seqs) - 1
+        stranger = TokenEvent(request_id="someone-else", seq=0, token_ids=(9,))
+        await pool.nc.publish(request.stream_subject, stranger.encode())
+        for i, seq in enumerate(seqs):
+            event = TokenEvent(
+                request_id=request.request_id, seq=seq, token_ids=(100 + seq,), worker_id="d-0",
+                finish_reason="length" if i == last else None,
+            )  # fmt: skip
+            await pool.nc.publish(request.stream_subject, event.encode())
+
+    sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=answer)
+    cancel_sub = await pool.nc.subscribe(pool.keys.cancel, cb=on_cancel)
+    reg = await pool.registry.register(record("d-0"))
+    await pool.view.start()
+    await pool.view.wait_for_workers(1, WAIT_S)
+    dispatcher = Dispatcher(pool.nc, pool.keys, pool.view, Chooser("round-robin"), BLOCK_SIZE)
+
+    async def run(name: str) -> list[int]:
+        job = Job(f"{name}-{uuid.uuid4().hex[:6]}", tuple(range(8)), 4, time.time() + 10)
+        async with dispatcher.open(job) as stream:
+            return [t for event in [e async for e in stream] for t in event.token_ids]
+
+    for name in ("dup", "reordered"):
+        with pytest.raises(DispatchError) as err:
+            await run(name)
+        assert err.value.code == "lost_events"
+    assert await run("late") == [100, 101]
+    await pool.nc.flush()
+    await asyncio.sleep(0.2)
+    assert sorted(cancelled) == ["dup", "reordered"]  # the finished one needs no cancel
+    await cancel_sub.unsubscribe()
+    await sub.unsubscribe()
     await reg.close()

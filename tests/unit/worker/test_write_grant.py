@@ -90,3 +90,36 @@ def test_digests_tell_prompts_apart() -> None:
     assert tokens_digest((1, 2, 3)) != tokens_digest((1, 2, 4))
     assert tokens_digest((1, 2)) != tokens_digest((1, 2, 0))
     assert len(tokens_digest(())) == 32
+
+
+async def test_duplicate_late_and_invalid_completions_are_harmless() -> None:
+    """The first completion of a pending job resolves it; a duplicate changes nothing; a late
+    one (after the job was abandoned while its writer held a grant) lifts the quarantine; an
+    undecodable one is ignored."""
+    aborted: list[str] = []
+    rp = remote_prefill()
+
+    async def abort(engine_id: str) -> None:
+        aborted.append(engine_id)
+
+    rp.service = cast(Any, SimpleNamespace(abort=abort))
+    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    done = PrefillDone(
+        request_id=JOB.request_id, fingerprint=JOB.fingerprint, dest_incarnation=7,
+        block_ids=JOB.dest_block_ids, first_token_id=42, num_prompt_tokens=5,
+        prefill_worker_id="prefill-0", prefill_incarnation=1,
+    )  # fmt: skip
+    future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
+    rp._pending[JOB.request_id] = future
+    rp._on_notification(done.encode())
+    rp._on_notification(done.encode())  # a duplicate
+    assert future.done() and future.result()[0] == done
+    rp._on_notification(b"\x00 not a completion")
+    # Abandoned with a granted writer: quarantined until it reports, then freed.
+    rp._pending.clear()
+    rp._granted.add("r-2")
+    await rp._quarantine_or_release("engine-2", ["r-2"], deadline=2e9)
+    assert rp.is_quarantined("engine-2")
+    rp._on_notification(replace(done, request_id="r-2").encode())  # late
+    await rp._sweep_quarantine(0.0)
+    assert not rp.is_quarantined("engine-2") and aborted == ["engine-2"]
