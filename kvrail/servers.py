@@ -19,10 +19,6 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpc
-from aetcd.rpc import AuthStub, StatusCode
-from aetcd.rpc import rpc_pb2 as pb
-
 from kvrail.procs import ManagedProcess, free_port, http_ok
 from kvrail.settings import read_secret
 from kvrail.tls import ServingCert
@@ -106,7 +102,13 @@ class EtcdServer:
 
     def _enable_auth(self, password: str, timeout_s: float) -> None:
         """Add user root (role root) with `password` and turn authentication on, as `etcdctl user
-        add root` and `etcdctl auth enable` do (Debian's etcd-server ships no etcdctl)."""
+        add root` and `etcdctl auth enable` do (Debian's etcd-server ships no etcdctl). gRPC and
+        aetcd are imported here: the rest of this module runs where they are not installed (the
+        GPU test machine imports it through the test harness)."""
+        import grpc
+        from aetcd.rpc import AuthStub, StatusCode
+        from aetcd.rpc import rpc_pb2 as pb
+
         target = f"127.0.0.1:{self.client_port}"
         if self.tls:
             creds = grpc.ssl_channel_credentials(root_certificates=self.tls.ca_file.read_bytes())

@@ -45,8 +45,12 @@ def export_region(tensor: torch.Tensor) -> bytes:
         raise TransferError("only a contiguous CUDA tensor can be exported over CUDA IPC")
     driver, runtime = _cuda()
     ptr = tensor.data_ptr()
-    base, _ = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
-    (handle,) = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
+    with torch.cuda.device(tensor.device):
+        # The driver API needs the device's context current on this thread, and a worker builds
+        # its engine (and so the context) on another one: cudaFree(0) binds it here first.
+        _check(runtime.cudaFree(0), "cudaFree")
+        base, _ = _check(driver.cuMemGetAddressRange(ptr), "cuMemGetAddressRange")
+        (handle,) = _check(runtime.cudaIpcGetMemHandle(int(base)), "cudaIpcGetMemHandle")
     raw = ctypes.string_at(handle.getPtr(), 64)
     nbytes = tensor.numel() * tensor.element_size()
     return _LAYOUT.pack(raw, ptr - int(base), nbytes, tensor.device.index or 0, os.getpid())
