@@ -13,7 +13,13 @@ is prefilled
 - `two-process`: by a second engine in its own process on the same GPU (what a prefill worker
   next to a decode worker on one GPU does; the GPU time-slices between the two contexts);
 - `two-process-mps-<p>`: the same under CUDA MPS with the prefill process limited to p% of the
-  SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), when an MPS control daemon can be started here.
+  SMs (`CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`), when an MPS control daemon can be started here;
+- `two-gpu`: the two processes of `two-process`, the prefill one on another GPU
+  (`CUDA_VISIBLE_DEVICES=--prefill-gpu` for it, `--decode-gpu` for the decode one): a prefill
+  worker and a decode worker with a GPU each. The KV handoff is not part of it (bench/transfer/).
+
+    python3 -P bench/interference/gpu_one_device.py --modes two-process,two-gpu \
+        --lengths 16384 --out $OUT/interference-h200x2.json                     # 2 H200s
 
 A decodes `--a-tokens` tokens (batch 1, CUDA graphs as in production); B arrives after A's
 `--b-after`-th token with max_tokens 1. Every engine first runs one prefill of B's length so no
@@ -177,6 +183,17 @@ def _decode_proc(args: argparse.Namespace, long_len: int, go: Any, done: Any, re
     q.put(decode_user(args, long_len, 2048, False, go, done, ready))
 
 
+def gpus_for(mode: str, args: argparse.Namespace) -> dict[str, str]:
+    """CUDA_VISIBLE_DEVICES of the (prefill, decode) processes of a two-process mode; empty
+    where they share what the parent sees (one GPU, or the CPU smoke run)."""
+    if mode != "two-gpu" or args.smoke:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    names = visible.split(",") if visible else None  # indices count within what we see
+    pick = (lambda i: names[i]) if names else str
+    return {"prefill": pick(args.prefill_gpu), "decode": pick(args.decode_gpu)}
+
+
 def summarize(raw: dict[str, Any], b_after: int) -> dict[str, float]:
     times, b_sent, b_done = raw["times"], raw["b_sent"], raw["b_done"]
     gaps = [b - a for a, b in itertools.pairwise(times)]
@@ -213,14 +230,23 @@ def stop_mps() -> None:
         subprocess.run([control], input="quit\n", text=True, capture_output=True, timeout=30)
 
 
+def save(args: argparse.Namespace, notes: dict[str, str], results: list[dict[str, Any]]) -> None:
+    output = {"command": " ".join(sys.argv), "a_tokens": args.a_tokens, "b_after": args.b_after,
+              "notes": notes, "results": results}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(output, f, indent=2)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", default="4096,16384,32768")
     parser.add_argument("--modes", default="colocated,chunked-2048,chunked-512,two-process,mps-50")
     parser.add_argument("--a-tokens", type=int, default=200)
     parser.add_argument("--b-after", type=int, default=60)
+    parser.add_argument("--prefill-gpu", type=int, default=1, help="two-gpu: the prefill's GPU")
+    parser.add_argument("--decode-gpu", type=int, default=0, help="two-gpu: the decode's GPU")
     parser.add_argument("--smoke", action="store_true", help="tiny model on CPU, short prompts")
-    parser.add_argument("--out", default="interference-gpu.json")
+    parser.add_argument("--out", default="interference-gpu.json", help="rewritten after each row")
     args = parser.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
     if args.smoke:
@@ -248,12 +274,17 @@ def main() -> int:
                     go, done, ready = ctx.Event(), ctx.Event(), ctx.Event()
                     q = ctx.Queue()
                     env_before = dict(os.environ)
+                    gpus = gpus_for(mode, args)
                     if mps_pct is not None:
                         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps_pct)
+                    if gpus:  # a spawned process takes the environment as it is at start()
+                        os.environ["CUDA_VISIBLE_DEVICES"] = gpus["prefill"]
                     pre = ctx.Process(target=prefill_user, args=(args, long_len, go, done, ready))
                     pre.start()
                     if mps_pct is not None:
                         os.environ["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(100 - mps_pct)
+                    if gpus:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = gpus["decode"]
                     dec = ctx.Process(target=_decode_proc,
                                       args=(args, long_len, go, done, ready, q))  # fmt: skip
                     dec.start()
@@ -264,15 +295,15 @@ def main() -> int:
                     os.environ.update(env_before)
                 row = {"mode": mode, "prompt_tokens": long_len, **summarize(raw, args.b_after),
                        "seconds": time.perf_counter() - started}  # fmt: skip
+                if mode not in ("colocated",) and not mode.startswith("chunked-"):
+                    row["cuda_visible_devices"] = gpus_for(mode, args) or "inherited"
                 results.append(row)
                 print(json.dumps(row), flush=True)
+                save(args, notes, results)
         finally:
             if mps_pct is not None:
                 stop_mps()
-    output = {"command": " ".join(sys.argv), "a_tokens": args.a_tokens, "b_after": args.b_after,
-              "notes": notes, "results": results}  # fmt: skip
-    with open(args.out, "w") as f:
-        json.dump(output, f, indent=2)
+    save(args, notes, results)
     print("| mode | B prompt | median gap before (ms) | max gap while B (ms) | p99 gap (ms) "
           "| gaps > 3x | B TTFT (s) |\n|---|---:|---:|---:|---:|---:|---:|")  # fmt: skip
     for r in results:

@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
 import re
@@ -60,7 +59,7 @@ import urllib.request
 import uuid
 from collections import defaultdict
 from pathlib import Path
-from types import FrameType, ModuleType
+from types import FrameType
 from typing import Any
 
 from nats.aio.msg import Msg
@@ -71,26 +70,16 @@ from kvrail.messages import KvEvent, decode
 from kvrail.procs import free_port
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
+from kvrail.testing.scripts import load_script
 
 POLICIES = ("round-robin", "least-loaded", "kv-aware")
 MODEL = "SmolLM2-135M-Instruct"
 BLOCK_SIZE = 16
 
 
-def load(name: str, path: Path) -> ModuleType:
-    """A module from a file (bench/ is not a package; `python -P` puts no script folder on the
-    path)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 HERE = Path(__file__).resolve().parent
-lg = load("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
-reporting = load("kvrail_bench_routing_report", HERE / "report.py")
+lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
+reporting = load_script("kvrail_bench_routing_report", HERE / "report.py")
 
 
 # -- what the servers say --------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
     .venv/bin/python -P bench/transfer/handoff.py --device cpu            # here
     python3 -P bench/transfer/handoff.py --device cuda --out $OUT/x.json  # on the lent H200
+    python3 -P bench/transfer/handoff.py --device cuda --reader-gpu 1 --out $OUT/x.json  # 2 GPUs
 
 Each mode runs in a fresh writer/reader process pair (UCX reads its environment at start):
 NIXL with UCX's default transport selection, NIXL with UCX restricted to the CUDA IPC transports
@@ -9,6 +10,13 @@ NIXL with UCX's default transport selection, NIXL with UCX restricted to the CUD
 IPC path (GPU only; NIXL carries only the notification).
 The baseline, measured in the same run, is a same-process copy of the same bytes on the same
 device (`torch` copy_). Every mode's last write is checked byte for byte by checksum.
+
+`--reader-gpu N` puts the reader on cuda:N (the writer stays on cuda:0; both processes see every
+GPU, as CUDA IPC between GPUs needs). It adds a baseline of a same-process copy from cuda:0 to
+cuda:N, and the mode `cuda-ipc-peer`: the reader's region mapped over CUDA IPC on the reader's
+own device (where the memory lives) and written with `torch` copy_ across devices, one copy per
+contiguous run, with NIXL carrying only the notification. `kvrail-cuda-ipc` maps it on the
+writer's device, as the worker does; its rows record where the mapping landed.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ MODES: dict[str, dict[str, Any]] = {
         "devices": ("cuda",),
     },
     "kvrail-cuda-ipc": {"env": {}, "prefer_ipc": True, "devices": ("cuda",)},
+    "cuda-ipc-peer": {"env": {}, "prefer_ipc": False, "devices": ("cuda",), "peer_map": True},
 }
 
 
@@ -55,13 +64,20 @@ def _region(device: str, num_blocks: int, block_bytes: int, fill: str) -> Any:
 
 def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None:
     os.environ.update(env)
+    import torch
+
+    from kvrail.worker.transfer.cuda_ipc import export_region
     from kvrail.worker.transfer.envelope import block_checksums
     from kvrail.worker.transfer.nixl import NixlConnector
     from kvrail.worker.transfer.testing import recv
 
+    if args["device"].startswith("cuda:"):
+        torch.cuda.set_device(torch.device(args["device"]))
     region = _region(args["device"], args["num_blocks"], args["block_bytes"], "zeros")
     nixl = NixlConnector("reader-1", region, prefer_ipc=args["prefer_ipc"])
     conn.send(nixl.metadata())
+    if args["peer_map"]:
+        conn.send(export_region(region.tensor))
     nixl.add_peer(recv(conn))  # type: ignore[arg-type]
     received = 0
     while not conn.poll(0.0005):
@@ -86,17 +102,25 @@ def _run_mode(name: str, mode: dict[str, Any], args: argparse.Namespace) -> list
     block_bytes = args.block_kib * 1024
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mib.split(",")]
     num_blocks = max(1, max(sizes) // block_bytes)
-    cfg = {"device": args.device, "num_blocks": num_blocks, "block_bytes": block_bytes,
-           "prefer_ipc": mode["prefer_ipc"]}  # fmt: skip
+    writer_device, reader_device = _devices(args)
+    peer_map = bool(mode.get("peer_map"))
+    cfg = {"device": reader_device, "num_blocks": num_blocks, "block_bytes": block_bytes,
+           "prefer_ipc": mode["prefer_ipc"], "peer_map": peer_map}  # fmt: skip
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     reader = ctx.Process(target=_reader, args=(child, mode["env"], cfg), daemon=True)
     reader.start()
-    region = _region(args.device, num_blocks, block_bytes, "random")
+    region = _region(writer_device, num_blocks, block_bytes, "random")
     nixl = NixlConnector("writer-1", region, prefer_ipc=mode["prefer_ipc"])
     peer = nixl.add_peer(recv(parent))  # type: ignore[arg-type]
+    mapped = None
+    if peer_map:
+        from kvrail.worker.transfer.cuda_ipc import ImportedRegion
+
+        mapped = ImportedRegion(recv(parent), torch.device(reader_device))  # type: ignore[arg-type]
     parent.send(nixl.metadata())
-    transport = nixl.transport_to(peer)
+    transport = "cuda-ipc-peer" if peer_map else nixl.transport_to(peer)
+    where = _ipc_placement(nixl, peer)
     rows = []
     rng = random.Random(0)
     try:
@@ -107,14 +131,19 @@ def _run_mode(name: str, mode: dict[str, Any], args: argparse.Namespace) -> list
                 dst = list(range(n)) if layout == "contiguous" else rng.sample(range(num_blocks), n)
                 times = []
                 for i in range(args.warmup + args.iters):
-                    stats = nixl.write(peer, src, dst, b"x", time.monotonic() + 120)
+                    if mapped is None:
+                        seconds = nixl.write(peer, src, dst, b"x", time.monotonic() + 120).seconds
+                    else:
+                        seconds = _write_peer(nixl, peer, region, mapped.tensor, src, dst)
                     if i >= args.warmup:
-                        times.append(stats.seconds)
+                        times.append(seconds)
                 med = statistics.median(times)
                 nbytes = n * block_bytes
                 rows.append({"mode": name, "transport": transport, "layout": layout,
                              "bytes": nbytes, "blocks": n, "median_s": med,
-                             "min_s": min(times), "gb_per_s": nbytes / med / 1e9})  # fmt: skip
+                             "min_s": min(times), "gb_per_s": nbytes / med / 1e9,
+                             "writer_device": writer_device, "reader_device": reader_device,
+                             **where})  # fmt: skip
                 mib, gbs = nbytes / 2**20, nbytes / med / 1e9
                 print(f"  {name:<18} {layout:<10} {mib:>8.1f} MiB {med * 1e3:>9.3f} ms "
                       f"{gbs:>9.1f} GB/s", flush=True)  # fmt: skip
@@ -130,9 +159,50 @@ def _run_mode(name: str, mode: dict[str, Any], args: argparse.Namespace) -> list
         reader.join(timeout=30)
         if reader.is_alive():
             reader.kill()
+        if mapped is not None:
+            with torch.cuda.device(mapped.tensor.device):
+                mapped.close()
         nixl.close()
-    del torch
     return rows
+
+
+def _devices(args: argparse.Namespace) -> tuple[str, str]:
+    """(writer's, reader's) torch device."""
+    if args.reader_gpu is None:
+        return args.device, args.device
+    return "cuda:0", f"cuda:{args.reader_gpu}"
+
+
+def _ipc_placement(nixl: Any, peer: str) -> dict[str, Any]:
+    """Where kvrail's CUDA IPC mapping of the peer's region landed in this process: the torch
+    device of the tensor, and its address minus the mapped allocation's base (a small offset when
+    the tensor is the mapping itself; anything else means torch copied the bytes elsewhere, and
+    writes would miss the peer). Reads NixlConnector internals: this is a diagnostic."""
+    remote = nixl._peers[peer]
+    if remote.ipc is None:
+        return {}
+    ipc = remote.ipc
+    return {"ipc_tensor_device": str(ipc.tensor.device),
+            "ipc_offset_from_mapping": ipc.tensor.data_ptr() - ipc._base}  # fmt: skip
+
+
+def _write_peer(nixl: Any, peer: str, region: Any, dst_tensor: Any, src: list[int],
+                dst: list[int]) -> float:  # fmt: skip
+    """One handoff into a region mapped on the reader's device: a cross-device copy per
+    contiguous run, both devices synchronized, then NIXL's notification (as kvrail's path)."""
+    import torch
+
+    from kvrail.worker.transfer.connector import coalesce
+
+    size = region.block_bytes
+    flat = region.tensor.view(-1).view(torch.uint8)
+    started = time.perf_counter()
+    for s, d, n in coalesce(src, dst):
+        dst_tensor[d * size : (d + n) * size].copy_(flat[s * size : (s + n) * size])
+    torch.cuda.synchronize(region.tensor.device)
+    torch.cuda.synchronize(dst_tensor.device)
+    nixl._agent.send_notif(peer, b"x")
+    return time.perf_counter() - started
 
 
 def _mode_entry(conn: Connection, name: str, args: argparse.Namespace) -> None:
@@ -175,7 +245,30 @@ def _baseline(args: argparse.Namespace) -> list[dict[str, Any]]:
                      "gb_per_s": size / med / 1e9})  # fmt: skip
         print(f"  {'same-process copy':<29} {size / 2**20:>8.1f} MiB {med * 1e3:>9.3f} ms "
               f"{size / med / 1e9:>9.1f} GB/s", flush=True)  # fmt: skip
+        if args.reader_gpu is not None:
+            rows.append(_peer_copy(args, a, size))
     return rows
+
+
+def _peer_copy(args: argparse.Namespace, a: Any, size: int) -> dict[str, Any]:
+    """The same bytes copied in one process from cuda:0 to the reader's GPU (wall clock, both
+    devices synchronized, as the handoff modes are timed)."""
+    import torch
+
+    b = torch.empty_like(a, device=f"cuda:{args.reader_gpu}")
+    times = []
+    for i in range(args.warmup + args.iters):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        torch.cuda.synchronize(a.device)
+        torch.cuda.synchronize(b.device)
+        if i >= args.warmup:
+            times.append(time.perf_counter() - t0)
+    med = statistics.median(times)
+    print(f"  {'peer copy cuda:0 -> ' + str(b.device):<29} {size / 2**20:>8.1f} MiB "
+          f"{med * 1e3:>9.3f} ms {size / med / 1e9:>9.1f} GB/s", flush=True)  # fmt: skip
+    return {"mode": "same-process-peer-copy", "bytes": size, "median_s": med,
+            "gb_per_s": size / med / 1e9, "src": str(a.device), "dst": str(b.device)}  # fmt: skip
 
 
 def main() -> int:
@@ -187,19 +280,33 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--modes", default=",".join(MODES))
-    p.add_argument("--out", help="write the results as JSON here")
+    p.add_argument("--reader-gpu", type=int, help="the reader on this cuda index (writer: 0)")
+    p.add_argument("--out", help="write the results as JSON here (rewritten after each mode)")
     args = p.parse_args()
     import torch
 
+    if args.reader_gpu is not None and args.device != "cuda":
+        p.error("--reader-gpu needs --device cuda")
+    if args.reader_gpu is not None and not 0 < args.reader_gpu < torch.cuda.device_count():
+        p.error(f"--reader-gpu {args.reader_gpu}: this machine has "
+                f"{torch.cuda.device_count()} visible GPUs")  # fmt: skip
+    gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     info = {"python": sys.version.split()[0], "torch": torch.__version__,
             "host": platform.node(), "cpus": os.cpu_count(), "device": args.device,
-            "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
-            "block_kib": args.block_kib, "iters": args.iters}  # fmt: skip
+            "gpu": gpus[0] if args.device == "cuda" else None,
+            "block_kib": args.block_kib, "iters": args.iters, "warmup": args.warmup,
+            "command": " ".join(sys.argv)}  # fmt: skip
+    if args.reader_gpu is not None:
+        info.update(gpus=gpus, writer_gpu=0, reader_gpu=args.reader_gpu,
+                    peer_access=torch.cuda.can_device_access_peer(0, args.reader_gpu))  # fmt: skip
     print(json.dumps(info), flush=True)
     results: dict[str, Any] = {"info": info, "baseline": _baseline(args), "modes": [], "errors": {}}
+    _save(args.out, results)
     ctx = mp.get_context("spawn")
     for name in args.modes.split(","):
         if args.device not in MODES[name]["devices"]:
+            continue
+        if MODES[name].get("peer_map") and args.reader_gpu is None:
             continue
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_mode_entry, args=(child, name, args))
@@ -216,10 +323,14 @@ def main() -> int:
         else:
             results["errors"][name] = payload
             print(f"  {name}: FAILED {payload}", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+        _save(args.out, results)
     return 0
+
+
+def _save(path: str | None, results: dict[str, Any]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

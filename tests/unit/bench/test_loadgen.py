@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -14,19 +11,12 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
+from kvrail.testing.scripts import load_script
+
 LOADGEN_PATH = Path(__file__).resolve().parents[3] / "bench" / "loadgen.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvrail_bench_loadgen", LOADGEN_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-lg: Any = _load()
+lg: Any = load_script("kvrail_bench_loadgen", LOADGEN_PATH)
 
 
 def result(

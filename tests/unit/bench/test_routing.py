@@ -2,31 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import random
-import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from kvrail.testing.scripts import load_script
+
 RUN_PATH = Path(__file__).resolve().parents[3] / "bench" / "routing" / "run.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("kvrail_bench_routing_run", RUN_PATH)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-run: Any = _load()
+run: Any = load_script("kvrail_bench_routing_run", RUN_PATH)
 report: Any = run.reporting
 
 
