@@ -40,6 +40,19 @@ def remote_prefill() -> RemotePrefill:
     return RemotePrefill(cast(WorkerContext, ctx))
 
 
+def remote_prefill_recording_aborts() -> tuple[RemotePrefill, list[str]]:
+    """A RemotePrefill whose engine aborts are recorded (and settles go nowhere)."""
+    aborted: list[str] = []
+    rp = remote_prefill()
+
+    async def abort(engine_id: str) -> None:
+        aborted.append(engine_id)
+
+    rp.service = cast(Any, SimpleNamespace(abort=abort))
+    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    return rp, aborted
+
+
 def ask(**changes: Any) -> WriteGrantRequest:
     base = WriteGrantRequest(
         request_id=JOB.request_id, dest_incarnation=7, block_ids=JOB.dest_block_ids,
@@ -70,14 +83,7 @@ async def test_only_the_job_waited_for_with_its_blocks_and_prompt_is_granted() -
 async def test_an_abandoned_job_never_granted_frees_its_blocks_at_once() -> None:
     """Quarantine waits only for writers that were granted: a job nobody was granted cannot
     write, so its reservation is released immediately."""
-    aborted: list[str] = []
-    rp = remote_prefill()
-
-    async def abort(engine_id: str) -> None:
-        aborted.append(engine_id)
-
-    rp.service = cast(Any, SimpleNamespace(abort=abort))
-    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    rp, aborted = remote_prefill_recording_aborts()
     await rp._quarantine_or_release("r-1", ["r-1"], deadline=2e9)
     assert aborted == ["r-1"] and not rp.is_quarantined("r-1")
     rp._granted.add("r-2")
@@ -96,14 +102,7 @@ async def test_duplicate_late_and_invalid_completions_are_harmless() -> None:
     """The first completion of a pending job resolves it; a duplicate changes nothing; a late
     one (after the job was abandoned while its writer held a grant) lifts the quarantine; an
     undecodable one is ignored."""
-    aborted: list[str] = []
-    rp = remote_prefill()
-
-    async def abort(engine_id: str) -> None:
-        aborted.append(engine_id)
-
-    rp.service = cast(Any, SimpleNamespace(abort=abort))
-    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    rp, aborted = remote_prefill_recording_aborts()
     done = PrefillDone(
         request_id=JOB.request_id, fingerprint=JOB.fingerprint, dest_incarnation=7,
         block_ids=JOB.dest_block_ids, first_token_id=42, num_prompt_tokens=5,
