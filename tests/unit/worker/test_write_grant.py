@@ -16,12 +16,13 @@ from kvrail.messages import (
     WRITE_GRANT_REFUSALS,
     PrefillDone,
     PrefillJob,
+    WorkerRecord,
     WriteGrantRequest,
     tokens_digest,
 )
 from kvrail.settings import Settings
 from kvrail.worker.context import WorkerContext
-from kvrail.worker.remote_prefill import RemotePrefill
+from kvrail.worker.remote_prefill import RemotePrefill, RequestFailed
 
 JOB = PrefillJob(
     request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
@@ -122,3 +123,19 @@ async def test_duplicate_late_and_invalid_completions_are_harmless() -> None:
     rp._on_notification(replace(done, request_id="r-2").encode())  # late
     await rp._sweep_quarantine(0.0)
     assert not rp.is_quarantined("engine-2") and aborted == ["engine-2"]
+
+
+async def test_a_restarted_prefill_worker_fails_pending_jobs_a_drained_one_does_not() -> None:
+    """A new incarnation under the same name (kill -9 and restart, or a crash) means the jobs
+    the old one held will never complete: every pending remote prefill gives up at once (and its
+    policy decides). A worker that drained (not ready, then gone) held nothing any more."""
+    rp = remote_prefill()
+    old = WorkerRecord(worker_id="prefill-0", pod_uid="u", incarnation=1, role="prefill",
+                       fingerprint="f" * 64, is_ready=True)  # fmt: skip
+    pending: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
+    rp._pending["r-1"] = pending
+    rp._on_peer_change("prefill-0", replace(old, is_ready=False), None)  # drained, then gone
+    assert not pending.done()
+    rp._on_peer_change("prefill-0", old, replace(old, incarnation=2))  # restarted
+    error = pending.exception()
+    assert isinstance(error, RequestFailed) and error.reason == "prefill_worker_lost"
