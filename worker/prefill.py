@@ -361,10 +361,9 @@ class PrefillRole:
         return int(self.service.engine.config.block_size)
 
     async def _tell_refused(self, job: PrefillJob, reason: str) -> None:
-        """Tell the decode worker nothing will be written for this job (best effort). A settled
-        job is answered too: its reservation may be quarantined until every writer reports."""
-        if reason == "stale_destination":
-            return  # that incarnation is gone: nobody waits for the answer
+        """Tell the decode worker nothing will be written for this job (best effort)."""
+        if reason in ("stale_destination", "settled"):
+            return  # nobody waits for the answer (and a settled job was never granted here)
         done = PrefillDone(
             request_id=job.request_id, fingerprint=self.fingerprint,
             dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
