@@ -71,6 +71,15 @@ class RequestFailed(Exception):
         self.reason = reason
 
 
+@dataclass(frozen=True, slots=True)
+class _Pending:
+    """A published job this worker waits for: its outcome, and what a write grant must match."""
+
+    job: PrefillJob
+    tokens_digest: str
+    outcome: asyncio.Future[tuple[PrefillDone, float]]
+
+
 @dataclass(slots=True)
 class _Quarantined:
     engine_id: str
@@ -92,8 +101,7 @@ class RemotePrefill:
         self.region = ctx.nixl.region
         self._notifications = ctx.nixl.notifications
         self.peers = ctx.peers
-        self._pending: dict[str, asyncio.Future[tuple[PrefillDone, float]]] = {}
-        self._waiting_for: dict[str, tuple[PrefillJob, str]] = {}  # pending job, tokens digest
+        self._pending: dict[str, _Pending] = {}  # by job id
         self._granted: set[str] = set()  # job ids granted a write, whose outcome is unknown
         self._quarantine: dict[str, _Quarantined] = {}  # by job id, all attempts of a request
         self._lifted: list[str] = []  # engine ids whose writers all reported late
@@ -145,16 +153,14 @@ class RemotePrefill:
 
     def _grant_refusal(self, ask: WriteGrantRequest) -> str:
         """Why this write may not happen now ("" when it may)."""
-        future = self._pending.get(ask.request_id)
-        waiting = self._waiting_for.get(ask.request_id)
-        if future is None or future.done() or waiting is None:
+        pending = self._pending.get(ask.request_id)
+        if pending is None or pending.outcome.done():
             return "not_waiting"
-        job, digest = waiting
         if ask.dest_incarnation != self.incarnation:
             return "stale_incarnation"
-        if ask.block_ids != job.dest_block_ids:
+        if ask.block_ids != pending.job.dest_block_ids:
             return "foreign_blocks"
-        if ask.tokens_digest != digest:
+        if ask.tokens_digest != pending.tokens_digest:
             return "other_prompt"
         return ""
 
@@ -262,8 +268,7 @@ class RemotePrefill:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._pending[job.request_id] = future
-        self._waiting_for[job.request_id] = (job, tokens_digest(job.token_ids))
+        self._pending[job.request_id] = _Pending(job, tokens_digest(job.token_ids), future)
         try:
             published = time.monotonic()
             stages["admission_s"] = published - arrived
@@ -277,7 +282,6 @@ class RemotePrefill:
                 raise RequestFailed("deadline" if wait_until == deadline else "kv_timeout") from err
         finally:
             self._pending.pop(job.request_id, None)
-            self._waiting_for.pop(job.request_id, None)
         if done.error is None:
             known = done.queue_wait_s + done.prefill_compute_s + done.transfer_queue_s
             stages.update(
@@ -356,9 +360,9 @@ class RemotePrefill:
             return
         self._settle_soon(done.request_id)
         self._granted.discard(done.request_id)
-        future = self._pending.get(done.request_id)
-        if future is not None and not future.done():
-            future.set_result((done, time.monotonic()))
+        pending = self._pending.get(done.request_id)
+        if pending is not None and not pending.outcome.done():
+            pending.outcome.set_result((done, time.monotonic()))
             return
         entry = self._quarantine.pop(done.request_id, None)
         if entry is not None:
@@ -401,7 +405,7 @@ class RemotePrefill:
             return
         if new is None and not old.is_ready:
             return  # it drained and left: it finished or handed back every job it held
-        for job_id, future in list(self._pending.items()):
-            if not future.done():
+        for job_id, pending in list(self._pending.items()):
+            if not pending.outcome.done():
                 log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)
-                future.set_exception(RequestFailed("prefill_worker_lost"))
+                pending.outcome.set_exception(RequestFailed("prefill_worker_lost"))

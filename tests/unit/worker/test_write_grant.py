@@ -22,7 +22,7 @@ from kvrail.messages import (
 )
 from kvrail.settings import Settings
 from kvrail.worker.context import WorkerContext
-from kvrail.worker.remote_prefill import RemotePrefill, RequestFailed
+from kvrail.worker.remote_prefill import RemotePrefill, RequestFailed, _Pending
 
 JOB = PrefillJob(
     request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
@@ -54,6 +54,13 @@ def remote_prefill_recording_aborts() -> tuple[RemotePrefill, list[str]]:
     return rp, aborted
 
 
+def wait_for(rp: RemotePrefill, job: PrefillJob) -> asyncio.Future[tuple[PrefillDone, float]]:
+    """Make `rp` wait for `job` as `_run_job` does; returns the future of its outcome."""
+    future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
+    rp._pending[job.request_id] = _Pending(job, tokens_digest(job.token_ids), future)
+    return future
+
+
 def ask(**changes: Any) -> WriteGrantRequest:
     base = WriteGrantRequest(
         request_id=JOB.request_id, dest_incarnation=7, block_ids=JOB.dest_block_ids,
@@ -65,9 +72,7 @@ def ask(**changes: Any) -> WriteGrantRequest:
 async def test_only_the_job_waited_for_with_its_blocks_and_prompt_is_granted() -> None:
     rp = remote_prefill()
     assert rp._grant_refusal(ask()) == "not_waiting"  # nothing pending yet
-    future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
-    rp._pending[JOB.request_id] = future
-    rp._waiting_for[JOB.request_id] = (JOB, tokens_digest(JOB.token_ids))
+    future = wait_for(rp, JOB)
     assert rp._grant_refusal(ask()) == ""
     assert rp._grant_refusal(ask(block_ids=(3, 5))) == "foreign_blocks"
     assert rp._grant_refusal(ask(block_ids=(3, 4, 5))) == "foreign_blocks"
@@ -109,8 +114,7 @@ async def test_duplicate_late_and_invalid_completions_are_harmless() -> None:
         block_ids=JOB.dest_block_ids, first_token_id=42, num_prompt_tokens=5,
         prefill_worker_id="prefill-0", prefill_incarnation=1,
     )  # fmt: skip
-    future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
-    rp._pending[JOB.request_id] = future
+    future = wait_for(rp, JOB)
     rp._on_notification(done.encode())
     rp._on_notification(done.encode())  # a duplicate
     assert future.done() and future.result()[0] == done
@@ -132,8 +136,7 @@ async def test_a_restarted_prefill_worker_fails_pending_jobs_a_drained_one_does_
     rp = remote_prefill()
     old = WorkerRecord(worker_id="prefill-0", pod_uid="u", incarnation=1, role="prefill",
                        fingerprint="f" * 64, is_ready=True)  # fmt: skip
-    pending: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
-    rp._pending["r-1"] = pending
+    pending = wait_for(rp, JOB)
     rp._on_peer_change("prefill-0", replace(old, is_ready=False), None)  # drained, then gone
     assert not pending.done()
     rp._on_peer_change("prefill-0", old, replace(old, incarnation=2))  # restarted
