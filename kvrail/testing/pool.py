@@ -21,7 +21,7 @@ from kvrail.messages import BlockCounts, WorkerRecord, decode
 from kvrail.procs import ManagedProcess
 from kvrail.registry import Registry, etcd_client
 from kvrail.servers import EtcdServer, NatsServer
-from kvrail.settings import Settings
+from kvrail.settings import load_settings
 
 READY_TIMEOUT_S = 240.0
 _WORKER = [sys.executable, "-P", "-m", "kvrail.worker"]
@@ -38,15 +38,12 @@ class LocalPool:
         env: dict[str, str] | None = None,
     ) -> None:
         self.keys = PoolKeys("default", pool)
-        self.settings = Settings.model_validate(
-            {"pool": pool, "etcd_endpoints": (etcd.endpoint,), "nats_url": nats.url}
-        )
+        servers = {"KVRAIL_POOL": pool, **etcd.client_env(), **nats.client_env()}
+        self.settings = load_settings(environ=servers)  # TLS and credentials included
         self.env = {
             **os.environ,
             "HF_HUB_OFFLINE": "1",
-            "KVRAIL_POOL": pool,
-            "KVRAIL_ETCD_ENDPOINTS": etcd.endpoint,
-            "KVRAIL_NATS_URL": nats.url,
+            **servers,
             "KVRAIL_TORCH_NUM_THREADS": "1",
             **(env or {}),
         }
@@ -109,9 +106,11 @@ class LocalPool:
         reply = await nc.request(self.keys.debug(worker_id), b"", timeout=5)
         return decode(reply.data, BlockCounts)
 
-    async def assert_all_blocks_free(self, nc: NatsClient, timeout_s: float = 30.0) -> None:
-        """Every live worker holds no request, no retained and no quarantined block (polled)."""
+    async def blocks_held(self, nc: NatsClient, timeout_s: float = 30.0) -> dict[str, BlockCounts]:
+        """The live workers that still hold a request, a retained or a quarantined block after
+        waiting up to `timeout_s` for every one to be free (polled), with their counts."""
         deadline = time.monotonic() + timeout_s
+        held: dict[str, BlockCounts] = {}
         for worker_id in self.live():
             while True:
                 c = await self.block_counts(nc, worker_id)
@@ -119,5 +118,13 @@ class LocalPool:
                 if idle and c.num_free_blocks == c.num_blocks:
                     break
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{worker_id} still holds blocks: {c}")
+                    held[worker_id] = c
+                    break
                 await asyncio.sleep(0.2)
+        return held
+
+    async def assert_all_blocks_free(self, nc: NatsClient, timeout_s: float = 30.0) -> None:
+        """Every live worker holds no request, no retained and no quarantined block (polled)."""
+        held = await self.blocks_held(nc, timeout_s)
+        if held:
+            raise AssertionError(f"workers still hold blocks: {held}")

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-import nats.errors
 import openai
 from nats.aio.client import Client as NatsClient
 
@@ -260,27 +259,15 @@ class Soak:
         settle_from = time.monotonic()
         nc: NatsClient = await nc_factory()
         try:
-            result.blocks_leaked = await self._blocks_held(nc, settle_s)
+            held = await self.pool.blocks_held(nc, settle_s)
         finally:
             await nc.close()
         result.settle_s = time.monotonic() - settle_from
+        # Blocks in use plus pending remote prefills; a worker holding a request counts 1 at least.
+        result.blocks_leaked = sum(
+            max(1, c.num_blocks - c.num_free_blocks + c.num_pending) for c in held.values()
+        )
         return result
-
-    async def _blocks_held(self, nc: NatsClient, timeout_s: float) -> int:
-        """Blocks live workers still hold after waiting up to `timeout_s` for them to free."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            held = 0
-            for worker_id in self.pool.live():
-                try:
-                    c = await self.pool.block_counts(nc, worker_id)
-                except (nats.errors.Error, TimeoutError):  # still reconnecting: ask again
-                    held += 1
-                    continue
-                held += (c.num_blocks - c.num_free_blocks) + c.num_pending
-            if held == 0 or time.monotonic() > deadline:
-                return held
-            await asyncio.sleep(0.5)
 
     # -- faults -----------------------------------------------------------------------------------
 
