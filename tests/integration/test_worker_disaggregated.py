@@ -33,6 +33,7 @@ from kvrail.messages import (
     KvEvent,
     PrefillJob,
     TokenEvent,
+    WorkerRecord,
     decode,
 )
 from kvrail.procs import free_port
@@ -204,18 +205,25 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
     await assert_all_blocks_free(nc, pool, timeout_s=15.0)
 
 
+def job_for(
+    dest: WorkerRecord, request_id: str, token_ids: tuple[int, ...], block_ids: tuple[int, ...]
+) -> PrefillJob:
+    """A prefill job for `dest`, as a decode worker would publish it (valid for 30 s)."""
+    return PrefillJob(
+        request_id=request_id, token_ids=token_ids, fingerprint=dest.fingerprint,
+        dest_worker_id=dest.worker_id, dest_incarnation=dest.incarnation,
+        dest_agent_name=dest.nixl_agent_name, dest_block_ids=block_ids, first_block_index=0,
+        deadline_unix_s=time.time() + 30,
+    )  # fmt: skip
+
+
 async def test_the_prefill_worker_drops_stale_jobs_without_running_them(
     pool: Pool, nc: NatsClient
 ) -> None:
     records = await pool.records()
     dest = records["decode-0"]
     queue = PrefillQueue(nc.jetstream(), KEYS)
-    base = PrefillJob(
-        request_id="stale-0", token_ids=prompt(40, seed=10), fingerprint=dest.fingerprint,
-        dest_worker_id="decode-0", dest_incarnation=dest.incarnation,
-        dest_agent_name=dest.nixl_agent_name, dest_block_ids=(5, 6, 7), first_block_index=0,
-        deadline_unix_s=time.time() + 30,
-    )  # fmt: skip
+    base = job_for(dest, "stale-0", prompt(40, seed=10), (5, 6, 7))
     for request_id, changes in (
         ("stale-deadline", {"deadline_unix_s": time.time() - 1}),
         ("stale-incarnation", {"dest_incarnation": dest.incarnation - 1}),
@@ -260,12 +268,7 @@ async def test_hostile_jobs_are_refused_counted_and_touch_no_other_request(
                                      request_id=done_id))  # fmt: skip
     victim = asyncio.create_task(generate(nc, "decode-0", victim_prompt, max_tokens=24))
     dest = (await pool.records())["decode-0"]
-    base = PrefillJob(
-        request_id="hostile-0", token_ids=prompt(40, seed=61), fingerprint=dest.fingerprint,
-        dest_worker_id="decode-0", dest_incarnation=dest.incarnation,
-        dest_agent_name=dest.nixl_agent_name, dest_block_ids=(1, 2, 3), first_block_index=0,
-        deadline_unix_s=time.time() + 30,
-    )  # fmt: skip
+    base = job_for(dest, "hostile-0", prompt(40, seed=61), (1, 2, 3))
     too_long = prompt(2000, seed=62)  # max_model_len is 1024
     jobs = [
         replace(base, request_id="hostile-foreign"),
