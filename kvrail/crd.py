@@ -13,6 +13,7 @@ per pool and a CEL rule requires the two to match.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,6 +31,8 @@ from kvrail.crd_spec import (
     TopologySpec,
 )
 from kvrail.crd_status import InferencePoolStatus
+from kvrail.models import PACKAGED_MODELS
+from kvrail.vllm.serve import KV_CACHE_DTYPES, KV_LOAD_FAILURE_POLICIES
 
 GROUP: Final = "kvrail.dev"
 VERSION: Final = "v1alpha1"
@@ -39,6 +42,51 @@ API_VERSION: Final = "kvrail.dev/v1alpha1"
 MAX_POOL_NAME_LENGTH = 40
 Role = Literal["prefill", "decode"]
 
+
+def _cel_list(values: Iterable[str]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _vllm_rule(expr: str, message: str, field_path: str) -> dict[str, str]:
+    """A rule that holds for every engine but vLLM, and for vLLM when `expr` does."""
+    return rule(f"self.engine.kind != 'vllm' || {expr}", message, field_path)
+
+
+# What a vLLM pool cannot do, refused at apply rather than found when vLLM starts (or worse,
+# silently ignored). The values come from `kvrail.vllm.serve`, which builds vLLM's command line.
+_VLLM_RULES = (
+    _vllm_rule(
+        f"self.disaggregation.kvLoadFailurePolicy in {_cel_list(KV_LOAD_FAILURE_POLICIES)}",
+        "engine.kind vllm cannot reroute a failed KV load to another prefill worker: vLLM's own "
+        f"kv_load_failure_policy knows only {' and '.join(KV_LOAD_FAILURE_POLICIES)}",
+        ".disaggregation.kvLoadFailurePolicy",
+    ),
+    _vllm_rule(
+        "self.disaggregation.transferBackend == 'nixl'",
+        "engine.kind vllm moves KV with vLLM's NIXL connector only: set "
+        "disaggregation.transferBackend to nixl",
+        ".disaggregation.transferBackend",
+    ),
+    _vllm_rule(
+        f"!(self.model.source in {_cel_list(PACKAGED_MODELS)})",
+        "model.source names a model packaged for kvrail's own engine; engine.kind vllm needs "
+        "a safetensors directory (e.g. under /models, see model.volumeClaim) or a model id "
+        "vLLM can load",
+        ".model.source",
+    ),
+    _vllm_rule(
+        f"self.model.kvDtype in {_cel_list(['auto', *KV_CACHE_DTYPES])} || "
+        "self.model.kvDtype == self.model.dtype",
+        "engine.kind vllm keeps the KV cache in the weights' dtype (auto) or in fp8 "
+        f"({', '.join(KV_CACHE_DTYPES)}): vLLM's --kv-cache-dtype has no other float type",
+        ".model.kvDtype",
+    ),
+    _vllm_rule(
+        "!self.security.zeroKvOnRelease",
+        "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",
+        ".security.zeroKvOnRelease",
+    ),
+)
 
 _SPEC_RULES = rules(
     rule(
@@ -79,6 +127,7 @@ _SPEC_RULES = rules(
         ".autoscaling.enabled",
         "FieldValueRequired",
     ),
+    *_VLLM_RULES,
 )
 
 

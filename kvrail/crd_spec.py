@@ -25,7 +25,8 @@ class ModelSpec(CrdModel):
 
     source: str = Field("smollm2", min_length=1, max_length=512)
     """A packaged model name (`smollm2`), a `.gguf` file or a safetensors directory in the image or
-    under `/models` (see `volumeClaim`). Never downloaded from a hub. Default `smollm2`."""
+    under `/models` (see `volumeClaim`); kvrail never downloads from a hub. With engine kind
+    `vllm`: a safetensors directory, or a model id vLLM loads itself. Default `smollm2`."""
     revision: str | None = Field(None, max_length=128)
     """An opaque revision of the weights; changing it rolls both pools. Optional."""
     served_name: str | None = Field(None, max_length=256)
@@ -42,16 +43,40 @@ class ModelSpec(CrdModel):
     """A PersistentVolumeClaim holding the weights, mounted read-only at `/models`. Optional."""
 
 
+EngineKind = Literal["kvrail", "vllm"]
+
+
 class EngineSpec(CrdModel):
     """The inference engine the workers run."""
 
     model_config = ConfigDict(
         json_schema_extra=rules(
-            rule("self.kind == 'kvrail'", "engine.kind vllm is reserved and not supported yet")
+            rule(
+                "self.kind == 'vllm' || !has(self.image)",
+                "engine.image is the vLLM image: set it only with engine.kind vllm "
+                "(the kvrail image is spec.image)",
+                ".image",
+                "FieldValueForbidden",
+            ),
+            rule(
+                "self.kind == 'vllm' || !has(self.extraArgs) || size(self.extraArgs) == 0",
+                "engine.extraArgs are passed to `vllm serve`: set them only with engine.kind vllm",
+                ".extraArgs",
+                "FieldValueForbidden",
+            ),
         )
     )
-    kind: Literal["kvrail", "vllm"] = "kvrail"
-    """`kvrail` (default). `vllm` is reserved for a later version and refused today."""
+    kind: EngineKind = "kvrail"
+    """`kvrail` (default): kvrail's own engine. `vllm`: each worker pod runs `vllm serve` with
+    vLLM's NIXL connector, beside a kvrail agent that registers it for the router."""
+    image: str | None = Field(None, min_length=1, max_length=512)
+    """The vLLM image of the `engine` container; only with kind `vllm`. Defaults to the
+    operator's (`vllm/vllm-openai` at a tested version). A CPU pool needs a CPU build of vLLM."""
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64
+    )
+    """Arguments appended verbatim to `vllm serve`, after the ones kvrail sets (a repeated flag
+    overrides kvrail's); only with kind `vllm`. E.g. `["--gpu-memory-utilization", "0.85"]`."""
 
 
 class Parallelism(CrdModel):
@@ -143,7 +168,8 @@ class RoleSpec(CrdModel):
     tolerations: list[Toleration] = Field(default_factory=list, max_length=32)
     """Tolerations for tainted nodes."""
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
-    """Extra environment variables for the worker container."""
+    """Extra environment variables for the worker container (with engine kind `vllm`, for the
+    `engine` container running vLLM)."""
     termination_grace_period_seconds: int = Field(60, ge=0, le=3600)
     """Time a worker gets to drain (finish in-flight transfers) before it is killed. Default 60."""
 
@@ -158,7 +184,7 @@ class DisaggregationSpec(CrdModel):
     """Uncached prompt tokens from which prefill goes to the prefill pool. Default 512."""
     kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
     """On a failed KV transfer: `recompute` (default) locally, `fail` the request, or `reroute`
-    the prefill to another prefill worker within the deadline."""
+    the prefill to another prefill worker within the deadline (kvrail's engine only)."""
     transfer_backend: TransferBackend = "nixl"
     """`nixl` (default; UCX, RDMA across nodes) or `local` (same node only, for tests)."""
 

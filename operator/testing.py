@@ -60,6 +60,11 @@ COLOCATED: tuple[Change, ...] = (
     ("spec.prefill", DELETE),
     ("spec.disaggregation.mode", "colocated"),
 )
+VLLM: tuple[Change, ...] = (
+    ("spec.engine.kind", "vllm"),
+    ("spec.model.source", "/models/tiny"),
+)
+"""The base pool on vLLM (which cannot load kvrail's packaged model, so a directory)."""
 
 # Manifests the CRD refuses, as (case, changes, path of the violation, a word of its message).
 # Shared by the cel-python unit tests and the real API server tests: the path is where
@@ -142,7 +147,43 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         ".spec.autoscaling.enabled",
         "maxReplicas",
     ),
-    ("vllm engine", (("spec.engine.kind", "vllm"),), ".spec.engine", "reserved"),
+    (
+        "vllm rerouting a failed KV load",
+        (*VLLM, ("spec.disaggregation.kvLoadFailurePolicy", "reroute")),
+        ".spec.disaggregation.kvLoadFailurePolicy",
+        "recompute and fail",
+    ),
+    (
+        "vllm with the local backend",
+        (*VLLM, ("spec.disaggregation.transferBackend", "local")),
+        ".spec.disaggregation.transferBackend",
+        "NIXL",
+    ),
+    (
+        "vllm with the packaged model",
+        (*VLLM, ("spec.model.source", "smollm2")),
+        ".spec.model.source",
+        "safetensors",
+    ),
+    (
+        "vllm with a kv dtype unlike the weights",
+        (*VLLM, ("spec.model.kvDtype", "bfloat16")),
+        ".spec.model.kvDtype",
+        "--kv-cache-dtype",
+    ),
+    (
+        "vllm zeroing released kv",
+        (*VLLM, ("spec.security.zeroKvOnRelease", True)),
+        ".spec.security.zeroKvOnRelease",
+        "zero",
+    ),
+    ("engine image without vllm", (("spec.engine.image", "mine:1"),), ".spec.engine.image", "vllm"),
+    (
+        "engine args without vllm",
+        (("spec.engine.extraArgs", ["--enforce-eager"]),),
+        ".spec.engine.extraArgs",
+        "vllm",
+    ),
     ("pool name too long", (("metadata.name", "p" * 41),), "", "40"),
     ("pool name starting with a digit", (("metadata.name", "8b"),), "", "DNS-1035"),
     ("pool name with a dot", (("metadata.name", "a.b"),), "", "DNS-1035"),
@@ -191,4 +232,18 @@ ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
         ),
     ),
     ("a 40-character name", (("metadata.name", "p" * 40),)),
+    ("a vllm pool", VLLM),
+    ("a colocated vllm pool", (*VLLM, *COLOCATED)),
+    (
+        "vllm with its image, arguments, an fp8 cache and the fail policy",
+        (
+            *VLLM,
+            ("spec.engine.image", "vllm/vllm-openai:custom"),
+            ("spec.engine.extraArgs", ["--gpu-memory-utilization", "0.85"]),
+            ("spec.model.kvDtype", "float8_e4m3fn"),
+            ("spec.disaggregation.kvLoadFailurePolicy", "fail"),
+        ),
+    ),
+    ("vllm with a kv dtype equal to the weights'", (*VLLM, ("spec.model.kvDtype", "float32"))),
+    ("vllm with a model id", (*VLLM, ("spec.model.source", "Qwen/Qwen2.5-0.5B-Instruct"))),
 ]

@@ -142,13 +142,20 @@ def worker_env(pool: InferencePool, spec: RoleSpec, ctx: BuildContext) -> list[d
         setting("http_port", WORKER_PORT),
         setting("cache_dir", CACHE_DIR),
         setting("drain_timeout_s", drain_timeout_s(spec.termination_grace_period_seconds)),
-        {"name": "UCX_TLS", "value": ucx_tls(pool, spec)},
+        *ucx_env(pool, spec),
     ]
-    if topology.ucx_net_devices:
-        env.append({"name": "UCX_NET_DEVICES", "value": topology.ucx_net_devices})
     if pool.spec.security.zero_kv_on_release:
         env.append(setting("zero_kv_on_release", "true"))
     return merge_env(env, [e.model_dump(mode="json") for e in spec.env])
+
+
+def ucx_env(pool: InferencePool, spec: RoleSpec) -> list[dict[str, Any]]:
+    """UCX's transports (no TCP when RDMA is required) and devices: what NIXL runs on, for
+    kvrail's workers and vLLM's NIXL connector alike."""
+    env = [{"name": "UCX_TLS", "value": ucx_tls(pool, spec)}]
+    if pool.spec.topology.ucx_net_devices:
+        env.append({"name": "UCX_NET_DEVICES", "value": pool.spec.topology.ucx_net_devices})
+    return env
 
 
 def drain_timeout_s(grace_period_s: int) -> int:

@@ -8,6 +8,9 @@ public API (the Gateway, any namespace) and stays open. The one exception is the
 port (`/metrics`, `/readyz`, `/livez`; no KV, no control), open to any source so that Prometheus
 scrapes it wherever it runs. Enforcement needs a CNI that implements NetworkPolicy; the API
 server stores the object either way.
+
+A vLLM pool (`engine.kind: vllm`) is the other exception: its router sends requests to vLLM's
+HTTP API on the workers, so the pool's own router pods (and nothing else) may reach that one port.
 """
 
 from __future__ import annotations
@@ -15,7 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 from kvrail.crd import InferencePool
-from kvrail.operator.builders.meta import POOL_LABEL, ROLE_LABEL, WORKER_PORT, object_meta
+from kvrail.operator.builders.meta import (
+    POOL_LABEL,
+    ROLE_LABEL,
+    WORKER_PORT,
+    object_meta,
+    selector_labels,
+)
+from kvrail.vllm.serve import VLLM_PORT
 
 WORKER_ROLES = ("prefill", "decode")
 """Role labels of worker pods; a colocated pool's `--role both` workers are labelled decode."""
@@ -37,8 +47,18 @@ def worker_selector(pool: InferencePool) -> dict[str, Any]:
 
 def build_network_policy(pool: InferencePool) -> dict[str, Any]:
     """Ingress to the pool's workers: any port from its workers (same namespace), the HTTP port
-    from anywhere. Egress is not restricted (workers reach etcd, NATS and each other)."""
+    from anywhere, and for vLLM its API port from the pool's routers. Egress is not restricted
+    (workers reach etcd, NATS and each other)."""
     selector = worker_selector(pool)
+    ingress: list[dict[str, Any]] = [
+        {"from": [{"podSelector": selector}]},
+        {"ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
+    ]
+    if pool.spec.engine.kind == "vllm":
+        routers = {"matchLabels": selector_labels(pool, "router")}
+        ingress.append(
+            {"from": [{"podSelector": routers}], "ports": [{"protocol": "TCP", "port": VLLM_PORT}]}
+        )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -46,9 +66,6 @@ def build_network_policy(pool: InferencePool) -> dict[str, Any]:
         "spec": {
             "podSelector": selector,
             "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": selector}]},
-                {"ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
-            ],
+            "ingress": ingress,
         },
     }

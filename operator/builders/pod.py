@@ -1,14 +1,22 @@
-"""Pod pieces shared by workers and the router: hardening, image, probes and scratch volumes."""
+"""Pod pieces shared by workers and the router: hardening, image, probes and volumes."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
-from kvrail.crd import InferencePool
+from kvrail.crd import InferencePool, Role
 from kvrail.operator.builders.context import BuildContext
-from kvrail.operator.builders.env import CACHE_DIR
+from kvrail.operator.builders.env import CACHE_DIR, infrastructure
 
 SHM_SIZE = "1Gi"
+MODELS_DIR = "/models"
+ProcessRole = Literal["prefill", "decode", "both"]
+
+
+def process_role(pool: InferencePool, role: Role) -> ProcessRole:
+    """What a worker process of the role's pool does: in colocated mode the decode pool is the
+    only one and runs both phases."""
+    return "both" if pool.spec.disaggregation.mode == "colocated" else role
 
 
 def image(pool: InferencePool, ctx: BuildContext) -> str:
@@ -86,3 +94,28 @@ def pod_common(pool: InferencePool) -> dict[str, Any]:
     if security.image_pull_secrets:
         out["imagePullSecrets"] = [{"name": n} for n in security.image_pull_secrets]
     return out
+
+
+class WorkerVolumes(NamedTuple):
+    """A worker pod's volumes, and their mounts by purpose, so each container mounts only what
+    it needs (the vLLM engine gets no etcd or NATS credentials)."""
+
+    volumes: list[dict[str, Any]]
+    scratch_mounts: list[dict[str, Any]]
+    """Cache, /tmp and /dev/shm."""
+    secret_mounts: list[dict[str, Any]]
+    """etcd and NATS credentials and CAs."""
+    model_mounts: list[dict[str, Any]]
+    """The weights' claim at `/models`, when the pool names one."""
+
+
+def worker_volumes(pool: InferencePool, ctx: BuildContext) -> WorkerVolumes:
+    _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
+    volumes, scratch_mounts = scratch_volumes(shm=True)
+    volumes += secret_volumes
+    model_mounts: list[dict[str, Any]] = []
+    if pool.spec.model.volume_claim:
+        claim = {"claimName": pool.spec.model.volume_claim, "readOnly": True}
+        volumes.append({"name": "models", "persistentVolumeClaim": claim})
+        model_mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
+    return WorkerVolumes(volumes, scratch_mounts, secret_mounts, model_mounts)

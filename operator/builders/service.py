@@ -12,11 +12,19 @@ from kvrail.operator.builders.meta import (
     object_meta,
     selector_labels,
 )
+from kvrail.vllm.serve import VLLM_PORT
+
+
+def worker_http_port(pool: InferencePool) -> int:
+    """The port of a worker pod's `http` container port: kvrail's health and metrics, or vLLM's
+    API (the router's requests go there)."""
+    return VLLM_PORT if pool.spec.engine.kind == "vllm" else WORKER_PORT
 
 
 def build_worker_service(pool: InferencePool, role: Role) -> dict[str, Any]:
     """Headless, and publishing pods before they are Ready: it gives each worker a stable DNS
     name while it loads; discovery itself goes through etcd."""
+    port = worker_http_port(pool)
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -25,7 +33,7 @@ def build_worker_service(pool: InferencePool, role: Role) -> dict[str, Any]:
             "clusterIP": "None",
             "publishNotReadyAddresses": True,
             "selector": selector_labels(pool, role),
-            "ports": [{"name": "http", "port": WORKER_PORT, "targetPort": "http"}],
+            "ports": [{"name": "http", "port": port, "targetPort": "http"}],
         },
     }
 

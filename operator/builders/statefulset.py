@@ -4,6 +4,10 @@ One StatefulSet per role, pods started in parallel (workers are independent peer
 etcd, so ordered start buys nothing). The pod template carries the model hash as a label: a model
 change changes every worker template, so both pools roll. In colocated mode the decode
 StatefulSet runs both phases (`--role both`) and there is no prefill StatefulSet.
+
+The engine decides only the pod's containers: kvrail's `worker`, or vLLM's `engine` and the
+kvrail `agent` (`builders.vllm`). Volumes, resources, placement and identity are the same for
+both, built here once.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvrail.crd import InferencePool, Role
+from kvrail.crd_spec import RoleSpec
 from kvrail.operator import placement
 from kvrail.operator.builders.context import BuildContext
-from kvrail.operator.builders.env import infrastructure, worker_env
+from kvrail.operator.builders.env import worker_env
 from kvrail.operator.builders.meta import (
     MODEL_HASH_LABEL,
     WORKER_PORT,
@@ -24,20 +29,38 @@ from kvrail.operator.builders.meta import (
     selector_labels,
 )
 from kvrail.operator.builders.pod import (
+    WorkerVolumes,
     container_security_context,
     image,
     pod_common,
     probes,
-    scratch_volumes,
+    process_role,
+    worker_volumes,
 )
-
-MODELS_DIR = "/models"
+from kvrail.operator.builders.vllm import vllm_containers
 
 
 def worker_command(pool: InferencePool, role: Role) -> list[str]:
     """`python -P -m kvrail.worker --role prefill|decode|both` (the worker CLI contract)."""
-    colocated = pool.spec.disaggregation.mode == "colocated"
-    return ["python", "-P", "-m", "kvrail.worker", "--role", "both" if colocated else role]
+    return ["python", "-P", "-m", "kvrail.worker", "--role", process_role(pool, role)]
+
+
+def worker_container(
+    pool: InferencePool, role: Role, spec: RoleSpec, ctx: BuildContext, volumes: WorkerVolumes
+) -> dict[str, Any]:
+    """kvrail's own worker: one container with every volume."""
+    return {
+        "name": "worker",
+        "image": image(pool, ctx),
+        "imagePullPolicy": pool.spec.image_pull_policy,
+        "command": worker_command(pool, role),
+        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
+        "env": worker_env(pool, spec, ctx),
+        "resources": placement.resources(pool, spec),
+        "securityContext": container_security_context(placement.capabilities(pool)),
+        "volumeMounts": [*volumes.scratch_mounts, *volumes.secret_mounts, *volumes.model_mounts],
+        **probes(slow_start=True),
+    }
 
 
 def build_statefulset(
@@ -48,31 +71,16 @@ def build_statefulset(
     spec = pool.role(role)
     if spec is None:
         raise ValueError(f"pool {pool.metadata.name} has no {role} pool")
-    _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
-    volumes, mounts = scratch_volumes(shm=True)
-    volumes += secret_volumes
-    mounts += secret_mounts
-    if pool.spec.model.volume_claim:
-        claim = {"claimName": pool.spec.model.volume_claim, "readOnly": True}
-        volumes.append({"name": "models", "persistentVolumeClaim": claim})
-        mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    container = {
-        "name": "worker",
-        "image": image(pool, ctx),
-        "imagePullPolicy": pool.spec.image_pull_policy,
-        "command": worker_command(pool, role),
-        "ports": [{"name": "http", "containerPort": WORKER_PORT, "protocol": "TCP"}],
-        "env": worker_env(pool, spec, ctx),
-        "resources": placement.resources(pool, spec),
-        "securityContext": container_security_context(placement.capabilities(pool)),
-        "volumeMounts": mounts,
-        **probes(slow_start=True),
-    }
+    volumes = worker_volumes(pool, ctx)
+    if pool.spec.engine.kind == "vllm":
+        containers = vllm_containers(pool, role, spec, ctx, volumes)
+    else:
+        containers = [worker_container(pool, role, spec, ctx, volumes)]
     pod_spec: dict[str, Any] = {
         **pod_common(pool),
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
-        "containers": [container],
-        "volumes": volumes,
+        "containers": containers,
+        "volumes": volumes.volumes,
         "topologySpreadConstraints": placement.topology_spread(pool, role),
     }
     affinity = placement.affinity(pool, role)

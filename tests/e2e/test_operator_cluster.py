@@ -4,7 +4,8 @@ It runs as a subprocess (`kopf run --standalone -m kvrail.operator.main`) under 
 RBAC with its own ServiceAccount token, never as admin. The tests apply the examples and check
 the children, where the real scheduler puts the pods, status, scaling, a model change, a child the
 API server refuses, deletion through the garbage collector and the finalizer (the pool's etcd keys
-and JetStream stream on the harness's real servers), and what the token may not do.
+and JetStream stream on the harness's real servers), a vLLM pool's workers, and what the token
+may not do.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from kvrail.operator.harness import (
     launch_operator,
     wait_for,
 )
+from kvrail.operator.testing import mutate
 from kvrail.procs import ManagedProcess
 from kvrail.registry import etcd_client
 from kvrail.servers import EtcdServer, NatsServer
@@ -401,6 +403,67 @@ def test_rdma_pool_runs_only_on_rdma_nodes_spread_and_becomes_ready(env: Env) ->
     assert not pool_exists(env, ns, name)
     reasons = event_reasons(env, ns, name)
     assert (reasons.count("CleanupRetrying"), reasons.count("CleanupAbandoned")) == (2, 1), reasons
+
+
+def test_vllm_pool_runs_vllm_and_the_agent_in_every_worker_pod_and_refuses_reroute(
+    env: Env,
+) -> None:
+    name, ns = "llama-8b-vllm", RDMA_NAMESPACE  # examples/vllm-pool.yaml, the RDMA example's claim
+    example = REPO / "examples" / "vllm-pool.yaml"
+    # What vLLM cannot do is refused by the real API server, with the CEL rule's message.
+    refused = mutate(
+        yaml.safe_load(example.read_text()),
+        ("metadata.name", "vllm-reroute"),
+        ("spec.disaggregation.kvLoadFailurePolicy", "reroute"),
+    )
+    with pytest.raises(ApiException) as err:
+        client.CustomObjectsApi(env.admin).create_namespaced_custom_object(
+            GROUP, VERSION, ns, PLURAL, refused
+        )
+    assert err.value.status == 422, err.value.body
+    assert "kv_load_failure_policy knows only recompute and fail" in err.value.body
+    assert not pool_exists(env, ns, "vllm-reroute")
+
+    env.kubectl("apply", "-f", str(example))
+    wait_for("11 children", lambda: len(env.children(ns, name)) == 11, DEADLINE_S)
+    pool = wait_for("Ready", lambda: ready_at(env, ns, name), DEADLINE_S)
+    assert condition(pool, "Degraded")["status"] == "False"  # every child was accepted
+    assert pool["status"]["decode"]["readyReplicas"] == 2
+    placed = {}
+    for role, replicas in (("prefill", 1), ("decode", 2)):
+        pods = running(env.pods(ns, f"{POOL_LABEL}={name},{ROLE_LABEL}={role}"))
+        assert len(pods) == replicas, role
+        for p in pods:
+            engine, agent = p.spec.containers
+            assert (engine.name, agent.name) == ("engine", "agent")
+            assert engine.image.startswith("vllm/vllm-openai:")
+            assert engine.command[:2] == ["vllm", "serve"]
+            assert "--kv-transfer-config" in engine.command
+            assert engine.resources.limits["nvidia.com/gpu"] == "1"
+            assert [(c.name, c.container_port) for c in engine.ports] == [
+                ("http", 8000), ("nixl", 5600),
+            ]  # fmt: skip
+            assert engine.startup_probe.http_get.path == "/health"
+            assert agent.command == ["python", "-P", "-m", "kvrail.vllm.agent"]
+            roles = [e.value for e in agent.env if e.name == "KVRAIL_ROLE"]
+            assert roles == [role]
+            assert not (agent.resources.limits or {}).get("nvidia.com/gpu")
+        placed[role] = sorted(p.spec.node_name for p in pods)
+    print(f"\nvLLM placement: {placed}")
+    # The workers' policy lets the pool's routers (and only them) reach vLLM's port.
+    policy = client.NetworkingV1Api(env.admin).read_namespaced_network_policy(f"{name}-workers", ns)
+    router_rule = policy.spec.ingress[2]
+    assert [(p.protocol, p.port) for p in router_rule.ports] == [("TCP", 8000)]
+    routers = running(env.pods(ns, label_selector(router_rule._from[0].pod_selector)))
+    assert sorted(p.metadata.labels[ROLE_LABEL] for p in routers) == ["router", "router"]
+    assert {p.metadata.labels[POOL_LABEL] for p in routers} == {name}
+
+    env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
+    wait_for(
+        "nothing left",
+        lambda: not env.children(ns, name) and not env.pods(ns, f"{POOL_LABEL}={name}"),
+        DEADLINE_S,
+    )
 
 
 def test_child_refused_by_the_api_server_gives_degraded_not_a_crash_loop(env: Env) -> None:

@@ -16,6 +16,8 @@ def test_minimal_manifest_gets_documented_defaults() -> None:
     assert pool.spec.model.block_size == 16
     assert pool.spec.model.kv_dtype == "auto"
     assert pool.spec.engine.kind == "kvrail"
+    assert pool.spec.engine.image is None
+    assert pool.spec.engine.extra_args == []
     assert pool.spec.decode.replicas == 1
     assert pool.spec.disaggregation.mode == "disaggregated"
     assert pool.spec.disaggregation.kv_load_failure_policy == "recompute"
@@ -68,6 +70,10 @@ INVALID: list[tuple[str, tuple[str, Any], str]] = [
         ("spec.router.gateway", {"parentRef": {"name": "gw"}, "hostnames": ["A.b"]}),
         "pattern",
     ),
+    ("engine kind outside the enum", ("spec.engine.kind", "sglang"), "kvrail"),
+    ("too many engine arguments", ("spec.engine.extraArgs", ["-x"] * 65), "64"),
+    ("an engine argument too long", ("spec.engine.extraArgs", ["x" * 1025]), "1024"),
+    ("an empty engine image", ("spec.engine.image", ""), "at least 1"),
     (
         "gateway without parentRef",
         ("spec.router.gateway", {"hostnames": ["a.example"]}),

@@ -28,9 +28,9 @@ def workload(name: str, kind: str, suffix: str) -> dict[str, Any]:
     return found
 
 
-def test_the_three_documented_examples_exist() -> None:
+def test_the_documented_examples_exist() -> None:
     names = {p.name for p in EXAMPLES}
-    assert {"cpu-small.yaml", "gpu-8b-rdma.yaml", "heterogeneous.yaml"} <= names
+    assert {"cpu-small.yaml", "gpu-8b-rdma.yaml", "heterogeneous.yaml", "vllm-pool.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
@@ -54,3 +54,18 @@ def test_heterogeneous_example_puts_roles_on_different_gpus() -> None:
     prefill = workload("heterogeneous.yaml", "StatefulSet", "-prefill")["spec"]["template"]["spec"]
     decode = workload("heterogeneous.yaml", "StatefulSet", "-decode")["spec"]["template"]["spec"]
     assert prefill["nodeSelector"] != decode["nodeSelector"]
+
+
+def test_vllm_example_runs_vllm_serve_beside_the_agent_on_a_gpu() -> None:
+    for suffix in ("-prefill", "-decode"):
+        spec = workload("vllm-pool.yaml", "StatefulSet", suffix)["spec"]["template"]["spec"]
+        engine, agent = spec["containers"]
+        assert (engine["name"], agent["name"]) == ("engine", "agent")
+        assert engine["command"][:3] == ["vllm", "serve", "/models/Meta-Llama-3-8B-Instruct"]
+        assert "--kv-transfer-config" in engine["command"]
+        assert engine["command"][-2:] == ["--gpu-memory-utilization", "0.85"]
+        assert engine["resources"]["limits"] == {"nvidia.com/gpu": 1}
+        assert {"name": "models", "mountPath": "/models", "readOnly": True} in engine[
+            "volumeMounts"
+        ]
+        assert agent["command"] == ["python", "-P", "-m", "kvrail.vllm.agent"]

@@ -16,7 +16,7 @@ from kvrail.operator.builders.meta import (
     labels,
 )
 from kvrail.operator.builders.networkpolicy import build_network_policy
-from kvrail.operator.testing import COLOCATED, make_pool, mutate, pool_manifest
+from kvrail.operator.testing import COLOCATED, VLLM, make_pool, mutate, pool_manifest
 from kvrail.settings import load_settings
 
 NETWORK_POLICY = ChildRef("networking.k8s.io/v1", "NetworkPolicy", "tiny-workers")
@@ -105,3 +105,34 @@ def test_operator_setting_turns_the_policy_off_and_makes_it_stale(
 def test_policy_is_on_by_default() -> None:
     assert BuildContext().network_policies
     assert load_settings(environ={}).operator_network_policies
+
+
+@pytest.mark.parametrize("changes", [VLLM, (*VLLM, *COLOCATED)], ids=["disaggregated", "colocated"])
+def test_vllm_pool_also_admits_its_own_routers_on_vllms_port_only(changes: tuple[Any, ...]) -> None:
+    pool = make_pool(mutate(pool_manifest(), *changes))
+    peers_rule, metrics_rule, router_rule = build_network_policy(pool)["spec"]["ingress"]
+    assert peers_rule == build_network_policy(make_pool())["spec"]["ingress"][0]
+    assert metrics_rule == {"ports": [{"protocol": "TCP", "port": WORKER_PORT}]}
+    assert router_rule["ports"] == [{"protocol": "TCP", "port": 8000}]
+    (source,) = router_rule["from"]
+    assert set(source) == {"podSelector"}  # no namespaceSelector: the pool's namespace only
+    assert selects(source["podSelector"], pod_labels("tiny", "router"))
+    assert not selects(source["podSelector"], pod_labels("other", "router"))
+    assert not selects(source["podSelector"], pod_labels("tiny", "decode"))
+    assert not selects(source["podSelector"], {POOL_LABEL: "tiny"})
+
+
+def test_kvrail_pool_admits_no_router() -> None:
+    for rule in build_network_policy(make_pool())["spec"]["ingress"]:
+        for source in rule.get("from", []):
+            assert not selects(source["podSelector"], pod_labels("tiny", "router"))
+
+
+def test_vllm_workers_the_policy_selects_are_the_pods_the_builders_make() -> None:
+    children = build_children(make_pool(mutate(pool_manifest(), *VLLM)), BuildContext())
+    (policy,) = [c for c in children if c["kind"] == "NetworkPolicy"]
+    (router,) = [c for c in children if c["kind"] == "Deployment"]
+    router_labels = router["spec"]["template"]["metadata"]["labels"]
+    assert selects(policy["spec"]["ingress"][2]["from"][0]["podSelector"], router_labels)
+    for sts in [c for c in children if c["kind"] == "StatefulSet"]:
+        assert selects(policy["spec"]["podSelector"], sts["spec"]["template"]["metadata"]["labels"])

@@ -1,0 +1,165 @@
+"""The `vllm serve` command line and environment of one worker: pure, no Kubernetes types.
+
+The operator renders it into the `engine` container of a vLLM pool's pods
+(`kvrail.operator.builders.vllm`); a local test harness can start the same argv as a process.
+Both get it from one `ServeConfig`, so what runs in a cluster and what a test runs do not drift.
+
+In disaggregated mode prefill and decode run the same server: vLLM's NIXL connector with
+`kv_role: kv_both`, and the router decides per request who prefills (vLLM's
+`kv_transfer_params`). The only differences between roles are the batch limits of their pools.
+Colocated mode (`role: both`) runs no connector at all.
+
+vLLM's words differ from kvrail's in two places, mapped here and nowhere else: the KV cache dtype
+(`float8_e4m3fn` is vLLM's `fp8_e4m3`) and the failure policy (vLLM knows `recompute` and `fail`,
+not kvrail's `reroute`). The CRD refuses what cannot be mapped (`kvrail.crd`), and `ServeConfig`
+refuses it again for callers that do not come through the CRD.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+from typing import Final, Literal
+
+DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.11.2"
+"""The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM)."""
+VLLM_PORT: Final = 8000
+"""vLLM's OpenAI API, `/health` and `/metrics`."""
+NIXL_SIDE_CHANNEL_PORT: Final = 5600
+"""Where vLLM's NIXL connector exchanges agent metadata with its peers (vLLM's default)."""
+SIDE_CHANNEL_HOST_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
+SIDE_CHANNEL_PORT_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
+NIXL_CONNECTOR: Final = "NixlConnector"
+
+VllmRole = Literal["prefill", "decode", "both"]
+"""What one server does: `both` is a colocated pool's only role."""
+KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
+"""The values of vLLM's own `kv_load_failure_policy`."""
+KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+"""kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
+KvBufferDevice = Literal["cuda", "cpu"]
+
+
+def served_model_name(source: str, served_name: str | None) -> str:
+    """The model name clients send: `served_name`, else the last part of the source (the
+    directory name, as kvrail's own engine names a directory; for a model id `org/name`, `name`).
+    vLLM always gets it explicitly, so the router and the agent agree with it."""
+    if served_name:
+        return served_name
+    name = PurePosixPath(source.rstrip("/")).name
+    if not name:
+        raise ValueError(f"model source {source!r} has no name to serve it under")
+    return name
+
+
+def kv_cache_dtype(dtype: str, kv_dtype: str) -> str | None:
+    """vLLM's `--kv-cache-dtype` for kvrail's `model.kvDtype`; None when the cache is kept in the
+    weights' dtype (`auto`, vLLM's default, so no flag). Raises ValueError for a float type other
+    than the weights' (vLLM's flag has no such choice)."""
+    if kv_dtype in ("auto", dtype):
+        return None
+    if kv_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"vLLM cannot keep the KV cache in {kv_dtype} with {dtype} weights: --kv-cache-dtype "
+            f"offers the weights' dtype (auto) or fp8 ({', '.join(KV_CACHE_DTYPES)})"
+        )
+    return KV_CACHE_DTYPES[kv_dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `vllm serve` gets for one worker, checked when built.
+
+    A CPU worker (`kv_buffer_device: cpu`) needs a CPU build of vLLM in the image: recent vLLM
+    has no `--device` flag, the build decides the device.
+    """
+
+    model: str
+    """A safetensors directory (e.g. under /models) or a model id vLLM can load."""
+    served_model_name: str
+    role: VllmRole
+    dtype: str
+    """Weights and activations: float32, float16 or bfloat16 (the same words in vLLM)."""
+    kv_dtype: str
+    """kvrail's name (`auto`, a float type, `float8_e4m3fn`, `float8_e5m2`)."""
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tensor_parallel_size: int = 1
+    kv_load_failure_policy: str = "recompute"
+    kv_buffer_device: KvBufferDevice = "cuda"
+    extra_args: tuple[str, ...] = ()
+    """Appended verbatim after every flag kvrail sets (so a repeated flag overrides kvrail's)."""
+    host: str = "0.0.0.0"
+    port: int = VLLM_PORT
+    side_channel_port: int = NIXL_SIDE_CHANNEL_PORT
+    side_channel_host: str | None = None
+    """The address NIXL peers reach this worker on; None leaves it to the caller's environment
+    (the operator sets it from the pod IP through the downward API)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(
+                f"vLLM's kv_load_failure_policy knows only {' and '.join(KV_LOAD_FAILURE_POLICIES)}"
+                f", not {self.kv_load_failure_policy!r}"
+            )
+        kv_cache_dtype(self.dtype, self.kv_dtype)
+        for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                     "tensor_parallel_size", "port", "side_channel_port"):  # fmt: skip
+            if getattr(self, name) < 1:
+                raise ValueError(f"ServeConfig.{name} must be positive")
+        if not self.model or not self.served_model_name:
+            raise ValueError("ServeConfig needs a model and a served model name")
+
+    @property
+    def is_disaggregated(self) -> bool:
+        return self.role != "both"
+
+
+def kv_transfer_config(cfg: ServeConfig) -> dict[str, str] | None:
+    """vLLM's `--kv-transfer-config` for a disaggregated worker; None in colocated mode."""
+    if not cfg.is_disaggregated:
+        return None
+    out = {
+        "kv_connector": NIXL_CONNECTOR,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": cfg.kv_load_failure_policy,
+    }
+    if cfg.kv_buffer_device != "cuda":
+        out["kv_buffer_device"] = cfg.kv_buffer_device
+    return out
+
+
+def serve_argv(cfg: ServeConfig) -> list[str]:
+    """`vllm serve <model> ...`: the whole command, `extra_args` last."""
+    argv = [
+        "vllm", "serve", cfg.model,
+        "--served-model-name", cfg.served_model_name,
+        "--host", cfg.host,
+        "--port", str(cfg.port),
+        "--block-size", str(cfg.block_size),
+        "--max-model-len", str(cfg.max_model_len),
+        "--max-num-seqs", str(cfg.max_num_seqs),
+        "--max-num-batched-tokens", str(cfg.max_num_batched_tokens),
+        "--dtype", cfg.dtype,
+        "--tensor-parallel-size", str(cfg.tensor_parallel_size),
+    ]  # fmt: skip
+    cache_dtype = kv_cache_dtype(cfg.dtype, cfg.kv_dtype)
+    if cache_dtype is not None:
+        argv += ["--kv-cache-dtype", cache_dtype]
+    transfer = kv_transfer_config(cfg)
+    if transfer is not None:
+        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return argv + list(cfg.extra_args)
+
+
+def serve_env(cfg: ServeConfig) -> dict[str, str]:
+    """The variables vLLM reads for this config: the NIXL side channel when disaggregated."""
+    if not cfg.is_disaggregated:
+        return {}
+    env = {SIDE_CHANNEL_PORT_ENV: str(cfg.side_channel_port)}
+    if cfg.side_channel_host is not None:
+        env[SIDE_CHANNEL_HOST_ENV] = cfg.side_channel_host
+    return env
