@@ -17,7 +17,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-STYLE = {"colocated": ("tab:blue", "o"), "disaggregated": ("tab:orange", "s")}
+STYLE = {
+    "colocated": ("tab:blue", "o"),
+    "disaggregated": ("tab:orange", "s"),
+    "colocated-x2": ("tab:purple", "D"),
+    "disaggregated-x2": ("tab:red", "v"),
+}
 
 
 def merge(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
