@@ -306,6 +306,10 @@ class WorkerRecord(Message):
     num_running: int = 0
     num_waiting: int = 0
     kv_utilization: float = 0.0
+    # What serves behind this record (optional on the wire: a worker that predates the field is
+    # kvrail's own). `vllm`: a `vllm serve` process whose kvrail agent registered it; `address`
+    # is then its OpenAI API's base URL and the router speaks vLLM's protocol to it over HTTP.
+    engine: Literal["kvrail", "vllm"] = "kvrail"
 
 
 _SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")

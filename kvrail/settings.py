@@ -124,6 +124,14 @@ class Settings(BaseModel):
         description="on SIGTERM, how long a worker lets in-flight work finish before failing it",
     )  # fmt: skip
 
+    # The vLLM agent (`python -P -m kvrail.vllm.agent`, beside a `vllm serve` of a vLLM pool).
+    role: Literal["prefill", "decode", "both"] | None = Field(
+        None, description="what the agent's vLLM server does (kvrail workers take --role)"
+    )
+    vllm_url: str | None = Field(
+        None, description="the agent's own vLLM server, e.g. http://127.0.0.1:8000"
+    )
+
     # Router.
     router_policy: RouterPolicy = "kv-aware"
     router_host: str = Field("127.0.0.1", description="address the router listens on")

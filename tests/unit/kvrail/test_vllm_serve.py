@@ -19,6 +19,7 @@ from kvrail.vllm.serve import (
     kv_transfer_config,
     serve_argv,
     serve_env,
+    serve_flags,
     served_model_name,
 )
 
@@ -65,23 +66,36 @@ def test_argv_serves_the_model_under_its_name_with_the_pools_limits() -> None:
     assert all(isinstance(a, str) for a in argv)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_disaggregated_roles_run_the_nixl_connector_both_ways(role: str) -> None:
+@pytest.mark.parametrize(
+    ("role", "kv_role"), [("prefill", "kv_producer"), ("decode", "kv_consumer")]
+)
+def test_prefill_produces_and_decode_consumes_kv_through_the_nixl_connector(
+    role: str, kv_role: str
+) -> None:
     argv = serve_argv(config(role=role))
     assert transfer(argv) == {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
+        "kv_role": kv_role,
         "kv_load_failure_policy": "recompute",
     }
-    assert flag(argv, "--kv-transfer-config") == (
-        '{"kv_connector":"NixlConnector","kv_role":"kv_both","kv_load_failure_policy":"recompute"}'
+    compact = (
+        '{"kv_connector":"NixlConnector","kv_role":"ROLE","kv_load_failure_policy":"recompute"}'
     )
+    assert flag(argv, "--kv-transfer-config") == compact.replace("ROLE", kv_role)
 
 
-def test_prefill_and_decode_differ_only_in_their_limits() -> None:
+def test_prefill_and_decode_differ_only_in_their_limits_and_kv_role() -> None:
     prefill = serve_argv(config(role="prefill", max_num_batched_tokens=16384))
     decode = serve_argv(config(role="decode", max_num_batched_tokens=16384))
-    assert prefill == decode
+    differ = [(p, d) for p, d in zip(prefill, decode, strict=True) if p != d]
+    assert len(differ) == 1
+    assert transfer(prefill)["kv_role"] == "kv_producer"  # type: ignore[index]
+
+
+def test_flags_are_the_same_for_vllm_serve_and_the_api_server_module() -> None:
+    cfg = config(role="decode", extra_args=("--enforce-eager",))
+    assert serve_argv(cfg) == ["vllm", "serve", cfg.model, *serve_flags(cfg)]
+    assert serve_flags(cfg)[-1] == "--enforce-eager"
 
 
 def test_colocated_server_has_no_connector_and_no_side_channel() -> None:

@@ -85,7 +85,7 @@ def test_engine_runs_vllm_serve_with_its_roles_limits_and_the_nixl_connector(rol
     assert flag(argv, "--served-model-name") == "tiny"
     transfer = json.loads(flag(argv, "--kv-transfer-config") or "null")
     assert transfer["kv_connector"] == "NixlConnector"
-    assert transfer["kv_role"] == "kv_both"
+    assert transfer["kv_role"] == {"prefill": "kv_producer", "decode": "kv_consumer"}[role]
     assert transfer["kv_buffer_device"] == "cpu"  # the base pool has no GPUs
     assert "args" not in engine  # the image's entrypoint is replaced, not appended to
 
@@ -115,7 +115,7 @@ def test_gpus_set_tensor_parallelism_and_an_fp8_cache_and_extra_args_reach_vllm(
     transfer = json.loads(flag(argv, "--kv-transfer-config") or "null")
     assert transfer == {
         "kv_connector": "NixlConnector",
-        "kv_role": "kv_both",
+        "kv_role": "kv_consumer",  # containers() shows the decode pool's pod
         "kv_load_failure_policy": "fail",
     }
     assert argv[-1] == "--enforce-eager"
