@@ -8,51 +8,32 @@
     .venv/bin/python -P bench/sweep/run.py --smoke --out /tmp/sweep-smoke.json   # CPU check
 
 What runs, per setup: real etcd and NATS (`kvrail.servers`), a fresh pool of real worker
-processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router
-(`python -P -m kvrail.router`), all on this machine, then the load generator (`bench/loadgen.py`,
-imported) against the router's OpenAI endpoint:
-- `colocated`: one `--role both` worker, `KVRAIL_DISAGGREGATION_MODE=colocated`, chunked prefill
-  with `--chunk-tokens` tokens per step;
-- `disaggregated`: one `--role prefill` and one `--role decode` worker, two processes on the same
-  GPU (the GPU time-slices between their contexts), the KV moving over same-GPU CUDA IPC; the
-  decode worker prefills prompts shorter than `--min-remote-prefill-tokens` itself;
-- `colocated-x2` (issue 10, `--gpus 2`): two `colocated` workers, one per GPU; the router spreads
-  the requests over them (its default `kv-aware` policy weighs each worker's load);
-- `disaggregated-x2` (issue 10, `--gpus 2`): the `disaggregated` pair, prefill on GPU 0 and decode
-  on GPU 1, the KV moving GPU to GPU over kvrail's CUDA IPC path (NVLink).
-A worker on GPU g gets `CUDA_VISIBLE_DEVICES=g,<the others>`: g is its `cuda` (the worker uses the
-current device), and the other GPUs stay visible, as CUDA IPC to a peer on another GPU needs.
-The model is a directory written first by `model.py`: the Llama-3-8B shape (random bf16
-weights) with a synthetic word-level tokenizer of the same vocabulary size, so every generated
-token is one streamed text chunk and every request runs to its max_tokens (model.py says why).
+processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router,
+all on this machine, then the load generator (`bench/loadgen.py`, imported) against the router's
+OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `both` worker, chunked prefill),
+`disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2`
+(a `both` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1). A worker on
+GPU g gets `CUDA_VISIBLE_DEVICES=g,<the others>`: g is its current device, and the others stay
+visible, as CUDA IPC to a peer on another GPU needs. The model (`model.py`) is the Llama-3-8B
+shape with random bf16 weights and a synthetic word-level tokenizer, so every generated token is
+one streamed chunk and every request runs to its max_tokens.
 
-Workloads (`--workloads`): `long` (8,192-word prompts, 256 tokens out) and `chat` (200-1,000
-words in, 100-300 out), each at several Poisson rates, interleaved (long at its first rate, chat
-at its first rate, long at its second, ...) so a run cut short by `--budget-s` still covers both.
-Each load point has its own seed (no prompt repeats across points, so the prefix cache never
-helps), `--warmup` unmeasured requests, and runs to the end of its last request before the next
-one starts. Before the first point each workload gets a warm-up load (Triton compiles its
-kernels on first use). Goodput is loadgen's: measured requests that completed with TTFT <=
-`--slo-ttft-s` and their own ITL p99 <= `--slo-itl-s`, per second of the point's window.
-
-The JSON (`--out`, rewritten after every point) holds the configuration, versions, the GPU's
-memory once the workers are ready, and per point the load generator's report (every request)
-plus what the workers logged for the measured requests: prefill mode (remote/local), the TTFT
-stages, and for remote prefills the KV transfer's transport and seconds.
+Workloads (`--workloads`, `long` and `chat`) run at several Poisson rates each, interleaved (so a
+run cut short by `--budget-s` still covers both), every point with its own seed (the prefix cache
+never helps) and `--warmup` unmeasured requests; each workload first gets a warm-up load (Triton
+compiles on first use). Goodput is loadgen's (TTFT <= `--slo-ttft-s` and the request's own ITL
+p99 <= `--slo-itl-s`). The JSON (`--out`, rewritten after every point) holds the configuration,
+versions, GPU memory and per point every request plus what the workers logged about the measured
+ones (`observe.py`). README.md has the setups, workloads and results in full.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import os
-import platform
-import re
-import shutil
 import signal
-import subprocess
 import sys
 import tarfile
 import tempfile
@@ -71,6 +52,7 @@ from kvrail.testing.scripts import load_script
 HERE = Path(__file__).resolve().parent
 lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
 randmodel = load_script("kvrail_bench_sweep_model", HERE / "model.py")
+observe = load_script("kvrail_bench_sweep_observe", HERE / "observe.py")
 
 SETUPS = ("colocated", "disaggregated", "colocated-x2", "disaggregated-x2")
 BLOCK_SIZE = 16
@@ -148,100 +130,6 @@ def worker_specs(setup: str, args: argparse.Namespace) -> list[tuple[str, str, d
     raise ValueError(f"unknown setup {setup!r}; choose from {SETUPS}")
 
 
-_FIRST = re.compile(r"first token request_id=(\S+) mode=(\S+) prompt_tokens=(\d+) ?(.*)$")
-_WRITTEN = re.compile(
-    r"prefill written request_id=(\S+) .*transfer_s=([0-9.]+) transport=(\S+) compute_s=([0-9.]+)"
-)
-
-
-def parse_worker_log(text: str) -> dict[str, dict[str, Any]]:
-    """Request id -> what a worker logged about it: the decode side's `first token` line (mode,
-    TTFT stages in seconds) and the prefill side's `prefill written` line (transfer, compute)."""
-    out: dict[str, dict[str, Any]] = {}
-    for line in text.splitlines():
-        if m := _FIRST.search(line):
-            stages = dict(kv.split("=", 1) for kv in m[4].split() if "=" in kv)
-            entry = out.setdefault(m[1], {})
-            entry["mode"] = m[2]
-            entry.update({k: float(v) for k, v in stages.items()})
-        elif m := _WRITTEN.search(line):
-            entry = out.setdefault(m[1].split("~", 1)[0], {})
-            entry.update(
-                transfer_s=float(m[2]), transport=m[3], prefill_compute_s_remote=float(m[4])
-            )
-    return out
-
-
-def server_summary(
-    records: list[dict[str, Any]], logged: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
-    """The workers' view of a point's measured requests: prefill modes, transports, which worker
-    decoded them (where known), and p50/p99 of each logged stage."""
-    mine = [logged[r["response_id"]] for r in records
-            if not r["is_warmup"] and r["response_id"] in logged]  # fmt: skip
-    modes: dict[str, int] = {}
-    transports: dict[str, int] = {}
-    decoded_by: dict[str, int] = {}
-    for e in mine:
-        if "decode_worker" in e:
-            decoded_by[e["decode_worker"]] = decoded_by.get(e["decode_worker"], 0) + 1
-        if "mode" in e:
-            modes[e["mode"]] = modes.get(e["mode"], 0) + 1
-        if "transport" in e:
-            transports[e["transport"]] = transports.get(e["transport"], 0) + 1
-    keys = sorted({k for e in mine for k, v in e.items() if isinstance(v, float)})
-    stages = {}
-    for k in keys:
-        values = [e[k] for e in mine if k in e]
-        stages[k] = {"p50": lg.percentile(values, 50), "p99": lg.percentile(values, 99)}
-    return {"num_logged": len(mine), "prefill_modes": modes, "transports": transports,
-            "decoded_by": decoded_by, "stages_s": stages}  # fmt: skip
-
-
-# -- the machine -----------------------------------------------------------------------------------
-
-
-def gpu_memory() -> dict[str, Any] | None:
-    """nvidia-smi's view: the GPUs' used/total MiB (summed; `per_gpu` has each one's) and each
-    process's MiB (None without it)."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None
-
-    def query(*args: str) -> list[list[str]]:
-        done = subprocess.run([smi, *args, "--format=csv,noheader,nounits"], capture_output=True,
-                              text=True, timeout=30)  # fmt: skip
-        return [[c.strip() for c in line.split(",")] for line in done.stdout.splitlines() if line]
-
-    gpus = query("--query-gpu=index,name,memory.used,memory.total,driver_version")
-    if not gpus:
-        return None
-    apps = query("--query-compute-apps=pid,used_memory")
-    out = {"gpu": gpus[0][1], "driver": gpus[0][4], "num_gpus": len(gpus),
-           "used_mib": sum(int(g[2]) for g in gpus), "total_mib": sum(int(g[3]) for g in gpus),
-           "processes_mib": {pid: int(mib) for pid, mib in apps}}  # fmt: skip
-    if len(gpus) > 1:
-        out["per_gpu"] = {g[0]: {"used_mib": int(g[2]), "total_mib": int(g[3])} for g in gpus}
-    return out
-
-
-def versions() -> dict[str, Any]:
-    out: dict[str, Any] = {"python": platform.python_version()}
-    for name in ("torch", "triton", "transformers", "nixl", "openai"):
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        out[name] = getattr(module, "__version__", "?")
-    try:
-        import torch
-
-        out["cuda"] = torch.version.cuda
-    except ImportError:
-        pass
-    return out
-
-
 # -- one setup -------------------------------------------------------------------------------------
 
 
@@ -284,7 +172,7 @@ async def run_setup(
         pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
         await asyncio.to_thread(pool.wait_ready, "router", 120)
         entry["pool_ready_s"] = time.monotonic() - t0
-        entry["gpu_memory_ready"] = gpu_memory()
+        entry["gpu_memory_ready"] = observe.gpu_memory()
         print(f"{setup}: pool ready in {entry['pool_ready_s']:.0f}s "
               f"gpu={entry['gpu_memory_ready']}", file=sys.stderr, flush=True)  # fmt: skip
         target = lg.Target(f"http://127.0.0.1:{port}/v1", model_dir.name, temperature=0.0,
@@ -316,18 +204,18 @@ async def run_setup(
             [report] = await lg.run(target, workload, [point], slo)
             logged: dict[str, dict[str, Any]] = {}
             for worker_id, _, _ in specs:
-                for rid, seen in parse_worker_log(
+                for rid, seen in observe.parse_worker_log(
                     pool.procs[worker_id].log_path.read_text()
                 ).items():
                     if "mode" in seen:  # its `first token` line: this worker decodes it
                         seen["decode_worker"] = worker_id
                     logged.setdefault(rid, {}).update(seen)
             report["sweep"] = p.sweep.name
-            report["servers"] = server_summary(report["requests"], logged)
+            report["servers"] = observe.server_summary(report["requests"], logged)
             entry["points"].append(report)
             write_json(args.out, result)
             print(f"{setup} {p.sweep.name}:\n{lg.table([report])}", file=sys.stderr, flush=True)
-        entry["gpu_memory_end"] = gpu_memory()
+        entry["gpu_memory_end"] = observe.gpu_memory()
     finally:
         await asyncio.to_thread(pool.stop)
         entry["seconds"] = time.monotonic() - t0
@@ -358,7 +246,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {
         "command": "python -P bench/sweep/run.py " + " ".join(sys.argv[1:]),
         "started_unix_s": time.time(), "config": config, "model": info,
-        "versions": versions(), "machine": {**lg.machine(), "gpu": gpu_memory()}, "setups": [],
+        "versions": observe.versions(), "setups": [],
+        "machine": {**lg.machine(), "gpu": observe.gpu_memory()},
     }  # fmt: skip
     etcd = EtcdServer(root / "etcd", root / "etcd.log").start()
     nats = NatsServer(root / "js", root / "nats.log").start()

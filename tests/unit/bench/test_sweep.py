@@ -69,7 +69,7 @@ def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> N
     )
     logged: dict[str, dict[str, Any]] = {}
     for text in (prefill, decode):
-        for request_id, seen in run.parse_worker_log(text).items():
+        for request_id, seen in run.observe.parse_worker_log(text).items():
             logged.setdefault(request_id, {}).update(seen)
     assert logged["chatcmpl-a"] == {
         "mode": "remote", "admission_s": 0.0078, "copy_s": 0.015, "prefill_compute_s": 1.7963,
@@ -80,7 +80,7 @@ def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> N
         {"response_id": "chatcmpl-b", "is_warmup": False},
         {"response_id": "chatcmpl-w", "is_warmup": True},
     ]
-    summary = run.server_summary(records, logged)
+    summary = run.observe.server_summary(records, logged)
     assert summary["num_logged"] == 2
     assert summary["prefill_modes"] == {"remote": 1, "local": 1}
     assert summary["transports"] == {"cuda-ipc": 1}
