@@ -5,7 +5,8 @@ the pool's `router.json` (`router_config_file`), whose `maxModelLen`, `blockSize
 `servedModelName` apply when the environment leaves them unset. The router loads the model's
 tokenizer (never its weights), follows the pool's workers in etcd and their KV events on NATS,
 and serves HTTP on `router_host:http_port` (default 127.0.0.1:8000) until SIGTERM, when it stops
-taking connections and lets requests in flight finish (bounded by `_GRACE_S`).
+taking connections and lets requests in flight finish (bounded by `_GRACE_S`). Workers of a vLLM
+pool (`engine: vllm` records) are reached over HTTP with one shared client.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import uvicorn
 
 from kvrail.bus import connect
@@ -32,12 +34,16 @@ from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text import TextCodec
+from kvrail.router.vllm_stream import VllmOptions
 from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail.router")
 
 DEFAULT_PORT = 8000
 _GRACE_S = 30
+# One HTTP client for every request to the pool's vLLM servers: connections are reused, and the
+# pool is far larger than any server's concurrency so the router never queues requests itself.
+_HTTP_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
 
 
 def pool_config(settings: Settings) -> dict[str, Any]:
@@ -70,9 +76,16 @@ async def serve(settings: Settings) -> None:
     view = WorkerView(Registry(etcd, keys), nc, keys)
     await view.start()
     metrics = RouterMetrics()
+    # trust_env=False: a proxy set in the environment must not carry in-pool traffic. Each request
+    # sets its own timeouts from its deadline.
+    http = httpx.AsyncClient(limits=_HTTP_LIMITS, trust_env=False, timeout=None)
+    vllm = VllmOptions(
+        http, served_name, settings.min_remote_prefill_tokens, settings.kv_load_failure_policy,
+        settings.remote_prefill_timeout_s, on_prefill_failure=metrics.prefill_failure,
+    )  # fmt: skip
     dispatcher = Dispatcher(
         nc, keys, view, Chooser(settings.router_policy, random.Random()), block_size,
-        max_attempts=settings.router_max_attempts, on_decision=metrics.decision,
+        max_attempts=settings.router_max_attempts, on_decision=metrics.decision, vllm=vllm,
     )  # fmt: skip
     state = RouterState(
         codec=codec, dispatcher=dispatcher, view=view, tenants=tenants, admission=Admission(),
@@ -106,6 +119,7 @@ async def serve(settings: Settings) -> None:
             raise KvrailError(f"cannot listen on {settings.router_host}:{port}")
     finally:
         await view.stop()
+        await http.aclose()
         await nc.drain()
         await etcd.close()
         log.info("router stopped")

@@ -29,7 +29,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvrail.errors import KvrailError
 from kvrail.router import schemas
 from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher, DispatchError, Job
+from kvrail.router.dispatch import Dispatcher
+from kvrail.router.job import DispatchError, Job
 from kvrail.router.metrics import RouterMetrics
 from kvrail.router.schemas import ApiError, Sampling
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
@@ -46,6 +47,8 @@ _ERRORS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
     "deadline": (504, "timeout_error"),
     "no_worker": (503, "service_unavailable_error"),
+    "prefill_failed": (503, "service_unavailable_error"),
+    "protocol_error": (502, "server_error"),
     "shutting_down": (503, "service_unavailable_error"),
     "worker_lost": (503, "service_unavailable_error"),
 }
@@ -353,6 +356,8 @@ def _message(code: str) -> str:
         "deadline": "the request did not finish within its deadline",
         "no_worker": "no decode worker is ready to take the request; retry later",
         "invalid_request": "a worker refused the request as invalid",
+        "prefill_failed": "no prefill worker could prefill the prompt; retry later",
+        "protocol_error": "a worker answered in a form the router does not understand",
         "shutting_down": "the decode worker shut down before the request finished; retry it",
         "worker_lost": "the decode worker went away before the request finished; retry it",
     }.get(code, f"the request failed ({code})")

@@ -12,6 +12,8 @@ the pool's KV events, and feeds both into one `KvIndex`:
   worker's events are buffered (at most `MAX_BUFFERED_EVENTS`) and the ones newer than the state
   are replayed on top of it, because NATS delivers the reply and the events on different
   subscriptions, in no fixed order between them.
+- vLLM servers (`engine="vllm"`) publish no KV events and answer no state request: they are
+  never fetched nor indexed, so the index matches no block on them.
 - Events of a worker that is not in the registry, or of an older incarnation than its record, are
   dropped and counted in `num_dropped_events`: the state fetch when the worker's record appears
   covers everything they carried. Prefill-only workers are not indexed.
@@ -31,7 +33,7 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import aetcd
 import nats.errors
@@ -54,6 +56,8 @@ RETRY_MAX_S = 10.0
 RESYNC_INTERVAL_S = 30.0
 MAX_BUFFERED_EVENTS = 1024
 DECODE_ROLES = ("decode", "both")
+INDEXED_ENGINES = ("kvrail",)
+"""Engines whose workers publish KV events."""
 
 
 class WorkerView:
@@ -134,28 +138,32 @@ class WorkerView:
             r for _, r in sorted(self._records.items()) if r.role in DECODE_ROLES and r.is_ready
         ]
 
+    def prefill_workers(self) -> list[WorkerRecord]:
+        """Ready prefill-only workers, by worker id."""
+        return [r for _, r in sorted(self._records.items()) if r.role == "prefill" and r.is_ready]
+
     def candidates(
         self,
         hashes: Sequence[str],
         in_flight: Mapping[str, int] | None = None,
         fingerprint: str | None = None,
+        engines: Collection[str] | None = None,
     ) -> list[Candidate]:
-        """A routing `Candidate` per ready decode worker (of `fingerprint`, when given), with the
-        leading blocks of the prompt `hashes` it caches and this router's `in_flight` on it."""
+        """A routing `Candidate` per ready decode worker (of `fingerprint` and `engines`, when
+        given), with the leading blocks of the prompt `hashes` it caches and this router's
+        `in_flight` on it."""
         matched = self.index.match_all(hashes)
-        counts = in_flight or {}
-        return [
-            Candidate(
-                worker_id=r.worker_id,
-                matched_blocks=matched.get(r.worker_id, 0),
-                num_running=r.num_running,
-                num_waiting=r.num_waiting,
-                in_flight=counts.get(r.worker_id, 0),
-                kv_utilization=r.kv_utilization,
-            )
-            for r in self.decode_workers()
-            if fingerprint is None or r.fingerprint == fingerprint
-        ]
+        return _candidates(self.decode_workers(), matched, in_flight, fingerprint, engines)
+
+    def prefill_candidates(
+        self,
+        in_flight: Mapping[str, int] | None = None,
+        fingerprint: str | None = None,
+        engines: Collection[str] | None = None,
+    ) -> list[Candidate]:
+        """A `Candidate` per ready prefill worker (of `fingerprint` and `engines`, when given),
+        for a choice by load (no cached blocks)."""
+        return _candidates(self.prefill_workers(), {}, in_flight, fingerprint, engines)
 
     def has_state(self, worker_id: str) -> bool:
         """Whether the index holds the state of the worker's registered incarnation."""
@@ -263,13 +271,18 @@ class WorkerView:
         if record == old:
             return
         self._records[worker_id] = record
-        if old is None or old.incarnation != record.incarnation or old.role != record.role:
+        if (
+            old is None
+            or old.incarnation != record.incarnation
+            or old.role != record.role
+            or old.engine != record.engine
+        ):
             log.info(
-                "worker joined worker=%s incarnation=%d role=%s is_ready=%s fingerprint=%s",
-                worker_id, record.incarnation, record.role, record.is_ready,
-                record.fingerprint[:12],
+                "worker joined worker=%s incarnation=%d role=%s engine=%s is_ready=%s "
+                "fingerprint=%s", worker_id, record.incarnation, record.role, record.engine,
+                record.is_ready, record.fingerprint[:12],
             )  # fmt: skip
-            if record.role not in DECODE_ROLES:
+            if record.role not in DECODE_ROLES or record.engine not in INDEXED_ENGINES:
                 self._cancel_fetch(worker_id)
                 self.index.forget(worker_id)
             elif self.index.incarnation(worker_id) != record.incarnation:
@@ -300,6 +313,7 @@ class WorkerView:
         if (
             record is None
             or record.role not in DECODE_ROLES
+            or record.engine not in INDEXED_ENGINES
             or event.incarnation < record.incarnation
         ):
             self.num_dropped_events += 1
@@ -413,3 +427,26 @@ class WorkerView:
 
     def _jittered(self, delay_s: float) -> float:
         return delay_s * (0.5 + self._rng.random() / 2)
+
+
+def _candidates(
+    records: Sequence[WorkerRecord],
+    matched: Mapping[str, int],
+    in_flight: Mapping[str, int] | None,
+    fingerprint: str | None,
+    engines: Collection[str] | None,
+) -> list[Candidate]:
+    counts = in_flight or {}
+    return [
+        Candidate(
+            worker_id=r.worker_id,
+            matched_blocks=matched.get(r.worker_id, 0),
+            num_running=r.num_running,
+            num_waiting=r.num_waiting,
+            in_flight=counts.get(r.worker_id, 0),
+            kv_utilization=r.kv_utilization,
+        )
+        for r in records
+        if (fingerprint is None or r.fingerprint == fingerprint)
+        and (engines is None or r.engine in engines)
+    ]

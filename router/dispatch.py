@@ -14,6 +14,10 @@ order and guarantees three things:
 - **Nothing outlives the client**: leaving the stream before its last event (client disconnect,
   stop string, deadline, error) publishes a `Cancel`, which every worker of the pool sees, so the
   decode worker and any prefill worker holding blocks for it release them.
+
+Workers registered with `engine="vllm"` are vLLM servers: when the chooser picks one, `open`
+returns a `VllmStream` (`kvrail.router.vllm_stream`) instead, which keeps the same interface and
+guarantees over HTTP.
 """
 
 from __future__ import annotations
@@ -35,7 +39,11 @@ from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, MessageError, TokenEvent, decode
 from kvrail.router.discovery import WorkerView
 from kvrail.router.index import prompt_hashes
+from kvrail.router.job import CancelReason, DispatchError, EventStream, Job
 from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
+from kvrail.router.vllm_stream import VllmOptions, VllmStream
+
+__all__ = ["CancelReason", "DispatchError", "Dispatcher", "EventStream", "Job", "TokenStream"]
 
 log = logging.getLogger(__name__)
 
@@ -44,37 +52,21 @@ _POLL_S = 0.5  # how often a silent worker's lease is checked
 # Worker errors that mean "not taken": nothing was generated, no block changed hands.
 _NOT_TAKEN = {"shutting_down", "duplicate_request"}
 
-CancelReason = Literal["client_disconnect", "deadline", "error", "stop"]
-
-
-class DispatchError(Exception):
-    """The request failed; `code` is a metric-safe reason (a worker error code or our own)."""
-
-    def __init__(self, code: str, detail: str = "") -> None:
-        super().__init__(detail or code)
-        self.code = code
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """What the router sends, already tokenized and admitted."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    max_tokens: int
-    deadline_unix_s: float
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    tenant_salt: str = ""
-
-    @property
-    def deadline_monotonic(self) -> float:
-        return time.monotonic() + (self.deadline_unix_s - time.time())
+Engine = Literal["kvrail", "vllm"]
 
 
 @dataclass(slots=True)
 class Dispatcher:
+    """Opens request streams over the pool's ready decode workers.
+
+    A pool runs one engine, but during a change it may hold both: `open` lets the chooser pick
+    among every ready decode worker this dispatcher can speak to (vLLM ones only with `vllm`
+    options), and the engine of the worker it picks decides the stream: a `TokenStream` over NATS
+    or a `VllmStream` over HTTP. Retries stay with that engine, so a vLLM server is never sent a
+    NATS `GenerateRequest` and a kvrail worker never an HTTP request. (vLLM servers publish no KV
+    events, so the kv-aware policy sees no cached blocks on them and weighs their load alone.)
+    """
+
     nc: NatsClient
     keys: PoolKeys
     view: WorkerView
@@ -83,31 +75,55 @@ class Dispatcher:
     max_attempts: int = 3
     on_decision: Callable[[Decision], None] | None = None
     in_flight: dict[str, int] = field(default_factory=dict)
+    vllm: VllmOptions | None = None
+    """How to reach vLLM servers; None: vLLM workers are never chosen."""
 
-    def candidates(self, job: Job) -> tuple[list[Candidate], int]:
-        """Ready decode workers scored for `job`, and the prompt's number of full blocks. The
-        prompt is hashed once per model fingerprint (which covers the block size)."""
-        block_sizes = {
-            r.fingerprint: r.block_size or self.block_size for r in self.view.decode_workers()
-        }
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        return ("kvrail", "vllm") if self.vllm is not None else ("kvrail",)
+
+    def candidates(
+        self, job: Job, engines: tuple[Engine, ...] | None = None
+    ) -> tuple[list[Candidate], int]:
+        """Ready decode workers (of `engines`, default: every engine this dispatcher speaks)
+        scored for `job`, and the prompt's number of full blocks. The prompt is hashed once per
+        model fingerprint (which covers the block size)."""
+        engines = engines or self.engines
+        workers = [r for r in self.view.decode_workers() if r.engine in engines]
+        block_sizes = {r.fingerprint: r.block_size or self.block_size for r in workers}
         out: list[Candidate] = []
         num_blocks = len(job.token_ids) // self.block_size
         for fingerprint, block_size in sorted(block_sizes.items()):
             hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
-            out += self.view.candidates(hashes, self.in_flight, fingerprint)
+            out += self.view.candidates(hashes, self.in_flight, fingerprint, engines)
             num_blocks = len(job.token_ids) // block_size
         return out, num_blocks
 
     @contextlib.asynccontextmanager
-    async def open(self, job: Job) -> AsyncIterator[TokenStream]:
-        stream = TokenStream(self, job)
+    async def open(self, job: Job) -> AsyncIterator[EventStream]:
+        stream = self._stream_for(job)
         try:
             yield stream
         finally:
             await asyncio.shield(stream.close())
 
-    def _choose(self, job: Job, exclude: set[str]) -> Decision:
-        candidates, num_blocks = self.candidates(job)
+    def _stream_for(self, job: Job) -> TokenStream | VllmStream:
+        """The stream kind of the worker the chooser picks now (that pick is the first attempt);
+        with no worker at all, a `TokenStream` that fails with `no_worker` when iterated."""
+        try:
+            decision = self._choose(job, set())
+        except NoWorkerError:
+            return TokenStream(self, job)
+        record = self.view.records().get(decision.worker_id)
+        if record is not None and record.engine == "vllm":
+            assert self.vllm is not None  # candidates() offers vLLM workers only with options
+            return VllmStream(self, self.vllm, job, first=decision)
+        return TokenStream(self, job, first=decision)
+
+    def _choose(
+        self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None
+    ) -> Decision:
+        candidates, num_blocks = self.candidates(job, engines)
         candidates = [c for c in candidates if c.worker_id not in exclude]
         decision = self.chooser.choose(candidates, num_blocks)
         if self.on_decision is not None:
@@ -127,6 +143,8 @@ class TokenStream:
 
     dispatcher: Dispatcher
     job: Job
+    first: Decision | None = None
+    """The open-time choice (a kvrail worker), used for the first attempt."""
     worker_id: str = ""
     decision: Decision | None = None
     attempts: int = 0
@@ -166,7 +184,10 @@ class TokenStream:
     async def _send(self) -> None:
         d = self.dispatcher
         try:
-            self.decision = d._choose(self.job, self._tried)
+            if self.attempts == 0 and self.first is not None:
+                self.decision = self.first
+            else:
+                self.decision = d._choose(self.job, self._tried, ("kvrail",))
         except NoWorkerError as err:
             raise DispatchError("no_worker", "no ready decode worker") from err
         self.worker_id = self.decision.worker_id

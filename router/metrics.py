@@ -61,6 +61,11 @@ class RouterMetrics:
         self.generation_tokens = Counter(
             metrics.GENERATION_TOKENS_TOTAL, "Tokens generated", ["tenant"], registry=r
         )
+        self.prefill_failures = Counter(
+            metrics.KV_TRANSFER_FAILURES_TOTAL,
+            "Remote prefills on vLLM prefill servers that failed, by reason (the router drives "
+            "them; kvrail's own workers count theirs)", ["reason"], registry=r,
+        )  # fmt: skip
         self.worker_requests = Gauge(
             metrics.ROUTER_WORKER_REQUESTS,
             "A decode worker's requests: running, waiting (its record) and in_flight (ours)",
@@ -78,6 +83,9 @@ class RouterMetrics:
     def decision(self, decision: Decision) -> None:
         cache = "hit" if decision.matched_blocks > 0 else "miss"
         self.decisions.labels(decision.policy, cache).inc()
+
+    def prefill_failure(self, reason: str) -> None:
+        self.prefill_failures.labels(reason).inc()
 
     def first_event(self, event: TokenEvent, ttft_s: float) -> None:
         self.ttft.labels(event.prefill_mode or "unknown").observe(ttft_s)

@@ -1,0 +1,64 @@
+"""What a request stream is given and what it promises: `Job`, `DispatchError`, `EventStream`.
+
+One module below both stream kinds (`dispatch.TokenStream` for kvrail's workers over NATS,
+`vllm_stream.VllmStream` for vLLM servers over HTTP), so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from kvrail.messages import TokenEvent
+from kvrail.router.policy import Decision
+
+CancelReason = Literal["client_disconnect", "deadline", "error", "stop"]
+
+
+class DispatchError(Exception):
+    """The request failed; `code` is a metric-safe reason (a worker error code or our own)."""
+
+    def __init__(self, code: str, detail: str = "") -> None:
+        super().__init__(detail or code)
+        self.code = code
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    """What the router sends, already tokenized and admitted."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_tokens: int
+    deadline_unix_s: float
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    tenant_salt: str = ""
+
+    @property
+    def deadline_monotonic(self) -> float:
+        return time.monotonic() + (self.deadline_unix_s - time.time())
+
+
+class EventStream(Protocol):
+    """One request's `TokenEvent`s, whichever engine serves it.
+
+    Guarantees: events come in order with `seq` from 0; the first says how the prompt was
+    prefilled (`prefill_mode`); the last has a `finish_reason` or an `error`. Iterating raises
+    `DispatchError` (its code metric-safe) and retries on another worker only while nothing
+    changed hands. `worker_id` and `decision` name the worker of the current attempt.
+    `cancel()` stops the request on every worker (idempotent; a no-op once it finished) and
+    `close()` also releases what the stream holds; `Dispatcher.open` always calls `close()`.
+    """
+
+    worker_id: str
+    decision: Decision | None
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]: ...
+
+    async def cancel(self, reason: CancelReason) -> None: ...
+
+    async def close(self, reason: CancelReason = "client_disconnect") -> None: ...

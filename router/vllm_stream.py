@@ -1,0 +1,452 @@
+"""One request served by vLLM servers over HTTP, with `TokenStream`'s interface and guarantees.
+
+The router still tokenizes and detokenizes (stop strings, usage and chat templates behave as
+with kvrail's engine) and speaks vLLM's disaggregated protocol with token ids
+(`kvrail.vllm.protocol`):
+
+1. Remote prefill when the prompt has at least `min_remote_prefill_tokens` tokens (the router
+   cannot see vLLM's prefix cache, so every prompt token counts) and a ready vLLM prefill server
+   of the decode server's fingerprint exists: a non-streaming completion whose answer carries
+   `kv_transfer_params`. Otherwise the decode server prefills locally.
+2. Decode: a streaming completion with those params; its chunks become `TokenEvent`s. The first
+   says `prefill_mode` (`remote`, `local`, or `recompute` after failed prefills).
+
+Guarantees:
+- **Retry only while nothing changed hands.** A prefill that fails (connect error, timeout, 5xx,
+  an answer without params) is tried on another prefill server, at most `max_attempts` of them;
+  when none works `kv_load_failure_policy` decides: `recompute` prefills on the decode server
+  (logged, counted by `on_prefill_failure` and `prefill_mode`), `fail` (and `reroute`, whose
+  re-run on other prefill servers those attempts were) fails the request with `prefill_failed`.
+  A decode server that fails before the first event (connect error, non-2xx, a dropped
+  connection, its record gone) gives the request to another one, at most `max_attempts` in all;
+  after it, `worker_lost`. A 400/413/422 is `invalid_request`; vLLM's message is never repeated
+  (it may quote the input), only the status is logged.
+- **KV is read once.** One prefill's `kv_transfer_params` go to one decode request: once a decode
+  server was sent them it may have read the KV, after which the prefill server frees those
+  blocks for reuse, so a retry runs a fresh prefill. Only a decode server that refused the
+  connection passes them on to the next one (of the same fingerprint).
+- **Every wait has a deadline**: the job's bounds both steps (`deadline`); a prefill also gives
+  up after `prefill_timeout_s` and counts as failed.
+- **Nothing outlives the client.** Leaving the stream early (disconnect, stop string, deadline,
+  error) closes the HTTP response, and vLLM aborts a request whose client disconnected; a
+  prefill in flight is cancelled with the task that awaits it, which closes its connection too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+
+from kvrail.messages import PrefillMode, TokenEvent, WorkerRecord
+from kvrail.router.job import CancelReason, DispatchError, Job
+from kvrail.router.policy import Chooser, Decision, NoWorkerError
+from kvrail.vllm import protocol
+from kvrail.vllm.protocol import Completion, Delta, Done, VllmProtocolError
+
+if TYPE_CHECKING:
+    from kvrail.router.dispatch import Dispatcher
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_POLL_S = 0.5  # how often a silent decode server's record is checked
+CONNECT_TIMEOUT_S = 5.0
+"""At most this long to connect to a vLLM server, so a dead address leaves time for another."""
+FAILURE_POLICIES = ("recompute", "fail", "reroute")
+
+
+@dataclass(slots=True)
+class VllmOptions:
+    """How the router reaches a pool's vLLM servers (one per router; see `__main__`)."""
+
+    http: httpx.AsyncClient
+    """Shared by every request; the router closes it on shutdown."""
+    served_name: str
+    """The `model` both steps send (vLLM's `--served-model-name`)."""
+    min_remote_prefill_tokens: int = 512
+    kv_load_failure_policy: str = "recompute"
+    prefill_timeout_s: float = 30.0
+    on_prefill_failure: Callable[[str], None] | None = None
+    """Called with a metric-safe reason per failed prefill attempt."""
+    prefill_chooser: Chooser = field(default_factory=lambda: Chooser("least-loaded"))
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in FAILURE_POLICIES:
+            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}")
+        if not self.served_name:
+            raise ValueError("VllmOptions needs the served model name")
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """The outcome of step 1 for one decode attempt."""
+
+    mode: PrefillMode
+    params: dict[str, Any] | None = None
+    fingerprint: str = ""
+    seconds: float = 0.0
+
+
+class _Retry(Exception):
+    """The decode attempt failed before its first event; `reusable`: it never connected, so the
+    prefill's KV was not read and may go to the next decode server."""
+
+    def __init__(self, reason: str, reusable: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.reusable = reusable
+
+
+class _PrefillFailed(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class VllmStream:
+    """One request's events from vLLM; iterate it, then leave `Dispatcher.open`'s context."""
+
+    dispatcher: Dispatcher
+    options: VllmOptions
+    job: Job
+    first: Decision | None = None
+    """The open-time choice (a vLLM decode server), used for the first attempt."""
+    worker_id: str = ""
+    decision: Decision | None = None
+    attempts: int = 0
+    finished: bool = False
+    _incarnation: int = 0
+    _seq: int = 0
+    _prefilled: _Prefilled | None = None
+    _response: httpx.Response | None = None
+    _lines: AsyncIterator[str] | None = None
+    _pending: asyncio.Future[Any] | None = None
+    _counted: list[str] = field(default_factory=list)
+    _tried: set[str] = field(default_factory=set)
+    _failed_prefill: set[str] = field(default_factory=set)
+
+    def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[TokenEvent]:
+        deadline = self.job.deadline_monotonic
+        event = await self._start(deadline)
+        while True:
+            yield event
+            if event.is_last:
+                self.finished = True
+                await self._release()
+                return
+            event = await self._next_event(deadline)
+
+    # Attempts -----------------------------------------------------------------------------------
+    async def _start(self, deadline: float) -> TokenEvent:
+        """Prefill (maybe) and decode until a decode server sends its first event."""
+        reuse: _Prefilled | None = None
+        while True:
+            record = self._choose_decode()
+            if reuse is not None and reuse.fingerprint == record.fingerprint:
+                self._prefilled = reuse
+            else:
+                self._prefilled = await self._prefill(record, deadline)
+            try:
+                await self._send_decode(record, deadline)
+                return await self._next_event(deadline)
+            except _Retry as retry:
+                log.info(
+                    "vllm decode attempt failed, retrying request_id=%s worker=%s reason=%s",
+                    self.job.request_id, self.worker_id, retry.reason,
+                )  # fmt: skip
+                await self._release()
+                reuse = self._prefilled if retry.reusable else None
+                if self.attempts >= self.dispatcher.max_attempts:
+                    raise DispatchError("no_worker", "no decode server took the request") from None
+
+    def _choose_decode(self) -> WorkerRecord:
+        d = self.dispatcher
+        while True:
+            try:
+                if self.attempts == 0 and self.first is not None:
+                    decision = self.first
+                else:
+                    decision = d._choose(self.job, self._tried, ("vllm",))
+            except NoWorkerError as err:
+                raise DispatchError("no_worker", "no ready vLLM decode server") from err
+            self.decision, self.worker_id = decision, decision.worker_id
+            self._tried.add(decision.worker_id)
+            self.attempts += 1
+            record = d.view.records().get(decision.worker_id)
+            if record is not None:
+                self._incarnation = record.incarnation
+                return record
+            if self.attempts >= d.max_attempts:  # it left between the choice and now
+                raise DispatchError("no_worker", "no decode server took the request")
+
+    def _completion(self) -> Completion:
+        job = self.job
+        return Completion(
+            model=self.options.served_name, prompt_token_ids=job.token_ids,
+            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
+            seed=job.seed,
+        )  # fmt: skip
+
+    # Step 1: prefill ----------------------------------------------------------------------------
+    async def _prefill(self, decode: WorkerRecord, deadline: float) -> _Prefilled:
+        """Remote prefill on a prefill server of `decode`'s fingerprint, or the reason why not."""
+        opts, d = self.options, self.dispatcher
+        if len(self.job.token_ids) < opts.min_remote_prefill_tokens:
+            return _Prefilled("local")
+        for _ in range(d.max_attempts):
+            candidates = [
+                c
+                for c in d.view.prefill_candidates(d.in_flight, decode.fingerprint, ("vllm",))
+                if c.worker_id not in self._failed_prefill
+            ]
+            if not candidates:
+                break
+            chosen = opts.prefill_chooser.choose(candidates, 0)
+            record = d.view.records()[chosen.worker_id]  # candidates come from the records
+            started = time.monotonic()
+            try:
+                params = await self._post_prefill(record, deadline)
+            except _PrefillFailed as failure:
+                self._failed_prefill.add(record.worker_id)
+                log.warning(
+                    "vllm prefill failed request_id=%s prefill=%s reason=%s",
+                    self.job.request_id, record.worker_id, failure.reason,
+                )  # fmt: skip
+                if opts.on_prefill_failure is not None:
+                    opts.on_prefill_failure(failure.reason)
+                continue
+            return _Prefilled("remote", params, decode.fingerprint, time.monotonic() - started)
+        if not self._failed_prefill:
+            return _Prefilled("local")  # no ready prefill server of this fingerprint
+        if opts.kv_load_failure_policy == "recompute":
+            log.info(
+                "no vllm prefill succeeded, prefilling on the decode server request_id=%s "
+                "decode=%s num_failed=%d", self.job.request_id, decode.worker_id,
+                len(self._failed_prefill),
+            )  # fmt: skip
+            return _Prefilled("recompute")
+        raise DispatchError("prefill_failed", "no prefill server prefilled the prompt")
+
+    async def _post_prefill(self, record: WorkerRecord, deadline: float) -> dict[str, Any]:
+        """Step 1 on one server: its `kv_transfer_params`. Raises _PrefillFailed (this server
+        failed), DispatchError (deadline, or the input is invalid)."""
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DispatchError("deadline", "the request's deadline passed")
+        budget = min(remaining, self.options.prefill_timeout_s)
+        body = protocol.prefill_body(self._completion())
+        self._count(record.worker_id, +1)
+        try:
+            async with asyncio.timeout(budget):
+                response = await self.options.http.post(
+                    record.address + protocol.COMPLETIONS_PATH, json=body,
+                    headers={protocol.REQUEST_ID_HEADER: self.job.request_id},
+                    timeout=_timeout(budget),
+                )  # fmt: skip
+        except (TimeoutError, httpx.TimeoutException) as err:
+            if time.monotonic() >= deadline:
+                raise DispatchError("deadline", "the request's deadline passed") from err
+            raise _PrefillFailed("timeout") from err
+        except httpx.ConnectError as err:
+            raise _PrefillFailed("connect") from err
+        except httpx.TransportError as err:
+            raise _PrefillFailed("transport") from err
+        finally:
+            self._count(record.worker_id, -1)
+        status = response.status_code
+        if status >= 300:
+            if protocol.failure_of_status(status) == "invalid_request":
+                log.info("vllm refused the request request_id=%s prefill=%s status=%d",
+                         self.job.request_id, record.worker_id, status)  # fmt: skip
+                raise DispatchError("invalid_request", f"vLLM answered HTTP {status}")
+            raise _PrefillFailed(f"status_{status // 100}xx")
+        try:
+            return protocol.kv_transfer_params_of(json.loads(response.content))
+        except (ValueError, VllmProtocolError) as err:  # JSONDecodeError is a ValueError
+            raise _PrefillFailed("bad_response") from err
+
+    # Step 2: decode -----------------------------------------------------------------------------
+    async def _send_decode(self, record: WorkerRecord, deadline: float) -> None:
+        """Open the decode stream on `record`'s server. Raises _Retry, DispatchError."""
+        assert self._prefilled is not None
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise DispatchError("deadline", "the request's deadline passed")
+        self._seq = 0
+        http = self.options.http
+        request = http.build_request(
+            "POST", record.address + protocol.COMPLETIONS_PATH,
+            json=protocol.decode_body(self._completion(), self._prefilled.params),
+            headers={protocol.REQUEST_ID_HEADER: self.job.request_id},
+            timeout=_timeout(remaining),
+        )  # fmt: skip
+        self._count(record.worker_id, +1)
+        try:
+            response = await self._polled(http.send(request, stream=True), deadline)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as err:
+            raise _Retry("connect", reusable=True) from err
+        except httpx.TransportError as err:
+            raise self._failure("timeout" if _is_timeout(err) else "transport", deadline) from err
+        self._response = response
+        status = response.status_code
+        if status >= 300:
+            if protocol.failure_of_status(status) == "invalid_request":
+                log.info("vllm refused the request request_id=%s worker=%s status=%d",
+                         self.job.request_id, record.worker_id, status)  # fmt: skip
+                raise DispatchError("invalid_request", f"vLLM answered HTTP {status}")
+            raise _Retry(f"status_{status}")
+        self._lines = response.aiter_lines()
+
+    async def _next_event(self, deadline: float) -> TokenEvent:
+        """The next chunk that carries tokens or a finish reason, as a `TokenEvent`."""
+        while True:
+            item = await self._next_item(deadline)
+            if isinstance(item, Done):
+                raise self._failure("ended", deadline)  # [DONE] before a finish reason
+            if item.token_ids or item.finish_reason is not None:
+                return self._event(item)
+
+    def _event(self, delta: Delta) -> TokenEvent:
+        first = self._seq == 0
+        prefilled = self._prefilled
+        assert prefilled is not None
+        event = TokenEvent(
+            request_id=self.job.request_id, seq=self._seq, token_ids=delta.token_ids,
+            finish_reason=delta.finish_reason, worker_id=self.worker_id,
+            prefill_mode=prefilled.mode if first else "",
+            # NOTE: measured at the router (the whole prefill request, network included), not on
+            # the prefill server's clock like kvrail's own stage durations.
+            prefill_compute_s=prefilled.seconds if first else 0.0,
+        )  # fmt: skip
+        self._seq += 1
+        return event
+
+    async def _next_item(self, deadline: float) -> Delta | Done:
+        """The next meaningful stream line. Raises _Retry (before the first event),
+        DispatchError."""
+        assert self._lines is not None
+        while True:
+            try:
+                line = await self._polled(_next_line(self._lines), deadline)
+            except (httpx.RequestError, httpx.StreamError) as err:
+                raise self._failure("timeout" if _is_timeout(err) else "transport",
+                                    deadline) from err  # fmt: skip
+            if line is None:
+                raise self._failure("ended", deadline)
+            try:
+                item = protocol.parse_sse_line(line)
+            except VllmProtocolError as err:
+                if err.code == "engine_error":
+                    raise self._failure("engine_error", deadline) from err
+                log.warning("vllm stream malformed request_id=%s worker=%s error=%s",
+                            self.job.request_id, self.worker_id, err)  # fmt: skip
+                raise DispatchError("protocol_error", str(err)) from err
+            if item is not None:
+                return item
+
+    async def _polled(self, step: Awaitable[T], deadline: float) -> T:
+        """Await one step of the decode attempt (its response, its next line) in a task of its
+        own, checking every `_POLL_S` that the decode server is still registered: a server that
+        vanished, or the deadline, ends the wait (`_release` cancels the step)."""
+        assert self._pending is None
+        task = self._pending = asyncio.ensure_future(step)
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DispatchError("deadline", "the request's deadline passed")
+            done, _ = await asyncio.wait({task}, timeout=min(remaining, _POLL_S))
+            if done:
+                self._pending = None
+                return task.result()  # type: ignore[no-any-return]
+            if not self._worker_alive():
+                raise self._failure("worker_gone", deadline)
+
+    def _failure(self, reason: str, deadline: float) -> Exception:
+        """A decode failure: retryable before the first event, `worker_lost` after it."""
+        if time.monotonic() >= deadline:
+            return DispatchError("deadline", "the request's deadline passed")
+        if self._seq == 0:
+            return _Retry(reason)
+        log.info("vllm decode server lost request_id=%s worker=%s reason=%s",
+                 self.job.request_id, self.worker_id, reason)  # fmt: skip
+        return DispatchError("worker_lost", "the decode server went away")
+
+    def _worker_alive(self) -> bool:
+        record = self.dispatcher.view.records().get(self.worker_id)
+        return record is not None and record.incarnation == self._incarnation
+
+    # Bookkeeping --------------------------------------------------------------------------------
+    def _count(self, worker_id: str, delta: int) -> None:
+        """This router's requests in flight per worker (decode and prefill servers alike), which
+        load-based choice and the per-worker metrics read."""
+        in_flight = self.dispatcher.in_flight
+        if delta > 0:
+            self._counted.append(worker_id)
+        elif worker_id in self._counted:
+            self._counted.remove(worker_id)
+        else:
+            return
+        left = in_flight.get(worker_id, 0) + delta
+        if left > 0:
+            in_flight[worker_id] = left
+        else:
+            in_flight.pop(worker_id, None)
+
+    async def _release(self) -> None:
+        """Close the decode response (vLLM aborts the request if it still runs) and drop the
+        in-flight count of the decode attempt."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.cancel()
+            await asyncio.wait({pending})
+            if not pending.cancelled() and pending.exception() is None:
+                late = pending.result()  # it finished before the cancel landed
+                if isinstance(late, httpx.Response):
+                    await late.aclose()
+        response, self._response, self._lines = self._response, None, None
+        if response is not None:
+            await response.aclose()
+        if self.worker_id in self._counted:
+            self._count(self.worker_id, -1)
+
+    async def cancel(self, reason: CancelReason) -> None:
+        """Stop the request on vLLM: close its HTTP response. Idempotent; `reason` only logs."""
+        if self.finished or not self.worker_id:
+            return
+        self.finished = True
+        log.debug("vllm request cancelled request_id=%s worker=%s reason=%s",
+                  self.job.request_id, self.worker_id, reason)  # fmt: skip
+        await self._release()
+
+    async def close(self, reason: CancelReason = "client_disconnect") -> None:
+        await self.cancel(reason)
+        await self._release()
+
+
+async def _next_line(lines: AsyncIterator[str]) -> str | None:
+    """The next line of a response, None at its end (a task's result, so a poll can wait)."""
+    try:
+        return await lines.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+def _timeout(budget_s: float) -> httpx.Timeout:
+    """httpx's own timeouts, from what is left of the request's budget (the caller also bounds
+    the whole step with `asyncio.timeout`, as httpx's read timeout is per read)."""
+    return httpx.Timeout(budget_s, connect=min(budget_s, CONNECT_TIMEOUT_S))
+
+
+def _is_timeout(err: Exception) -> bool:
+    return isinstance(err, httpx.TimeoutException)
