@@ -26,7 +26,7 @@ from kvrail.operator import metrics
 from kvrail.operator.apply import live_replicas
 from kvrail.operator.builders.meta import child_name
 from kvrail.operator.planes import Planes, pool_settings
-from kvrail.operator.planner import Decision, PlannerState, plan
+from kvrail.operator.planner import Decision, PlannerState, has_prefill_queue, plan
 from kvrail.operator.signals import collect
 from kvrail.settings import Settings
 
@@ -73,7 +73,8 @@ async def tick(
     settings = pool_settings(
         base, pool.metadata.namespace, pool.metadata.name, pool.spec.infrastructure
     )
-    signals = await collect(planes, settings, prefill=pool.role("prefill") is not None)
+    queued = pool.role("prefill") is not None and has_prefill_queue(pool)
+    signals = await collect(planes, settings, prefill=queued)
     result = plan(pool, signals, current, state, now_s)
     namespace, name = pool.metadata.namespace, pool.metadata.name
     for d in result.decisions:

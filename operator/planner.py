@@ -63,6 +63,7 @@ AT_MIN_REPLICAS = "AtMinReplicas"
 BELOW_MIN_REPLICAS = "BelowMinReplicas"
 ABOVE_MAX_REPLICAS = "AboveMaxReplicas"
 SIGNALS_MISSING = "SignalsMissing"
+NO_PREFILL_QUEUE = "no prefill queue in a vLLM pool: the prefill pool keeps its size"
 SIGNALS_STALE = "SignalsStale"
 
 
@@ -207,7 +208,9 @@ def plan(
             continue
         limits = bounds(pool, role)
         cur = current[role]
-        if role == "prefill":
+        if role == "prefill" and not has_prefill_queue(pool):
+            need, note, problem = None, NO_PREFILL_QUEUE, SIGNALS_MISSING
+        elif role == "prefill":
             need, note, problem = _prefill_need(signals, a, now_s, limits)
         else:
             need, note, problem = _decode_need(signals, a, cur, now_s, limits)
@@ -315,6 +318,14 @@ def _window(
     if since_s > now_s - window_s:
         samples.append(current)  # the planner did not observe the start of the window
     return pick(samples)
+
+
+def has_prefill_queue(pool: InferencePool) -> bool:
+    """Whether the pool's prefill role is fed by the JetStream queue the planner reads. A vLLM
+    pool's router sends each prefill straight to a server, so there is no backlog to read: the
+    planner holds its prefill pool at its size (and says so) instead of reading an empty queue as
+    idle and scaling it down."""
+    return pool.spec.engine.kind == "kvrail"
 
 
 def _stale(observed_at_s: float, now_s: float, limits: Bounds) -> bool:

@@ -225,6 +225,21 @@ def test_each_role_moves_on_its_own_signal_only() -> None:
     assert (up["prefill"].desired, up["decode"].desired) == (1, 2)
 
 
+def test_a_vllm_pools_prefill_pool_holds_its_size_and_its_decode_pool_still_scales() -> None:
+    the_pool = pool(
+        ("spec.autoscaling.scaleUpStabilizationSeconds", 0),
+        ("spec.engine.kind", "vllm"),
+        ("spec.model.source", "/models/tiny"),
+    )
+    assert not p.has_prefill_queue(the_pool)
+    idle_queue = Signals(prefill=jobs(0), decode=kv(1, 1.0))  # an empty queue is no signal here
+    current = {"prefill": 3, "decode": 1}
+    made = {d.role: d for d in plan(the_pool, idle_queue, current, PlannerState(), 0).decisions}
+    assert (made["prefill"].desired, made["prefill"].reason) == (3, p.SIGNALS_MISSING)
+    assert made["prefill"].message.endswith(p.NO_PREFILL_QUEUE)
+    assert made["decode"].desired == 2
+
+
 def test_a_role_without_a_statefulset_yet_is_not_planned() -> None:
     result = plan(pool(), Signals(prefill=jobs(20)), {"decode": 1}, PlannerState(), 0.0)
     assert [d.role for d in result.decisions] == ["decode"]
