@@ -14,8 +14,8 @@ graph, run eagerly.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvrail.worker.engine.kv_cache import KVCache
@@ -106,16 +106,18 @@ class DecodeGraphs:
 
     def run(
         self,
-        input_ids: Sequence[int],
-        positions: Sequence[int],
-        slot_mapping: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
-        seq_lens: Sequence[int],
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+        block_tables: np.ndarray,
+        seq_lens: np.ndarray,
     ) -> torch.Tensor:
-        """Replay for n = len(input_ids) <= max_batch_size decodes; returns hidden [n, H]."""
+        """Replay for n = len(input_ids) <= max_batch_size decodes; returns hidden [n, H].
+        The inputs are host arrays as `model_runner.prepare_decode` makes them (block_tables
+        [n, width])."""
         n = len(input_ids)
         bs = next(s for s in self.batch_sizes if s >= n)
-        width = len(block_tables[0])
+        width = block_tables.shape[1]
         host = self._host64.numpy()
         host[0, :n] = input_ids
         host[1, :n] = positions

@@ -2,12 +2,15 @@
 
 Decode and prefill inputs are prepared separately (`prepare_decode`, `prepare_prefill`) and packed
 decode tokens first, matching `AttentionMetadata`. Block tables are padded with the null block 0.
+Preparation walks the requests once in Python and computes every per-token value with numpy, so
+a step's host work grows with its requests only by that walk.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -22,43 +25,53 @@ from kvrail.worker.models.llama import LlamaForCausalLM
 
 @dataclass(frozen=True, slots=True)
 class PreparedInputs:
-    """Host-side inputs of one kind (decode or prefill), before packing."""
+    """Host-side inputs of one kind (decode or prefill), before packing: numpy arrays over the
+    T tokens of S requests. Block tables are padded with the null block 0 (at least 1 wide)."""
 
-    input_ids: list[int]
-    positions: list[int]
-    slot_mapping: list[int]
-    block_tables: list[list[int]]
-    seq_lens: list[int]
-    query_start_loc: list[int]
+    input_ids: np.ndarray  # int64 [T]
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]
+    block_tables: np.ndarray  # int32 [S, max blocks]
+    seq_lens: np.ndarray  # int32 [S]
+    query_start_loc: np.ndarray  # int32 [S + 1]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
 
 
 def _prepare(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInputs:
-    """Vectorised per request (numpy), so a long prompt costs no per-token Python."""
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    query_start_loc = [0]
-    for item in items:
-        start = item.num_computed_tokens
-        input_ids.extend(item.token_ids)
-        if item.num_new_tokens == 1:  # the decode case: plain ints are cheaper than arrays
-            positions.append(start)
-            slots.append(item.block_ids[start // block_size] * block_size + start % block_size)
-        else:
-            pos = np.arange(start, start + item.num_new_tokens, dtype=np.int64)
-            table = np.asarray(item.block_ids, dtype=np.int64)
-            positions.extend(pos.tolist())
-            slots.extend((table[pos // block_size] * block_size + pos % block_size).tolist())
-        query_start_loc.append(len(input_ids))
-    width = max((len(i.block_ids) for i in items), default=0)
-    tables = [i.block_ids + [0] * (width - len(i.block_ids)) for i in items]
-    seq_lens = [i.num_computed_tokens + i.num_new_tokens for i in items]
-    return PreparedInputs(input_ids, positions, slots, tables, seq_lens, query_start_loc)
+    """One Python pass over the requests to gather their numbers; every per-token value (and
+    the padded block table) is then computed by whole-array numpy operations."""
+    num_requests = len(items)
+    starts = np.fromiter((i.num_computed_tokens for i in items), np.int64, num_requests)
+    query_lens = np.fromiter((len(i.token_ids) for i in items), np.int64, num_requests)
+    table_lens = np.fromiter((len(i.block_ids) for i in items), np.int64, num_requests)
+    query_start_loc = np.zeros(num_requests + 1, dtype=np.int64)
+    np.cumsum(query_lens, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    input_ids = np.fromiter(chain.from_iterable(i.token_ids for i in items), np.int64, num_tokens)
+    # Row (request) of every token, and its position: the row's start plus its offset in the row.
+    rows = np.repeat(np.arange(num_requests), query_lens)
+    positions = starts[rows] + np.arange(num_tokens) - query_start_loc[rows]
+    width = int(table_lens.max()) if num_requests else 1
+    block_tables = np.zeros((num_requests, width), dtype=np.int32)
+    held = np.arange(width) < table_lens[:, None]  # row-major order, as the ids are chained
+    block_tables[held] = np.fromiter(
+        chain.from_iterable(i.block_ids for i in items), np.int32, int(table_lens.sum())
+    )
+    blocks = block_tables[rows, positions // block_size].astype(np.int64)
+    slot_mapping = blocks * block_size + positions % block_size
+    seq_lens = (starts + query_lens).astype(np.int32)
+    return PreparedInputs(
+        input_ids, positions, slot_mapping, block_tables, seq_lens,
+        query_start_loc.astype(np.int32),
+    )  # fmt: skip
 
 
 def prepare_decode(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInputs:
     """One token per request at position num_computed_tokens."""
-    assert all(i.num_new_tokens == 1 for i in items), "decode items feed exactly one token"
+    assert all(len(i.token_ids) == 1 for i in items), "decode items feed exactly one token"
     return _prepare(items, block_size)
 
 
@@ -81,13 +94,9 @@ class ModelRunner:
         self.device = device
         self.decode_graphs = decode_graphs
 
-    def _tensor(self, values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=self.device)
-
-    def _table(self, tables: list[list[int]]) -> torch.Tensor:
-        if not tables:
-            return torch.zeros((0, 1), dtype=torch.int32, device=self.device)
-        return self._tensor(tables, torch.int32)
+    def _tensor(self, values: np.ndarray) -> torch.Tensor:
+        """A host array on the device (on the CPU, a view of the array: no copy)."""
+        return torch.from_numpy(values).to(self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
@@ -100,15 +109,14 @@ class ModelRunner:
             )
             return self._logits(hidden, out, 0, [])
         pre = prepare_prefill(out.prefills, self.block_size)
-        i32, i64 = torch.int32, torch.int64
         metadata = AttentionMetadata(
-            slot_mapping=self._tensor(dec.slot_mapping + pre.slot_mapping, i64),
-            num_decode_tokens=len(dec.input_ids),
-            decode_block_tables=self._table(dec.block_tables),
-            decode_seq_lens=self._tensor(dec.seq_lens, i32),
-            prefill_block_tables=self._table(pre.block_tables),
-            prefill_query_start_loc=self._tensor(pre.query_start_loc, i32),
-            prefill_seq_lens=self._tensor(pre.seq_lens, i32),
+            slot_mapping=self._tensor(np.concatenate((dec.slot_mapping, pre.slot_mapping))),
+            num_decode_tokens=dec.num_tokens,
+            decode_block_tables=self._tensor(dec.block_tables),
+            decode_seq_lens=self._tensor(dec.seq_lens),
+            prefill_block_tables=self._tensor(pre.block_tables),
+            prefill_query_start_loc=self._tensor(pre.query_start_loc),
+            prefill_seq_lens=self._tensor(pre.seq_lens),
             prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
             prefill_fresh_runs=fresh_runs(
                 [s.num_new_tokens for s in out.prefills],
@@ -116,10 +124,10 @@ class ModelRunner:
             ),
             prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
         )
-        input_ids = self._tensor(dec.input_ids + pre.input_ids, i64)
-        positions = self._tensor(dec.positions + pre.positions, i64)
+        input_ids = self._tensor(np.concatenate((dec.input_ids, pre.input_ids)))
+        positions = self._tensor(np.concatenate((dec.positions, pre.positions)))
         hidden = self.model(input_ids, positions, metadata, self.kv_cache)
-        return self._logits(hidden, out, len(dec.input_ids), pre.query_start_loc)
+        return self._logits(hidden, out, dec.num_tokens, pre.query_start_loc.tolist())
 
     def _logits(
         self,
@@ -140,5 +148,6 @@ class ModelRunner:
                 requests.append(item.request)
         if rows == list(range(len(rows))):  # every decode samples: a view, no index tensor
             return self.model.compute_logits(hidden[: len(rows)]), requests
-        logits = self.model.compute_logits(hidden[self._tensor(rows, torch.int64)])
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
         return logits, requests

@@ -37,28 +37,53 @@ def apply_top_k_top_p(
 
 
 class Sampler:
-    """Samples one token per row of `logits` for the matching request."""
+    """Samples one token per row of `logits` for the matching request.
+
+    Apart from one draw per seeded row (each from its own generator), the tensor operations per
+    step do not grow with the batch: one argmax over every row, the sampled rows scaled together
+    (top-k/top-p only on the rows that set them), one draw for all rows without a seed, and one
+    transfer of all the chosen tokens to the host.
+    """
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        chosen = logits.argmax(dim=-1)  # exact in any dtype
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
-        if not rows:  # all greedy: argmax on the device (exact in any dtype), one sync
-            return logits.argmax(dim=-1).tolist()
-        logits = logits.float()
-        chosen = logits.argmax(dim=-1)
-        params = [requests[i].sampling_params for i in rows]
-        device = logits.device
-        temperature = torch.tensor([p.temperature for p in params], device=device)
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
-        scaled = logits[rows] / temperature.unsqueeze(-1)
-        probs = apply_top_k_top_p(scaled, top_k, top_p).softmax(dim=-1)
-        for j, i in enumerate(rows):
-            generator = _generator(requests[i], device)
-            token = torch.multinomial(probs[j], 1, generator=generator)
-            chosen[i] = token[0]
-        return [int(t) for t in chosen.tolist()]
+        if rows:
+            index = torch.tensor(rows, device=logits.device)
+            chosen[index] = _draw(logits.index_select(0, index), [requests[i] for i in rows])
+        token_ids: list[int] = chosen.tolist()  # one transfer of every row's token
+        return token_ids
+
+
+def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+    """One token id per row, drawn from the row's logits scaled by its request's temperature
+    and masked by its top-k and top-p."""
+    params = [r.sampling_params for r in requests]
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    scaled = logits.float() / temperature.unsqueeze(-1)
+    masked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    if masked:
+        index = torch.tensor(masked, device=device)
+        top_k = torch.tensor([params[j].top_k for j in masked], device=device)
+        top_p = torch.tensor([params[j].top_p for j in masked], device=device)
+        scaled[index] = apply_top_k_top_p(scaled[index], top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    drawn = torch.empty(len(params), dtype=torch.int64, device=device)
+    unseeded = [j for j, p in enumerate(params) if p.seed is None]
+    if unseeded:
+        index = torch.tensor(unseeded, device=device)
+        drawn[index] = torch.multinomial(probs[index], 1).squeeze(1)
+    seeded = [j for j, p in enumerate(params) if p.seed is not None]
+    if seeded:
+        tokens = [
+            torch.multinomial(probs[j], 1, generator=_generator(requests[j], device))
+            for j in seeded
+        ]
+        drawn[torch.tensor(seeded, device=device)] = torch.cat(tokens)
+    return drawn
 
 
 def _generator(request: Request, device: torch.device) -> torch.Generator | None:

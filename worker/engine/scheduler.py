@@ -147,8 +147,14 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefilling = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        decoding: list[Request] = []
+        prefilling: list[Request] = []
+        for request in self.running:
+            num_pending = request.num_tokens - request.num_computed_tokens
+            if num_pending == 1:
+                decoding.append(request)
+            elif num_pending > 1:
+                prefilling.append(request)
         for request in decoding + prefilling:
             if budget == 0:
                 break

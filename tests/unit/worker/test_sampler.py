@@ -59,3 +59,37 @@ def test_high_temperature_sampling_only_returns_tokens_inside_top_k() -> None:
     request = make_request(2, temperature=5.0, top_k=3, seed=7)
     seen = {Sampler()(logits, [request])[0] for _ in range(40)}
     assert seen <= {17, 18, 19} and len(seen) > 1
+
+
+def test_a_seeded_row_draws_the_same_whatever_the_other_rows_mask() -> None:
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+
+    def draw(other_top_p: float) -> list[int]:
+        request = make_request(2, temperature=1.0, seed=99)
+        others = [make_request(2, temperature=1.0, top_p=other_top_p) for _ in range(2)]
+        return [Sampler()(logits, [request, *others])[0] for _ in range(6)]
+
+    assert draw(1.0) == draw(0.5)
+
+
+def test_mixed_batch_returns_argmax_for_greedy_rows_and_valid_draws_for_the_rest() -> None:
+    logits = torch.randn(6, 30, generator=torch.Generator().manual_seed(3))
+    requests = [
+        make_request(2),
+        make_request(2, temperature=0.9),
+        make_request(2, temperature=0.9, seed=5),
+        make_request(2),
+        make_request(2, temperature=2.0, top_k=2),
+        make_request(2, temperature=0.5, top_p=0.3, seed=6),
+    ]
+    tokens = Sampler()(logits, requests)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[3] == int(logits[3].argmax())
+    assert tokens[4] in logits[4].topk(2).indices.tolist()
+    assert all(isinstance(t, int) and 0 <= t < 30 for t in tokens)
+
+
+def test_without_top_k_or_top_p_every_token_can_be_drawn() -> None:
+    logits = torch.zeros(1, 8)  # uniform
+    request = make_request(2, temperature=1.0, seed=11)
+    seen = {Sampler()(logits, [request])[0] for _ in range(200)}
+    assert seen == set(range(8))
