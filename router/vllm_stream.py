@@ -266,15 +266,20 @@ class VllmStream:
             self._count(record.worker_id, -1)
         status = response.status_code
         if status >= 300:
-            if protocol.failure_of_status(status) == "invalid_request":
-                log.info("vllm refused the request request_id=%s prefill=%s status=%d",
-                         self.job.request_id, record.worker_id, status)  # fmt: skip
-                raise DispatchError("invalid_request", f"vLLM answered HTTP {status}")
+            self._refuse_invalid(status, "prefill", record.worker_id)
             raise _PrefillFailed(f"status_{status // 100}xx")
         try:
             return protocol.kv_transfer_params_of(json.loads(response.content))
         except (ValueError, VllmProtocolError) as err:  # JSONDecodeError is a ValueError
             raise _PrefillFailed("bad_response") from err
+
+    def _refuse_invalid(self, status: int, step: str, worker_id: str) -> None:
+        """Fail the request when vLLM refused its input (400/413/422); only the status is logged,
+        never vLLM's message, which may quote the input."""
+        if protocol.failure_of_status(status) == "invalid_request":
+            log.info("vllm refused the request request_id=%s %s=%s status=%d",
+                     self.job.request_id, step, worker_id, status)  # fmt: skip
+            raise DispatchError("invalid_request", f"vLLM answered HTTP {status}")
 
     # Step 2: decode -----------------------------------------------------------------------------
     async def _send_decode(self, record: WorkerRecord, deadline: float) -> None:
@@ -301,10 +306,7 @@ class VllmStream:
         self._response = response
         status = response.status_code
         if status >= 300:
-            if protocol.failure_of_status(status) == "invalid_request":
-                log.info("vllm refused the request request_id=%s worker=%s status=%d",
-                         self.job.request_id, record.worker_id, status)  # fmt: skip
-                raise DispatchError("invalid_request", f"vLLM answered HTTP {status}")
+            self._refuse_invalid(status, "worker", record.worker_id)
             raise _Retry(f"status_{status}")
         self._lines = response.aiter_lines()
 
