@@ -208,6 +208,8 @@ def plan(
             continue
         limits = bounds(pool, role)
         cur = current[role]
+        need: float | None
+        problem: str | None
         if role == "prefill" and not has_prefill_queue(pool):
             need, note, problem = None, NO_PREFILL_QUEUE, SIGNALS_MISSING
         elif role == "prefill":
