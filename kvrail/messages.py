@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import functools
 import hashlib
 import json
 import re
@@ -73,7 +72,7 @@ class Message:
         # are: `asdict`'s recursive copy made encoding a TokenEvent take 34 us on the 2-vCPU
         # machine, against 13 us now, and a decode worker encodes one per running request per
         # step.
-        for name in _field_names(type(self)):
+        for name in _info(type(self)).names:
             value = getattr(self, name)
             if name in _PACKED:
                 body[name] = _pack(tuple(value), _PACKED[name][0])
@@ -88,19 +87,23 @@ class Message:
 # Per message class, computed once: `typing.get_type_hints` evaluates every annotation's string
 # (`from __future__ import annotations`) and took 200 of the 216 us that decoding a TokenEvent
 # cost on the 2-vCPU machine, where a router decodes one per token it streams.
-@functools.cache
-def _fields(cls: type[Message]) -> tuple[Field[Any], ...]:
-    return fields(cls)
+@dataclass(frozen=True, slots=True)
+class _ClassInfo:
+    fields: tuple[Field[Any], ...]
+    names: tuple[str, ...]
+    hints: dict[str, Any]
 
 
-@functools.cache
-def _field_names(cls: type[Message]) -> tuple[str, ...]:
-    return tuple(f.name for f in _fields(cls))
+_CLASS_INFO: dict[type[Message], _ClassInfo] = {}
 
 
-@functools.cache
-def _type_hints(cls: type[Message]) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _info(cls: type[Message]) -> _ClassInfo:
+    info = _CLASS_INFO.get(cls)
+    if info is None:
+        found = fields(cls)
+        info = _ClassInfo(found, tuple(f.name for f in found), typing.get_type_hints(cls))
+        _CLASS_INFO[cls] = info
+    return info
 
 
 M = TypeVar("M", bound=Message)
@@ -120,9 +123,10 @@ def decode(data: bytes, cls: type[M]) -> M:
         raise MessageError(f"unsupported wire version (want {WIRE_VERSION})")
     if body.get("kind") != cls.kind:
         raise MessageError(f"expected a {cls.kind} message, got another kind")
-    hints = _type_hints(cls)
+    info = _info(cls)
+    hints = info.hints
     values: dict[str, Any] = {}
-    for f in _fields(cls):
+    for f in info.fields:
         if f.name not in body:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue  # optional field: its default applies
