@@ -99,6 +99,15 @@ class Dispatcher:
             num_blocks = len(job.token_ids) // block_size
         return out, num_blocks
 
+    def count_in_flight(self, worker_id: str, delta: int) -> None:
+        """This router's requests in flight on `worker_id` (load-based choice and the per-worker
+        metrics read them); a worker with none leaves the table."""
+        left = self.in_flight.get(worker_id, 0) + delta
+        if left > 0:
+            self.in_flight[worker_id] = left
+        else:
+            self.in_flight.pop(worker_id, None)
+
     @contextlib.asynccontextmanager
     async def open(self, job: Job) -> AsyncIterator[EventStream]:
         stream = self._stream_for(job)
@@ -204,7 +213,7 @@ class TokenStream:
             temperature=self.job.temperature, top_p=self.job.top_p, seed=self.job.seed,
             tenant_salt=self.job.tenant_salt,
         )  # fmt: skip
-        d.in_flight[self.worker_id] = d.in_flight.get(self.worker_id, 0) + 1
+        d.count_in_flight(self.worker_id, +1)
         await d.nc.publish(d.keys.decode_requests(self.worker_id), request.encode(), reply=inbox)
 
     async def _next(self, deadline: float) -> TokenEvent:
@@ -257,11 +266,7 @@ class TokenStream:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
-            left = d.in_flight.get(self.worker_id, 1) - 1
-            if left > 0:
-                d.in_flight[self.worker_id] = left
-            else:
-                d.in_flight.pop(self.worker_id, None)
+            d.count_in_flight(self.worker_id, -1)
 
     async def cancel(self, reason: CancelReason) -> None:
         """Tell every worker to drop this request (idempotent; a no-op once it finished)."""

@@ -390,20 +390,15 @@ class VllmStream:
 
     # Bookkeeping --------------------------------------------------------------------------------
     def _count(self, worker_id: str, delta: int) -> None:
-        """This router's requests in flight per worker (decode and prefill servers alike), which
-        load-based choice and the per-worker metrics read."""
-        in_flight = self.dispatcher.in_flight
+        """Count this stream's requests in flight per worker (decode and prefill servers alike);
+        a decrement without a matching increment is ignored, so releasing twice is harmless."""
         if delta > 0:
             self._counted.append(worker_id)
         elif worker_id in self._counted:
             self._counted.remove(worker_id)
         else:
             return
-        left = in_flight.get(worker_id, 0) + delta
-        if left > 0:
-            in_flight[worker_id] = left
-        else:
-            in_flight.pop(worker_id, None)
+        self.dispatcher.count_in_flight(worker_id, delta)
 
     async def _release(self) -> None:
         """Close the decode response (vLLM aborts the request if it still runs) and drop the
