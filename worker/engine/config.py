@@ -17,6 +17,9 @@ class EngineConfig:
     `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
     `zero_kv_on_release` zeroes every block whose last reference is dropped, at once (and keeps
     no finished request's blocks in the prefix cache).
+    `async_scheduling` queues each step on the device before the previous one has finished
+    (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
+    and it would only delay each token by a step).
     """
 
     num_blocks: int
@@ -28,6 +31,7 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_cuda_graphs: bool = True
     zero_kv_on_release: bool = False
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_model_len", "block_size", "max_num_batched_tokens"):

@@ -3,12 +3,13 @@
 A decode step of n requests replays the graph captured for the smallest captured batch size
 >= n. Inputs live in static buffers; rows beyond n are padding that is harmless by construction:
 slot -1 (its KV is never written), context length 1 over the null block 0 (never allocated, so
-never written), position 0. Inputs are staged in pinned host buffers (reused: the engine syncs
-on the sampled tokens every step, so a copy has landed before its buffer is refilled). The
-decode kernel sizes its split-K grid from the table width, which is static per graph. The
-model's forward has no host synchronisation on CUDA (the Triton launchers only read shapes),
-which is what makes it capturable. Steps with prefill tokens, or more decodes than the largest
-graph, run eagerly.
+never written), position 0. Inputs are staged in pinned host buffers and copied without waiting
+for the device; two sets take turns, and a set is refilled only once the copies from it ran, so
+the engine can queue a replay while the previous one runs. Decodes whose token the previous step
+sampled take it from the device (`staging.feed_tokens`) after the copies. The decode kernel
+sizes its split-K grid from the table width, which is static per graph. The model's forward has
+no host synchronisation on CUDA (the Triton launchers only read shapes), which is what makes it
+capturable. Steps with prefill tokens, or more decodes than the largest graph, run eagerly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.engine.staging import feed_tokens
 from kvrail.worker.layers.attention import AttentionMetadata
 from kvrail.worker.models.llama import LlamaForCausalLM
 
@@ -57,12 +59,8 @@ class DecodeGraphs:
             torch.zeros(1, dtype=torch.int32, device=device),
             torch.zeros(0, dtype=torch.int32, device=device),
         )
-        # pinned host staging: one numpy fill and one async copy per input, no tensor building
-        self._host64 = torch.zeros(3, n, dtype=torch.int64, device="cpu", pin_memory=True)
-        self._host_lens = torch.ones(n, dtype=torch.int32, device="cpu", pin_memory=True)
-        self._host_tables = torch.zeros(
-            n * max_blocks_per_seq, dtype=torch.int32, device="cpu", pin_memory=True
-        )
+        self._staging = (_Staging(n, max_blocks_per_seq), _Staging(n, max_blocks_per_seq))
+        self._turn = 0
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
@@ -111,29 +109,50 @@ class DecodeGraphs:
         slot_mapping: np.ndarray,
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
+        fed: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Replay for n = len(input_ids) <= max_batch_size decodes; returns hidden [n, H].
-        The inputs are host arrays as `model_runner.prepare_decode` makes them (block_tables
-        [n, width])."""
+        """Queue a replay for n = len(input_ids) <= max_batch_size decodes; returns hidden
+        [n, H]. The inputs are host arrays as `model_runner.prepare_decode` makes them
+        (block_tables [n, width]); `fed` = (rows, sampled) as `staging.feed_tokens` takes them."""
         n = len(input_ids)
         bs = next(s for s in self.batch_sizes if s >= n)
         width = block_tables.shape[1]
-        host = self._host64.numpy()
+        staging = self._staging[self._turn]
+        self._turn ^= 1
+        staging.copied.synchronize()  # the copies out of this set, two replays ago, have run
+        host = staging.ids.numpy()
         host[0, :n] = input_ids
         host[1, :n] = positions
         host[2, :n] = slot_mapping
         host[2, n:bs] = -1  # padding rows: never write KV
-        lens = self._host_lens.numpy()
+        lens = staging.lens.numpy()
         lens[:n] = seq_lens
         lens[n:bs] = 1
-        tables = self._host_tables[: bs * width].view(bs, width)
+        tables = staging.tables[: bs * width].view(bs, width)
         table_rows = tables.numpy()
         table_rows[:n] = block_tables
         table_rows[n:] = 0
-        self.input_ids[:bs].copy_(self._host64[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(self._host64[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(self._host64[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(self._host_lens[:bs], non_blocking=True)
+        self.input_ids[:bs].copy_(staging.ids[0, :bs], non_blocking=True)
+        self.positions[:bs].copy_(staging.ids[1, :bs], non_blocking=True)
+        self.slot_mapping[:bs].copy_(staging.ids[2, :bs], non_blocking=True)
+        self.seq_lens[:bs].copy_(staging.lens[:bs], non_blocking=True)
         self.block_tables[:bs, :width].copy_(tables, non_blocking=True)
+        staging.copied.record()
+        if fed is not None:
+            feed_tokens(self.input_ids, *fed)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
+
+
+class _Staging:
+    """Pinned host buffers for one replay's inputs, and an event recorded after their copies."""
+
+    def __init__(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
+        n = max_batch_size
+        self.ids = torch.zeros(3, n, dtype=torch.int64, device="cpu", pin_memory=True)
+        self.lens = torch.ones(n, dtype=torch.int32, device="cpu", pin_memory=True)
+        self.tables = torch.zeros(
+            n * max_blocks_per_seq, dtype=torch.int32, device="cpu", pin_memory=True
+        )
+        self.copied = torch.cuda.Event()
+        self.copied.record()

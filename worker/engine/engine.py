@@ -1,8 +1,18 @@
 """The engine: scheduler + model runner + sampler behind add_request / step / abort.
 
 One `step()` schedules a batch, runs the model once over it and samples one token for every
-request whose known tokens are now all computed. The engine is synchronous and single-threaded;
-the worker roles drive it. Finished requests leave the engine holding no blocks.
+request whose known tokens are now all computed. The engine is single-threaded; the worker roles
+drive it. Finished requests leave the engine holding no blocks.
+
+With `async_scheduling` (the default on CUDA) a step is queued on the device before the previous
+one has finished: `step()` schedules the next step ahead (`Scheduler.schedule_ahead`) and queues
+it, then waits for the running step's tokens and returns that step's outputs. The host's work for
+a step (scheduling, input preparation, the graph launch, stop checks) thus overlaps the device's,
+and each `step()` still returns exactly one step's outputs, in the same order as without it. At
+most one step is in flight between calls. Its writes land in the blocks of the requests it was
+queued for, which stay valid on the device even if the host frees them meanwhile (device work is
+ordered); the one writer outside that order, a remote KV transfer, gets blocks only through
+`reserve_remote`, which first waits for the step in flight.
 """
 
 from __future__ import annotations
@@ -21,11 +31,11 @@ from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.kv_cache import KVCache
-from kvrail.worker.engine.model_runner import ModelRunner
+from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.request import Request, SamplingParams
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
-from kvrail.worker.engine.scheduler_output import RemoteReservation
+from kvrail.worker.engine.scheduler_output import RemoteReservation, SchedulerOutput
 from kvrail.worker.engine.stop import StopChecker
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.models.loader import LoadedModel
@@ -44,6 +54,22 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A step queued on the device: what was scheduled, the requests its rows sample for, and
+    its tokens (on the device, and in host memory once `done` has passed)."""
+
+    out: SchedulerOutput
+    requests: list[Request]
+    sampled: SampledOnDevice
+    host_tokens: torch.Tensor
+    done: torch.cuda.Event | None
+
+    def wait(self) -> None:
+        if self.done is not None:
+            self.done.synchronize()
 
 
 def make_fingerprint(
@@ -107,6 +133,12 @@ class LLMEngine:
             graphs.capture()
         self.runner = ModelRunner(model, self.kv_cache, self.device, graphs)
         self.sampler = Sampler()
+        self.async_scheduling = (
+            config.async_scheduling
+            if config.async_scheduling is not None
+            else self.device.type == "cuda"
+        )
+        self._in_flight: _Launched | None = None
         self._num_generate_calls = 0
         logger.info(
             "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s",
@@ -179,7 +211,11 @@ class LLMEngine:
         tenant_salt: str = "",
     ) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV is written from elsewhere (see
-        Scheduler.reserve_remote); None with no effect when the pool is short."""
+        Scheduler.reserve_remote); None with no effect when the pool is short. Waits for the
+        step in flight first: a block it gets may have been freed while that step still writes
+        it, and the remote writer is not ordered after device work."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
         request = Request(request_id, list(prompt_token_ids), params)
         request.hash_root = self._hash_root(tenant_salt)
         return self.scheduler.reserve_remote(request)
@@ -229,14 +265,58 @@ class LLMEngine:
         return bool(self.scheduler.requests)
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; returns an output for every request that got a token."""
-        out = self.scheduler.schedule()
+        """Run one iteration; returns an output for every request that got a token. With
+        `async_scheduling` it leaves the next step queued on the device."""
+        try:
+            return self._step()
+        except BaseException:
+            self._in_flight = None  # its requests are failed by the caller
+            raise
+
+    def _step(self) -> list[RequestOutput]:
+        running = self._in_flight
+        self._in_flight = None
+        if running is None:
+            running = self._launch(self.scheduler.schedule())
+            if running is None:
+                return []
+        if not self.async_scheduling:
+            return self._resolve(running)
+        ahead = self.scheduler.schedule_ahead()
+        if ahead is None:  # it would preempt: only with the running step's tokens known
+            outputs = self._resolve(running)
+            self._in_flight = self._launch(self.scheduler.schedule())
+            return outputs
+        self._in_flight = self._launch(ahead, running.sampled)
+        return self._resolve(running)
+
+    def _launch(
+        self, out: SchedulerOutput, previous: SampledOnDevice | None = None
+    ) -> _Launched | None:
+        """Queue a scheduled step on the device (on the CPU it runs now); None if it is empty."""
         if out.is_empty:
-            return []
-        logits, requests = self.runner.execute(out)
-        token_ids = self.sampler(logits, requests) if requests else []
-        sampled = {r.request_id: t for r, t in zip(requests, token_ids, strict=True)}
-        advanced = self.scheduler.update_from_output(out, sampled)
+            return None
+        logits, requests = self.runner.execute(out, previous)
+        tokens = (
+            self.sampler.sample(logits, requests)
+            if requests
+            else logits.new_empty(0, dtype=torch.int64)
+        )
+        sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
+        if self.device.type != "cuda":
+            return _Launched(out, requests, sampled, tokens, None)
+        host = torch.empty(tokens.shape, dtype=torch.int64, device="cpu", pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return _Launched(out, requests, sampled, host, done)
+
+    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them to its requests."""
+        launched.wait()
+        token_ids = launched.host_tokens.tolist()
+        sampled = {r.request_id: t for r, t in zip(launched.requests, token_ids, strict=True)}
+        advanced = self.scheduler.update_from_output(launched.out, sampled)
         return [
             RequestOutput(
                 r.request_id,

@@ -3,7 +3,9 @@
 Decode and prefill inputs are prepared separately (`prepare_decode`, `prepare_prefill`) and packed
 decode tokens first, matching `AttentionMetadata`. Block tables are padded with the null block 0.
 Preparation walks the requests once in Python and computes every per-token value with numpy, so
-a step's host work grows with its requests only by that walk.
+a step's host work grows with its requests only by that walk. Inputs reach the device through
+asynchronous copies (`staging`), and a decode whose token the previous step sampled takes it from
+that step's tensor on the device: preparing and queueing a step never waits for the one running.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvrail.worker.engine.staging import feed_tokens, to_device
 from kvrail.worker.layers.attention import AttentionMetadata, fresh_runs
 from kvrail.worker.models.llama import LlamaForCausalLM
 
@@ -80,6 +83,28 @@ def prepare_prefill(items: Sequence[ScheduledRequest], block_size: int) -> Prepa
     return _prepare(items, block_size)
 
 
+@dataclass(frozen=True, slots=True)
+class SampledOnDevice:
+    """The tokens a step sampled, still on the device: `tokens[rows[request_id]]`."""
+
+    tokens: torch.Tensor
+    rows: dict[str, int]
+
+
+def device_fed_rows(
+    decodes: Sequence[ScheduledRequest], previous: SampledOnDevice | None
+) -> np.ndarray:
+    """[2, k] int64: the decode rows fed from the device, and their rows in `previous`."""
+    pairs = [
+        (i, previous.rows[item.request.request_id])
+        for i, item in enumerate(decodes)
+        if item.token_on_device and previous is not None
+    ]
+    if len(pairs) != sum(item.token_on_device for item in decodes):
+        raise RuntimeError("a decode feeds a device token, but no step sampled it")
+    return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -95,18 +120,23 @@ class ModelRunner:
         self.decode_graphs = decode_graphs
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
-        """A host array on the device (on the CPU, a view of the array: no copy)."""
-        return torch.from_numpy(values).to(self.device)
+        return to_device(values, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[Request]]:
-        """Run one step. Returns logits [n, vocab] and the n requests that sample a token."""
+    def execute(
+        self, out: SchedulerOutput, previous: SampledOnDevice | None = None
+    ) -> tuple[torch.Tensor, list[Request]]:
+        """Queue one step. Returns logits [n, vocab] and the n requests that sample a token.
+        `previous`: the tokens of the step before, for the decodes fed from the device."""
         dec = prepare_decode(out.decodes, self.block_size)
+        fed = device_fed_rows(out.decodes, previous)
+        sampled = previous.tokens if previous is not None else None
         graphs = self.decode_graphs
         if graphs is not None and not out.prefills and len(out.decodes) <= graphs.max_batch_size:
             hidden = graphs.run(
-                dec.input_ids, dec.positions, dec.slot_mapping, dec.block_tables, dec.seq_lens
-            )
+                dec.input_ids, dec.positions, dec.slot_mapping, dec.block_tables, dec.seq_lens,
+                (fed, sampled) if sampled is not None else None,
+            )  # fmt: skip
             return self._logits(hidden, out, 0, [])
         pre = prepare_prefill(out.prefills, self.block_size)
         metadata = AttentionMetadata(
@@ -125,6 +155,8 @@ class ModelRunner:
             prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
         )
         input_ids = self._tensor(np.concatenate((dec.input_ids, pre.input_ids)))
+        if sampled is not None:
+            feed_tokens(input_ids, fed, sampled)  # decode rows come first
         positions = self._tensor(np.concatenate((dec.positions, pre.positions)))
         hidden = self.model(input_ids, positions, metadata, self.kv_cache)
         return self._logits(hidden, out, dec.num_tokens, pre.query_start_loc.tolist())
@@ -148,6 +180,6 @@ class ModelRunner:
                 requests.append(item.request)
         if rows == list(range(len(rows))):  # every decode samples: a view, no index tensor
             return self.model.compute_logits(hidden[: len(rows)]), requests
-        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        index = self._tensor(np.array(rows, dtype=np.int64))
         logits = self.model.compute_logits(hidden[index])
         return logits, requests

@@ -143,6 +143,8 @@ class Request:
     `retain_blocks`: when it finishes (other than by abort) its blocks stay held, KV intact, until
     the scheduler's `release` (a prefill worker sends them to a decode worker first).
     `hash_root` seeds its block hashes instead of the engine's (a tenant's own root).
+    `num_in_flight` counts tokens sampled by a step still running on the device, not yet
+    appended (see `Scheduler.schedule_ahead`).
     """
 
     request_id: str
@@ -159,6 +161,7 @@ class Request:
     generator: Any = None
     retain_blocks: bool = False
     hash_root: bytes | None = None
+    num_in_flight: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

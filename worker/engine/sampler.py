@@ -3,16 +3,19 @@
 Greedy rows take the argmax. Other rows are scaled by their temperature, masked by their top-k and
 top-p, and drawn from the remaining distribution. A request with a seed draws from its own
 `torch.Generator`, created on its first draw and kept on the request, so its samples do not depend
-on the rest of the batch or on preemption. The sampler never mutates the logits it is given.
+on the rest of the batch or on preemption. The sampler never mutates the logits it is given, and
+`sample` never waits for the device: its tokens stay there until the caller copies them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from kvrail.worker.engine.request import Request
+from kvrail.worker.engine.staging import to_device
 
 
 def apply_top_k_top_p(
@@ -41,20 +44,28 @@ class Sampler:
 
     Apart from one draw per seeded row (each from its own generator), the tensor operations per
     step do not grow with the batch: one argmax over every row, the sampled rows scaled together
-    (top-k/top-p only on the rows that set them), one draw for all rows without a seed, and one
-    transfer of all the chosen tokens to the host.
+    (top-k/top-p only on the rows that set them) and one draw for all rows without a seed.
     """
 
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
+        """The tokens on the host (one transfer; waits for the device)."""
+        token_ids: list[int] = self.sample(logits, requests).tolist()
+        return token_ids
+
+    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """The tokens as an int64 tensor on the logits' device, one per row."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         chosen = logits.argmax(dim=-1)  # exact in any dtype
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if rows:
-            index = torch.tensor(rows, device=logits.device)
+            index = _on(logits.device, rows, np.int64)
             chosen[index] = _draw(logits.index_select(0, index), [requests[i] for i in rows])
-        token_ids: list[int] = chosen.tolist()  # one transfer of every row's token
-        return token_ids
+        return chosen
+
+
+def _on(device: torch.device, values: Sequence[float], dtype: type) -> torch.Tensor:
+    return to_device(np.asarray(values, dtype=dtype), device)
 
 
 def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
@@ -62,19 +73,19 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     and masked by its top-k and top-p."""
     params = [r.sampling_params for r in requests]
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)
+    temperature = _on(device, [p.temperature for p in params], np.float32)
     scaled = logits.float() / temperature.unsqueeze(-1)
     masked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     if masked:
-        index = torch.tensor(masked, device=device)
-        top_k = torch.tensor([params[j].top_k for j in masked], device=device)
-        top_p = torch.tensor([params[j].top_p for j in masked], device=device)
+        index = _on(device, masked, np.int64)
+        top_k = _on(device, [params[j].top_k for j in masked], np.int64)
+        top_p = _on(device, [params[j].top_p for j in masked], np.float32)
         scaled[index] = apply_top_k_top_p(scaled[index], top_k, top_p)
     probs = scaled.softmax(dim=-1)
     drawn = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [j for j, p in enumerate(params) if p.seed is None]
     if unseeded:
-        index = torch.tensor(unseeded, device=device)
+        index = _on(device, unseeded, np.int64)
         drawn[index] = torch.multinomial(probs[index], 1).squeeze(1)
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
     if seeded:
@@ -82,7 +93,7 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
             torch.multinomial(probs[j], 1, generator=_generator(requests[j], device))
             for j in seeded
         ]
-        drawn[torch.tensor(seeded, device=device)] = torch.cat(tokens)
+        drawn[_on(device, seeded, np.int64)] = torch.cat(tokens)
     return drawn
 
 

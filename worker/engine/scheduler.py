@@ -13,6 +13,14 @@ When a running request needs a block and the pool is empty, the latest-arrived r
 not yet scheduled in this step is preempted by recompute: its blocks are freed, its tokens kept,
 and it goes back to the head of the waiting queue (possibly the request itself).
 
+Scheduling ahead (`schedule_ahead`): while a step runs on the device, the next one can be
+scheduled before its sampled tokens are known. A request whose last step samples a token still
+on the device (`Request.num_in_flight`) decodes that token next, fed from the device
+(`ScheduledRequest.token_on_device`); it is not scheduled ahead when that token may be its last
+(max_tokens reached) or when it retains its blocks. A request that stopped on the in-flight token
+(EOS, a stop string) computes one token more, which is discarded. Scheduling ahead never preempts:
+when a request's blocks run short it returns None, and the caller resolves the running step first.
+
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
 `schedule()` until `install_remote` marks its KV fully written. A finished request with
 `retain_blocks` keeps its blocks until `release`. `abort` releases everything, in any state.
@@ -144,13 +152,30 @@ class Scheduler:
         return len(self.requests)
 
     def schedule(self) -> SchedulerOutput:
+        """The next step, with every earlier step's tokens known (none in flight)."""
+        out = self._schedule(ahead=False)
+        assert out is not None, "only scheduling ahead gives up"
+        return out
+
+    def schedule_ahead(self) -> SchedulerOutput | None:
+        """The next step while the previous one is still running (its sampled tokens unknown),
+        or None when it would have to preempt: resolve the running step, then `schedule()`."""
+        return self._schedule(ahead=True)
+
+    def _schedule(self, *, ahead: bool) -> SchedulerOutput | None:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
         decoding: list[Request] = []
         prefilling: list[Request] = []
         for request in self.running:
-            num_pending = request.num_tokens - request.num_computed_tokens
+            if request.num_in_flight:
+                assert ahead and request.num_in_flight == 1, "one step in flight at most"
+                params = request.sampling_params
+                last = request.num_output_tokens + 1 >= params.max_tokens
+                if last or request.retain_blocks:
+                    continue  # it may finish with the token in flight: wait for it
+            num_pending = request.num_tokens + request.num_in_flight - request.num_computed_tokens
             if num_pending == 1:
                 decoding.append(request)
             elif num_pending > 1:
@@ -160,14 +185,23 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._allocate_or_preempt(request, num_new, scheduled, out):
+            num_pending = request.num_tokens + request.num_in_flight - request.num_computed_tokens
+            num_new = min(num_pending, budget)
+            if ahead:
+                slots = request.num_computed_tokens + num_new
+                if self.kv_cache_manager.allocate_slots(request, slots) is None:
+                    return None  # nothing committed yet: blocks taken stay with their requests
+            elif not self._allocate_or_preempt(request, num_new, scheduled, out):
                 continue
             self._emit(out, request, num_new)
             scheduled.add(request.request_id)
             budget -= num_new
         if not out.preempted_ids:
             self._admit(out, budget)
+        for item in out.decodes + out.prefills:
+            item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
+            if item.samples:
+                item.request.num_in_flight += 1
         return out
 
     def _allocate_or_preempt(
@@ -207,9 +241,10 @@ class Scheduler:
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
         start = request.num_computed_tokens
-        token_ids = request.token_ids_between(start, start + num_new)
-        samples = start + num_new == request.num_tokens
-        item = ScheduledRequest(request, start, token_ids, block_ids, samples)
+        on_device = request.num_in_flight > 0  # a decode of the token still on the device
+        token_ids = [0] if on_device else request.token_ids_between(start, start + num_new)
+        samples = start + num_new == request.num_tokens + request.num_in_flight
+        item = ScheduledRequest(request, start, token_ids, block_ids, samples, on_device)
         (out.decodes if num_new == 1 else out.prefills).append(item)
 
     def _preempt(self, request: Request) -> None:
@@ -226,15 +261,18 @@ class Scheduler:
     def update_from_output(
         self, out: SchedulerOutput, sampled_token_ids: dict[str, int]
     ) -> list[Request]:
-        """Advance each scheduled request past the tokens computed this step, append its sampled
-        token, and finish those that stopped. Returns the requests that got a token."""
+        """Once a step has run: publish the blocks it filled, append each sampled token, and
+        finish those that stopped. Returns the requests that got a token. (`schedule` already
+        counted the step's tokens as computed; a step scheduled ahead may have counted more.)"""
         advanced = []
         for item in out.decodes + out.prefills:
             request = item.request
+            if item.samples:
+                request.num_in_flight -= 1
             if request.status is not RequestStatus.RUNNING:
-                continue  # aborted between schedule and update
-            request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
-            self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                continue  # finished or aborted since it was scheduled: its token is dropped
+            computed = item.num_computed_tokens + item.num_new_tokens
+            self.kv_cache_manager.cache_blocks(request, computed)
             if item.samples:
                 self._append_token(request, sampled_token_ids[request.request_id])
                 advanced.append(request)

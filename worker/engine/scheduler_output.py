@@ -11,8 +11,10 @@ from kvrail.worker.engine.request import Request
 class ScheduledRequest:
     """One request in a step: feed `token_ids` at positions from `num_computed_tokens` on.
 
-    `samples` says whether they end with the request's last known token, so that a token is
-    sampled from this step's logits (a non-final prefill chunk samples nothing).
+    `samples` says whether they end with the request's last token, so that a token is sampled
+    from this step's logits (a non-final prefill chunk samples nothing). `token_on_device`: a
+    decode whose one token was sampled by the step still running; `token_ids` holds a
+    placeholder and the model runner feeds the sampled token from the device.
     """
 
     request: Request
@@ -20,6 +22,7 @@ class ScheduledRequest:
     token_ids: list[int]
     block_ids: list[int]
     samples: bool
+    token_on_device: bool = False
 
     @property
     def num_new_tokens(self) -> int:

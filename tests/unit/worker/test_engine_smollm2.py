@@ -45,10 +45,16 @@ def _engine(smollm2: Any, **overrides: Any) -> Any:
     return LLMEngine.from_loaded(smollm2, **overrides)
 
 
-def test_mixed_length_batch_equals_transformers_greedy(smollm2: Any, smollm2_hf: Any) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_mixed_length_batch_equals_transformers_greedy(
+    smollm2: Any, smollm2_hf: Any, async_scheduling: bool
+) -> None:
     tokenizer = smollm2.tokenizer
     prompts = [tokenizer(p).input_ids for p in SHORT_PROMPTS]
-    engine = _engine(smollm2, num_blocks=128, block_size=16, max_num_batched_tokens=64)
+    engine = _engine(
+        smollm2, num_blocks=128, block_size=16, max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
     outputs = engine.generate(prompts, SamplingParams(max_tokens=20))
     for prompt, output in zip(prompts, outputs, strict=True):
         assert output == _expected(smollm2_hf, prompt, 20, tokenizer.eos_token_id)
