@@ -23,7 +23,7 @@ import triton.language as tl
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
-WAVES = 4  # aim for about this many programs per SM before splitting stops
+WAVES = 2  # aim for about this many programs per SM before splitting stops
 
 
 @triton.jit
@@ -219,9 +219,15 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    *,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
-    context, so no host sync and the same choice on every replay of a captured graph)."""
+    context, so no host sync and the same choice on every replay of a captured graph).
+    `block_n`, `num_warps`, `num_stages`: tuning knobs (None: the defaults; see
+    bench/engine/decode_attention_sweep.py)."""
     num_seqs = query.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     out = torch.empty_like(query)
@@ -271,9 +277,10 @@ def paged_decode_attention(
         num_splits,
         G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=d_pad,
-        BLOCK_N=(64 if head_dim <= 128 else 32) if direct else 32,
+        BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
         DIRECT=direct,
         IEEE=k_cache.dtype == torch.float32,
+        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
     )
     if not direct:
         _reduce_kernel[(num_seqs, num_heads)](

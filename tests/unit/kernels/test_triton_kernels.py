@@ -83,8 +83,10 @@ def test_split_k_decode_merges_uneven_and_empty_splits_exactly(num_splits: int) 
 
 def test_split_count_fills_the_gpu_and_never_splits_below_a_minimum_slice() -> None:
     choose = DECODE.choose_num_splits
-    assert choose(1, 8, 9216, 132) == DECODE.MAX_SPLITS  # batch 1: 8 programs alone
-    assert choose(16, 8, 9216, 132) == 5  # 128 programs -> 640, about 4 per SM
+    assert choose(1, 8, 9216, 132) == 33  # batch 1: 8 programs alone -> 264, 2 per SM
+    assert choose(16, 8, 9216, 132) == 3  # 128 programs -> 384, about 2 per SM
+    assert choose(32, 8, 9216, 132) == 2
+    assert choose(1, 8, 9216, 1000) == DECODE.MAX_SPLITS
     assert choose(256, 8, 9216, 132) == 1  # the batch fills the GPU
     assert choose(1, 8, 40, 132) == 2  # a 40-token bound: slices of at least 32 tokens
     assert choose(0, 8, 40, 132) == 2

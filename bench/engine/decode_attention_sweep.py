@@ -1,0 +1,89 @@
+"""Sweep the paged decode attention kernel's launch settings on the GPU (Llama-3-8B shapes).
+
+    python3 -P bench/engine/decode_attention_sweep.py | tee bench/engine/decode_attention_sweep.txt
+
+For batches of 1, 32 and 256 sequences of 512-640 tokens (the decode steps of gpu_llama3_8b.py)
+over the engine's KV layout (one layer's view of the whole-worker region, blocks scattered),
+times every combination of split count, tile length, warps and pipeline stages, replayed from a
+CUDA graph (`triton.testing.do_bench_cudagraph`), and prints the default's time, the best five
+and the bytes per second each reaches (K and V of every context token read once).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import triton
+
+from kvrail.kernels import decode_attention as dec
+from kvrail.worker.engine.kv_cache import KVCache
+
+LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
+TABLE_WIDTH = (8192 + 1024) // BS  # the captured graphs' width (max_model_len 9216)
+
+
+def case(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+    lens = torch.randint(512, 641, (batch,), generator=generator)
+    need = int(((lens + BS - 1) // BS).sum())
+    cache = KVCache(need + 1, LAYERS, BS, HKV, D, torch.bfloat16, "cuda")
+    cache.tensor.normal_()
+    k, v = cache.layer(5)
+    order = torch.randperm(need, generator=generator) + 1
+    tables = torch.zeros(batch, TABLE_WIDTH, dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(lens.tolist()):
+        blocks = -(-n // BS)
+        tables[i, :blocks] = order[used : used + blocks]
+        used += blocks
+    query = torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda")
+    return query, k, v, tables.cuda(), lens.to(torch.int32).cuda()
+
+
+def sweep(batch: int, generator: torch.Generator) -> None:
+    query, k, v, tables, lens = case(batch, generator)
+    nbytes = int(lens.sum()) * HKV * D * 2 * 2  # K and V, bf16
+
+    def run(**kw: int | None) -> float:
+        def fn() -> torch.Tensor:
+            return dec.paged_decode_attention(query, k, v, tables, lens, 0.088, **kw)
+
+        # replayed from a CUDA graph, as in the engine: a Python launch takes longer than the
+        # kernel at small batches, so timing plain launches measures the host
+        return float(triton.testing.do_bench_cudagraph(fn, rep=20))
+
+    default_ms = run()
+    auto = dec.choose_num_splits(batch, HKV, TABLE_WIDTH * BS, dec._num_sms(0))
+    splits = sorted({1, 2, 4, 8, 16, 32, 64, auto} if batch < 32 else {1, 2, 3, 4, 6, 8, 16, auto})
+    results = []
+    for n, bn, warps, stages in itertools.product(splits, (16, 32, 64), (2, 4, 8), (1, 2, 3)):
+        try:
+            ms = run(num_splits=n, block_n=bn, num_warps=warps, num_stages=stages)
+        except Exception as err:  # out of shared memory and the like
+            print(f"  skip splits={n} block_n={bn} warps={warps} stages={stages}: {err!r}"[:150])
+            continue
+        results.append((ms, n, bn, warps, stages))
+    results.sort()
+    print(
+        f"batch {batch}: context {int(lens.sum())} tokens, {nbytes / 1e6:.1f} MB; default "
+        f"(splits {auto}) {default_ms * 1e3:.1f} us = {nbytes / default_ms / 1e9:.2f} TB/s"
+    )
+    for ms, n, bn, warps, stages in results[:5]:
+        print(
+            f"  {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s  splits={n} block_n={bn} "
+            f"warps={warps} stages={stages}"
+        )
+
+
+def main() -> int:
+    generator = torch.Generator().manual_seed(0)
+    name = torch.cuda.get_device_name()
+    print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
+    for batch in (1, 32, 256):
+        sweep(batch, generator)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
