@@ -11,6 +11,7 @@ and the bytes per second each reaches (K and V of every context token read once)
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -40,7 +41,7 @@ def case(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     return query, k, v, tables.cuda(), lens.to(torch.int32).cuda()
 
 
-def sweep(batch: int, generator: torch.Generator) -> None:
+def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
     query, k, v, tables, lens = case(batch, generator)
     nbytes = int(lens.sum()) * HKV * D * 2 * 2  # K and V, bf16
 
@@ -56,7 +57,12 @@ def sweep(batch: int, generator: torch.Generator) -> None:
     auto = dec.choose_num_splits(batch, HKV, TABLE_WIDTH * BS, dec._num_sms(0))
     splits = sorted({1, 2, 4, 8, 16, 32, 64, auto} if batch < 32 else {1, 2, 3, 4, 6, 8, 16, auto})
     results = []
-    for n, bn, warps, stages in itertools.product(splits, (16, 32, 64), (2, 4, 8), (1, 2, 3)):
+    tiles, stage_counts, top = (
+        ((32, 64, 128), (1, 2, 3, 4), 12) if fine else ((16, 32, 64), (1, 2, 3), 5)
+    )
+    if fine:
+        splits = sorted({max(1, auto // 2), auto, auto + 1, auto * 2, 1})
+    for n, bn, warps, stages in itertools.product(splits, tiles, (2, 4, 8), stage_counts):
         try:
             ms = run(num_splits=n, block_n=bn, num_warps=warps, num_stages=stages)
         except Exception as err:  # out of shared memory and the like
@@ -68,7 +74,7 @@ def sweep(batch: int, generator: torch.Generator) -> None:
         f"batch {batch}: context {int(lens.sum())} tokens, {nbytes / 1e6:.1f} MB; default "
         f"(splits {auto}) {default_ms * 1e3:.1f} us = {nbytes / default_ms / 1e9:.2f} TB/s"
     )
-    for ms, n, bn, warps, stages in results[:5]:
+    for ms, n, bn, warps, stages in results[:top]:
         print(
             f"  {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s  splits={n} block_n={bn} "
             f"warps={warps} stages={stages}"
@@ -76,11 +82,15 @@ def sweep(batch: int, generator: torch.Generator) -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
+    parser.add_argument("--fine", action="store_true", help="more tiles, stages, top 12")
+    args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
-    for batch in (1, 32, 256):
-        sweep(batch, generator)
+    for batch in args.batches:
+        sweep(batch, generator, args.fine)
         torch.cuda.empty_cache()
     return 0
 

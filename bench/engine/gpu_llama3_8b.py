@@ -12,6 +12,12 @@ Both use the same random weights (transformers initialises them, kvrail loads it
 Targets (issue 3): (2) >= 200 tok/s, (3) >= 4,000 tok/s, (4) >= 10,000 tok/s, (5) <= 0.27 s;
 bandwidth ceiling at batch 1 about 265 tok/s (16 GB of weights at 4.27 TB/s).
 
+(2)-(4) run the same engine twice in the order async, sync, async, sync: with async scheduling
+(the default on CUDA: each step queued before the previous one finished) and without it, as a
+same-run baseline; each row gives both runs. (3) and (4) also split the wall clock at the moment
+the last request got its first token: the prefill phase (every prompt computed, with the
+decodes of requests already started) and the decode phase after it.
+
 Run on the H200:
   .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
 Flags: --skip-transformers, --skip-correctness, --kv-gib (KV pool size), --no-cuda-graphs,
@@ -122,6 +128,41 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
     return LLMEngine(model, engine_config, fingerprint, eos_token_id=None)
 
 
+def alternate(modes: dict[str, bool], measure: Callable[[str], float]) -> dict[str, list[float]]:
+    """Measure each mode twice, in the order a, b, a, b (these machines drift), after one
+    untimed run (it pays for compiles of new shapes)."""
+    measure(next(iter(modes)))
+    values: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(2):
+        for name in modes:
+            values[name].append(measure(name))
+    return values
+
+
+def fmt(values: list[float], spec: str) -> str:
+    return " ".join(f"{v:10{spec}}" for v in values)
+
+
+def generate_phases(engine: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
+    """Run `batch` to completion; returns (seconds until every request had its first token,
+    seconds in all)."""
+    from kvrail.worker.engine.request import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sync()
+    started = time.perf_counter()
+    requests = [engine.add_request(f"p{started}-{i}", p, params) for i, p in enumerate(batch)]
+    first = None
+    while engine.has_unfinished_requests():
+        engine.step()
+        if first is None and all(r.num_output_tokens for r in requests):
+            first = time.perf_counter() - started
+    sync()
+    total = time.perf_counter() - started
+    assert all(r.num_output_tokens == max_tokens for r in requests)
+    return first or total, total
+
+
 def first_divergence(a: list[int], b: list[int]) -> str:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -169,30 +210,47 @@ def main() -> int:
     engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
 
     if not args.skip_correctness:
+        # Each engine sees the same prompts in the same order, so the same prefix-cache hits.
         eager = build_engine(hf, config, 8.0, graphs=False)
+        synchronous = build_engine(hf, config, 8.0, graphs=not args.no_cuda_graphs)
+        synchronous.async_scheduling = False
         for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
             expected = hf_generate([prompt], 64)[0, len(prompt) :].tolist()
             params = SamplingParams(max_tokens=64, ignore_eos=True)
             ours = engine.generate([prompt], params)[0]
             ours_eager = eager.generate([prompt], params)[0]
+            ours_sync = synchronous.generate([prompt], params)[0]
             print(
                 f"correctness prompt={i} len={len(prompt)} first divergence vs transformers: "
                 f"graphs={first_divergence(ours, expected)} "
                 f"eager={first_divergence(ours_eager, expected)} "
-                f"graphs-vs-eager={first_divergence(ours, ours_eager)}"
+                f"graphs-vs-eager={first_divergence(ours, ours_eager)} "
+                f"async-vs-sync={first_divergence(ours, ours_sync)}"
             )
-        del eager
+        del eager, synchronous
         gc.collect()
         torch.cuda.empty_cache()
 
     print("benchmark                     impl          value")
+    modes = {"kvrail": True, "kvrail sync": False}
+    runs = {name: [] for name in modes}
+
+    def batch1(name: str) -> float:
+        engine.async_scheduling = modes[name]
+        prompt = prompts(1, 128, 2)[0]
+        request = engine.add_request(
+            f"b1-{len(runs[name])}-{name}", prompt, SamplingParams(max_tokens=257, ignore_eos=True)
+        )
+        engine.step()  # prefill -> first token
+        _, seconds = timed(lambda: [engine.step() for _ in range(256)])
+        assert request.num_output_tokens == 257 and not engine.has_unfinished_requests()
+        return 256 / seconds
+
     # 2. batch-1 decode: time per decode step after the first token.
+    result = alternate(modes, batch1)
+    for name, values in result.items():
+        print(f"batch-1 decode tok/s          {name:13s} {fmt(values, '.1f')}")
     prompt = prompts(1, 128, 2)[0]
-    request = engine.add_request("b1", prompt, SamplingParams(max_tokens=257, ignore_eos=True))
-    engine.step()  # prefill -> first token
-    _, seconds = timed(lambda: [engine.step() for _ in range(256)])
-    assert request.num_output_tokens == 257 and not engine.has_unfinished_requests()
-    print(f"batch-1 decode tok/s          kvrail        {256 / seconds:10.1f}")
     if not args.skip_transformers:
         hf_generate([prompt], 8)
         _, hf_s = timed(lambda: hf_generate([prompt], 257))
@@ -201,12 +259,27 @@ def main() -> int:
 
     # 3./4. concurrent requests, 512 prompt / 128 output tokens, wall clock incl. prefill.
     for n in (32, 256) if DEVICE == "cuda" else (4, 8):
-        batch = prompts(n, 512, 3 + n)
-        params = SamplingParams(max_tokens=128, ignore_eos=True)
-        _, seconds = timed(partial(engine.generate, batch, params))
-        print(f"{n:3d} x 512/128 output tok/s    kvrail        {n * 128 / seconds:10.1f}")
+        phases: dict[str, list[tuple[float, float]]] = {name: [] for name in modes}
+        seeds = iter(range(1000 * n, 1000 * n + 10))
+
+        def concurrent(name: str, n: int = n, phases: Any = phases, seeds: Any = seeds) -> float:
+            engine.async_scheduling = modes[name]
+            # new prompts every run: a prompt seen before would hit the prefix cache
+            first, total = generate_phases(engine, prompts(n, 512, next(seeds)), 128)
+            phases[name].append((first, total - first))
+            del phases[name][:-2]  # the untimed first run
+            return n * 128 / total
+
+        result = alternate(modes, concurrent)
+        for name, values in result.items():
+            print(f"{n:3d} x 512/128 output tok/s    {name:13s} {fmt(values, '.1f')}")
+        for name, split in phases.items():
+            pre = fmt([p for p, _ in split], ".3f")
+            dec = fmt([d for _, d in split], ".3f")
+            print(f"{n:3d} x 512/128 prefill phase s {name:13s} {pre}")
+            print(f"{n:3d} x 512/128 decode phase s  {name:13s} {dec}")
         if n == 32 and not args.skip_transformers:
-            _, hf_s = timed(partial(hf_generate, batch, 128))
+            _, hf_s = timed(partial(hf_generate, prompts(n, 512, 3 + n), 128))
             print(f"{n:3d} x 512/128 output tok/s    transformers  {n * 128 / hf_s:10.1f}")
 
     # 5. prefill of 8,192 tokens to the first token.

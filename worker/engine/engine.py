@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvrail.fingerprint import ModelFingerprint
@@ -36,6 +37,7 @@ from kvrail.worker.engine.request import Request, SamplingParams
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import RemoteReservation, SchedulerOutput
+from kvrail.worker.engine.staging import to_device
 from kvrail.worker.engine.stop import StopChecker
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.models.loader import LoadedModel
@@ -258,7 +260,7 @@ class LLMEngine:
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """Zero released blocks (every layer, K and V). On a GPU the fill is queued on the
         stream, after every kernel that used the blocks and before any later write."""
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
         self.kv_cache.tensor.index_fill_(0, index, 0)
 
     def has_unfinished_requests(self) -> bool:

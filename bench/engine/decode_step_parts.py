@@ -1,0 +1,86 @@
+"""Two small parts of a decode step on the GPU (diagnostics for bench/engine tuning):
+
+    python3 -P bench/engine/decode_step_parts.py | tee bench/engine/decode_step_parts.txt
+
+1. greedy token choice over a 128,256-token vocabulary for 1, 32 and 256 rows: `torch.argmax`
+   (what the sampler uses) against a two-pass `greedy_argmax`;
+2. the Llama-3-8B decode GEMMs at 1 and 32 tokens: cuBLAS's default choice against the fastest
+   algorithm PyTorch's TunableOp finds for the shape (it benchmarks every implementation it
+   knows).
+
+Everything is replayed from CUDA graphs (`triton.testing.do_bench_cudagraph`), as in the engine.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from torch.nn import functional
+
+
+def greedy_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Row-wise argmax in two passes: the maximum of every `chunk`-wide slice of the vocabulary,
+    then the best slice (the first maximal index, as `torch.argmax`; the vocabulary here is a
+    multiple of `chunk`). Tried for the sampler, not adopted: see the README."""
+    rows, vocab = logits.shape
+    values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
+    best = values.argmax(dim=-1, keepdim=True)
+    return (best * chunk + within.gather(-1, best)).squeeze(-1)
+
+
+SHAPES = {  # name: (N, K)
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+
+
+def bench_us(fn: object) -> float:
+    return float(triton.testing.do_bench_cudagraph(fn, rep=20)) * 1e3
+
+
+def argmax_rows() -> None:
+    print(f"{'rows':>5s} {'torch.argmax us':>16s} {'greedy_argmax us':>17s} equal")
+    for rows in (1, 32, 256):
+        logits = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)
+        equal = torch.equal(logits.argmax(-1), greedy_argmax(logits))
+        plain = bench_us(lambda: logits.argmax(-1))  # noqa: B023
+        two_pass = bench_us(lambda: greedy_argmax(logits))  # noqa: B023
+        print(f"{rows:5d} {plain:16.1f} {two_pass:17.1f} {equal}")
+
+
+def gemms() -> None:
+    tunable = torch.cuda.tunable
+    tunable.set_filename("/tmp/tunableop_results.csv")
+    print(f"{'gemm':8s} {'M':>4s} {'cuBLAS us':>10s} {'TB/s':>6s} {'tuned us':>9s} {'TB/s':>6s}")
+    for m in (1, 32):
+        for name, (n, k) in SHAPES.items():
+            w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            nbytes = w.numel() * 2
+            tunable.enable(False)
+            default = bench_us(lambda: functional.linear(x, w))  # noqa: B023
+            tunable.enable(True)
+            tunable.tuning_enable(True)
+            functional.linear(x, w)  # tunes this shape
+            torch.cuda.synchronize()
+            tunable.tuning_enable(False)
+            tuned = bench_us(lambda: functional.linear(x, w))  # noqa: B023
+            tunable.enable(False)
+            print(
+                f"{name:8s} {m:4d} {default:10.1f} {nbytes / default / 1e6:6.2f} "
+                f"{tuned:9.1f} {nbytes / tuned / 1e6:6.2f}"
+            )
+
+
+def main() -> int:
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    argmax_rows()
+    gemms()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
