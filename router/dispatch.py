@@ -39,7 +39,7 @@ from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, MessageError, TokenEvent, decode
 from kvrail.router.discovery import WorkerView
 from kvrail.router.index import prompt_hashes
-from kvrail.router.job import CancelReason, DispatchError, EventStream, Job
+from kvrail.router.job import AttemptFailed, CancelReason, DispatchError, EventStream, Job
 from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
 from kvrail.router.vllm_stream import VllmOptions, VllmStream
 
@@ -140,12 +140,6 @@ class Dispatcher:
         return decision
 
 
-class _Retry(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
 @dataclass(slots=True)
 class TokenStream:
     """One request's events; iterate it, then leave `Dispatcher.open`'s context."""
@@ -172,7 +166,7 @@ class TokenStream:
             await self._send()
             try:
                 first = await self._next(deadline)
-            except _Retry as retry:
+            except AttemptFailed as retry:
                 log.info(
                     "request not taken, retrying request_id=%s worker=%s reason=%s",
                     self.job.request_id, self.worker_id, retry.reason,
@@ -217,7 +211,7 @@ class TokenStream:
         await d.nc.publish(d.keys.decode_requests(self.worker_id), request.encode(), reply=inbox)
 
     async def _next(self, deadline: float) -> TokenEvent:
-        """The next event in order; raises _Retry (before the first), DispatchError."""
+        """The next event in order; raises AttemptFailed (before the first), DispatchError."""
         assert self._sub is not None
         while True:
             remaining = deadline - time.monotonic()
@@ -228,7 +222,7 @@ class TokenStream:
             except NatsTimeoutError:
                 if not self._worker_alive():
                     if self._seq == 0:
-                        raise _Retry("worker_lost") from None
+                        raise AttemptFailed("worker_lost") from None
                     raise DispatchError("worker_lost", "the decode worker went away") from None
                 continue
             event = self._parse(msg)
@@ -237,14 +231,14 @@ class TokenStream:
             if event.seq != self._seq:
                 raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
             if self._seq == 0 and event.error in _NOT_TAKEN:
-                raise _Retry(event.error or "")
+                raise AttemptFailed(event.error or "")
             self._seq += 1
             return event
 
     def _parse(self, msg: Msg) -> TokenEvent | None:
         if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
             if self._seq == 0:
-                raise _Retry("no_responders")
+                raise AttemptFailed("no_responders")
             return None
         try:
             event = decode(msg.data, TokenEvent)

@@ -25,6 +25,15 @@ class DispatchError(Exception):
         self.code = code
 
 
+class AttemptFailed(Exception):
+    """One attempt on one worker failed before the client saw anything, for a metric-safe
+    `reason`; the caller may try another worker."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     """What the router sends, already tokenized and admitted."""

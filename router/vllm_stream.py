@@ -40,12 +40,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, get_args
 
 import httpx
 
+from kvrail.crd_spec import KvLoadFailurePolicy
 from kvrail.messages import PrefillMode, TokenEvent, WorkerRecord
-from kvrail.router.job import CancelReason, DispatchError, Job
+from kvrail.router.job import AttemptFailed, CancelReason, DispatchError, Job
 from kvrail.router.policy import Chooser, Decision, NoWorkerError
 from kvrail.vllm import protocol
 from kvrail.vllm.protocol import Completion, Delta, Done, VllmProtocolError
@@ -59,7 +60,7 @@ T = TypeVar("T")
 _POLL_S = 0.5  # how often a silent decode server's record is checked
 CONNECT_TIMEOUT_S = 5.0
 """At most this long to connect to a vLLM server, so a dead address leaves time for another."""
-FAILURE_POLICIES = ("recompute", "fail", "reroute")
+FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailurePolicy)
 
 
 @dataclass(slots=True)
@@ -71,7 +72,7 @@ class VllmOptions:
     served_name: str
     """The `model` both steps send (vLLM's `--served-model-name`)."""
     min_remote_prefill_tokens: int = 512
-    kv_load_failure_policy: str = "recompute"
+    kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
     prefill_timeout_s: float = 30.0
     on_prefill_failure: Callable[[str], None] | None = None
     """Called with a metric-safe reason per failed prefill attempt."""
@@ -94,20 +95,17 @@ class _Prefilled:
     seconds: float = 0.0
 
 
-class _Retry(Exception):
+class _Retry(AttemptFailed):
     """The decode attempt failed before its first event; `reusable`: it never connected, so the
     prefill's KV was not read and may go to the next decode server."""
 
     def __init__(self, reason: str, reusable: bool = False) -> None:
         super().__init__(reason)
-        self.reason = reason
         self.reusable = reusable
 
 
-class _PrefillFailed(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+class _PrefillFailed(AttemptFailed):
+    """Step 1 failed on one prefill server."""
 
 
 @dataclass(slots=True)

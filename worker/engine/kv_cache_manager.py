@@ -44,8 +44,6 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_pool = BlockPool(num_blocks, enable_prefix_caching, on_release)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
-        # The same tables as block ids, kept in step (read every step by the scheduler).
-        self._req_to_block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
 
     @property
@@ -108,9 +106,6 @@ class KVCacheManager:
         table = self.req_to_blocks.setdefault(request.request_id, [])
         table.extend(computed_blocks)
         table.extend(new_blocks)
-        block_ids = self._req_to_block_ids.setdefault(request.request_id, [])
-        block_ids.extend(b.block_id for b in computed_blocks)
-        block_ids.extend(b.block_id for b in new_blocks)
         if computed_blocks:
             self._num_cached_blocks[request.request_id] = len(computed_blocks)
         return new_blocks
@@ -135,7 +130,6 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so its tail is evicted first)."""
         table = self.req_to_blocks.pop(request.request_id, [])
-        self._req_to_block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
 
@@ -148,18 +142,16 @@ class KVCacheManager:
         return self.block_pool.cached_hashes()
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table as block ids (a copy)."""
-        return list(self._req_to_block_ids.get(request_id, ()))
+        """The request's block table as block ids."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
 
     def check_invariants(self) -> None:
         """The pool's invariants, and: no table holds the null block or a block twice, and each
         block's ref_cnt equals the number of tables holding it (no block owned unaccounted)."""
         self.block_pool.check_invariants()
         owners = [0] * self.block_pool.num_blocks
-        assert self._req_to_block_ids.keys() == self.req_to_blocks.keys()
         for request_id, table in self.req_to_blocks.items():
             ids = [b.block_id for b in table]
-            assert ids == self._req_to_block_ids[request_id], f"request {request_id} ids differ"
             assert 0 not in ids, f"request {request_id} holds the null block"
             assert len(set(ids)) == len(ids), f"request {request_id} holds a block twice"
             for block_id in ids:
