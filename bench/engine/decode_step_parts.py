@@ -13,9 +13,15 @@ Everything is replayed from CUDA graphs (`triton.testing.do_bench_cudagraph`), a
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 import triton
 from torch.nn import functional
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_layouts import SHAPES
 
 
 def greedy_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
@@ -26,15 +32,6 @@ def greedy_argmax(logits: torch.Tensor, chunk: int = 256) -> torch.Tensor:
     values, within = logits.view(rows, vocab // chunk, chunk).max(dim=-1)
     best = values.argmax(dim=-1, keepdim=True)
     return (best * chunk + within.gather(-1, best)).squeeze(-1)
-
-
-SHAPES = {  # name: (N, K)
-    "qkv": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
 
 
 def bench_us(fn: object) -> float:
