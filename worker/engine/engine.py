@@ -7,12 +7,14 @@ drive it. Finished requests leave the engine holding no blocks.
 With `async_scheduling` (the default on CUDA) a step is queued on the device before the previous
 one has finished: `step()` schedules the next step ahead (`Scheduler.schedule_ahead`) and queues
 it, then waits for the running step's tokens and returns that step's outputs. The host's work for
-a step (scheduling, input preparation, the graph launch, stop checks) thus overlaps the device's,
-and each `step()` still returns exactly one step's outputs, in the same order as without it. At
-most one step is in flight between calls. Its writes land in the blocks of the requests it was
-queued for, which stay valid on the device even if the host frees them meanwhile (device work is
-ordered); the one writer outside that order, a remote KV transfer, gets blocks only through
-`reserve_remote`, which first waits for the step in flight.
+a step (scheduling, input preparation, the graph launch, stop checks) thus overlaps the device's.
+Each `step()` still returns one step's outputs, and every request gets the tokens it would get
+without it; only the batches can differ (scheduling ahead cannot yet see which requests finish
+or free blocks in the running step). At most one step is in flight between calls. Its writes
+land in the blocks of the requests it was queued for, which stay valid on the device even if the
+host frees them meanwhile (device work is ordered); the one writer outside that order, a remote
+KV transfer, gets blocks only through `reserve_remote`, which first waits for the step in
+flight.
 """
 
 from __future__ import annotations
