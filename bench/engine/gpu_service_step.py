@@ -9,7 +9,8 @@ prefilled, then timed while every one of them decodes:
 - `engine`: `LLMEngine.step()` called in a loop (no service, no callbacks): ms per step;
 - `service`: the same engine run by `EngineService`'s thread, each request's updates taken on
   the event loop by a callback that builds and encodes a `TokenEvent`, as the decode role does
-  before publishing it (NATS itself is left out): the median gap between one request's updates.
+  before publishing it (NATS itself is left out): the median gap between one request's updates,
+  and (`running`) the median number of requests still unfinished when those gaps were taken.
 
     source hack/device-env.sh && python3 -P bench/engine/gpu_service_step.py
     .venv/bin/python -P bench/engine/gpu_service_step.py --smoke      # CPU, tiny model
@@ -57,13 +58,16 @@ def engine_step_ms(engine: Any, n: int, params: Any) -> float:
     return ms
 
 
-async def service_gap_ms(engine: Any, n: int, params: Any) -> float:
+async def service_gap_ms(engine: Any, n: int, params: Any) -> tuple[float, float]:
+    """The median gap between one request's updates, and the median number of unfinished
+    requests when those gaps were taken."""
     from kvrail.messages import TokenEvent
     from kvrail.worker.service import EngineService, Update
 
     loop = asyncio.get_running_loop()
     service = EngineService(engine, loop).start()
     gaps: list[float] = []
+    running: list[int] = []  # unfinished requests at each gap
     last: dict[str, float] = {}
     sent: dict[str, int] = {}
     done = asyncio.Event()
@@ -81,6 +85,7 @@ async def service_gap_ms(engine: Any, n: int, params: Any) -> float:
             all_started = now
         if last.get(rid, 0.0) >= all_started and not update.is_last:
             gaps.append(now - last[rid])
+            running.append(n - finished)
         last[rid] = now
         if update.is_last:
             finished += 1
@@ -88,12 +93,20 @@ async def service_gap_ms(engine: Any, n: int, params: Any) -> float:
                 done.set()
 
     try:
-        for i, prompt in enumerate(base.prompts(n, 512, seed=n)):
-            await service.submit(f"s{n}-{i}", prompt, params, on_update)
+        # All at once: the engine thread runs every queued command before its next step. One
+        # submit after another would wait a step each, and early requests would finish before
+        # late ones started (the first version of this script did that: at N = 160 it timed
+        # gaps with a median of 44 requests running).
+        await asyncio.gather(
+            *(
+                service.submit(f"s{n}-{i}", prompt, params, on_update)
+                for i, prompt in enumerate(base.prompts(n, 512, seed=n))
+            )
+        )
         await asyncio.wait_for(done.wait(), 600)
     finally:
         await service.close()
-    return statistics.median(gaps) * 1000
+    return statistics.median(gaps) * 1000, statistics.median(running)
 
 
 def main() -> None:
@@ -123,11 +136,11 @@ def main() -> None:
     engine.generate(base.prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
     name = torch.cuda.get_device_name() if base.DEVICE == "cuda" else "CPU smoke run"
     print(f"# {name}, torch {torch.__version__}; {DECODE_STEPS} decode steps per size")
-    print(f"{'N':>5} {'engine ms/step':>15} {'service ms/token':>17}")
+    print(f"{'N':>5} {'engine ms/step':>15} {'service ms/token':>17} {'running':>8}")
     for n in (int(s) for s in args.sizes.split(",")):
         engine_ms = engine_step_ms(engine, n, params)
-        service_ms = asyncio.run(service_gap_ms(engine, n, params))
-        print(f"{n:5d} {engine_ms:15.2f} {service_ms:17.2f}", flush=True)
+        service_ms, running = asyncio.run(service_gap_ms(engine, n, params))
+        print(f"{n:5d} {engine_ms:15.2f} {service_ms:17.2f} {running:8.0f}", flush=True)
 
 
 if __name__ == "__main__":
