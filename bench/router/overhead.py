@@ -11,7 +11,9 @@ detokenization), not the model's. The baseline, measured in the same run, sends 
 baseline latency is the latency the router adds.
 
 Phases: (1) sequential requests, one at a time (latency: p50/p99 of router and baseline);
-(2) a closed loop with `--concurrency` clients for `--seconds` (throughput of one router core).
+(2) a closed loop with `--concurrency` clients for `--seconds` (throughput of one router core);
+(3) the same with streamed completions of `--stream-tokens` tokens, one token event each
+(tokens per second through the router, and its CPU time per token).
 """
 
 from __future__ import annotations
@@ -49,16 +51,30 @@ REPLY_TOKEN = 28_120  # " hello" in SmolLM2's vocabulary; any id works
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 
 
+STAND_IN = {"per_token": False}  # phase 3 switches the stand-in to one event per token
+
+
 async def stand_in_worker(nc: NatsClient) -> None:
-    """Answer every request at once with `max_tokens` tokens in one event, then finish."""
+    """Answer every request at once with `max_tokens` tokens in one event, then finish; with
+    `STAND_IN["per_token"]`, in one event per token, as a decode worker sends them (at once
+    here, not one per engine step)."""
 
     async def on_request(msg: Msg) -> None:
         request = decode(msg.data, GenerateRequest)
-        tokens = (REPLY_TOKEN,) * request.max_tokens
-        first = TokenEvent(
-            request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
-        )
-        await nc.publish(request.stream_subject, first.encode())
+        n = request.max_tokens
+        if not STAND_IN["per_token"]:
+            tokens = (REPLY_TOKEN,) * n
+            first = TokenEvent(
+                request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
+            )
+            await nc.publish(request.stream_subject, first.encode())
+            return
+        for seq in range(n):
+            event = TokenEvent(
+                request.request_id, seq, (REPLY_TOKEN,), "length" if seq == n - 1 else None,
+                worker_id=WORKER, prefill_mode="local" if seq == 0 else "",
+            )  # fmt: skip
+            await nc.publish(request.stream_subject, event.encode())
 
     async def on_state(msg: Msg) -> None:
         await msg.respond(KvEvent(WORKER, 1, 0, cleared=True).encode())
@@ -117,6 +133,49 @@ async def closed_loop(http: httpx.AsyncClient, concurrency: int, seconds: float)
             "requests_per_s": len(latencies) / elapsed, **summary(latencies)}  # fmt: skip
 
 
+async def streamed(http: httpx.AsyncClient, max_tokens: int) -> int:
+    """One streamed chat completion; returns the content chunks received."""
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    chunks = 0
+    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+        reply.raise_for_status()
+        async for line in reply.aiter_lines():
+            if line.startswith("data: {") and '"content"' in line:
+                chunks += 1
+    return chunks
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def streaming_loop(
+    http: httpx.AsyncClient, pid: int, concurrency: int, seconds: float, max_tokens: int
+) -> dict[str, Any]:
+    """Phase 3: clients stream `max_tokens`-token completions, the stand-in sends one event per
+    token; tokens/s delivered, and the share of its core the router used meanwhile (near 1: the
+    router is the limit; well below: the clients or the stand-in are)."""
+    STAND_IN["per_token"] = True
+    stop_at = time.perf_counter() + seconds
+    counts: list[int] = []
+
+    async def client() -> None:
+        while time.perf_counter() < stop_at:
+            counts.append(await streamed(http, max_tokens))
+
+    cpu_before, started = cpu_seconds(pid), time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
+    STAND_IN["per_token"] = False
+    return {"concurrency": concurrency, "max_tokens": max_tokens, "seconds": elapsed,
+            "requests": len(counts), "content_chunks": sum(counts),
+            "tokens_per_s": sum(counts) / elapsed, "router_core_share": cpu / elapsed,
+            "router_cpu_us_per_token": 1e6 * cpu / max(1, sum(counts))}  # fmt: skip
+
+
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="kvrail-bench-router-"))
     etcd = EtcdServer(work / "etcd", work / "etcd.log").start()
@@ -151,6 +210,11 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 base.append(await direct(nc, 16))
                 routed.append(await via_router(http, 16))
             loop = await closed_loop(http, args.concurrency, args.seconds)
+            pid = router.pid
+            assert pid is not None
+            stream = await streaming_loop(
+                http, pid, args.concurrency, args.seconds, args.stream_tokens
+            )
         await registration.close()
         await nc.close()
         await etcd_c.close()
@@ -166,6 +230,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         return {
             "command": "python -P bench/router/overhead.py " + " ".join(sys.argv[1:]),
             "machine": machine, "sequential": sequential, "closed_loop": loop,
+            "streaming": stream,
         }  # fmt: skip
     finally:
         if router is not None:
@@ -187,6 +252,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--router-core", type=int, default=1, help="-1: do not pin")
+    parser.add_argument("--stream-tokens", type=int, default=64, help="phase 3's completions")
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results.json"))
     args = parser.parse_args()
     result = asyncio.run(main_async(args))
