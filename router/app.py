@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrail.errors import KvrailError
-from kvrail.router import schemas
+from kvrail.router import responses, schemas
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher
 from kvrail.router.job import DispatchError, Job
@@ -55,7 +55,7 @@ _ERRORS: dict[str, tuple[int, str]] = {
 
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": schemas.ErrorBody} for status in (400, 401, 404, 413, 429, 503, 504)
+    status: {"model": responses.ErrorBody} for status in (400, 401, 404, 413, 429, 503, 504)
 }
 
 
@@ -131,13 +131,13 @@ def create_app(state: RouterState) -> FastAPI:
         data = state.metrics.render(state.view, state.dispatcher.in_flight)
         return Response(data, media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", response_model=schemas.ModelList)
+    @app.get("/v1/models", response_model=responses.ModelList)
     async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
         _authenticate(state, authorization)
-        return schemas.model_list([state.served_name], state.created)
+        return responses.model_list([state.served_name], state.created)
 
     @app.post(
-        "/v1/chat/completions", response_model=schemas.ChatCompletion, responses=_ERROR_RESPONSES
+        "/v1/chat/completions", response_model=responses.ChatCompletion, responses=_ERROR_RESPONSES
     )
     async def chat_completions(
         body: schemas.ChatCompletionRequest,
@@ -149,7 +149,7 @@ def create_app(state: RouterState) -> FastAPI:
         prompt_ids = await _off_loop(state.codec.chat_prompt, body.template_messages())
         return await _serve(state, request, "chat", tenant, prompt_ids, schemas.sampling_of(body))
 
-    @app.post("/v1/completions", response_model=schemas.Completion, responses=_ERROR_RESPONSES)
+    @app.post("/v1/completions", response_model=responses.Completion, responses=_ERROR_RESPONSES)
     async def completions(
         body: schemas.CompletionRequest,
         request: Request,
@@ -409,10 +409,10 @@ class _Reply:
     include_usage: bool = False
 
     def usage(self, num_tokens: int) -> dict[str, int]:
-        return schemas.usage(self.num_prompt_tokens, num_tokens)
+        return responses.usage(self.num_prompt_tokens, num_tokens)
 
     def whole(self, text: str, finish: str, num_tokens: int) -> dict[str, Any]:
-        build = schemas.chat_completion if self.kind == "chat" else schemas.completion
+        build = responses.chat_completion if self.kind == "chat" else responses.completion
         return build(
             self.response_id, self.state.served_name, self.state.created, text, finish,
             self.usage(num_tokens),
@@ -424,11 +424,11 @@ class _Reply:
     ) -> dict[str, Any]:  # fmt: skip
         s, rid, usage_null = self.state, self.response_id, self.include_usage
         if self.kind == "chat":
-            return schemas.chat_chunk(
+            return responses.chat_chunk(
                 rid, s.served_name, s.created, text, first, finish, usage,
                 include_usage=usage_null,
             )  # fmt: skip
-        return schemas.completion_chunk(
+        return responses.completion_chunk(
             rid, s.served_name, s.created, text, finish, usage, include_usage=usage_null
         )
 

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, KvrailError
 from kvrail.errors import ModelNotFoundError as ModelMissing
-from kvrail.router import schemas
+from kvrail.router import responses, schemas
 
 try:  # the openai client 3.x speaks httpx2, older ones httpx
     import httpx2 as http
@@ -261,13 +261,13 @@ def app() -> FastAPI:
         err = validation_error(exc.errors())
         return JSONResponse(err.body(), status_code=err.status)
 
-    @app.post("/v1/chat/completions", response_model=schemas.ChatCompletion)
+    @app.post("/v1/chat/completions", response_model=responses.ChatCompletion)
     async def chat_completions(body: ChatCompletionRequest) -> Any:
-        return schemas.chat_completion("c", body.model, 1, "ok", "stop", schemas.usage(1, 1))
+        return responses.chat_completion("c", body.model, 1, "ok", "stop", responses.usage(1, 1))
 
-    @app.post("/v1/completions", response_model=schemas.Completion)
+    @app.post("/v1/completions", response_model=responses.Completion)
     async def completions(body: CompletionRequest) -> Any:
-        return schemas.completion("c", body.model, 1, "ok", "length", schemas.usage(1, 1))
+        return responses.completion("c", body.model, 1, "ok", "length", responses.usage(1, 1))
 
     return app
 
@@ -318,15 +318,15 @@ def test_the_openapi_schema_states_exactly_what_is_accepted(app: FastAPI) -> Non
 
 # -- responses, parsed by the openai client -----------------------------------------------------
 
-USAGE = schemas.usage(12, 3)
+USAGE = responses.usage(12, 3)
 _SSE = {"content-type": "text/event-stream"}
 
 
 def test_usage_counts_add_up_and_may_report_cached_prompt_tokens() -> None:
     assert USAGE == {"prompt_tokens": 12, "completion_tokens": 3, "total_tokens": 15}
-    cached = schemas.usage(12, 3, cached_tokens=8)
+    cached = responses.usage(12, 3, cached_tokens=8)
     parsed = OpenAICompletion.model_validate(
-        schemas.completion("c", "m", 1, "x", "stop", cached)
+        responses.completion("c", "m", 1, "x", "stop", cached)
     ).usage
     assert parsed is not None and parsed.prompt_tokens_details is not None
     assert parsed.prompt_tokens_details.cached_tokens == 8
@@ -338,29 +338,29 @@ def _roundtrip(model: type[BaseModel], body: dict[str, Any]) -> None:
 
 
 def test_whole_responses_parse_as_the_openai_types() -> None:
-    body = schemas.chat_completion("chatcmpl-1", "m", 7, "Hi!", "length", USAGE, "fp_1")
-    _roundtrip(schemas.ChatCompletion, body)
+    body = responses.chat_completion("chatcmpl-1", "m", 7, "Hi!", "length", USAGE, "fp_1")
+    _roundtrip(responses.ChatCompletion, body)
     parsed = OpenAIChatCompletion.model_validate(body)
     assert (
         parsed.choices[0].message.content == "Hi!" and parsed.choices[0].finish_reason == "length"
     )
     assert parsed.usage is not None and parsed.usage.total_tokens == 15
     assert parsed.system_fingerprint == "fp_1"
-    body = schemas.completion("cmpl-1", "m", 7, "Hi!", "stop", USAGE)
-    _roundtrip(schemas.Completion, body)
+    body = responses.completion("cmpl-1", "m", 7, "Hi!", "stop", USAGE)
+    _roundtrip(responses.Completion, body)
     done = OpenAICompletion.model_validate(body)
     assert done.choices[0].text == "Hi!" and done.object == "text_completion"
-    listing = schemas.model_list(["a", "b"], 5)
-    _roundtrip(schemas.ModelList, listing)
+    listing = responses.model_list(["a", "b"], 5)
+    _roundtrip(responses.ModelList, listing)
     assert [OpenAIModel.model_validate(m).id for m in listing["data"]] == ["a", "b"]
-    _roundtrip(schemas.ErrorBody, ApiError(400, "x", param="p").body())
+    _roundtrip(responses.ErrorBody, ApiError(400, "x", param="p").body())
 
 
 def _chat_stream(include_usage: bool) -> list[dict[str, Any]]:
     def chunk(
         text: str | None, role: bool = False, finish: str | None = None, usage: Any = None
     ) -> dict[str, Any]:
-        out: dict[str, Any] = schemas.chat_chunk(
+        out: dict[str, Any] = responses.chat_chunk(
             "chatcmpl-2", "m", 9, text, role, finish, usage, include_usage=include_usage
         )
         return out
@@ -375,7 +375,7 @@ def test_chat_chunks_parse_as_openai_chunks() -> None:
     for include_usage in (False, True):
         chunks = _chat_stream(include_usage)
         for chunk in chunks:
-            _roundtrip(schemas.ChatCompletionChunk, chunk)
+            _roundtrip(responses.ChatCompletionChunk, chunk)
             OpenAIChatCompletionChunk.model_validate(chunk)
             assert ("usage" in chunk) == include_usage
         first, *_, finish = chunks[:4]
@@ -389,11 +389,11 @@ def test_chat_chunks_parse_as_openai_chunks() -> None:
 
 def test_completion_chunks_share_the_completion_shape() -> None:
     args = ("cmpl-2", "m", 9)
-    text = schemas.completion_chunk(*args, "Hel")
-    finish = schemas.completion_chunk(*args, None, "length")
-    usage = schemas.completion_chunk(*args, None, None, USAGE)
+    text = responses.completion_chunk(*args, "Hel")
+    finish = responses.completion_chunk(*args, None, "length")
+    usage = responses.completion_chunk(*args, None, None, USAGE)
     for chunk in (text, finish, usage):
-        _roundtrip(schemas.Completion, chunk)
+        _roundtrip(responses.Completion, chunk)
         assert chunk["object"] == "text_completion"
     assert text["choices"][0]["finish_reason"] is None and text["choices"][0]["text"] == "Hel"
     assert OpenAICompletion.model_validate(finish).choices[0].finish_reason == "length"
@@ -419,7 +419,7 @@ def test_the_openai_client_reads_every_response_unchanged() -> None:
     def handler(request: Any) -> Any:
         path = request.url.path
         if path == "/v1/models":
-            return http.Response(200, json=schemas.model_list(["SmolLM2"], 3))
+            return http.Response(200, json=responses.model_list(["SmolLM2"], 3))
         body = json.loads(request.content)
         seen.append(body)
         stream = body.get("stream", False)
@@ -428,15 +428,15 @@ def test_the_openai_client_reads_every_response_unchanged() -> None:
             if stream:
                 events = _sse(_chat_stream(True))
                 return http.Response(200, content=events, headers=_SSE)
-            whole = schemas.chat_completion("chatcmpl-3", "m", 1, "Hello", "stop", USAGE)
+            whole = responses.chat_completion("chatcmpl-3", "m", 1, "Hello", "stop", USAGE)
             return http.Response(200, json=whole)
         CompletionRequest.model_validate(body)
         if stream:
             args = ("cmpl-3", "m", 1)
-            chunks = [schemas.completion_chunk(*args, "Hel"), schemas.completion_chunk(*args,
+            chunks = [responses.completion_chunk(*args, "Hel"), responses.completion_chunk(*args,
                       "lo", "stop")]  # fmt: skip
             return http.Response(200, content=_sse(chunks), headers=_SSE)
-        whole = schemas.completion("cmpl-3", "m", 1, "Hello", "length", USAGE)
+        whole = responses.completion("cmpl-3", "m", 1, "Hello", "length", USAGE)
         return http.Response(200, json=whole)
 
     client = _client(handler)

@@ -119,7 +119,7 @@ def test_special_tokens_and_eos_come_from_the_tokenizer_files(
 def test_the_router_process_stays_free_of_torch_and_transformers() -> None:
     code = (
         "import sys; from pathlib import Path; from kvrail.router.text import TextCodec; "
-        "from kvrail.router import schemas; "
+        "from kvrail.router import responses, schemas; "
         f"c = TextCodec.load('smollm2', Path({str(default_cache_dir())!r})); "
         "c.chat_prompt([{'role': 'user', 'content': 'hi'}]); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"
