@@ -95,13 +95,10 @@ def device_fed_rows(
     decodes: Sequence[ScheduledRequest], previous: SampledOnDevice | None
 ) -> np.ndarray:
     """[2, k] int64: the decode rows fed from the device, and their rows in `previous`."""
-    pairs = [
-        (i, previous.rows[item.request.request_id])
-        for i, item in enumerate(decodes)
-        if item.token_on_device and previous is not None
-    ]
-    if len(pairs) != sum(item.token_on_device for item in decodes):
+    fed = [(i, item.request.request_id) for i, item in enumerate(decodes) if item.token_on_device]
+    if fed and previous is None:
         raise RuntimeError("a decode feeds a device token, but no step sampled it")
+    pairs = [(i, previous.rows[rid]) for i, rid in fed] if previous is not None else []
     return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
 
 

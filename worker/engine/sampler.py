@@ -47,11 +47,6 @@ class Sampler:
     (top-k/top-p only on the rows that set them) and one draw for all rows without a seed.
     """
 
-    def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[int]:
-        """The tokens on the host (one transfer; waits for the device)."""
-        token_ids: list[int] = self.sample(logits, requests).tolist()
-        return token_ids
-
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The tokens as an int64 tensor on the logits' device, one per row."""
         if logits.shape[0] != len(requests):
