@@ -95,8 +95,10 @@ async def generate(
     deadline_s: float = 30.0,
     request_id: str | None = None,
     wait: bool = True,
+    started: asyncio.Event | None = None,
 ) -> list[TokenEvent]:
-    """Send one request as the router would; with `wait`, collect its events until the last."""
+    """Send one request as the router would; with `wait`, collect its events until the last
+    (`started` is set at the first)."""
     request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
     subject = f"test.stream.{request_id}"
     sub = await nc.subscribe(subject)
@@ -113,6 +115,8 @@ async def generate(
         while not events or not events[-1].is_last:
             msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
             events.append(decode(msg.data, TokenEvent))
+            if started is not None:
+                started.set()
     finally:
         await sub.unsubscribe()
     assert [e.seq for e in events] == list(range(len(events)))
@@ -192,11 +196,14 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-remote").encode())
     events = await asyncio.wait_for(remote, 30)
     assert events[-1].error == "cancelled"
+    decoding = asyncio.Event()
     local = asyncio.create_task(
         generate(nc, "decode-0", prompt(SHORT_PROMPT, seed=9), max_tokens=400,
-                 request_id="cancel-local")
+                 request_id="cancel-local", started=decoding)
     )  # fmt: skip
-    await asyncio.sleep(1.0)
+    # The cancel goes once the worker streams (a cancel for a request it has not seen yet is
+    # dropped; a fixed sleep here lost that race once on a loaded machine).
+    await asyncio.wait_for(decoding.wait(), 30)
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-local").encode())
     events = await asyncio.wait_for(local, 30)
     assert events[-1].error == "cancelled"
