@@ -5,7 +5,10 @@ For each `GenerateRequest` on `PoolKeys.decode_requests(worker_id)`: prefill rem
 is registered and at least `min_remote_prefill_tokens` prompt tokens are not cached here;
 otherwise (and after a failed remote prefill under the `recompute` policy) prefill locally.
 Tokens go to the request's stream subject as `TokenEvent`s, the first with the TTFT stages; the
-deadline aborts the request with an error event; a `Cancel` releases everything.
+deadline aborts the request with an error event; a `Cancel` releases everything. A `Cancel`
+that overtakes its request (the client left at once) is remembered (`RecentCancels`, for the
+pool's request deadline horizon), and the request then ends as cancelled on arrival, before it
+reserves a block or publishes a prefill job.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from nats.aio.subscription import Subscription
 from kvrail.errors import InvalidRequestError
 from kvrail.messages import Cancel, GenerateRequest, MessageError, PrefillMode, TokenEvent, decode
 from kvrail.worker import metrics
+from kvrail.worker.cancels import RecentCancels
 from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.remote_prefill import Outcome, RemotePrefill, RequestFailed
@@ -74,6 +78,8 @@ class DecodeRole:
         self.service = ctx.service
         self.remote = RemotePrefill(ctx)
         self._active: dict[str, asyncio.Task[None]] = {}
+        # A cancel older than every request's deadline can only name a request past it.
+        self._cancelled = RecentCancels(ctx.settings.request_timeout_s)
         self._subs: list[Subscription] = []
         self._draining = False
 
@@ -113,6 +119,10 @@ class DecodeRole:
             log.warning("dropping an invalid generate request error=%s", err)
             return
         stream = _Stream(self.nc, request, self.worker_id)
+        if request.request_id in self._cancelled:  # the cancel overtook the request
+            log.info("request cancelled before it arrived request_id=%s", request.request_id)
+            await stream.fail("cancelled")
+            return
         if self._draining or request.request_id in self._active:
             await stream.fail("shutting_down" if self._draining else "duplicate_request")
             return
@@ -127,6 +137,7 @@ class DecodeRole:
         except MessageError as err:
             log.warning("dropping an invalid cancel error=%s", err)
             return
+        self._cancelled.add(cancel.request_id)
         task = self._active.get(cancel.request_id)
         if task is not None:
             log.info("request cancelled request_id=%s reason=%s", cancel.request_id, cancel.reason)

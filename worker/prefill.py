@@ -55,6 +55,7 @@ from kvrail.messages import (
     tokens_digest,
 )
 from kvrail.worker import metrics
+from kvrail.worker.cancels import RecentCancels
 from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.transfer.envelope import block_checksums
@@ -90,7 +91,8 @@ class PrefillRole:
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
         self._in_flight: dict[str, int] = {}  # job id -> stream sequence of that delivery
         self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
-        self._cancelled: OrderedDict[str, None] = OrderedDict()
+        # Kept for the request deadline horizon: a job cannot run past its request's deadline.
+        self._cancelled = RecentCancels(ctx.settings.request_timeout_s)
         self._settled: OrderedDict[str, None] = OrderedDict()  # outcomes consumed by decode
         self._jobs: set[asyncio.Task[None]] = set()
         self._slots = asyncio.Semaphore(_MAX_JOBS_IN_FLIGHT)
@@ -169,7 +171,7 @@ class PrefillRole:
             cancel = decode(msg.data, Cancel)
         except MessageError:
             return
-        _remember(self._cancelled, cancel.request_id)
+        self._cancelled.add(cancel.request_id)
 
     async def _on_settled(self, msg: Msg) -> None:
         try:

@@ -201,14 +201,50 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
         generate(nc, "decode-0", prompt(SHORT_PROMPT, seed=9), max_tokens=400,
                  request_id="cancel-local", started=decoding)
     )  # fmt: skip
-    # The cancel goes once the worker streams (a cancel for a request it has not seen yet is
-    # dropped; a fixed sleep here lost that race once on a loaded machine).
+    # The cancel goes once the worker streams, so it lands mid-decode (a cancel that overtakes
+    # its request is covered by the next test).
     await asyncio.wait_for(decoding.wait(), 30)
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-local").encode())
     events = await asyncio.wait_for(local, 30)
     assert events[-1].error == "cancelled"
     # Well before the 30 s deadline: the prefill worker's refusal (or its late completion)
     # lifts the quarantine of the remote request's blocks.
+    await assert_all_blocks_free(nc, pool, timeout_s=15.0)
+
+
+async def test_a_cancel_that_overtakes_its_request_ends_it_at_once(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """The client leaves right after sending: the router's cancel reaches the workers before
+    the request. The decode worker remembers it and ends the request as cancelled on arrival
+    (without it, the request ran to max_tokens); a prefill job with that id is refused."""
+    for request_id, token_ids in (
+        ("early-remote", prompt(LONG_PROMPT, seed=51)),
+        ("early-local", prompt(SHORT_PROMPT, seed=52)),
+    ):
+        await nc.publish(KEYS.cancel, Cancel(request_id=request_id).encode())
+        await nc.flush()
+        # Lets the worker take the cancel first. Should the request still win the race, it is
+        # cancelled while running, which these checks accept too.
+        await asyncio.sleep(0.5)
+        started = time.monotonic()
+        events = await asyncio.wait_for(
+            generate(nc, "decode-0", token_ids, max_tokens=400, request_id=request_id), 30
+        )
+        assert time.monotonic() - started < 10.0
+        assert events[-1].error == "cancelled"
+        assert not tokens_of_any(events)
+    port, rejected = pool.metrics_ports["prefill-0"], "kvrail_prefill_jobs_rejected_total"
+    before = counter(port, rejected, "cancelled")
+    dest = (await pool.records())["decode-0"]
+    await nc.publish(KEYS.cancel, Cancel(request_id="early-job").encode())
+    await nc.flush()
+    queue = PrefillQueue(nc.jetstream(), KEYS)
+    assert await queue.publish(job_for(dest, "early-job", prompt(40, seed=53), (5, 6, 7)))
+    deadline = time.monotonic() + 20
+    while counter(port, rejected, "cancelled") < before + 1:
+        assert time.monotonic() < deadline, scrape(port)
+        await asyncio.sleep(0.2)
     await assert_all_blocks_free(nc, pool, timeout_s=15.0)
 
 
