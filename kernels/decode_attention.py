@@ -20,6 +20,9 @@ import functools
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvrail.kernels.launch import pdl
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
@@ -58,7 +61,10 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
+        gdc_wait()
     s = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -118,6 +124,8 @@ def _decode_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
+    if PDL:
+        gdc_launch_dependents()
     if DIRECT:
         tl.store(
             out + s * stride_os + heads[:, None] * stride_oh + d[None, :],
@@ -145,7 +153,11 @@ def _reduce_kernel(
     num_splits,
     SPLIT_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
     s = tl.program_id(0)
     h = tl.program_id(1)
     row = s.to(tl.int64) * num_heads + h
@@ -203,10 +215,19 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
+def _sms(query: torch.Tensor) -> int:
+    return _num_sms(query.device.index or 0) if query.is_cuda else 4
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits per (sequence, KV head) so the grid holds about WAVES programs per SM, each with at
-    least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone fills it."""
+    least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone gives every SM
+    a program (splitting then costs more in the reduce pass than it balances: at 32 sequences of
+    8 KV heads one split of 128-token tiles took 26.0 us against 27.5 for two plus the reduce,
+    bench/engine/decode_attention_sweep.txt)."""
     base = max(1, num_seqs * num_kv_heads)
+    if base >= num_sms:
+        return 1
     wanted = triton.cdiv(WAVES * num_sms, base)
     return max(1, min(MAX_SPLITS, int(wanted), int(triton.cdiv(max_seq_len, MIN_SPLIT_TOKENS))))
 
@@ -235,13 +256,17 @@ def paged_decode_attention(
         return out
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     if num_splits is None:
-        num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4
+        num_sms = _sms(query)
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
     direct = num_splits == 1
+    on = pdl(query.device)
+    tile, warps, stages = (64 if head_dim <= 128 else 32), 4, 3
+    if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * _sms(query):
+        tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:
         f32 = torch.float32
@@ -277,10 +302,13 @@ def paged_decode_attention(
         num_splits,
         G_PAD=max(16, triton.next_power_of_2(group)),
         D_PAD=d_pad,
-        BLOCK_N=block_n or (64 if head_dim <= 128 else 32),
+        BLOCK_N=block_n or tile,
         DIRECT=direct,
         IEEE=k_cache.dtype == torch.float32,
-        **{k: v for k, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v},
+        PDL=on,
+        launch_pdl=on,
+        num_warps=num_warps or warps,
+        num_stages=num_stages or stages,
     )
     if not direct:
         _reduce_kernel[(num_seqs, num_heads)](
@@ -294,5 +322,7 @@ def paged_decode_attention(
             num_splits,
             SPLIT_PAD=triton.next_power_of_2(num_splits),
             D_PAD=d_pad,
+            PDL=on,
+            launch_pdl=on,
         )
     return out

@@ -9,8 +9,10 @@ from __future__ import annotations
 from types import ModuleType
 
 import torch
+from torch.nn import functional
 
 from kvrail.kernels import reference
+from kvrail.kernels.launch import pdl
 
 
 def _triton(name: str) -> ModuleType:
@@ -30,6 +32,18 @@ def write_kv(
         _triton("kv_write").write_kv(key, value, k_cache, v_cache, slot_mapping)
     else:
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
+    (decode steps) go to the skinny split-K kernel, which prefetches its weight while the kernel
+    before it finishes; more rows, and other devices, to torch (cuBLAS)."""
+    if x.is_cuda and x.dim() == 2 and pdl(x.device):
+        skinny = _triton("skinny_gemm")
+        if x.shape[0] <= skinny.MAX_ROWS:
+            out: torch.Tensor = skinny.linear(x, weight, bias)
+            return out
+    return functional.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

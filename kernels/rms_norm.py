@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvrail.kernels.launch import pdl
 
 
 @triton.jit
@@ -29,7 +32,11 @@ def _rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
@@ -73,6 +80,8 @@ def _launch(
         eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        PDL=pdl(x.device),
+        launch_pdl=pdl(x.device),
         num_warps=min(16, max(1, block // 512)),
     )
     return out

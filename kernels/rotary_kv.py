@@ -15,6 +15,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvrail.kernels.launch import pdl
 
 
 @triton.jit
@@ -63,7 +66,11 @@ def _rotary_kv_kernel(
     D_PAD: tl.constexpr,
     HQ_PAD: tl.constexpr,
     HKV_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions + t).to(tl.int64)
     half = head_dim // 2
@@ -157,5 +164,7 @@ def rotary_write_kv(
         D_PAD=triton.next_power_of_2(head_dim),
         HQ_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
+        PDL=pdl(q.device),
+        launch_pdl=pdl(q.device),
     )
     return q_out, k_out

@@ -12,10 +12,16 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvrail.kernels.launch import pdl
 
 
 @triton.jit
-def _silu_and_mul_kernel(x, out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x, out, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -37,5 +43,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(inter))
     grid = (x.shape[0], triton.cdiv(inter, block))
-    _silu_and_mul_kernel[grid](x, out, x.stride(0), out.stride(0), inter, BLOCK=block)
+    on = pdl(x.device)
+    _silu_and_mul_kernel[grid](
+        x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=on, launch_pdl=on
+    )
     return out

@@ -21,6 +21,7 @@ KERNEL_MODULES = (
     "rms_norm",
     "silu_and_mul",
     "rotary_kv",
+    "skinny_gemm",
 )
 
 

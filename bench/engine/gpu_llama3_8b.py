@@ -18,16 +18,23 @@ same-run baseline; each row gives both runs. (3) and (4) also split the wall clo
 the last request got its first token: the prefill phase (every prompt computed, with the
 decodes of requests already started) and the decode phase after it.
 
+With `--baseline no-pdl` the same-run baseline is instead a second engine whose kernels launch
+without programmatic dependent launch (KVRAIL_PDL=0: cuBLAS for every projection and no overlap
+between kernels; kvrail.kernels.launch), both with async scheduling.
+
 Run on the H200:
   .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
-Flags: --skip-transformers, --skip-correctness, --kv-gib (KV pool size), --no-cuda-graphs,
---smoke (a tiny config on CPU with short runs: checks this script end to end without a GPU).
+Flags: --baseline {sync,no-pdl}, --skip-transformers, --skip-correctness, --kv-gib (KV pool
+size), --no-cuda-graphs, --smoke (a tiny config on CPU with short runs: checks this script end
+to end without a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -163,6 +170,15 @@ def generate_phases(engine: Any, batch: list[list[int]], max_tokens: int) -> tup
     return first or total, total
 
 
+@contextlib.contextmanager
+def _no_pdl() -> Any:
+    os.environ["KVRAIL_PDL"] = "0"
+    try:
+        yield
+    finally:
+        os.environ.pop("KVRAIL_PDL", None)
+
+
 def first_divergence(a: list[int], b: list[int]) -> str:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -177,6 +193,7 @@ def main() -> int:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--baseline", choices=("sync", "no-pdl"), default="sync")
     args = parser.parse_args()
     global DEVICE
     if args.smoke:
@@ -232,11 +249,30 @@ def main() -> int:
         torch.cuda.empty_cache()
 
     print("benchmark                     impl          value")
-    modes = {"kvrail": True, "kvrail sync": False}
+    if args.baseline == "sync":
+        modes = {"kvrail": True, "kvrail sync": False}
+        engines = {"kvrail": engine, "kvrail sync": engine}
+    else:
+        modes = {"kvrail": True, "kvrail no-PDL": True}
+        with _no_pdl():
+            baseline = build_engine(hf, config, args.kv_gib, graphs=not args.no_cuda_graphs)
+            baseline.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+        engines = {"kvrail": engine, "kvrail no-PDL": baseline}
+
+    def use(name: str) -> Any:
+        """The engine of mode `name`, with the environment its eager launches need."""
+        if name.endswith("no-PDL"):
+            os.environ["KVRAIL_PDL"] = "0"
+        else:
+            os.environ.pop("KVRAIL_PDL", None)
+        chosen = engines[name]
+        chosen.async_scheduling = modes[name]
+        return chosen
+
     batch1_runs = iter(range(100))
 
     def batch1(name: str) -> float:
-        engine.async_scheduling = modes[name]
+        engine = use(name)
         prompt = prompts(1, 128, 2)[0]
         params = SamplingParams(max_tokens=257, ignore_eos=True)
         request = engine.add_request(f"b1-{next(batch1_runs)}", prompt, params)
@@ -268,7 +304,7 @@ def main() -> int:
         seeds = iter(range(1000 * n, 1000 * n + 10))
 
         def concurrent(name: str, n: int = n, phases: Any = phases, seeds: Any = seeds) -> float:
-            engine.async_scheduling = modes[name]
+            engine = use(name)
             # new prompts every run: a prompt seen before would hit the prefix cache
             first, total = generate_phases(engine, prompts(n, 512, next(seeds)), 128)
             phases[name].append((first, total - first))
@@ -288,6 +324,7 @@ def main() -> int:
             print(f"{n:3d} x 512/128 output tok/s    transformers  {n * 128 / hf_s:10.1f}")
 
     # 5. prefill of 8,192 tokens to the first token.
+    engine = use("kvrail")
     long_prompt = prompts(1, 8192 if DEVICE == "cuda" else 600, 4)[0]
     warm = prompts(1, 1024, 5)[0]  # not a prefix of long_prompt: no prefix-cache hit
     engine.generate([warm], SamplingParams(max_tokens=1))

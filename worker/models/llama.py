@@ -2,11 +2,12 @@
 
 Built from a transformers config. Q, K and V are one fused projection and gate/up another;
 `load_weights` maps transformers parameter names onto them and refuses a state dict that leaves a
-parameter unset. Elementwise work goes through fused kernels (`kvrail.kernels.dispatch`): residual
-add + RMSNorm, rotary + KV write, SiLU * up; on CPU their references run the same op sequence
-the unfused model did, so CPU outputs are unchanged bit for bit. The forward pass takes packed
-tokens (no padding) with their positions and the step's `AttentionMetadata`, and returns hidden
-states; `compute_logits` runs the LM head only on the rows that are sampled.
+parameter unset. Projections go through `Linear` (a skinny split-K kernel for decode-sized
+batches on the GPU). Elementwise work goes through fused kernels (`kvrail.kernels.dispatch`):
+residual add + RMSNorm, rotary + KV write, SiLU * up; on CPU their references run the same op
+sequence the unfused model did, so CPU outputs are unchanged bit for bit. The forward pass
+takes packed tokens (no padding) with their positions and the step's `AttentionMetadata`, and
+returns hidden states; `compute_logits` runs the LM head only on the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
 from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
+from kvrail.worker.layers.linear import Linear
 from kvrail.worker.layers.rms_norm import RMSNorm
 from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -101,11 +103,11 @@ class DecoderLayer(nn.Module):
         self.rotary = [rotary]  # shared, not a submodule of every layer
         h = shape.hidden_size
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=shape.o_bias)
+        self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
+        self.o_proj = Linear(self.q_size, h, bias=shape.o_bias)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(h, 2 * shape.intermediate_size, bias=shape.mlp_bias)
-        self.down_proj = nn.Linear(shape.intermediate_size, h, bias=shape.mlp_bias)
+        self.gate_up_proj = Linear(h, 2 * shape.intermediate_size, bias=shape.mlp_bias)
+        self.down_proj = Linear(shape.intermediate_size, h, bias=shape.mlp_bias)
 
     def forward(
         self,
@@ -152,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
             DecoderLayer(shape, i, self.rotary) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

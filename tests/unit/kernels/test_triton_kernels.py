@@ -85,7 +85,8 @@ def test_split_count_fills_the_gpu_and_never_splits_below_a_minimum_slice() -> N
     choose = DECODE.choose_num_splits
     assert choose(1, 8, 9216, 132) == 33  # batch 1: 8 programs alone -> 264, 2 per SM
     assert choose(16, 8, 9216, 132) == 3  # 128 programs -> 384, about 2 per SM
-    assert choose(32, 8, 9216, 132) == 2
+    assert choose(32, 8, 9216, 132) == 1  # 256 programs: every SM has one already
+    assert choose(16, 8, 9216, 200) == 4  # 128 programs on 200 SMs -> 512
     assert choose(1, 8, 9216, 1000) == DECODE.MAX_SPLITS
     assert choose(256, 8, 9216, 132) == 1  # the batch fills the GPU
     assert choose(1, 8, 40, 132) == 2  # a 40-token bound: slices of at least 32 tokens

@@ -1,0 +1,225 @@
+"""The skinny split-K GEMM (`kvrail.kernels.skinny_gemm`) against cuBLAS on the Llama-3-8B decode
+projections, on the GPU (the sweep `pick_config` was derived from).
+
+    python3 -P bench/engine/skinny_gemm.py | tee bench/engine/skinny_gemm.txt
+    python3 -P bench/engine/skinny_gemm.py --sweep   # also every configuration at 32 rows
+    python3 -P bench/engine/skinny_gemm.py --chain 1,32   # only the layer chain below
+
+`--chain` times what the kernels do together: 32 Llama-3-8B layers without attention (residual
+add + RMSNorm, QKV, output projection of the first 4,096 QKV columns, add + RMSNorm, gate/up,
+SiLU * up, down) at the given row counts, captured in one CUDA graph, for cuBLAS and the skinny
+kernel, each with and without programmatic dependent launch (kvrail.kernels.launch), with several
+weight prefetch sizes and with the next kernel let in before or after the GEMM's main loop; the
+variants are alternated, two rounds.
+
+Each timing replays a CUDA graph that runs the GEMM over enough distinct weight copies (at least
+1 GiB in all) that none stays in L2, as the 32 layers of a decode step do; the figure is the
+graph's time over the number of copies, so it includes the gap between kernels in a graph.
+cuBLAS (`F.linear`) and the skinny kernel are timed alternately, three rounds each, and the
+best round of each is printed with the weight bytes per second it reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+from collections.abc import Callable
+
+import torch
+from torch.nn import functional
+
+from kvrail.kernels import rms_norm, silu_and_mul, skinny_gemm
+from kvrail.kernels.skinny_gemm import SkinnyConfig
+
+SHAPES = {  # name: (N, K)
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+ROWS = (1, 8, 16, 32, 48, 64)
+
+
+def _weights(n: int, k: int) -> list[torch.Tensor]:
+    copies = max(2, (1 << 30) // (n * k * 2))
+    return [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02 for _ in range(copies)]
+
+
+def _cublas(x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: functional.linear(x, w)
+
+
+def _skinny(x: torch.Tensor, cfg: SkinnyConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda w: skinny_gemm.linear(x, w, None, cfg)
+
+
+def _time(fn: Callable[[torch.Tensor], torch.Tensor], ws: list[torch.Tensor]) -> float:
+    """Seconds per GEMM, replayed from a graph over every weight copy."""
+    for w in ws[:2]:
+        fn(w)  # compile and allocate outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in ws:
+            fn(w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(3):
+        start.record()
+        for _ in range(5):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / 5 / len(ws))
+    del graph
+    return best
+
+
+def _candidates(n: int, k: int) -> list[SkinnyConfig]:
+    out = []
+    for block_n, block_k, splits, (warps, stages) in itertools.product(
+        (32, 64, 128), (128, 256), (1, 2, 4, 8, 16), ((4, 3), (4, 4))
+    ):
+        programs = -(-n // block_n) * splits
+        if programs < 132 or programs > 2048 or k % (splits * block_k):
+            continue
+        out.append(SkinnyConfig(block_n, block_k, splits, warps, stages))
+    return out
+
+
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _chain_layer(
+    x: torch.Tensor, residual: torch.Tensor, ws: dict[str, torch.Tensor], lin: Linear
+) -> torch.Tensor:
+    h, _ = rms_norm.fused_add_rms_norm(x, residual, ws["norm"], 1e-5)
+    qkv = lin(h, ws["qkv"])
+    o = lin(qkv[:, :4096], ws["o_proj"])
+    h, _ = rms_norm.fused_add_rms_norm(o, residual, ws["norm"], 1e-5)
+    return lin(silu_and_mul.silu_and_mul(lin(h, ws["gate_up"])), ws["down"])
+
+
+def _skinny_with(prefetch: int, early: bool = False) -> Linear:
+    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        cfg = skinny_gemm.pick_config(x.shape[0], w.shape[0], w.shape[1])
+        cfg = dataclasses.replace(cfg, prefetch=prefetch, early_trigger=early)
+        return skinny_gemm.linear(x, w, None, cfg)
+
+    return lin
+
+
+def chain(rows: int) -> None:
+    layers = [
+        {
+            name: torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+            for name, (n, k) in SHAPES.items()
+            if name != "lm_head"
+        }
+        | {"norm": torch.ones(4096, dtype=torch.bfloat16, device="cuda")}
+        for _ in range(32)
+    ]
+    x0 = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
+    residual = torch.zeros_like(x0)
+    variants: dict[str, tuple[bool, Linear]] = {
+        "cuBLAS, no PDL": (False, lambda x, w: functional.linear(x, w)),
+        "cuBLAS, PDL on norms/SiLU": (True, lambda x, w: functional.linear(x, w)),
+        "skinny, no PDL": (False, _skinny_with(0)),
+        "skinny, PDL, no prefetch": (True, _skinny_with(0)),
+        "skinny, PDL, prefetch 1 KiB/row": (True, _skinny_with(1024)),
+        "skinny, PDL, prefetch 4 KiB/row": (True, _skinny_with(4096)),
+        "skinny, PDL early, no prefetch": (True, _skinny_with(0, early=True)),
+        "skinny, PDL early, prefetch 1 KiB": (True, _skinny_with(1024, early=True)),
+    }
+    best = {name: float("inf") for name in variants}
+    for _ in range(2):
+        for name, (on, lin) in variants.items():
+            os.environ["KVRAIL_PDL"] = "1" if on else "0"
+
+            def step(lin: Linear = lin) -> None:
+                x = x0
+                for ws in layers:
+                    x = _chain_layer(x, residual, ws, lin)
+
+            step()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(20):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            best[name] = min(best[name], start.elapsed_time(end) / 20)
+            del graph
+    os.environ.pop("KVRAIL_PDL", None)
+    print(f"\n## 32 layers without attention, {rows} rows, one CUDA graph (best of 2 rounds)")
+    for name, ms in best.items():
+        print(f"{name:34s} {ms:6.3f} ms  {ms / 32 * 1e3:6.1f} us/layer", flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sweep", action="store_true", help="every configuration at 32 rows")
+    parser.add_argument("--chain", type=str, default="", help="only the layer chain: rows, 1,32")
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    torch.manual_seed(0)
+    if args.chain:
+        for rows in args.chain.split(","):
+            chain(int(rows))
+        return 0
+    head = f"{'gemm':8s} {'M':>3s} {'cuBLAS us':>9s} {'TB/s':>5s} {'skinny us':>9s} {'TB/s':>5s}"
+    print(f"{head}  config")
+    for name, (n, k) in SHAPES.items():
+        ws = _weights(n, k)
+        nbytes = n * k * 2
+        for m in ROWS:
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            cfg = skinny_gemm.pick_config(m, n, k)
+            cublas = skinny = float("inf")
+            for _ in range(2):  # alternated
+                cublas = min(cublas, _time(_cublas(x), ws))
+                skinny = min(skinny, _time(_skinny(x, cfg), ws))
+            print(
+                f"{name:8s} {m:3d} {cublas * 1e6:9.1f} {nbytes / cublas / 1e12:5.2f} "
+                f"{skinny * 1e6:9.1f} {nbytes / skinny / 1e12:5.2f}  {cfg}",
+                flush=True,
+            )
+        del ws
+    if not args.sweep:
+        return 0
+    print("\n## every configuration at 32 rows, best 6 per shape")
+    for name, (n, k) in SHAPES.items():
+        if name == "lm_head":
+            continue
+        ws = _weights(n, k)
+        x = torch.randn(32, k, dtype=torch.bfloat16, device="cuda")
+        results = []
+        for cfg in _candidates(n, k):
+            try:
+                t = _time(_skinny(x, cfg), ws)
+            except Exception as exc:  # a configuration the GPU cannot run (shared memory)
+                print(f"  {name} {cfg}: {type(exc).__name__}", flush=True)
+                continue
+            results.append((t, cfg))
+        results.sort(key=lambda r: r[0])
+        for t, cfg in results[:6]:
+            print(
+                f"{name:8s} {t * 1e6:7.1f} us {n * k * 2 / t / 1e12:5.2f} TB/s  {cfg}", flush=True
+            )
+        del ws
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,246 @@
+"""Triton kernel: y = x @ w.T (+ bias) for a few rows of x (decode batches), split over K and
+reduced inside the same launch.
+
+At decode batch sizes a linear layer reads its weight once and does little arithmetic per byte,
+so its time is the weight's size over the memory bandwidth. cuBLAS cuts the small projections of
+a Llama-8B layer (QKV: 6,144 x 4,096, output: 4,096 x 4,096) into fewer output tiles than the
+H200 has SMs, and when it splits K it runs a second kernel to add the splits.
+
+Here the grid is (N tile, K split). Each program multiplies its [BLOCK_N, K / SPLITS] slice of
+the weight by the matching slice of every row of x on the tensor cores into a float32
+accumulator, writes that partial sum to a float32 workspace and counts itself in at its N tile's
+semaphore. The program that arrives last adds the tile's partials in split order (so the result
+does not depend on which program finished last), adds the bias, rounds once to y's dtype, and
+sets the semaphore back to zero for the next launch. One launch, deterministic, CUDA-graph
+capturable: the workspace is allocated per call (graph capture gives it graph-pool memory) and
+the semaphores are allocated once per device (`allocate_semaphores`), never inside a capture.
+Two launches must not run at the same time on one device (a worker runs its model on one stream),
+or their semaphores would mix.
+
+`linear` picks the configuration from `pick_config`, which tunes on the problem's shape (see
+bench/engine/skinny_gemm.py for the sweep it was derived from); callers decide when to use this
+kernel instead of cuBLAS (`MAX_ROWS`).
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from kvrail.kernels.launch import pdl
+
+MAX_ROWS = 32  # x rows it is tuned for: at 48 and 64 cuBLAS was faster (skinny_gemm.txt)
+MAX_TILES = 8192  # semaphores per device and stream: N tiles of the widest weight
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyConfig:
+    block_n: int
+    block_k: int
+    splits: int
+    num_warps: int
+    num_stages: int
+    prefetch: int = 1024  # bytes of each weight row of a slice fetched into L2 before the wait
+    early_trigger: bool = False  # let the next kernel launch before the main loop, not after it
+
+
+@triton.jit
+def _prefetch_l2(ptrs):
+    """Ask L2 for the 128-byte lines at `ptrs` (a hint: nothing waits for it)."""
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@triton.jit
+def _skinny_gemm_kernel(
+    x,
+    w,
+    bias,
+    y,
+    partials,
+    semaphores,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    k_per_split,
+    HAS_BIAS: tl.constexpr,
+    SPLITS: tl.constexpr,
+    EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    PREFETCH_LINES: tl.constexpr,
+    LINE: tl.constexpr,
+    EARLY_TRIGGER: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, BLOCK_K)
+    n_mask = rn < N
+    m_mask = rm < M
+    k_lo = split * k_per_split
+    if PREFETCH_LINES > 0:  # the weight is never written: no need to wait for the last kernel
+        lines = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        _prefetch_l2(w + rn[:, None].to(tl.int64) * stride_wn + lines[None, :])
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        if EARLY_TRIGGER:
+            gdc_launch_dependents()
+    w_ptrs = w + rn[:, None].to(tl.int64) * stride_wn + (k_lo + rk)[None, :]
+    x_ptrs = x + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, k_per_split, BLOCK_K):
+        if EVEN:
+            wt = tl.load(w_ptrs)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None], other=0.0)
+        else:
+            k_mask = (k_lo + k0 + rk) < K
+            wt = tl.load(w_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if PDL and not EARLY_TRIGGER:
+        gdc_launch_dependents()
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    y_ptrs = y + rm[None, :] * stride_ym + rn[:, None]
+    if SPLITS == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptrs, acc.to(y.dtype.element_ty), mask=out_mask)
+    else:
+        offs = rm[None, :] * N + rn[:, None]
+        tl.store(partials + split * M * N + offs, acc, mask=out_mask)
+        tl.debug_barrier()  # every thread's partial is written before the count goes up
+        arrived = tl.atomic_add(semaphores + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLITS - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for j in range(SPLITS):
+                total += tl.load(
+                    partials + j * M * N + offs, mask=out_mask, other=0.0, cache_modifier=".cg"
+                )
+            if HAS_BIAS:
+                total += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptrs, total.to(y.dtype.element_ty), mask=out_mask)
+            tl.store(semaphores + pid_n, 0)
+
+
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+
+
+def allocate_semaphores(device: torch.device | str) -> torch.Tensor:
+    """The zeroed semaphores for launches on `device`, allocated on first use. Call it once
+    outside CUDA-graph capture (the model's warm-up step does) before capturing."""
+    device = torch.device(device)
+    found = _SEMAPHORES.get(device)
+    if found is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "skinny_gemm: semaphores are allocated outside CUDA-graph capture; run one "
+                "eager step on this device before capturing"
+            )
+        found = _SEMAPHORES[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return found
+
+
+def pick_config(rows: int, n: int, k: int) -> SkinnyConfig:
+    """The launch configuration for an [rows, k] x [n, k]^T product (rows <= MAX_ROWS): wide
+    tiles for wide weights, then K split in halves until there are about 1.5 programs per SM of
+    an H200 (192), each split still at least 4 tiles of K. This reproduces the fastest
+    configuration of the sweep in bench/engine/skinny_gemm.txt for each Llama-3-8B projection at
+    32 rows (QKV 64 x 2 splits, output 32 x 2, gate/up 128 x 1, down 64 x 4)."""
+    block_k = 128
+    block_n = 128 if n >= 16384 else 64 if (n >= 6144 or k >= 8192) else 32
+    tiles = triton.cdiv(n, block_n)
+    splits = 1
+    while tiles * splits < 192 and k % (splits * 2 * block_k) == 0 and k >= splits * 8 * block_k:
+        splits *= 2
+    stages = 3 if splits > 1 and block_n > 32 else 4
+    return SkinnyConfig(block_n, block_k, splits, num_warps=4, num_stages=stages)
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T + bias[N] -> [M, N] in x's dtype; M at most `MAX_ROWS`."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"{x.shape[0]} rows; the skinny kernel takes at most {MAX_ROWS}")
+    if x.stride(-1) != 1 or weight.stride(-1) != 1:
+        raise ValueError("x and weight must have a unit innermost stride")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(-1) != 1):
+        raise ValueError(f"bias {tuple(bias.shape)} does not match weight {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y
+    cfg = config or pick_config(m, n, k)
+    tiles = triton.cdiv(n, cfg.block_n)
+    if tiles > MAX_TILES:
+        raise ValueError(f"{n} output columns need {tiles} tiles; at most {MAX_TILES}")
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.splits), cfg.block_k) * cfg.block_k
+    even = n % cfg.block_n == 0 and k % (cfg.splits * cfg.block_k) == 0
+    splits = triton.cdiv(k, k_per_split)  # a short K can need fewer splits than asked
+    partials = torch.empty(
+        (splits, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device
+    )
+    semaphores = allocate_semaphores(x.device) if splits > 1 else partials
+    on = pdl(x.device)
+    line = 128 // weight.element_size()  # elements in a 128-byte line
+    # a hint that needs every prefetched address in bounds: whole tiles, within the slice
+    prefetch_lines = min(cfg.prefetch // 128, k_per_split // line) if on and even else 0
+    prefetch_lines = 1 << (prefetch_lines.bit_length() - 1) if prefetch_lines else 0  # power of 2
+    _skinny_gemm_kernel[(tiles, splits)](
+        x,
+        weight,
+        weight if bias is None else bias,
+        y,
+        partials,
+        semaphores,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        k_per_split,
+        HAS_BIAS=bias is not None,
+        SPLITS=splits,
+        EVEN=even,
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        PDL=on,
+        PREFETCH_LINES=prefetch_lines,
+        LINE=line,
+        EARLY_TRIGGER=cfg.early_trigger,
+        launch_pdl=on,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    return y
