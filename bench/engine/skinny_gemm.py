@@ -8,9 +8,10 @@ projections, on the GPU (the sweep `pick_config` was derived from).
 `--chain` times what the kernels do together: 32 Llama-3-8B layers without attention (residual
 add + RMSNorm, QKV, output projection of the first 4,096 QKV columns, add + RMSNorm, gate/up,
 SiLU * up, down) at the given row counts, captured in one CUDA graph, for cuBLAS and the skinny
-kernel, each with and without programmatic dependent launch (kvrail.kernels.launch), with several
-weight prefetch sizes and with the next kernel let in before or after the GEMM's main loop; the
-variants are alternated, two rounds.
+kernel, each with and without programmatic dependent launch (kvrail.kernels.launch); the variants
+are alternated, two rounds. (pdl_chain.txt also has variants since removed, from 4d84bce: a GEMM
+that prefetched part of its weight into L2 before waiting for the previous kernel, and one that
+let the next kernel in before its main loop. Neither helped.)
 
 Each timing replays a CUDA graph that runs the GEMM over enough distinct weight copies (at least
 1 GiB in all) that none stays in L2, as the 32 layers of a decode step do; the figure is the
@@ -22,7 +23,6 @@ best round of each is printed with the weight bytes per second it reached.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import itertools
 import os
 from collections.abc import Callable
@@ -105,13 +105,8 @@ def _chain_layer(
     return lin(silu_and_mul.silu_and_mul(lin(h, ws["gate_up"])), ws["down"])
 
 
-def _skinny_with(prefetch: int, early: bool = False) -> Linear:
-    def lin(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        cfg = skinny_gemm.pick_config(x.shape[0], w.shape[0], w.shape[1])
-        cfg = dataclasses.replace(cfg, prefetch=prefetch, early_trigger=early)
-        return skinny_gemm.linear(x, w, None, cfg)
-
-    return lin
+def _skinny_default(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return skinny_gemm.linear(x, w)
 
 
 def chain(rows: int) -> None:
@@ -129,12 +124,8 @@ def chain(rows: int) -> None:
     variants: dict[str, tuple[bool, Linear]] = {
         "cuBLAS, no PDL": (False, lambda x, w: functional.linear(x, w)),
         "cuBLAS, PDL on norms/SiLU": (True, lambda x, w: functional.linear(x, w)),
-        "skinny, no PDL": (False, _skinny_with(0)),
-        "skinny, PDL, no prefetch": (True, _skinny_with(0)),
-        "skinny, PDL, prefetch 1 KiB/row": (True, _skinny_with(1024)),
-        "skinny, PDL, prefetch 4 KiB/row": (True, _skinny_with(4096)),
-        "skinny, PDL early, no prefetch": (True, _skinny_with(0, early=True)),
-        "skinny, PDL early, prefetch 1 KiB": (True, _skinny_with(1024, early=True)),
+        "skinny, no PDL": (False, _skinny_default),
+        "skinny, PDL": (True, _skinny_default),
     }
     best = {name: float("inf") for name in variants}
     for _ in range(2):
