@@ -36,8 +36,8 @@ def write_kv(
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
-    (decode steps) go to the skinny split-K kernel, which prefetches its weight while the kernel
-    before it finishes; more rows, and other devices, to torch (cuBLAS)."""
+    (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
+    rows, and other devices, go to torch (cuBLAS)."""
     if x.is_cuda and x.dim() == 2 and pdl(x.device):
         skinny = _triton("skinny_gemm")
         if x.shape[0] <= skinny.MAX_ROWS:

@@ -43,7 +43,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from kvrail.kernels.launch import pdl
 
 MAX_ROWS = 32  # x rows it is tuned for: at 48 and 64 cuBLAS was faster (skinny_gemm.txt)
-MAX_TILES = 8192  # semaphores per device and stream: N tiles of the widest weight
+MAX_TILES = 8192  # semaphores per device: the N tiles of the widest split weight
 
 
 @dataclass(frozen=True, slots=True)
