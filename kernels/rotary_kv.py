@@ -89,15 +89,18 @@ def _rotary_kv_kernel(
         k + t * stride_kt, stride_kh, num_kv_heads, head_dim, c, s, d, partner, sign, HKV_PAD
     )
     tl.store(k_out + (t * num_kv_heads + hk) * head_dim + d[None, :], kr, mask=k_mask)
+    # v and the slot are loaded up front and the stores masked, rather than branching on the
+    # slot: a branch would wait for the slot before it even asked for v
+    val = tl.load(v + t * stride_vt + hk * stride_vh + d[None, :], mask=k_mask, other=0.0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
-    if slot >= 0:
-        blk = slot // block_size
-        off = slot % block_size
-        kc = k_cache + blk * stride_cb + off * stride_cs + hk * stride_ch + d[None, :]
-        tl.store(kc, kr.to(k_cache.dtype.element_ty), mask=k_mask)
-        val = tl.load(v + t * stride_vt + hk * stride_vh + d[None, :], mask=k_mask, other=0.0)
-        vc = v_cache + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d[None, :]
-        tl.store(vc, val.to(v_cache.dtype.element_ty), mask=k_mask)
+    write = k_mask & ((hk * 0 + slot) >= 0)  # a tensor mask (a scalar one is not accepted)
+    slot = tl.maximum(slot, 0)  # in bounds even where nothing is written
+    blk = slot // block_size
+    off = slot % block_size
+    kc = k_cache + blk * stride_cb + off * stride_cs + hk * stride_ch + d[None, :]
+    tl.store(kc, kr.to(k_cache.dtype.element_ty), mask=write)
+    vc = v_cache + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d[None, :]
+    tl.store(vc, val.to(v_cache.dtype.element_ty), mask=write)
 
 
 def rotary_write_kv(

@@ -58,7 +58,7 @@ def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
     splits = sorted({1, 2, 4, 8, 16, 32, 64, auto} if batch < 32 else {1, 2, 3, 4, 6, 8, 16, auto})
     results = []
     tiles, stage_counts, top = (
-        ((32, 64, 128), (1, 2, 3, 4), 12) if fine else ((16, 32, 64), (1, 2, 3), 5)
+        ((32, 64, 128, 256), (1, 2, 3, 4), 12) if fine else ((16, 32, 64), (1, 2, 3), 5)
     )
     if fine:
         splits = sorted({max(1, auto // 2), auto, auto + 1, auto * 2, 1})
