@@ -34,67 +34,16 @@ def write_kv(
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def _skinny(x: torch.Tensor) -> ModuleType | None:
-    """The skinny GEMM module when it takes x: a few rows on a GPU that launches with PDL."""
-    if x.is_cuda and x.dim() == 2 and pdl(x.device):
-        skinny = _triton("skinny_gemm")
-        if x.shape[0] <= skinny.MAX_ROWS:
-            return skinny
-    return None
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
     (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
     rows, and other devices, go to torch (cuBLAS)."""
-    skinny = _skinny(x)
-    if skinny is not None:
-        out: torch.Tensor = skinny.linear(x, weight, bias)
-        return out
+    if x.is_cuda and x.dim() == 2 and pdl(x.device):
+        skinny = _triton("skinny_gemm")
+        if x.shape[0] <= skinny.MAX_ROWS:
+            out: torch.Tensor = skinny.linear(x, weight, bias)
+            return out
     return functional.linear(x, weight, bias)
-
-
-def qkv_rotary_write_kv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    positions: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The fused QKV projection, then rotary embedding of q and k and the write of k and v into
-    their slots: (q [T, Hq, D], k [T, Hkv, D], v [T, Hkv, D]). On the skinny GEMM's path one
-    launch does all of it (its epilogue rotates); otherwise `linear` and `rotary_write_kv`, with
-    the same result bit for bit."""
-    skinny = _skinny(x)
-    if skinny is not None:
-        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = skinny.qkv_rotary_write_kv(
-            x,
-            weight,
-            bias,
-            positions,
-            cos,
-            sin,
-            k_cache,
-            v_cache,
-            slot_mapping,
-            num_heads,
-            num_kv_heads,
-        )
-        return out
-    tokens, head_dim = x.shape[0], k_cache.shape[-1]
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    q, k, v = linear(x, weight, bias).split([q_size, kv_size, kv_size], dim=-1)
-    q = q.view(tokens, num_heads, head_dim)
-    k = k.view(tokens, num_kv_heads, head_dim)
-    v = v.view(tokens, num_kv_heads, head_dim)
-    q, k = rotary_write_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
-    return q, k, v
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

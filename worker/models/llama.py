@@ -125,20 +125,15 @@ class DecoderLayer(nn.Module):
             h = self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
+        qkv = self.qkv_proj(h)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         rotary = self.rotary[0]
-        q, k, v = dispatch.qkv_rotary_write_kv(
-            h,
-            self.qkv_proj.weight,
-            self.qkv_proj.bias,
-            positions,
-            rotary.cos,
-            rotary.sin,
-            k_cache,
-            v_cache,
-            metadata.slot_mapping,
-            self.num_heads,
-            self.num_kv_heads,
+        q, k = dispatch.rotary_write_kv(
+            positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, metadata.slot_mapping
         )
         attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
         x = self.o_proj(attn.reshape(num_tokens, self.q_size))

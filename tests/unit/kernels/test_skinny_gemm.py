@@ -10,8 +10,7 @@ import torch
 from kvrail.kernels.testing import load_kernels
 
 HAS_CUDA = torch.cuda.is_available()
-_MODULES = load_kernels()
-SKINNY, ROTARY = _MODULES["skinny_gemm"], _MODULES["rotary_kv"]
+SKINNY = load_kernels()["skinny_gemm"]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
@@ -77,60 +76,6 @@ def test_rejects_operands_that_do_not_chain(
     bias = None if bias_shape is None else torch.zeros(bias_shape, device=DEVICE)
     with pytest.raises(ValueError):  # noqa: PT011 - the messages differ per check
         SKINNY.linear(x, w, bias)
-
-
-def _check_qkv_rotary(
-    tokens: int, hq: int, hkv: int, d: int, k: int, dtype: torch.dtype, config: object
-) -> None:
-    """The fused QKV + rotary + KV write against the skinny GEMM followed by the rotary kernel:
-    the same q, k, v and caches, bit for bit."""
-    from kvrail.worker.layers.rotary import RotaryEmbedding
-
-    n = (hq + 2 * hkv) * d
-    x, w, b = _operands(tokens, n, k, dtype, bias=True)
-    g = torch.Generator().manual_seed(tokens + n)
-    rotary = RotaryEmbedding(d, 512, 10000.0, {}).to(DEVICE)
-    positions = torch.randint(0, 512, (tokens,), generator=g).to(DEVICE)
-    slots = torch.randperm(16 * 4, generator=g)[:tokens].to(DEVICE)
-    if tokens > 1:
-        slots[tokens // 2] = -1  # not written
-    caches = [torch.zeros(16, 4, hkv, d, dtype=dtype, device=DEVICE) for _ in range(4)]
-    q, kk, v = SKINNY.qkv_rotary_write_kv(
-        x, w, b, positions, rotary.cos, rotary.sin, caches[0], caches[1], slots, hq, hkv, config
-    )
-    qkv = SKINNY.linear(x, w, b, config)
-    eq, ek, ev = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    eq, ek, ev = eq.view(tokens, hq, d), ek.view(tokens, hkv, d), ev.view(tokens, hkv, d)
-    eq, ek = ROTARY.rotary_write_kv(
-        positions, eq, ek, ev, rotary.cos, rotary.sin, caches[2], caches[3], slots
-    )
-    for actual, expected in (
-        (q, eq),
-        (kk, ek),
-        (v, ev),
-        (caches[0], caches[2]),
-        (caches[1], caches[3]),
-    ):
-        assert torch.equal(actual, expected)
-    assert caches[0].abs().sum() > 0
-
-
-@pytest.mark.parametrize(
-    ("block_n", "splits"),
-    [(32, 1), (32, 2), (16, 2), (64, 1)],  # tiles of one head, half a head, two heads
-)
-def test_qkv_rotary_epilogue_matches_the_separate_kernels(block_n: int, splits: int) -> None:
-    config = SKINNY.SkinnyConfig(
-        block_n=block_n, block_k=32, splits=splits, num_warps=4, num_stages=2
-    )
-    _check_qkv_rotary(5, 4, 2, 32, 96, torch.float32, config)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("tokens", [1, 32])
-def test_qkv_rotary_epilogue_matches_the_separate_kernels_on_llama_shapes(tokens: int) -> None:
-    _check_qkv_rotary(tokens, 32, 8, 128, 4096, torch.bfloat16, None)
 
 
 @pytest.mark.gpu
