@@ -28,13 +28,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrail.errors import KvrailError
 from kvrail.router import responses, schemas
+from kvrail.router.detokenizer import Detokenizer
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher
 from kvrail.router.job import DispatchError, Job
 from kvrail.router.metrics import RouterMetrics
 from kvrail.router.schemas import ApiError, Sampling
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
-from kvrail.router.text import Detokenizer, TextCodec
+from kvrail.router.text import TextCodec
 
 log = logging.getLogger(__name__)
 

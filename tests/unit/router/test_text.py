@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
 from kvrail.models import PREPARED_MARKER, resolve
 from kvrail.router import text
+from kvrail.router.detokenizer import Detokenizer
 from kvrail.router.text import TextCodec
 from kvrail.settings import default_cache_dir
 
@@ -131,7 +132,7 @@ def test_the_router_process_stays_free_of_torch_and_transformers() -> None:
 
 
 def _stream(codec: TextCodec, prompt: Sequence[int], ids: Sequence[int], cuts: Sequence[int],
-            stop: Sequence[str]) -> tuple[str, text.Detokenizer]:  # fmt: skip
+            stop: Sequence[str]) -> tuple[str, Detokenizer]:  # fmt: skip
     d = codec.detokenizer(prompt, stop)
     pieces, start = [], 0
     for cut in [*sorted(c % (len(ids) + 1) for c in cuts), len(ids)]:
