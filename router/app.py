@@ -27,13 +27,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrail.errors import KvrailError
-from kvrail.router import responses, schemas
+from kvrail.router import api_errors, responses, schemas
+from kvrail.router.api_errors import ApiError
 from kvrail.router.detokenizer import Detokenizer
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher
 from kvrail.router.job import DispatchError, Job
 from kvrail.router.metrics import RouterMetrics
-from kvrail.router.schemas import ApiError, Sampling
+from kvrail.router.schemas import Sampling
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
 from kvrail.router.text import TextCodec
 
@@ -91,7 +92,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(state, request, schemas.validation_error(exc.errors()))
+        return _error_response(state, request, api_errors.validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -100,7 +101,7 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.exception_handler(KvrailError)
     async def _kvrail(request: Request, exc: KvrailError) -> JSONResponse:
-        return _error_response(state, request, schemas.api_error_of(exc))
+        return _error_response(state, request, api_errors.api_error_of(exc))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:

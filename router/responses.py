@@ -3,7 +3,7 @@
 The builders (`chat_completion`, `chat_chunk`, `completion`, `completion_chunk`, `usage`,
 `model_list`) return plain dicts shaped as the OpenAI API returns them, for the hot path; the
 models describe the same shapes for the OpenAPI schema (tests check both against the `openai`
-client). `ErrorBody` is the error format's shape (`schemas.ApiError` builds it).
+client). `ErrorBody` is the error format's shape (`api_errors.ApiError` builds it).
 """
 
 from __future__ import annotations

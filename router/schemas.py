@@ -1,19 +1,17 @@
-"""The OpenAI API at kvrail's edge: request bodies and the error format.
+"""The OpenAI API at kvrail's edge: request bodies.
 
 Request models are strict (`"true"` is not a boolean, `1.5` is not an integer, NaN is not a
 number) and forbid unknown fields, so their JSON schema (which FastAPI publishes and a fuzzer
 reads) says exactly what is accepted. Fields the OpenAI API has but kvrail does not implement are
 declared with only their neutral value (`tools: []`, `logprobs: false`, `frequency_penalty: 0`,
-...), so a client that sends the default still works and one that asks for the feature gets a 400
-naming the field. `validation_error` turns the first problem pydantic or FastAPI found into that
-400; no message ever contains prompt or message text.
+..., listed in `UNSUPPORTED`), so a client that sends the default still works and one that asks
+for the feature gets a 400 naming the field (`api_errors.validation_error` builds it).
 
-Response bodies are in `responses`.
+The error format is in `api_errors`, response bodies in `responses`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -24,19 +22,11 @@ from pydantic import (
     Discriminator,
     Field,
     Tag,
-    ValidationError,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
-
-from kvrail.errors import (
-    DeadlineExceededError,
-    InvalidRequestError,
-    KvrailError,
-    ModelNotFoundError,
-)
 
 # The seed range: int64, with the top end rounded down to 2**63 - 1024, the largest int64 that a
 # float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
@@ -74,128 +64,12 @@ UNSUPPORTED: dict[str, str] = {
     "suffix": "null",
     "best_of": "1",
 }
-# Message fields of OpenAI features kvrail lacks (never declared: reported as unsupported).
-_MESSAGE_FEATURES = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio"})
-_MESSAGES = {"n": "n must be 1: kvrail returns one choice per request"}
 _PART_TYPES = frozenset({"image_url", "input_audio", "file", "refusal"})  # quoted in messages
-
-
-class ApiError(Exception):
-    """An error as the OpenAI API reports it: an HTTP status and `{"error": {...}}`.
-
-    `type` is OpenAI's error type (`invalid_request_error`, `authentication_error`,
-    `not_found_error`, `rate_limit_error`, `server_error`, ...), `param` the request field at
-    fault (dotted path) and `code` a stable machine-readable code. `headers` go on the HTTP
-    response (Retry-After on a 429). The message never contains prompt or completion text.
-    """
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers: dict[str, str] = dict(headers or {})
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
-    def __repr__(self) -> str:
-        return f"ApiError({self.status}, {self.message!r}, {self.type!r}, param={self.param!r})"
-
-
-def error_body(
-    message: str, type: str, param: str | None = None, code: str | None = None
-) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def api_error_of(err: KvrailError) -> ApiError:
-    """The one mapping from kvrail's exception hierarchy to HTTP. Only client-facing errors keep
-    their message (they never quote the prompt); anything else becomes a generic 500."""
-    if isinstance(err, InvalidRequestError):
-        return ApiError(400, str(err), "invalid_request_error")
-    if isinstance(err, ModelNotFoundError):
-        return ApiError(404, str(err), "not_found_error", "model", "model_not_found")
-    if isinstance(err, DeadlineExceededError):
-        return ApiError(504, "the request did not finish within its deadline", "timeout_error")
-    return ApiError(500, "internal error", "server_error")
-
-
-def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -> ApiError:
-    """A 400 for the first problem in a pydantic `ValidationError` or FastAPI's
-    `RequestValidationError.errors()` (or anything with an `errors()` method)."""
-    errors = exc.errors() if hasattr(exc, "errors") else exc
-    if not errors:
-        return ApiError(400, "invalid request")
-    first = errors[0]
-    kind = str(first.get("type", ""))
-    loc = tuple(first.get("loc", ()))
-    if loc[:1] == ("body",):  # FastAPI's prefix for the request body
-        loc = loc[1:]
-    if kind == "json_invalid":
-        reason = (first.get("ctx") or {}).get("error")
-        detail = f" ({_safe(str(reason))})" if reason else ""
-        return ApiError(400, f"the request body is not valid JSON{detail}", code="invalid_json")
-    ctx = first.get("ctx") or {}
-    if "param" in ctx:
-        return ApiError(400, str(first.get("msg")), param=str(ctx["param"]))
-    path = [p for p in loc if not _is_union_tag(p)]
-    if kind == "extra_forbidden" and loc:
-        path = path[:-1] + [loc[-1]]  # the unknown key itself may look like a tag
-    param = ".".join(_safe(str(p)) for p in path) or None
-    if kind == "missing":
-        if param is None:
-            return ApiError(400, "the request body is missing", code="missing_body")
-        return ApiError(400, f"missing required parameter: '{param}'", param=param)
-    if param is None:
-        return ApiError(400, f"the request body must be a JSON object ({first.get('msg')})")
-    top, name = str(path[0]), str(path[-1])
-    if kind == "extra_forbidden":
-        if top == "messages" and name in _MESSAGE_FEATURES:
-            message = f"'{param}' is not supported by kvrail (no tool calling or audio)"
-            return ApiError(400, message, param=param, code="unsupported_parameter")
-        message = f"unrecognized request argument supplied: '{param}'"
-        return ApiError(400, message, param=param, code="unknown_parameter")
-    if top in UNSUPPORTED:  # a declared feature field sent with a value other than its neutral one
-        message = f"'{top}' is not supported by kvrail (accepted: {UNSUPPORTED[top]})"
-        return ApiError(400, message, param=top, code="unsupported_parameter")
-    if len(path) == 1 and top in _MESSAGES:
-        return ApiError(400, _MESSAGES[top], param=param)
-    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
-    if kind.startswith("kvrail"):
-        return ApiError(400, msg, param=param)
-    return ApiError(400, f"invalid '{param}': {msg}", param=param)
-
-
-def _is_union_tag(part: object) -> bool:
-    # pydantic names the union member it tried in `loc` ("str", "list[int]", "function-after[..]").
-    return isinstance(part, str) and (
-        "[" in part or part in {"str", "int", "float", "bool", "none", "list", "dict"}
-    )
-
-
-def _safe(text: str, limit: int = 64) -> str:
-    """A client-supplied name, shortened and printable, fit to quote in a message."""
-    cut = "".join(c if c.isprintable() else "?" for c in text[:limit])
-    return cut + "..." if len(text) > limit else cut
 
 
 def _fail(message: str) -> PydanticCustomError:
     return PydanticCustomError("kvrail_invalid", message)
 
-
-# ---------------------------------------------------------------------------------------------
-# Requests
 
 _STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 

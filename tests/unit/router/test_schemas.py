@@ -23,20 +23,19 @@ from pydantic import BaseModel, ValidationError
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, KvrailError
 from kvrail.errors import ModelNotFoundError as ModelMissing
-from kvrail.router import responses, schemas
+from kvrail.router import api_errors, responses, schemas
 
 try:  # the openai client 3.x speaks httpx2, older ones httpx
     import httpx2 as http
 except ImportError:  # pragma: no cover
     import httpx as http  # type: ignore[no-redef]
 
+from kvrail.router.api_errors import ApiError, validation_error
 from kvrail.router.schemas import (
-    ApiError,
     ChatCompletionRequest,
     CompletionRequest,
     Sampling,
     sampling_of,
-    validation_error,
 )
 
 SECRET = "SECRET-PROMPT-TEXT"
@@ -244,7 +243,7 @@ def test_api_error_body_headers_and_the_mapping_from_kvrail_errors() -> None:
         (KvrailError("/secret/path leaked"), 500, "internal error"),
     ]
     for source, status, fragment in cases:
-        mapped = schemas.api_error_of(source)
+        mapped = api_errors.api_error_of(source)
         assert mapped.status == status and fragment in mapped.message
         assert "/secret/path" not in mapped.message
 
