@@ -16,8 +16,8 @@ let the next kernel in before its main loop. Neither helped.)
 Each timing replays a CUDA graph that runs the GEMM over enough distinct weight copies (at least
 1 GiB in all) that none stays in L2, as the 32 layers of a decode step do; the figure is the
 graph's time over the number of copies, so it includes the gap between kernels in a graph.
-cuBLAS (`F.linear`) and the skinny kernel are timed alternately, three rounds each, and the
-best round of each is printed with the weight bytes per second it reached.
+cuBLAS (`F.linear`) and the skinny kernel are timed alternately, two rounds of three timings
+each, and the best of each is printed with the weight bytes per second it reached.
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.nn import functional
@@ -33,14 +35,10 @@ from torch.nn import functional
 from kvrail.kernels import rms_norm, silu_and_mul, skinny_gemm
 from kvrail.kernels.skinny_gemm import SkinnyConfig
 
-SHAPES = {  # name: (N, K)
-    "qkv": (6144, 4096),
-    "o_proj": (4096, 4096),
-    "gate_up": (28672, 4096),
-    "down": (4096, 14336),
-    "lm_head": (128256, 4096),
-}
-ROWS = (1, 8, 16, 32, 48, 64)
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_layouts import SHAPES  # the Llama-3-8B projections, name: (N, K)
+
+ROWS = (1, 8, 16, 32)  # up to skinny_gemm.MAX_ROWS
 
 
 def _weights(n: int, k: int) -> list[torch.Tensor]:
