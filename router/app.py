@@ -12,22 +12,20 @@ its last token; a client that goes away (streaming or not) cancels it on every w
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrail.errors import KvrailError
-from kvrail.router import api_errors, responses, schemas
+from kvrail.router import api_errors, responses, schemas, streaming
 from kvrail.router.api_errors import ApiError
 from kvrail.router.detokenizer import Detokenizer
 from kvrail.router.discovery import WorkerView
@@ -73,13 +71,6 @@ class RouterState:
     max_model_len: int  # 0: the workers' (see `_context_len`)
     request_timeout_s: float
     created: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    text: str
-    finish_reason: str | None
-    num_tokens: int
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -258,40 +249,20 @@ async def _serve(
     )  # fmt: skip
     state.metrics.prompt_tokens.labels(tenant.name).inc(len(prompt_ids))
     detok = state.codec.detokenizer(prompt_ids, sampling.stop)
-    reply = _Reply(state, kind, response_id, len(prompt_ids), sampling.include_usage)
+    reply = streaming.Reply(state, kind, response_id, len(prompt_ids), sampling.include_usage)
     pieces = _generate(state, job, detok, started, tenant, ticket)
     endpoint = _endpoint(request)
     if sampling.stream:
-        sse = _sse(state, reply, pieces, sampling.include_usage, endpoint)
-        return _EventStream(sse, on_close=lambda: ticket.release(0))
+        sse = streaming.sse(state, reply, pieces, sampling.include_usage, endpoint)
+        return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
     try:
-        text, finish, num_tokens = await _until_disconnect(request, _collect(pieces))
+        text, finish, num_tokens = await streaming.until_disconnect(
+            request, streaming.collect(pieces)
+        )
     finally:
         ticket.release(0)  # a no-op once the request released it with its real usage
     state.metrics.requests.labels(endpoint, "200").inc()
     return JSONResponse(reply.whole(text, finish, num_tokens))
-
-
-class _EventStream(StreamingResponse):
-    """Server-sent events whose body generator is closed however the response ends (a client
-    that disconnects before the first byte included), so the request is cancelled at once."""
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
-        self._body = body
-        self._on_close = on_close
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await asyncio.shield(self._close())
-
-    async def _close(self) -> None:
-        aclose = getattr(self._body, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        self._on_close()
 
 
 async def _generate(
@@ -301,7 +272,7 @@ async def _generate(
     started: float,
     tenant: Tenant,
     ticket: Ticket,
-) -> AsyncGenerator[_Piece, None]:
+) -> AsyncGenerator[streaming.Piece, None]:
     """Text pieces of one request, in order; the last has a finish reason. Raises ApiError."""
     m = state.metrics
     num_tokens = 0
@@ -327,7 +298,7 @@ async def _generate(
                     if detok.stopped:
                         await stream.cancel("stop")
                         outcome = "stop"
-                        yield _Piece(text, "stop", num_tokens)
+                        yield streaming.Piece(text, "stop", num_tokens)
                         return
                     finish = None
                     if event.finish_reason is not None:
@@ -336,7 +307,7 @@ async def _generate(
                         finish = event.finish_reason
                         text += detok.flush()
                         outcome = finish
-                    yield _Piece(text, finish, num_tokens)
+                    yield streaming.Piece(text, finish, num_tokens)
             except DispatchError as err:
                 await stream.cancel("deadline" if err.code == "deadline" else "error")
                 log.info("request failed request_id=%s worker=%s code=%s",
@@ -363,107 +334,3 @@ def _message(code: str) -> str:
         "shutting_down": "the decode worker shut down before the request finished; retry it",
         "worker_lost": "the decode worker went away before the request finished; retry it",
     }.get(code, f"the request failed ({code})")
-
-
-async def _collect(pieces: AsyncGenerator[_Piece, None]) -> tuple[str, str, int]:
-    parts: list[str] = []
-    finish, num_tokens = "stop", 0
-    async with contextlib.aclosing(pieces):
-        async for piece in pieces:
-            parts.append(piece.text)
-            num_tokens = piece.num_tokens
-            if piece.finish_reason is not None:
-                finish = piece.finish_reason
-    return "".join(parts), finish, num_tokens
-
-
-async def _until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; cancel it (which cancels the request on the workers) if the client leaves."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        # Starlette offers no disconnect event outside a streaming response: poll.
-        while not await request.is_disconnected():  # noqa: ASYNC110
-            await asyncio.sleep(0.25)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    if task.cancelled():
-        raise asyncio.CancelledError
-    return task.result()
-
-
-@dataclass(slots=True)
-class _Reply:
-    """Builds the OpenAI-shaped bodies of one response."""
-
-    state: RouterState
-    kind: Kind
-    response_id: str
-    num_prompt_tokens: int
-    include_usage: bool = False
-
-    def usage(self, num_tokens: int) -> dict[str, int]:
-        return responses.usage(self.num_prompt_tokens, num_tokens)
-
-    def whole(self, text: str, finish: str, num_tokens: int) -> dict[str, Any]:
-        build = responses.chat_completion if self.kind == "chat" else responses.completion
-        return build(
-            self.response_id, self.state.served_name, self.state.created, text, finish,
-            self.usage(num_tokens),
-        )  # fmt: skip
-
-    def chunk(
-        self, text: str | None, finish: str | None, usage: dict[str, int] | None = None,
-        first: bool = False,
-    ) -> dict[str, Any]:  # fmt: skip
-        s, rid, usage_null = self.state, self.response_id, self.include_usage
-        if self.kind == "chat":
-            return responses.chat_chunk(
-                rid, s.served_name, s.created, text, first, finish, usage,
-                include_usage=usage_null,
-            )  # fmt: skip
-        return responses.completion_chunk(
-            rid, s.served_name, s.created, text, finish, usage, include_usage=usage_null
-        )
-
-
-def _event(body: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _sse(
-    state: RouterState,
-    reply: _Reply,
-    pieces: AsyncGenerator[_Piece, None],
-    include_usage: bool,
-    endpoint: str,
-) -> AsyncIterator[bytes]:
-    status = "499"  # the client left before the end
-    num_tokens = 0
-    try:
-        if reply.kind == "chat":
-            yield _event(reply.chunk("", None, first=True))
-        async with contextlib.aclosing(pieces):
-            async for piece in pieces:
-                num_tokens = piece.num_tokens
-                if piece.text:
-                    yield _event(reply.chunk(piece.text, None))
-                if piece.finish_reason is not None:
-                    yield _event(reply.chunk(None, piece.finish_reason))
-        if include_usage:
-            yield _event(reply.chunk(None, None, usage=reply.usage(num_tokens)))
-        status = "200"
-    except ApiError as err:
-        status = str(err.status)
-        yield _event(err.body())
-    finally:
-        state.metrics.requests.labels(endpoint, status).inc()
-    yield b"data: [DONE]\n\n"

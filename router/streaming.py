@@ -1,0 +1,163 @@
+"""How a request's text pieces reach its client: server-sent events or one JSON body.
+
+`app._generate` yields `Piece`s (text, its finish reason on the last, the output tokens so far);
+`Reply` builds the OpenAI-shaped bodies from them. Streamed, `sse` sends a chat response's
+first chunk with the role, a chunk per piece with text, one with the finish reason, the usage
+chunk when `stream_options.include_usage` asks, and always ends with `data: [DONE]`; an error
+while streaming is sent before it as an event in OpenAI's error shape. `EventStream`
+closes the pieces however the response ends, so a client that disconnects (before the first
+byte included) cancels the request on every worker at once. Not streamed, `collect` joins the
+pieces and `until_disconnect` cancels them if the client leaves meanwhile. Every response is
+counted in `kvrail_requests_total` with its status (499 for a client that left mid-stream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from kvrail.router import responses
+from kvrail.router.api_errors import ApiError
+
+if TYPE_CHECKING:
+    from kvrail.router.app import Kind, RouterState
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    text: str
+    finish_reason: str | None
+    num_tokens: int
+
+
+@dataclass(slots=True)
+class Reply:
+    """Builds the OpenAI-shaped bodies of one response."""
+
+    state: RouterState
+    kind: Kind
+    response_id: str
+    num_prompt_tokens: int
+    include_usage: bool = False
+
+    def usage(self, num_tokens: int) -> dict[str, int]:
+        return responses.usage(self.num_prompt_tokens, num_tokens)
+
+    def whole(self, text: str, finish: str, num_tokens: int) -> dict[str, Any]:
+        build = responses.chat_completion if self.kind == "chat" else responses.completion
+        return build(
+            self.response_id, self.state.served_name, self.state.created, text, finish,
+            self.usage(num_tokens),
+        )  # fmt: skip
+
+    def chunk(
+        self, text: str | None, finish: str | None, usage: dict[str, int] | None = None,
+        first: bool = False,
+    ) -> dict[str, Any]:  # fmt: skip
+        s, rid, usage_null = self.state, self.response_id, self.include_usage
+        if self.kind == "chat":
+            return responses.chat_chunk(
+                rid, s.served_name, s.created, text, first, finish, usage,
+                include_usage=usage_null,
+            )  # fmt: skip
+        return responses.completion_chunk(
+            rid, s.served_name, s.created, text, finish, usage, include_usage=usage_null
+        )
+
+
+async def collect(pieces: AsyncGenerator[Piece, None]) -> tuple[str, str, int]:
+    parts: list[str] = []
+    finish, num_tokens = "stop", 0
+    async with contextlib.aclosing(pieces):
+        async for piece in pieces:
+            parts.append(piece.text)
+            num_tokens = piece.num_tokens
+            if piece.finish_reason is not None:
+                finish = piece.finish_reason
+    return "".join(parts), finish, num_tokens
+
+
+async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
+    """Run `work`; cancel it (which cancels the request on the workers) if the client leaves."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        # Starlette offers no disconnect event outside a streaming response: poll.
+        while not await request.is_disconnected():  # noqa: ASYNC110
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher
+    if task.cancelled():
+        raise asyncio.CancelledError
+    return task.result()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose body generator is closed however the response ends (a client
+    that disconnects before the first byte included), so the request is cancelled at once."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self._body = body
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self._close())
+
+    async def _close(self) -> None:
+        aclose = getattr(self._body, "aclose", None)
+        if aclose is not None:
+            await aclose()
+        self._on_close()
+
+
+def _event(body: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def sse(
+    state: RouterState,
+    reply: Reply,
+    pieces: AsyncGenerator[Piece, None],
+    include_usage: bool,
+    endpoint: str,
+) -> AsyncIterator[bytes]:
+    status = "499"  # the client left before the end
+    num_tokens = 0
+    try:
+        if reply.kind == "chat":
+            yield _event(reply.chunk("", None, first=True))
+        async with contextlib.aclosing(pieces):
+            async for piece in pieces:
+                num_tokens = piece.num_tokens
+                if piece.text:
+                    yield _event(reply.chunk(piece.text, None))
+                if piece.finish_reason is not None:
+                    yield _event(reply.chunk(None, piece.finish_reason))
+        if include_usage:
+            yield _event(reply.chunk(None, None, usage=reply.usage(num_tokens)))
+        status = "200"
+    except ApiError as err:
+        status = str(err.status)
+        yield _event(err.body())
+    finally:
+        state.metrics.requests.labels(endpoint, status).inc()
+    yield b"data: [DONE]\n\n"
