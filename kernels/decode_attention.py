@@ -215,10 +215,6 @@ def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
 
 
-def _sms(query: torch.Tensor) -> int:
-    return _num_sms(query.device.index or 0) if query.is_cuda else 4
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Splits per (sequence, KV head) so the grid holds about WAVES programs per SM, each with at
     least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone gives every SM
@@ -255,8 +251,8 @@ def paged_decode_attention(
     if num_seqs == 0:
         return out
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
+    num_sms = _num_sms(query.device.index or 0) if query.is_cuda else 4
     if num_splits is None:
-        num_sms = _sms(query)
         max_seq_len = block_tables.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:
@@ -265,7 +261,7 @@ def paged_decode_attention(
     direct = num_splits == 1
     on = pdl(query.device)
     tile, warps, stages = (64 if head_dim <= 128 else 32), 4, 3
-    if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * _sms(query):
+    if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
         tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:

@@ -68,6 +68,7 @@ def _launch(
     if x.shape[0] == 0:
         return out
     block = triton.next_power_of_2(hidden)
+    on = pdl(x.device)
     _rms_norm_kernel[(x.shape[0],)](
         x,
         x if residual is None else residual,
@@ -80,8 +81,8 @@ def _launch(
         eps,
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
-        PDL=pdl(x.device),
-        launch_pdl=pdl(x.device),
+        PDL=on,
+        launch_pdl=on,
         num_warps=min(16, max(1, block // 512)),
     )
     return out

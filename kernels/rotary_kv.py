@@ -135,6 +135,7 @@ def rotary_write_kv(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
         return q_out, k_out
+    on = pdl(q.device)
     _rotary_kv_kernel[(num_tokens,)](
         q,
         k,
@@ -167,7 +168,7 @@ def rotary_write_kv(
         D_PAD=triton.next_power_of_2(head_dim),
         HQ_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
-        PDL=pdl(q.device),
-        launch_pdl=pdl(q.device),
+        PDL=on,
+        launch_pdl=on,
     )
     return q_out, k_out
