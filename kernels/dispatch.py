@@ -14,6 +14,8 @@ from torch.nn import functional
 from kvrail.kernels import reference
 from kvrail.kernels.launch import pdl
 
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _triton(name: str) -> ModuleType:
     import importlib
@@ -44,6 +46,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
             out: torch.Tensor = skinny.linear(x, weight, bias)
             return out
     return functional.linear(x, weight, bias)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (greedy sampling): a two-pass Triton kernel for CUDA logits in 16- or
+    32-bit floats (torch's reduction is slow over a 128k vocabulary), torch otherwise."""
+    if x.is_cuda and x.dim() == 2 and x.dtype in _FLOATS and x.shape[1] > 0:
+        out: torch.Tensor = _triton("argmax").argmax(x)
+        return out
+    return reference.argmax(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

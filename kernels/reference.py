@@ -136,6 +136,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, vocab] -> int64 [rows]: the first index of each row's maximum (NaN counts as
+    the maximum)."""
+    return x.argmax(dim=-1)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -22,6 +22,7 @@ KERNEL_MODULES = (
     "silu_and_mul",
     "rotary_kv",
     "skinny_gemm",
+    "argmax",
 )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from kvrail.kernels import dispatch
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.staging import to_device
 
@@ -51,7 +52,7 @@ class Sampler:
         """The tokens as an int64 tensor on the logits' device, one per row."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-        chosen = logits.argmax(dim=-1)  # exact in any dtype
+        chosen = dispatch.argmax(logits)  # exact in any dtype
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if rows:
             index = _on(logits.device, rows, np.int64)

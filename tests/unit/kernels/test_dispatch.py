@@ -56,6 +56,7 @@ def test_engine_tokens_are_identical_with_interpreted_triton_kernels(
         fused_add_rms_norm=k["rms_norm"].fused_add_rms_norm,
         silu_and_mul=k["silu_and_mul"].silu_and_mul,
         rotary_write_kv=k["rotary_kv"].rotary_write_kv,
+        argmax=k["argmax"].argmax,
     )
     monkeypatch.setattr(dispatch, "reference", triton_ops)
     assert run() == expected
