@@ -40,12 +40,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
     (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
     rows, and other devices, go to torch (cuBLAS)."""
+    skinny = _skinny(x)
+    if skinny is not None:
+        out: torch.Tensor = skinny.linear(x, weight, bias)
+        return out
+    return functional.linear(x, weight, bias)
+
+
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up, where gate and up are the halves of x @ weight.T + bias (a SwiGLU MLP's
+    fused gate/up projection). Where `linear` would take the skinny kernel, that kernel applies
+    SiLU * up in its epilogue (one launch, bit for bit the same); elsewhere `linear`, then
+    `silu_and_mul`."""
+    skinny = _skinny(x)
+    if skinny is not None:
+        out: torch.Tensor = skinny.gated_linear(x, weight, bias)
+        return out
+    return silu_and_mul(functional.linear(x, weight, bias))
+
+
+def _skinny(x: torch.Tensor) -> ModuleType | None:
+    """The skinny GEMM module when it should run `x`'s projection, else None."""
     if x.is_cuda and x.dim() == 2 and pdl(x.device):
         skinny = _triton("skinny_gemm")
         if x.shape[0] <= skinny.MAX_ROWS:
-            out: torch.Tensor = skinny.linear(x, weight, bias)
-            return out
-    return functional.linear(x, weight, bias)
+            return skinny
+    return None
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Built from a transformers config. Q, K and V are one fused projection and gate/up another;
 `load_weights` maps transformers parameter names onto them and refuses a state dict that leaves a
 parameter unset. Projections go through `Linear` (a skinny split-K kernel for decode-sized
-batches on the GPU). Elementwise work goes through fused kernels (`kvrail.kernels.dispatch`):
-residual add + RMSNorm, rotary + KV write, SiLU * up; on CPU their references run the same op
+batches on the GPU; `GatedLinear` applies SiLU * up in that kernel's epilogue). Elementwise work
+goes through fused kernels (`kvrail.kernels.dispatch`): residual add + RMSNorm, rotary + KV
+write, SiLU * up; on CPU their references run the same op
 sequence the unfused model did, so CPU outputs are unchanged bit for bit. The forward pass
 takes packed tokens (no padding) with their positions and the step's `AttentionMetadata`, and
 returns hidden states; `compute_logits` runs the LM head only on the rows that are sampled.
@@ -22,7 +23,7 @@ from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
 from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
-from kvrail.worker.layers.linear import Linear
+from kvrail.worker.layers.linear import GatedLinear, Linear
 from kvrail.worker.layers.rms_norm import RMSNorm
 from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -106,7 +107,7 @@ class DecoderLayer(nn.Module):
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
         self.o_proj = Linear(self.q_size, h, bias=shape.o_bias)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.gate_up_proj = Linear(h, 2 * shape.intermediate_size, bias=shape.mlp_bias)
+        self.gate_up_proj = GatedLinear(h, shape.intermediate_size, bias=shape.mlp_bias)
         self.down_proj = Linear(shape.intermediate_size, h, bias=shape.mlp_bias)
 
     def forward(
@@ -138,7 +139,7 @@ class DecoderLayer(nn.Module):
         attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
         x = self.o_proj(attn.reshape(num_tokens, self.q_size))
         h, residual = self.post_attention_layernorm(x, residual)
-        x = self.down_proj(dispatch.silu_and_mul(self.gate_up_proj(h)))
+        x = self.down_proj(self.gate_up_proj(h))  # silu(gate) * up
         return x, residual
 
 

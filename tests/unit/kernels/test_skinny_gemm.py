@@ -1,16 +1,19 @@
 """The skinny split-K GEMM against torch: interpreted on CPU with small irregular shapes (every
 split count, with and without bias, uneven K and N), and under the `gpu` marker on CUDA with the
-Llama-3-8B projections in bf16, inside and outside a CUDA graph. Inputs are seeded."""
+Llama-3-8B projections in bf16, inside and outside a CUDA graph. The gated variant (SiLU * up in
+the epilogue) against the projection followed by `silu_and_mul`. Inputs are seeded."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kvrail.kernels import reference
 from kvrail.kernels.testing import load_kernels
 
 HAS_CUDA = torch.cuda.is_available()
-SKINNY = load_kernels()["skinny_gemm"]
+_MODULES = load_kernels()
+SKINNY, SILU = _MODULES["skinny_gemm"], _MODULES["silu_and_mul"]
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
@@ -76,6 +79,51 @@ def test_rejects_operands_that_do_not_chain(
     bias = None if bias_shape is None else torch.zeros(bias_shape, device=DEVICE)
     with pytest.raises(ValueError):  # noqa: PT011 - the messages differ per check
         SKINNY.linear(x, w, bias)
+
+
+@pytest.mark.parametrize(
+    ("m", "inter", "k", "splits", "bias"),
+    [
+        (1, 64, 256, 1, False),
+        (5, 48, 256, 2, True),  # three tiles of 16 per half; the up bias is the second half
+        (17, 40, 200, 4, False),  # uneven: masked loads, fewer splits than asked
+    ],
+)
+def test_gated_equals_the_projection_then_silu_and_mul(
+    m: int, inter: int, k: int, splits: int, bias: bool
+) -> None:
+    x, w, b = _operands(m, 2 * inter, k, torch.float32, bias)
+    config = SKINNY.SkinnyConfig(block_n=32, block_k=32, splits=splits, num_warps=4, num_stages=2)
+    out = SKINNY.gated_linear(x, w, b, config)
+    torch.testing.assert_close(
+        out, reference.silu_and_mul(_expected(x, w, b)), atol=1e-4, rtol=1e-4
+    )
+    # the same tiles per half as an ungated launch of half the width: the same sums, one rounding
+    half = SKINNY.SkinnyConfig(block_n=16, block_k=32, splits=splits, num_warps=4, num_stages=2)
+    if inter % 16 == 0:
+        assert torch.equal(out, SILU.silu_and_mul(SKINNY.linear(x, w, b, half)))
+    assert int(SKINNY.allocate_semaphores(x.device).abs().sum()) == 0
+
+
+def test_gated_rejects_an_odd_weight() -> None:
+    with pytest.raises(ValueError, match="intermediate"):
+        SKINNY.gated_linear(torch.zeros(2, 64, device=DEVICE), torch.zeros(33, 64, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("m", [1, 7, 32])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_gated_llama_gate_up_equals_the_unfused_kernels_in_bf16(m: int, splits: int | None) -> None:
+    x, w, _ = _operands(m, 2 * 14336, 4096, torch.bfloat16, bias=False)
+    full = SKINNY.pick_config(m, 2 * 14336, 4096)
+    if splits is not None:
+        full = SKINNY.SkinnyConfig(full.block_n, full.block_k, splits, 4, 3)
+    half = SKINNY.SkinnyConfig(full.block_n // 2, full.block_k, full.splits, 4, full.num_stages)
+    out = SKINNY.gated_linear(x, w, None, full)
+    assert torch.equal(out, SILU.silu_and_mul(SKINNY.linear(x, w, None, half)))
+    cublas = reference.silu_and_mul(torch.nn.functional.linear(x, w))
+    torch.testing.assert_close(out, cublas, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
