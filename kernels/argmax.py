@@ -3,8 +3,8 @@
 Same contract as `kvrail.kernels.reference.argmax`: x [rows, vocab] -> int64 [rows], the index of
 the first maximal value of each row, compared in float32 (exact for bf16, fp16 and fp32), with
 NaN taken as larger than any number (as torch does). torch's own argmax gives a 128k-token
-vocabulary few blocks per row and took 37 us a decode step at 1 and at 32 rows on the H200
-(bench/engine/profile_gpu.txt): longer than the rotary, SiLU and norm kernels of a layer together.
+vocabulary few blocks per row and took 37 us a decode step at 1 and at 32 rows on the H200; these
+two passes take 4 and 10 us (bench/engine/profile_gpu.txt).
 
 Pass 1, grid (row, chunk): each program reduces BLOCK columns to (max, first index of it).
 Pass 2, grid (row,): merges the row's chunks (the first chunk holding the maximum wins, so ties

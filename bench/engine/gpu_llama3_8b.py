@@ -20,13 +20,15 @@ decodes of requests already started) and the decode phase after it.
 
 With `--baseline no-pdl` the same-run baseline is instead a second engine whose kernels launch
 without programmatic dependent launch (KVRAIL_PDL=0: cuBLAS for every projection and no overlap
-between kernels; kvrail.kernels.launch), both with async scheduling.
+between kernels; kvrail.kernels.launch), both with async scheduling. With `--baseline
+budget-8192` it is a second engine whose step token budget (max_num_batched_tokens) is 8,192,
+against the one `--max-batched-tokens` sets (default 8,192) for the first.
 
 Run on the H200:
   .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
-Flags: --baseline {sync,no-pdl}, --skip-transformers, --skip-correctness, --kv-gib (KV pool
-size), --no-cuda-graphs, --smoke (a tiny config on CPU with short runs: checks this script end
-to end without a GPU).
+Flags: --baseline {sync,no-pdl,budget-8192}, --max-batched-tokens, --skip-transformers,
+--skip-correctness, --kv-gib (KV pool size), --no-cuda-graphs, --smoke (a tiny config on CPU
+with short runs: checks this script end to end without a GPU).
 """
 
 from __future__ import annotations
@@ -137,8 +139,9 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
 
 def alternate(modes: dict[str, bool], measure: Callable[[str], float]) -> dict[str, list[float]]:
     """Measure each mode twice, in the order a, b, a, b (these machines drift), after one
-    untimed run (it pays for compiles of new shapes)."""
-    measure(next(iter(modes)))
+    untimed run of each (it pays for compiles and kernel plans of new shapes)."""
+    for name in modes:
+        measure(name)
     values: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(2):
         for name in modes:
@@ -193,7 +196,8 @@ def main() -> int:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--baseline", choices=("sync", "no-pdl"), default="sync")
+    parser.add_argument("--baseline", choices=("sync", "no-pdl", "budget-8192"), default="sync")
+    parser.add_argument("--max-batched-tokens", type=int, default=8192, help="step token budget")
     args = parser.parse_args()
     global DEVICE
     if args.smoke:
@@ -215,7 +219,7 @@ def main() -> int:
         hf.eval()
     torch.set_default_dtype(previous)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
-    print(f"# {name}, torch {torch.__version__}")
+    print(f"# {name}, torch {torch.__version__}, step token budget {args.max_batched_tokens}")
     greedy = {"do_sample": False, "eos_token_id": None, "pad_token_id": 0}
 
     def hf_generate(batch: list[list[int]], new: int) -> Any:
@@ -223,13 +227,15 @@ def main() -> int:
             ids = torch.tensor(batch, device=DEVICE)
             return hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **greedy)
 
-    engine = build_engine(hf, config, args.kv_gib, graphs=not args.no_cuda_graphs)
+    graphs = not args.no_cuda_graphs
+    budget = {"max_num_batched_tokens": args.max_batched_tokens}
+    engine = build_engine(hf, config, args.kv_gib, graphs, **budget)
     engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
 
     if not args.skip_correctness:
         # Each engine sees the same prompts in the same order, so the same prefix-cache hits.
-        eager = build_engine(hf, config, 8.0, graphs=False)
-        synchronous = build_engine(hf, config, 8.0, graphs=not args.no_cuda_graphs)
+        eager = build_engine(hf, config, 8.0, graphs=False, **budget)
+        synchronous = build_engine(hf, config, 8.0, graphs, **budget)
         synchronous.async_scheduling = False
         for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
             expected = hf_generate([prompt], 64)[0, len(prompt) :].tolist()
@@ -252,12 +258,17 @@ def main() -> int:
     if args.baseline == "sync":
         modes = {"kvrail": True, "kvrail sync": False}
         engines = {"kvrail": engine, "kvrail sync": engine}
-    else:
+    elif args.baseline == "no-pdl":
         modes = {"kvrail": True, "kvrail no-PDL": True}
         with _no_pdl():
-            baseline = build_engine(hf, config, args.kv_gib, graphs=not args.no_cuda_graphs)
+            baseline = build_engine(hf, config, args.kv_gib, graphs, **budget)
             baseline.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
         engines = {"kvrail": engine, "kvrail no-PDL": baseline}
+    else:
+        modes = {"kvrail": True, "kvrail b8192": True}
+        baseline = build_engine(hf, config, args.kv_gib, graphs, max_num_batched_tokens=8192)
+        baseline.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+        engines = {"kvrail": engine, "kvrail b8192": baseline}
 
     def use(name: str) -> Any:
         """The engine of mode `name`, with the environment its eager launches need."""

@@ -1,12 +1,16 @@
 """Where does an engine step spend its time on the GPU? (diagnostics for bench/engine tuning)
 
-    python3 -P bench/engine/profile_gpu.py [--layers 32]
+    python3 -P bench/engine/profile_gpu.py [--layers 32] [--batches 1 32] [--prefill]
+                                           [--max-batched-tokens N]
 
-Builds the Llama-3-8B-shaped engine of gpu_llama3_8b.py (random bf16 weights), then for batch 1
-and batch 32 decode: wall time per step, GPU time per step (CUDA events around the model call),
-and a torch.profiler table of the top CUDA kernels and CPU ops over 20 steps. Also prints the
-logit difference to transformers on the first step (relative to the logits' spread), which
-tells bf16 noise from a real error when greedy tokens diverge.
+Builds the Llama-3-8B-shaped engine of gpu_llama3_8b.py (random bf16 weights), then for decode
+batches of 1 and 32 (or --batches): wall time per step, GPU time per step (CUDA events around
+the model call), and a torch.profiler table of the top CUDA kernels and CPU ops over 20 steps.
+Also prints the logit difference to transformers on the first step (relative to the logits'
+spread), which tells bf16 noise from a real error when greedy tokens diverge.
+
+With --prefill it profiles prefills instead: 32 prompts of 512 tokens (the prefill phase of
+gpu_llama3_8b.py's 32-request case, in steps of the engine's token budget) and one of 8,192.
 """
 
 from __future__ import annotations
@@ -27,6 +31,9 @@ from kvrail.worker.engine.request import SamplingParams
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
+    p.add_argument("--prefill", action="store_true", help="profile prefills, not decode steps")
+    p.add_argument("--max-batched-tokens", type=int, default=8192)
     args = p.parse_args()
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
@@ -38,7 +45,9 @@ def main() -> int:
     with torch.device("cuda"):
         hf = HFLlama(config).eval()
     torch.set_default_dtype(torch.float32)
-    engine = base.build_engine(hf, config, 20.0, graphs=True)
+    engine = base.build_engine(
+        hf, config, 30.0, graphs=True, max_num_batched_tokens=args.max_batched_tokens
+    )
     prompt = base.prompts(1, 128, 2)[0]
     with torch.inference_mode():
         ref = hf(torch.tensor([prompt], device="cuda")).logits[0, -1].float()
@@ -55,13 +64,17 @@ def main() -> int:
     except Exception as err:
         print("logit comparison unavailable:", type(err).__name__, err)
 
+    if args.prefill:
+        return _profile_prefills(engine)
+
     from torch.profiler import ProfilerActivity, profile
 
-    for bs in (1, 32):
+    for bs in args.batches:
         batch = base.prompts(bs, 512, 7 + bs)
-        for i, pr in enumerate(batch):
-            engine.add_request(f"p{bs}-{i}", pr, SamplingParams(max_tokens=200, ignore_eos=True))
-        engine.step()  # prefill
+        params = SamplingParams(max_tokens=200, ignore_eos=True)
+        requests = [engine.add_request(f"p{bs}-{i}", pr, params) for i, pr in enumerate(batch)]
+        while not all(r.num_output_tokens for r in requests):
+            engine.step()  # prefill (several steps when the prompts exceed the token budget)
         for _ in range(10):
             engine.step()
         # No sync before the clock starts: with async scheduling the next step is already
@@ -87,6 +100,29 @@ def main() -> int:
         print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         while engine.has_unfinished_requests():
             engine.step()
+    return 0
+
+
+def _profile_prefills(engine) -> int:  # type: ignore[no-untyped-def]
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    for name, n, length in (("32 x 512", 32, 512), ("1 x 8192", 1, 8192)):
+        engine.generate(base.prompts(n, length, 50 + n), params)  # compiles, allocator warm-up
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        engine.generate(base.prompts(n, length, 60 + n), params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(base.prompts(n, length, 70 + n), params)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_total = sum(e.self_device_time_total for e in events) / 1e3
+        print(f"\n=== prefill {name}: wall {wall * 1e3:.1f} ms, GPU busy {gpu_total:.1f} ms")
+        print(
+            events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60)
+        )
     return 0
 
 
