@@ -3,8 +3,9 @@
 Same contract as `kvrail.kernels.reference.argmax`: x [rows, vocab] -> int64 [rows], the index of
 the first maximal value of each row, compared in float32 (exact for bf16, fp16 and fp32), with
 NaN taken as larger than any number (as torch does). torch's own argmax gives a 128k-token
-vocabulary few blocks per row and took 37 us a decode step at 1 and at 32 rows on the H200; these
-two passes take 4 and 10 us (bench/engine/profile_gpu.txt).
+vocabulary few blocks per row: 26.6, 27.2 and 45.8 us at 1, 32 and 256 rows on the H200, against
+2.2, 6.9 and 36.3 for these two passes (bench/engine/decode_step_parts.txt; wider pass-1 tiles
+saved at most 3 us at 256 rows and cost 0.6 at one).
 
 Pass 1, grid (row, chunk): each program reduces BLOCK columns to (max, first index of it).
 Pass 2, grid (row,): merges the row's chunks (the first chunk holding the maximum wins, so ties
@@ -63,7 +64,10 @@ def _merge_kernel(part_max, part_idx, out, chunks, CHUNKS: tl.constexpr, PDL: tl
     tl.store(out + row, tl.sum(tl.where(c == pick, idx, 0), 0).to(tl.int64))
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
+def argmax(x: torch.Tensor, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """`block` (columns per pass-1 program, a power of two) and `num_warps`: tuning knobs (None:
+    BLOCK and 4 warps; see bench/engine/decode_step_parts.py)."""
+    block = block or BLOCK
     if x.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} is not [rows, vocab]")
     if x.shape[1] == 0:
@@ -74,12 +78,21 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, dtype=torch.int64, device=x.device)
     if rows == 0:
         return out
-    chunks = triton.cdiv(cols, BLOCK)
+    chunks = triton.cdiv(cols, block)
     part_max = torch.empty(rows, chunks, dtype=torch.float32, device=x.device)
     part_idx = torch.empty(rows, chunks, dtype=torch.int32, device=x.device)
     on = pdl(x.device)
     _chunk_kernel[(rows, chunks)](
-        x, part_max, part_idx, x.stride(0), cols, chunks, BLOCK=BLOCK, PDL=on, launch_pdl=on
+        x,
+        part_max,
+        part_idx,
+        x.stride(0),
+        cols,
+        chunks,
+        BLOCK=block,
+        PDL=on,
+        launch_pdl=on,
+        num_warps=num_warps or 4,
     )
     _merge_kernel[(rows,)](
         part_max,

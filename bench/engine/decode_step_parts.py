@@ -3,7 +3,9 @@
     python3 -P bench/engine/decode_step_parts.py | tee bench/engine/decode_step_parts.txt
 
 1. greedy token choice over a 128,256-token vocabulary for 1, 32 and 256 rows: `torch.argmax`
-   (what the sampler uses) against a two-pass `greedy_argmax`;
+   against a two-pass `greedy_argmax` of torch ops and against the Triton kernel the sampler
+   uses (`kvrail.kernels.argmax`) at a few pass-1 tile widths and warp counts (`--argmax` runs
+   only this part);
 2. the Llama-3-8B decode GEMMs at 1 and 32 tokens: cuBLAS's default choice against the fastest
    algorithm PyTorch's TunableOp finds for the shape (it benchmarks every implementation it
    knows).
@@ -39,13 +41,23 @@ def bench_us(fn: object) -> float:
 
 
 def argmax_rows() -> None:
-    print(f"{'rows':>5s} {'torch.argmax us':>16s} {'greedy_argmax us':>17s} equal")
+    from kvrail.kernels import argmax as kernel
+
+    tiles = ((2048, 4), (4096, 4), (8192, 8), (16384, 8))
+    kernel_columns = " ".join(f"{f'kernel {b}/{w} us':>17s}" for b, w in tiles)
+    print(f"{'rows':>5s} {'torch.argmax us':>16s} {'greedy_argmax us':>17s} {kernel_columns} equal")
     for rows in (1, 32, 256):
         logits = torch.randn(rows, 128256, device="cuda").to(torch.bfloat16)
-        equal = torch.equal(logits.argmax(-1), greedy_argmax(logits))
+        expected = logits.argmax(-1)
+        equal = torch.equal(expected, greedy_argmax(logits))
         plain = bench_us(lambda: logits.argmax(-1))  # noqa: B023
         two_pass = bench_us(lambda: greedy_argmax(logits))  # noqa: B023
-        print(f"{rows:5d} {plain:16.1f} {two_pass:17.1f} {equal}")
+        times = []
+        for block, warps in tiles:
+            equal &= torch.equal(expected, kernel.argmax(logits, block, warps))
+            times.append(bench_us(lambda b=block, w=warps: kernel.argmax(logits, b, w)))  # noqa: B023
+        cells = " ".join(f"{t:17.1f}" for t in times)
+        print(f"{rows:5d} {plain:16.1f} {two_pass:17.1f} {cells} {equal}")
 
 
 def gemms() -> None:
@@ -75,7 +87,8 @@ def gemms() -> None:
 def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     argmax_rows()
-    gemms()
+    if "--argmax" not in sys.argv[1:]:
+        gemms()
     return 0
 
 
