@@ -5,7 +5,7 @@
 1. greedy token choice over a 128,256-token vocabulary for 1, 32 and 256 rows: `torch.argmax`
    against a two-pass `greedy_argmax` of torch ops and against the Triton kernel the sampler
    uses (`kvrail.kernels.argmax`) at a few pass-1 tile widths and warp counts (`--argmax` runs
-   only this part);
+   only this part; `--gemm-rows 64 256` only part 2, at those row counts);
 2. the Llama-3-8B decode GEMMs at 1 and 32 tokens: cuBLAS's default choice against the fastest
    algorithm PyTorch's TunableOp finds for the shape (it benchmarks every implementation it
    knows).
@@ -60,11 +60,11 @@ def argmax_rows() -> None:
         print(f"{rows:5d} {plain:16.1f} {two_pass:17.1f} {cells} {equal}")
 
 
-def gemms() -> None:
+def gemms(rows: tuple[int, ...]) -> None:
     tunable = torch.cuda.tunable
     tunable.set_filename("/tmp/tunableop_results.csv")
     print(f"{'gemm':8s} {'M':>4s} {'cuBLAS us':>10s} {'TB/s':>6s} {'tuned us':>9s} {'TB/s':>6s}")
-    for m in (1, 32):
+    for m in rows:
         for name, (n, k) in SHAPES.items():
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
             x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
@@ -78,17 +78,23 @@ def gemms() -> None:
             tunable.tuning_enable(False)
             tuned = bench_us(lambda: functional.linear(x, w))  # noqa: B023
             tunable.enable(False)
+            tflops = 2 * m * n * k / 1e6
             print(
                 f"{name:8s} {m:4d} {default:10.1f} {nbytes / default / 1e6:6.2f} "
-                f"{tuned:9.1f} {nbytes / tuned / 1e6:6.2f}"
+                f"{tuned:9.1f} {nbytes / tuned / 1e6:6.2f}  TFLOP/s {tflops / default:5.0f} "
+                f"{tflops / tuned:5.0f}"
             )
 
 
 def main() -> int:
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    args = sys.argv[1:]
+    if "--gemm-rows" in args:  # only the GEMMs, at these row counts
+        gemms(tuple(int(a) for a in args[args.index("--gemm-rows") + 1 :]))
+        return 0
     argmax_rows()
-    if "--argmax" not in sys.argv[1:]:
-        gemms()
+    if "--argmax" not in args:
+        gemms((1, 32))
     return 0
 
 
