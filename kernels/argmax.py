@@ -68,6 +68,8 @@ def argmax(x: torch.Tensor, block: int | None = None, num_warps: int | None = No
     """`block` (columns per pass-1 program, a power of two) and `num_warps`: tuning knobs (None:
     BLOCK and 4 warps; see bench/engine/decode_step_parts.py)."""
     block = block or BLOCK
+    if block < 2 or block & (block - 1):
+        raise ValueError(f"block {block} is not a power of two")
     if x.dim() != 2:
         raise ValueError(f"x {tuple(x.shape)} is not [rows, vocab]")
     if x.shape[1] == 0:

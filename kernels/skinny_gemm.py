@@ -257,6 +257,8 @@ def _launch(
         return y
     cfg = config or pick_config(m, weight.shape[0], k)
     block_n = cfg.block_n // 2 if gated else cfg.block_n
+    if block_n < 16:
+        raise ValueError(f"block_n {cfg.block_n} is too narrow (tiles of 16 rows at the least)")
     tiles = triton.cdiv(n, block_n)
     if tiles > MAX_TILES:
         raise ValueError(f"{n} output columns need {tiles} tiles; at most {MAX_TILES}")

@@ -65,6 +65,11 @@ def test_rejects_what_it_cannot_reduce(x: torch.Tensor) -> None:
         ARGMAX.argmax(x.to(DEVICE))
 
 
+def test_rejects_a_tile_that_is_not_a_power_of_two() -> None:
+    with pytest.raises(ValueError, match="power of two"):
+        ARGMAX.argmax(torch.zeros(2, 10, device=DEVICE), block=3000)
+
+
 def test_dispatch_keeps_torch_for_cpu_and_float64() -> None:
     x = torch.randn(3, 50, dtype=torch.float64)
     assert torch.equal(dispatch.argmax(x), x.argmax(dim=-1))

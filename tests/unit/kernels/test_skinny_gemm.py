@@ -105,9 +105,13 @@ def test_gated_equals_the_projection_then_silu_and_mul(
     assert int(SKINNY.allocate_semaphores(x.device).abs().sum()) == 0
 
 
-def test_gated_rejects_an_odd_weight() -> None:
+def test_gated_rejects_an_odd_weight_and_too_narrow_a_tile() -> None:
+    x = torch.zeros(2, 64, device=DEVICE)
     with pytest.raises(ValueError, match="intermediate"):
-        SKINNY.gated_linear(torch.zeros(2, 64, device=DEVICE), torch.zeros(33, 64, device=DEVICE))
+        SKINNY.gated_linear(x, torch.zeros(33, 64, device=DEVICE))
+    narrow = SKINNY.SkinnyConfig(block_n=16, block_k=32, splits=1, num_warps=4, num_stages=2)
+    with pytest.raises(ValueError, match="too narrow"):
+        SKINNY.gated_linear(x, torch.zeros(32, 64, device=DEVICE), None, narrow)
 
 
 @pytest.mark.gpu
