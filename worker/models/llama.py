@@ -5,10 +5,10 @@ Built from a transformers config. Q, K and V are one fused projection and gate/u
 parameter unset. Projections go through `Linear` (a skinny split-K kernel for decode-sized
 batches on the GPU; `GatedLinear` applies SiLU * up in that kernel's epilogue). Elementwise work
 goes through fused kernels (`kvrail.kernels.dispatch`): residual add + RMSNorm, rotary + KV
-write, SiLU * up; on CPU their references run the same op
-sequence the unfused model did, so CPU outputs are unchanged bit for bit. The forward pass
-takes packed tokens (no padding) with their positions and the step's `AttentionMetadata`, and
-returns hidden states; `compute_logits` runs the LM head only on the rows that are sampled.
+write, SiLU * up; on CPU their references run the same op sequence the unfused model did, so CPU
+outputs are unchanged bit for bit. The forward pass takes packed tokens (no padding) with their
+positions and the step's `AttentionMetadata`, and returns hidden states; `compute_logits` runs
+the LM head only on the rows that are sampled.
 """
 
 from __future__ import annotations
