@@ -4,7 +4,10 @@
 touches it. Asyncio code calls the `EngineService` coroutines (`submit`, `reserve`, `install`,
 `prefill`, `abort`, `release`, `counts`): each queues a command, the engine thread runs it between
 two steps, and the coroutine gets its result. Outputs go back through each request's callback,
-called on the event loop (`loop.call_soon_threadsafe`), in order. Prefix-cache changes go the
+called on the event loop, in order: a step's updates are handed over together (one
+`loop.call_soon_threadsafe` per step, not one per request, so the engine thread and the loop
+do not trade the GIL and a wake-up for every token), and a callback that raises is logged
+without keeping the others from their updates. Prefix-cache changes go the
 same way to `on_kv_changes` (if given): the engine's net `KvChanges` at the end of each loop
 iteration (its commands and its step), in order and never empty, so a subscriber that applies
 them in order holds exactly the engine's cached hashes as of the last batch delivered. A
@@ -298,8 +301,7 @@ class EngineService:
                 self._deliver_kv_changes()
                 continue
             self._deliver_kv_changes()
-            for output in outputs:
-                self._on_output(output)
+            self._deliver_all([u for u in map(self._take_update, outputs) if u is not None])
             wait_s = 0.0 if outputs else _BUSY_WAIT_S
         while True:  # fail commands that raced with the stop
             try:
@@ -319,10 +321,11 @@ class EngineService:
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 
-    def _on_output(self, output: RequestOutput) -> None:
+    def _take_update(self, output: RequestOutput) -> tuple[OnUpdate, Update] | None:
+        """The callback and update for a step's output, or None when nobody tracks it."""
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
-            return
+            return None
         if output.finished:
             del self._tracked[output.request_id]
         update = Update(
@@ -331,7 +334,7 @@ class EngineService:
             output.finished,
             output.finish_reason,
         )
-        self._deliver(tracked, update)
+        return tracked.on_update, update
 
     def _expire_deadlines(self) -> None:
         now = time.monotonic()
@@ -360,10 +363,24 @@ class EngineService:
         self._held.clear()
 
     def _deliver(self, tracked: _Tracked, update: Update) -> None:
+        self._deliver_all([(tracked.on_update, update)])
+
+    def _deliver_all(self, updates: list[tuple[OnUpdate, Update]]) -> None:
+        """Hand `updates` to the event loop at once; their callbacks run there in this order."""
+        if not updates:
+            return
         try:
-            self._loop.call_soon_threadsafe(tracked.on_update, update)
+            self._loop.call_soon_threadsafe(_run_callbacks, updates)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+def _run_callbacks(updates: list[tuple[OnUpdate, Update]]) -> None:
+    for on_update, update in updates:
+        try:
+            on_update(update)
+        except Exception:  # one subscriber's bug must not cost the others their tokens
+            log.exception("update callback failed request_id=%s", update.request_id)
 
 
 def block_counts(engine: LLMEngine) -> Counts:

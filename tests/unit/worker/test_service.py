@@ -67,6 +67,28 @@ async def test_a_submitted_request_streams_the_tokens_generate_would_give(
     assert lengths == sorted(lengths) and lengths[-1] == 6
 
 
+async def test_a_callback_that_raises_costs_the_other_requests_nothing(
+    service: EngineService, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A step's updates reach the loop together; one subscriber's exception is logged and the
+    rest of the step's callbacks still run."""
+    calls: list[Update] = []
+
+    def broken(update: Update) -> None:
+        calls.append(update)
+        raise RuntimeError("subscriber bug")
+
+    good = Collector()
+    await asyncio.gather(
+        service.submit("broken", PROMPT, GREEDY, broken),
+        service.submit("good", PROMPT, GREEDY, good),
+    )
+    last = await good.wait()
+    assert last.finished and len(last.output_token_ids) == 6
+    assert len(calls) == 6 and calls[-1].finished  # every update was still offered to it
+    assert "update callback failed request_id=broken" in caplog.text
+
+
 async def test_an_invalid_request_raises_and_keeps_nothing(service: EngineService) -> None:
     with pytest.raises(InvalidRequestError):
         await service.submit("bad", [], GREEDY, Collector())
