@@ -34,7 +34,7 @@ from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text import TextCodec
-from kvrail.router.vllm_stream import VllmOptions
+from kvrail.router.vllm_options import VllmOptions
 from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail.router")

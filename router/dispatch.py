@@ -41,7 +41,8 @@ from kvrail.router.discovery import WorkerView
 from kvrail.router.index import prompt_hashes
 from kvrail.router.job import AttemptFailed, CancelReason, DispatchError, EventStream, Job
 from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
-from kvrail.router.vllm_stream import VllmOptions, VllmStream
+from kvrail.router.vllm_options import VllmOptions
+from kvrail.router.vllm_stream import VllmStream
 
 __all__ = ["CancelReason", "DispatchError", "Dispatcher", "EventStream", "Job", "TokenStream"]
 

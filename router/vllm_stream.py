@@ -30,6 +30,9 @@ Guarantees:
 - **Nothing outlives the client.** Leaving the stream early (disconnect, stop string, deadline,
   error) closes the HTTP response, and vLLM aborts a request whose client disconnected; a
   prefill in flight is cancelled with the task that awaits it, which closes its connection too.
+
+The settings named here are `VllmOptions` (`vllm_options`); an attempt's outcomes are in
+`vllm_attempt`.
 """
 
 from __future__ import annotations
@@ -38,16 +41,17 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
-from kvrail.crd_spec import KvLoadFailurePolicy
-from kvrail.messages import PrefillMode, TokenEvent, WorkerRecord
-from kvrail.router.job import AttemptFailed, CancelReason, DispatchError, Job
-from kvrail.router.policy import Chooser, Decision, NoWorkerError
+from kvrail.messages import TokenEvent, WorkerRecord
+from kvrail.router.job import CancelReason, DispatchError, Job
+from kvrail.router.policy import Decision, NoWorkerError
+from kvrail.router.vllm_attempt import Prefilled, PrefillFailed, Retry
+from kvrail.router.vllm_options import CONNECT_TIMEOUT_S, VllmOptions
 from kvrail.vllm import protocol
 from kvrail.vllm.protocol import Completion, Delta, Done, VllmProtocolError
 
@@ -58,54 +62,6 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _POLL_S = 0.5  # how often a silent decode server's record is checked
-CONNECT_TIMEOUT_S = 5.0
-"""At most this long to connect to a vLLM server, so a dead address leaves time for another."""
-FAILURE_POLICIES: tuple[KvLoadFailurePolicy, ...] = get_args(KvLoadFailurePolicy)
-
-
-@dataclass(slots=True)
-class VllmOptions:
-    """How the router reaches a pool's vLLM servers (one per router; see `__main__`)."""
-
-    http: httpx.AsyncClient
-    """Shared by every request; the router closes it on shutdown."""
-    served_name: str
-    """The `model` both steps send (vLLM's `--served-model-name`)."""
-    min_remote_prefill_tokens: int = 512
-    kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
-    prefill_timeout_s: float = 30.0
-    on_prefill_failure: Callable[[str], None] | None = None
-    """Called with a metric-safe reason per failed prefill attempt."""
-    prefill_chooser: Chooser = field(default_factory=lambda: Chooser("least-loaded"))
-
-    def __post_init__(self) -> None:
-        if self.kv_load_failure_policy not in FAILURE_POLICIES:
-            raise ValueError(f"kv_load_failure_policy must be one of {FAILURE_POLICIES}")
-        if not self.served_name:
-            raise ValueError("VllmOptions needs the served model name")
-
-
-@dataclass(frozen=True, slots=True)
-class _Prefilled:
-    """The outcome of step 1 for one decode attempt."""
-
-    mode: PrefillMode
-    params: dict[str, Any] | None = None
-    fingerprint: str = ""
-    seconds: float = 0.0
-
-
-class _Retry(AttemptFailed):
-    """The decode attempt failed before its first event; `reusable`: it never connected, so the
-    prefill's KV was not read and may go to the next decode server."""
-
-    def __init__(self, reason: str, reusable: bool = False) -> None:
-        super().__init__(reason)
-        self.reusable = reusable
-
-
-class _PrefillFailed(AttemptFailed):
-    """Step 1 failed on one prefill server."""
 
 
 @dataclass(slots=True)
@@ -123,7 +79,7 @@ class VllmStream:
     finished: bool = False
     _incarnation: int = 0
     _seq: int = 0
-    _prefilled: _Prefilled | None = None
+    _prefilled: Prefilled | None = None
     _response: httpx.Response | None = None
     _lines: AsyncIterator[str] | None = None
     _pending: asyncio.Future[Any] | None = None
@@ -148,7 +104,7 @@ class VllmStream:
     # Attempts -----------------------------------------------------------------------------------
     async def _start(self, deadline: float) -> TokenEvent:
         """Prefill (maybe) and decode until a decode server sends its first event."""
-        reuse: _Prefilled | None = None
+        reuse: Prefilled | None = None
         while True:
             record = self._choose_decode()
             if reuse is not None and reuse.fingerprint == record.fingerprint:
@@ -158,7 +114,7 @@ class VllmStream:
             try:
                 await self._send_decode(record, deadline)
                 return await self._next_event(deadline)
-            except _Retry as retry:
+            except Retry as retry:
                 log.info(
                     "vllm decode attempt failed, retrying request_id=%s worker=%s reason=%s",
                     self.job.request_id, self.worker_id, retry.reason,
@@ -197,11 +153,11 @@ class VllmStream:
         )  # fmt: skip
 
     # Step 1: prefill ----------------------------------------------------------------------------
-    async def _prefill(self, decode: WorkerRecord, deadline: float) -> _Prefilled:
+    async def _prefill(self, decode: WorkerRecord, deadline: float) -> Prefilled:
         """Remote prefill on a prefill server of `decode`'s fingerprint, or the reason why not."""
         opts, d = self.options, self.dispatcher
         if len(self.job.token_ids) < opts.min_remote_prefill_tokens:
-            return _Prefilled("local")
+            return Prefilled("local")
         for _ in range(d.max_attempts):
             candidates = [
                 c
@@ -215,7 +171,7 @@ class VllmStream:
             started = time.monotonic()
             try:
                 params = await self._post_prefill(record, deadline)
-            except _PrefillFailed as failure:
+            except PrefillFailed as failure:
                 self._failed_prefill.add(record.worker_id)
                 log.warning(
                     "vllm prefill failed request_id=%s prefill=%s reason=%s",
@@ -224,20 +180,20 @@ class VllmStream:
                 if opts.on_prefill_failure is not None:
                     opts.on_prefill_failure(failure.reason)
                 continue
-            return _Prefilled("remote", params, decode.fingerprint, time.monotonic() - started)
+            return Prefilled("remote", params, decode.fingerprint, time.monotonic() - started)
         if not self._failed_prefill:
-            return _Prefilled("local")  # no ready prefill server of this fingerprint
+            return Prefilled("local")  # no ready prefill server of this fingerprint
         if opts.kv_load_failure_policy == "recompute":
             log.info(
                 "no vllm prefill succeeded, prefilling on the decode server request_id=%s "
                 "decode=%s num_failed=%d", self.job.request_id, decode.worker_id,
                 len(self._failed_prefill),
             )  # fmt: skip
-            return _Prefilled("recompute")
+            return Prefilled("recompute")
         raise DispatchError("prefill_failed", "no prefill server prefilled the prompt")
 
     async def _post_prefill(self, record: WorkerRecord, deadline: float) -> dict[str, Any]:
-        """Step 1 on one server: its `kv_transfer_params`. Raises _PrefillFailed (this server
+        """Step 1 on one server: its `kv_transfer_params`. Raises PrefillFailed (this server
         failed), DispatchError (deadline, or the input is invalid)."""
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -255,21 +211,21 @@ class VllmStream:
         except (TimeoutError, httpx.TimeoutException) as err:
             if time.monotonic() >= deadline:
                 raise DispatchError("deadline", "the request's deadline passed") from err
-            raise _PrefillFailed("timeout") from err
+            raise PrefillFailed("timeout") from err
         except httpx.ConnectError as err:
-            raise _PrefillFailed("connect") from err
+            raise PrefillFailed("connect") from err
         except httpx.TransportError as err:
-            raise _PrefillFailed("transport") from err
+            raise PrefillFailed("transport") from err
         finally:
             self._count(record.worker_id, -1)
         status = response.status_code
         if status >= 300:
             self._refuse_invalid(status, "prefill", record.worker_id)
-            raise _PrefillFailed(f"status_{status // 100}xx")
+            raise PrefillFailed(f"status_{status // 100}xx")
         try:
             return protocol.kv_transfer_params_of(json.loads(response.content))
         except (ValueError, VllmProtocolError) as err:  # JSONDecodeError is a ValueError
-            raise _PrefillFailed("bad_response") from err
+            raise PrefillFailed("bad_response") from err
 
     def _refuse_invalid(self, status: int, step: str, worker_id: str) -> None:
         """Fail the request when vLLM refused its input (400/413/422); only the status is logged,
@@ -281,7 +237,7 @@ class VllmStream:
 
     # Step 2: decode -----------------------------------------------------------------------------
     async def _send_decode(self, record: WorkerRecord, deadline: float) -> None:
-        """Open the decode stream on `record`'s server. Raises _Retry, DispatchError."""
+        """Open the decode stream on `record`'s server. Raises Retry, DispatchError."""
         assert self._prefilled is not None
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -298,14 +254,14 @@ class VllmStream:
         try:
             response = await self._polled(http.send(request, stream=True), deadline)
         except (httpx.ConnectError, httpx.ConnectTimeout) as err:
-            raise _Retry("connect", reusable=True) from err
+            raise Retry("connect", reusable=True) from err
         except httpx.TransportError as err:
             raise self._failure("timeout" if _is_timeout(err) else "transport", deadline) from err
         self._response = response
         status = response.status_code
         if status >= 300:
             self._refuse_invalid(status, "worker", record.worker_id)
-            raise _Retry(f"status_{status}")
+            raise Retry(f"status_{status}")
         self._lines = response.aiter_lines()
 
     async def _next_event(self, deadline: float) -> TokenEvent:
@@ -333,7 +289,7 @@ class VllmStream:
         return event
 
     async def _next_item(self, deadline: float) -> Delta | Done:
-        """The next meaningful stream line. Raises _Retry (before the first event),
+        """The next meaningful stream line. Raises Retry (before the first event),
         DispatchError."""
         assert self._lines is not None
         while True:
@@ -377,7 +333,7 @@ class VllmStream:
         if time.monotonic() >= deadline:
             return DispatchError("deadline", "the request's deadline passed")
         if self._seq == 0:
-            return _Retry(reason)
+            return Retry(reason)
         log.info("vllm decode server lost request_id=%s worker=%s reason=%s",
                  self.job.request_id, self.worker_id, reason)  # fmt: skip
         return DispatchError("worker_lost", "the decode server went away")

@@ -35,7 +35,7 @@ from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser, Policy
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text import TextCodec
-from kvrail.router.vllm_stream import VllmOptions
+from kvrail.router.vllm_options import VllmOptions
 from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings, default_cache_dir
 
