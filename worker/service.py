@@ -343,18 +343,22 @@ class EngineService:
             for rid, t in self._tracked.items()
             if t.deadline_monotonic is not None and now > t.deadline_monotonic
         ]
+        updates = []
         for request_id in expired:
             tracked = self._tracked.pop(request_id)
             self.engine.abort(request_id)
             log.info("request aborted at its deadline request_id=%s", request_id)
-            self._deliver(tracked, Update(request_id, (), error="deadline"))
+            updates.append((tracked.on_update, Update(request_id, (), error="deadline")))
+        self._deliver_all(updates)
 
     def _abort_all(self, error: str = "shutdown", include_held: bool = True) -> None:
         """Abort every request with a callback; with `include_held`, reservations and retained
         prefills too (their writers may still be busy, so only when shutting down)."""
-        for request_id, tracked in list(self._tracked.items()):
+        for request_id in self._tracked:
             self.engine.abort(request_id)
-            self._deliver(tracked, Update(request_id, (), error=error))
+        self._deliver_all(
+            [(t.on_update, Update(rid, (), error=error)) for rid, t in self._tracked.items()]
+        )
         self._tracked.clear()
         if not include_held:
             return
