@@ -137,6 +137,14 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
     return LLMEngine(model, engine_config, fingerprint, eos_token_id=None)
 
 
+def warmed(engine: Any) -> Any:
+    """`engine` after one short untimed run (compiles, CUDA-graph capture, allocator)."""
+    from kvrail.worker.engine.request import SamplingParams
+
+    engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+    return engine
+
+
 def alternate(modes: dict[str, bool], measure: Callable[[str], float]) -> dict[str, list[float]]:
     """Measure each mode twice, in the order a, b, a, b (these machines drift), after one
     untimed run of each (it pays for compiles and kernel plans of new shapes)."""
@@ -229,8 +237,7 @@ def main() -> int:
 
     graphs = not args.no_cuda_graphs
     budget = {"max_num_batched_tokens": args.max_batched_tokens}
-    engine = build_engine(hf, config, args.kv_gib, graphs, **budget)
-    engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up
+    engine = warmed(build_engine(hf, config, args.kv_gib, graphs, **budget))
 
     if not args.skip_correctness:
         # Each engine sees the same prompts in the same order, so the same prefix-cache hits.
@@ -261,13 +268,13 @@ def main() -> int:
     elif args.baseline == "no-pdl":
         modes = {"kvrail": True, "kvrail no-PDL": True}
         with _no_pdl():
-            baseline = build_engine(hf, config, args.kv_gib, graphs, **budget)
-            baseline.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+            baseline = warmed(build_engine(hf, config, args.kv_gib, graphs, **budget))
         engines = {"kvrail": engine, "kvrail no-PDL": baseline}
     else:
         modes = {"kvrail": True, "kvrail b8192": True}
-        baseline = build_engine(hf, config, args.kv_gib, graphs, max_num_batched_tokens=8192)
-        baseline.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
+        baseline = warmed(
+            build_engine(hf, config, args.kv_gib, graphs, max_num_batched_tokens=8192)
+        )
         engines = {"kvrail": engine, "kvrail b8192": baseline}
 
     def use(name: str) -> Any:
