@@ -8,6 +8,10 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvrail/ kvrail/
+COPY agent/ agent/
+COPY cli/ cli/
+COPY local/ local/
+COPY testing/ testing/
 COPY operator/ operator/
 COPY worker/ worker/
 COPY router/ router/

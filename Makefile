@@ -94,7 +94,7 @@ lint: setup
 	$(VENV)/bin/ruff format --check .
 	rm -rf build/view && mkdir -p build/view/kvrail
 	for f in kvrail/*; do ln -s ../../../$$f build/view/kvrail/; done
-	for d in operator worker router kernels; do ln -s ../../../$$d build/view/kvrail/$$d; done
+	for d in operator worker router kernels agent cli local testing; do ln -s ../../../$$d build/view/kvrail/$$d; done
 	cd build/view && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p kvrail
 	cd build/view && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kvrail.crd_spec import (
+from kvrail.crd.spec import (
     DisaggregationMode,
     DType,
     KvDType,
@@ -124,7 +124,7 @@ class Settings(BaseModel):
         description="on SIGTERM, how long a worker lets in-flight work finish before failing it",
     )  # fmt: skip
 
-    # The vLLM agent (`python -P -m kvrail.vllm.agent`, beside a `vllm serve` of a vLLM pool).
+    # The vLLM agent (`python -P -m kvrail.agent`, beside a `vllm serve` of a vLLM pool).
     role: Literal["prefill", "decode", "both"] | None = Field(
         None, description="what the agent's vLLM server does (kvrail workers take --role)"
     )

@@ -28,8 +28,8 @@ from kvrail.errors import ConfigError
 
 @dataclass(frozen=True, slots=True)
 class ServingCert:
-    """The files a server serves TLS with (`kvrail.servers`): its certificate and key, and the CA
-    that signed them (what its clients trust)."""
+    """The files a server serves TLS with (`kvrail.local.servers`): its certificate and key,
+    and the CA that signed them (what its clients trust)."""
 
     cert_file: Path
     key_file: Path

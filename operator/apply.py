@@ -13,12 +13,12 @@ from typing import Any, Protocol
 
 from kubernetes.dynamic.exceptions import DynamicApiError
 
-from kvrail.crd import InferencePool, Role
+from kvrail.crd.pool import InferencePool, Role
+from kvrail.operator.autoscale.replicas import planner_owns_replicas, worker_replicas
 from kvrail.operator.builders.children import build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.meta import Component, child_name
 from kvrail.operator.k8s import KindNotServedError
-from kvrail.operator.replicas import planner_owns_replicas, worker_replicas
 from kvrail.operator.status import Workload, observe
 
 PERMANENT_STATUSES = frozenset({400, 403, 422})
@@ -58,7 +58,7 @@ def reconcile(cluster: Cluster, pool: InferencePool, ctx: BuildContext) -> Outco
     """Apply all children in order, then delete those the spec no longer wants.
 
     While the planner is in charge of the worker sizes, the StatefulSets keep the replicas they
-    have (see `kvrail.operator.replicas`): a spec edit never undoes a scaling decision."""
+    have (see `kvrail.operator.autoscale.replicas`): a spec edit never undoes a scaling decision."""
     namespace = pool.metadata.namespace
     live = live_replicas(cluster, pool) if planner_owns_replicas(pool) else {}
     children = build_children(pool, ctx, worker_replicas(pool, live))

@@ -35,12 +35,13 @@ from kubernetes.dynamic.exceptions import DynamicApiError
 from pydantic import ValidationError
 from urllib3.exceptions import HTTPError
 
-from kvrail.crd import GROUP, PLURAL, VERSION, InferencePool
+from kvrail.crd.pool import GROUP, PLURAL, VERSION, InferencePool
 from kvrail.keys import PoolKeys
-from kvrail.operator import autoscaler, metrics
+from kvrail.operator import metrics
 from kvrail.operator.apply import ApplyRefusedError, observe_workloads, reconcile
+from kvrail.operator.autoscale import autoscaler
+from kvrail.operator.autoscale.planner import PlannerState
 from kvrail.operator.planes import PlaneError, delete_pool_data, pool_settings
-from kvrail.operator.planner import PlannerState
 from kvrail.operator.status import (
     APPLY_FAILED,
     INVALID_SPEC,

@@ -18,8 +18,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from kvrail.crd import InferencePool
-from kvrail.crd_status import Condition, InferencePoolStatus, RoleStatus
+from kvrail.crd.pool import InferencePool
+from kvrail.crd.status import Condition, InferencePoolStatus, RoleStatus
 from kvrail.operator.builders.meta import Component, model_hash, selector_labels
 from kvrail.operator.builders.service import router_url
 

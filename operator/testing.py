@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from kvrail.crd import API_VERSION, KIND, InferencePool
+from kvrail.crd.pool import API_VERSION, KIND, InferencePool
 
 DELETE = object()
 """Pass as the value to `mutate` to remove a field."""
@@ -68,7 +68,7 @@ VLLM: tuple[Change, ...] = (
 
 # Manifests the CRD refuses, as (case, changes, path of the violation, a word of its message).
 # Shared by the cel-python unit tests and the real API server tests: the path is where
-# `kvrail.crd_cel` reports the violation (a leading dot; "" for the root), the word is in the
+# `kvrail.testing.cel` reports the violation (a leading dot; "" for the root), the word is in the
 # message users see.
 REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
     (

@@ -36,7 +36,7 @@ import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvrail.crd_spec import RouterPolicy
+from kvrail.crd.spec import RouterPolicy
 from kvrail.errors import ConfigError, KvrailError
 
 Policy = RouterPolicy

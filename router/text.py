@@ -5,7 +5,7 @@ Everything here runs on `tokenizers` and `jinja2` only; the router process never
 (an import-linter contract). Tokenizer files come from, in order:
 1. a model directory that has `tokenizer.json` (read in place);
 2. the worker's converted cache, `<cache_dir>/models/<name>-<weights id prefix>/` (the naming
-   rule and the atomic build are shared with the worker's loader in `kvrail.models`), when a
+   rule and the atomic build are shared with the worker's loader in `kvrail.model_files`), when a
    worker on this machine prepared it;
 3. the router's own cache, `<cache_dir>/tokenizers/<name>-<weights id prefix>/`, written once by
    a subprocess that runs transformers (which imports torch) on the GGUF file or directory and
@@ -35,14 +35,14 @@ import jinja2
 from tokenizers import Tokenizer
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
-from kvrail.models import (
+from kvrail.model_files import (
     PREPARED_MARKER,
     ModelSource,
     building,
     cache_entry_name,
     resolve,
 )
-from kvrail.models import cache_dir as models_cache_dir
+from kvrail.model_files import cache_dir as models_cache_dir
 from kvrail.router.chat_template import chat_template, compile_template
 from kvrail.router.detokenizer import Detokenizer
 
@@ -100,8 +100,8 @@ class TextCodec:
 
     @classmethod
     def load(cls, model: str, cache_dir: Path) -> TextCodec:
-        """Resolve `model` (see `kvrail.models.resolve`) and load its tokenizer, converting a GGUF
-        file once into the cache when no worker did. Raises ModelNotFoundError."""
+        """Resolve `model` (see `kvrail.model_files.resolve`) and load its tokenizer, converting a
+        GGUF file once into the cache when no worker did. Raises ModelNotFoundError."""
         started = time.monotonic()
         source = resolve(model)
         directory = tokenizer_dir(source, cache_dir)

@@ -10,7 +10,7 @@ from typing import get_args
 
 import httpx
 
-from kvrail.crd_spec import KvLoadFailurePolicy
+from kvrail.crd.spec import KvLoadFailurePolicy
 from kvrail.router.policy import Chooser
 
 CONNECT_TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import pytest
 
-from kvrail.servers import EtcdServer, NatsServer
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.kube import (
     APISERVER_BINARIES,
     CLUSTER_BINARIES,

@@ -23,7 +23,7 @@ min(`MAX_BLOCKS`, ~14,900 at 1 MiB) hashes per list (a larger batch is split, as
 kvstate reply at most min(`MAX_BLOCKS`, ~29,900 at 1 MiB) hashes. A worker caching more replies
 with the first of them, in the order they were stored, and logs a warning; a router then misses
 the rest until their events come again. A NATS `max_payload` of 8 MiB (kvrail's
-`MAX_MESSAGE_BYTES`, which `kvrail.servers` and the chart's NATS set) lifts both limits to
+`MAX_MESSAGE_BYTES`, which `kvrail.local.servers` and the chart's NATS set) lifts both limits to
 `MAX_BLOCKS` (65,536).
 """
 

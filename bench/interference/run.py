@@ -4,7 +4,7 @@ Run from the repository root:
 
     .venv/bin/python -P bench/interference/run.py --out bench/interference/
 
-For each mode, real etcd and NATS (kvrail.servers) and real SmolLM2-135M workers start as
+For each mode, real etcd and NATS (kvrail.local.servers) and real SmolLM2-135M workers start as
 subprocesses, pinned with `taskset -c` (decode or colocated worker on core 0, prefill worker on
 core 1), one torch thread each, a fresh pool per mode:
 
@@ -43,9 +43,9 @@ from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import connect
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import ManagedProcess
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, TokenEvent, decode
-from kvrail.procs import ManagedProcess
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
 READY_TIMEOUT_S = 240.0

@@ -19,15 +19,15 @@ from pathlib import Path
 import yaml
 from kubernetes import client, config
 
-from kvrail.crd import GROUP, PLURAL, VERSION
+from kvrail.crd.pool import GROUP, PLURAL, VERSION
 from kvrail.operator.builders.meta import POOL_LABEL
-from kvrail.operator.harness import (
+from kvrail.operator.testing import pool_manifest
+from kvrail.testing.kube import ADMIN, KubeControlPlane, default_bin_dir
+from kvrail.testing.operator_process import (
     REPO,
     launch_operator,
     wait_for,
 )
-from kvrail.operator.testing import pool_manifest
-from kvrail.testing.kube import ADMIN, KubeControlPlane, default_bin_dir
 
 NAMESPACE = "bench"
 CHILDREN_PER_POOL = 10  # ConfigMap, 3 Services, 2 StatefulSets, a Deployment, 3 PDBs

@@ -37,10 +37,10 @@ from nats.aio.msg import Msg
 
 from kvrail.bus import connect
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import ManagedProcess, free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, WorkerRecord, decode
-from kvrail.procs import ManagedProcess, free_port
 from kvrail.registry import Registry, etcd_client
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
 POOL = "bench-router"

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvrail.servers import EtcdServer, NatsServer
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
 SHIM = Path(__file__).resolve().parent / "no_nixl_progress_thread"

@@ -4,16 +4,16 @@ Run from the repository root (about 8 minutes on the 2-core development VM):
 
     .venv/bin/python -P bench/routing/run.py --out bench/routing/
 
-What runs: real etcd and NATS (`kvrail.servers`), then for each rate and each policy a fresh pool
-(`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role both`,
-colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`. The
-workers are new processes for every (rate, policy), so each starts from empty prefix caches and
-no policy benefits from a cache another one warmed. The load generator (`bench/loadgen.py`,
-imported) then sends a Poisson stream of chat requests: one of `--prefixes` system prompts of
-`--prefix-tokens` words (one word is one SmolLM2 token) followed by a short unique question, and
-`--output-tokens` tokens out. Every policy gets the same requests at the same times (same seed;
-each rate has its own seed). The policies run one after the other within a rate, in reverse
-order at every other rate, so a change in the machine's load is not all on one policy.
+What runs: real etcd and NATS (`kvrail.local.servers`), then for each rate and each policy a fresh
+pool (`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role both`,
+colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`. The workers
+are new processes for every (rate, policy), so each starts from empty prefix caches and no policy
+benefits from a cache another one warmed. The load generator (`bench/loadgen.py`, imported) then
+sends a Poisson stream of chat requests: one of `--prefixes` system prompts of `--prefix-tokens`
+words (one word is one SmolLM2 token) followed by a short unique question, and `--output-tokens`
+tokens out. Every policy gets the same requests at the same times (same seed; each rate has its own
+seed). The policies run one after the other within a rate, in reverse order at every other rate, so
+a change in the machine's load is not all on one policy.
 
 NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its
 UCX backend busy-polls, so an idle worker keeps a core busy in it (`idle_cpu.py`), which on two
@@ -66,9 +66,9 @@ from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrail.bus import connect
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import KvEvent, decode
-from kvrail.procs import free_port
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
 

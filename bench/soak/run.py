@@ -7,7 +7,7 @@ Real etcd, NATS (JetStream), `prefill-0`, `decode-0`, `decode-1` and one router,
 process (SmolLM2 on CPU); clients send greedy completions through the real `openai` client. Per
 scenario: requests sent / completed (identical to the answer recorded before any fault) /
 failed cleanly / lost (must be 0) / wrong (must be 0), the recovery time after the restart, and
-the KV blocks still held once the load stopped (must be 0). See `kvrail/testing/soak.py`.
+the KV blocks still held once the load stopped (must be 0). See `testing/soak.py`.
 """
 
 from __future__ import annotations

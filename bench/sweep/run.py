@@ -7,7 +7,7 @@
         --plot bench/sweep/sweep-h200.png
     .venv/bin/python -P bench/sweep/run.py --smoke --out /tmp/sweep-smoke.json   # CPU check
 
-What runs, per setup: real etcd and NATS (`kvrail.servers`), a fresh pool of real worker
+What runs, per setup: real etcd and NATS (`kvrail.local.servers`), a fresh pool of real worker
 processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router,
 all on this machine, then the load generator (`bench/loadgen.py`, imported) against the router's
 OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `both` worker, chunked prefill),
@@ -44,8 +44,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvrail.procs import free_port
-from kvrail.servers import EtcdServer, NatsServer
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
 

@@ -11,8 +11,8 @@ Colocated mode (`role: both`) runs no connector at all.
 
 vLLM's words differ from kvrail's in two places, mapped here and nowhere else: the KV cache dtype
 (`float8_e4m3fn` is vLLM's `fp8_e4m3`) and the failure policy (vLLM knows `recompute` and `fail`,
-not kvrail's `reroute`). The CRD refuses what cannot be mapped (`kvrail.crd`), and `ServeConfig`
-refuses it again for callers that do not come through the CRD.
+not kvrail's `reroute`). The CRD refuses what cannot be mapped (`kvrail.crd.pool`), and
+`ServeConfig` refuses it again for callers that do not come through the CRD.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ import json
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Final, Literal
+
+from kvrail.crd.pool import VLLM_KV_CACHE_DTYPES, VLLM_KV_LOAD_FAILURE_POLICIES
 
 DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 """The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM): the
@@ -35,10 +37,6 @@ NIXL_CONNECTOR: Final = "NixlConnector"
 
 VllmRole = Literal["prefill", "decode", "both"]
 """What one server does: `both` is a colocated pool's only role."""
-KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
-"""The values of vLLM's own `kv_load_failure_policy`."""
-KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
-"""kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
 KvBufferDevice = Literal["cuda", "cpu"]
 KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
 """The NIXL connector's `kv_role` of a disaggregated pool's servers."""
@@ -62,12 +60,12 @@ def kv_cache_dtype(dtype: str, kv_dtype: str) -> str | None:
     than the weights' (vLLM's flag has no such choice)."""
     if kv_dtype in ("auto", dtype):
         return None
-    if kv_dtype not in KV_CACHE_DTYPES:
+    if kv_dtype not in VLLM_KV_CACHE_DTYPES:
         raise ValueError(
             f"vLLM cannot keep the KV cache in {kv_dtype} with {dtype} weights: --kv-cache-dtype "
-            f"offers the weights' dtype (auto) or fp8 ({', '.join(KV_CACHE_DTYPES)})"
+            f"offers the weights' dtype (auto) or fp8 ({', '.join(VLLM_KV_CACHE_DTYPES)})"
         )
-    return KV_CACHE_DTYPES[kv_dtype]
+    return VLLM_KV_CACHE_DTYPES[kv_dtype]
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +101,10 @@ class ServeConfig:
     (the operator sets it from the pod IP through the downward API)."""
 
     def __post_init__(self) -> None:
-        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+        if self.kv_load_failure_policy not in VLLM_KV_LOAD_FAILURE_POLICIES:
             raise ValueError(
-                f"vLLM's kv_load_failure_policy knows only {' and '.join(KV_LOAD_FAILURE_POLICIES)}"
+                "vLLM's kv_load_failure_policy knows only "
+                f"{' and '.join(VLLM_KV_LOAD_FAILURE_POLICIES)}"
                 f", not {self.kv_load_failure_policy!r}"
             )
         kv_cache_dtype(self.dtype, self.kv_dtype)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from kvrail.crd import InferencePool, Role
+from kvrail.crd.pool import InferencePool, Role
 from kvrail.operator.builders.configmap import build_configmap
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.deployment import build_deployment
@@ -32,7 +32,8 @@ def build_children(
     """All desired children: config and the workers' NetworkPolicy first (no worker runs
     unprotected), then Services, workloads, budgets and the route.
 
-    `replicas` overrides the worker StatefulSets' sizes (see `kvrail.operator.replicas`)."""
+    `replicas` overrides the worker StatefulSets' sizes (see
+    `kvrail.operator.autoscale.replicas`)."""
     sizes = replicas or {}
     roles = [r for r in ROLES if pool.role(r) is not None]
     out: list[dict[str, Any]] = [build_configmap(pool)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.meta import config_name, model_hash, object_meta, short_hash
 
 ROUTER_CONFIG_KEY = "router.json"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool
-from kvrail.operator import placement
+from kvrail.crd.pool import InferencePool
+from kvrail.operator.builders import placement
 from kvrail.operator.builders.configmap import ROUTER_CONFIG_KEY, config_hash
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env, setting

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool
-from kvrail.crd_spec import EndpointSpec, RoleSpec
+from kvrail.crd.pool import InferencePool
+from kvrail.crd.spec import EndpointSpec, RoleSpec
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.meta import ROUTER_PORT, WORKER_PORT, model_hash
-from kvrail.operator.placement import ucx_tls
+from kvrail.operator.builders.placement import ucx_tls
 
 SECRETS_DIR = "/var/run/secrets/kvrail"
 CACHE_DIR = "/var/cache/kvrail"

@@ -7,7 +7,7 @@ import json
 from typing import Any, Literal
 
 from kvrail import __version__
-from kvrail.crd import API_VERSION, KIND, InferencePool
+from kvrail.crd.pool import API_VERSION, KIND, InferencePool
 
 Component = Literal["prefill", "decode", "router"]
 

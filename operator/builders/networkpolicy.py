@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.meta import (
     POOL_LABEL,
     ROLE_LABEL,

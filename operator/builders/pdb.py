@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.meta import Component, child_name, object_meta, selector_labels
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal, NamedTuple
 
-from kvrail.crd import InferencePool, Role
+from kvrail.crd.pool import InferencePool, Role
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import CACHE_DIR, infrastructure
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool, Role
+from kvrail.crd.pool import InferencePool, Role
 from kvrail.operator.builders.meta import (
     ROUTER_PORT,
     WORKER_PORT,

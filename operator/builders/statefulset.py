@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvrail.crd import InferencePool, Role
-from kvrail.crd_spec import RoleSpec
-from kvrail.operator import placement
+from kvrail.crd.pool import InferencePool, Role
+from kvrail.crd.spec import RoleSpec
+from kvrail.operator.builders import placement
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import worker_env
 from kvrail.operator.builders.meta import (
@@ -67,7 +67,7 @@ def build_statefulset(
     pool: InferencePool, role: Role, ctx: BuildContext, replicas: int | None = None
 ) -> dict[str, Any]:
     """The role's StatefulSet with `replicas` (default: the spec's; the planner's size when it is
-    in charge, see `kvrail.operator.replicas`)."""
+    in charge, see `kvrail.operator.autoscale.replicas`)."""
     spec = pool.role(role)
     if spec is None:
         raise ValueError(f"pool {pool.metadata.name} has no {role} pool")

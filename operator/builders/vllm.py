@@ -7,7 +7,7 @@ still leaves TCP out), and the role's `env` last; it gets no etcd or NATS creden
 the agent uses. vLLM listens on the pod IP (port 8000: API and `/health`; 5600: NIXL side
 channel, announced to peers as the pod IP from the downward API).
 
-The `agent` container (the kvrail image, `python -P -m kvrail.vllm.agent`) registers the server
+The `agent` container (the kvrail image, `python -P -m kvrail.agent`) registers the server
 in etcd as a worker of the pool (its role, `http://<pod ip>:8000`) and publishes its load. It is
 a plain container, not a native sidecar: on deletion both get SIGTERM at once, so the agent can
 withdraw the registration while vLLM still answers, instead of outliving it.
@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-from kvrail.crd import InferencePool, Role
-from kvrail.crd_spec import RoleSpec
-from kvrail.operator import placement
+from kvrail.crd.pool import InferencePool, Role
+from kvrail.crd.spec import RoleSpec
+from kvrail.operator.builders import placement
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import (
     CACHE_DIR,
@@ -55,7 +55,7 @@ from kvrail.vllm.serve import (
 
 ENGINE_CONTAINER: Final = "engine"
 AGENT_CONTAINER: Final = "agent"
-AGENT_COMMAND: Final = ("python", "-P", "-m", "kvrail.vllm.agent")
+AGENT_COMMAND: Final = ("python", "-P", "-m", "kvrail.agent")
 AGENT_RESOURCES: Final = {"requests": {"cpu": "50m", "memory": "128Mi"},
                           "limits": {"memory": "256Mi"}}  # fmt: skip
 """The agent only talks to etcd, NATS and vLLM on localhost."""

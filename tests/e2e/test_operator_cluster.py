@@ -26,22 +26,22 @@ from kubernetes.client.exceptions import ApiException
 from nats.js.errors import NotFoundError
 
 from kvrail.bus import PrefillQueue, connect
-from kvrail.crd import GROUP, PLURAL, VERSION
+from kvrail.crd.pool import GROUP, PLURAL, VERSION
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import ManagedProcess
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import PrefillJob
 from kvrail.operator.builders.meta import MODEL_HASH_LABEL, POOL_LABEL, ROLE_LABEL
-from kvrail.operator.harness import (
+from kvrail.operator.testing import mutate
+from kvrail.registry import etcd_client
+from kvrail.settings import Settings
+from kvrail.testing.kube import ADMIN, KubeControlPlane
+from kvrail.testing.operator_process import (
     OPERATOR_NAMESPACE,
     REPO,
     launch_operator,
     wait_for,
 )
-from kvrail.operator.testing import mutate
-from kvrail.procs import ManagedProcess
-from kvrail.registry import etcd_client
-from kvrail.servers import EtcdServer, NatsServer
-from kvrail.settings import Settings
-from kvrail.testing.kube import ADMIN, KubeControlPlane
 
 pytestmark = [pytest.mark.cluster, pytest.mark.helm]
 
@@ -444,7 +444,7 @@ def test_vllm_pool_runs_vllm_and_the_agent_in_every_worker_pod_and_refuses_rerou
                 ("http", 8000), ("nixl", 5600),
             ]  # fmt: skip
             assert engine.startup_probe.http_get.path == "/health"
-            assert agent.command == ["python", "-P", "-m", "kvrail.vllm.agent"]
+            assert agent.command == ["python", "-P", "-m", "kvrail.agent"]
             roles = [e.value for e in agent.env if e.name == "KVRAIL_ROLE"]
             assert roles == [role]
             assert not (agent.resources.limits or {}).get("nvidia.com/gpu")

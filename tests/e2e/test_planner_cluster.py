@@ -24,19 +24,19 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from kvrail.bus import PrefillQueue, connect
-from kvrail.crd import GROUP, PLURAL, VERSION
+from kvrail.crd.pool import GROUP, PLURAL, VERSION
 from kvrail.keys import PoolKeys
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import PrefillJob, WorkerRecord
-from kvrail.operator.harness import (
+from kvrail.operator.testing import mutate, pool_manifest
+from kvrail.registry import Registration, Registry, etcd_client
+from kvrail.settings import Settings
+from kvrail.testing.kube import ADMIN, KubeControlPlane
+from kvrail.testing.operator_process import (
     REPO,
     launch_operator,
     wait_for,
 )
-from kvrail.operator.testing import mutate, pool_manifest
-from kvrail.registry import Registration, Registry, etcd_client
-from kvrail.servers import EtcdServer, NatsServer
-from kvrail.settings import Settings
-from kvrail.testing.kube import ADMIN, KubeControlPlane
 
 pytestmark = [pytest.mark.cluster, pytest.mark.helm]
 

@@ -11,8 +11,8 @@ import pytest
 
 from kvrail.bus import PrefillQueue, connect
 from kvrail.keys import PoolKeys
+from kvrail.local.servers import NatsServer
 from kvrail.messages import PrefillJob
-from kvrail.servers import NatsServer
 from kvrail.settings import Settings
 
 

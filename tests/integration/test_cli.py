@@ -14,10 +14,10 @@ import pytest
 
 from kvrail.bus import PrefillQueue, connect
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import WorkerRecord
-from kvrail.procs import free_port
 from kvrail.registry import etcd_client
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
 KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; sys.exit(main())"]

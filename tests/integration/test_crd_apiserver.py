@@ -20,8 +20,8 @@ import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from kvrail.crd import GROUP, PLURAL, VERSION
-from kvrail.crdgen import CRD_FILENAME, CRD_NAME
+from kvrail.crd.gen import CRD_FILENAME, CRD_NAME
+from kvrail.crd.pool import GROUP, PLURAL, VERSION
 from kvrail.operator.testing import ACCEPTED, REFUSED, Change, mutate, pool_manifest
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 

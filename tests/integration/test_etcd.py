@@ -9,7 +9,7 @@ from urllib.parse import urlparse
 import aetcd
 
 from kvrail.keys import PoolKeys
-from kvrail.servers import EtcdServer
+from kvrail.local.servers import EtcdServer
 
 
 def _client(server: EtcdServer) -> aetcd.Client:

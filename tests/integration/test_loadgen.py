@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrail.procs import free_port
-from kvrail.servers import EtcdServer, NatsServer
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
 LOADGEN = Path(__file__).resolve().parents[2] / "bench" / "loadgen.py"

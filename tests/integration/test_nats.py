@@ -11,7 +11,7 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from nats.js.client import JetStreamContext
 
 from kvrail.keys import PoolKeys
-from kvrail.servers import NatsServer
+from kvrail.local.servers import NatsServer
 
 
 @pytest.fixture

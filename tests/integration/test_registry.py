@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 import pytest
 
 from kvrail.keys import PoolKeys
+from kvrail.local.servers import EtcdServer
 from kvrail.messages import WorkerRecord
 from kvrail.registry import Registry, WorkerChange, etcd_client
-from kvrail.servers import EtcdServer
 from kvrail.settings import Settings
 
 

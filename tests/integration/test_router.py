@@ -26,13 +26,13 @@ from nats.aio.client import Client as NatsClient
 from openai.types.chat import ChatCompletionMessageParam
 
 from kvrail.bus import connect
-from kvrail.procs import free_port
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.registry import Registry, etcd_client
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher, Job
 from kvrail.router.index import prompt_hashes
 from kvrail.router.policy import Chooser
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
 POOL = f"rt-{uuid.uuid4().hex[:8]}"

@@ -21,13 +21,13 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.keys import PoolKeys
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord, decode
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher, DispatchError, Job
 from kvrail.router.index import prompt_hashes
 from kvrail.router.policy import Chooser
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings
 
 FINGERPRINT = "f" * 64

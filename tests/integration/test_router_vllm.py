@@ -25,8 +25,9 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import TokenEvent, WorkerRecord
-from kvrail.procs import free_port
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery import WorkerView
@@ -36,7 +37,6 @@ from kvrail.router.policy import Chooser, Policy
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text import TextCodec
 from kvrail.router.vllm_options import VllmOptions
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings, default_cache_dir
 
 FINGERPRINT = "v" * 64

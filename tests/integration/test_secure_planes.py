@@ -20,10 +20,10 @@ import pytest
 from kvrail.bus import PrefillQueue, connect
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import PrefillJob, WorkerRecord
 from kvrail.operator.planes import PlaneError, Planes
 from kvrail.registry import Registry, etcd_client
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.settings import Settings, load_settings
 from kvrail.testing.pki import issue_serving_cert, make_pki
 

@@ -18,11 +18,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 import httpx
 import pytest
 
+from kvrail.agent.vllm import NOT_READY_AFTER_S
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer
 from kvrail.messages import WorkerRecord
-from kvrail.procs import free_port
 from kvrail.registry import Registry, etcd_client
-from kvrail.servers import EtcdServer
 from kvrail.settings import load_settings
 from kvrail.testing.vllm import (
     SERVED_MODEL_NAME,
@@ -32,7 +33,6 @@ from kvrail.testing.vllm import (
     vllm_model_dir,
     vllm_python,
 )
-from kvrail.vllm.agent import NOT_READY_AFTER_S
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -26,8 +26,8 @@ import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrail.procs import free_port
-from kvrail.servers import EtcdServer, NatsServer
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 from kvrail.testing.vllm import (
     SERVED_MODEL_NAME,

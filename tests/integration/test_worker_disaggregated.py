@@ -27,6 +27,8 @@ from nats.aio.client import Client as NatsClient
 from kvrail.bus import PrefillQueue, connect
 from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
+from kvrail.local.procs import free_port
+from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import (
     Cancel,
     GenerateRequest,
@@ -36,8 +38,6 @@ from kvrail.messages import (
     WorkerRecord,
     decode,
 )
-from kvrail.procs import free_port
-from kvrail.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"

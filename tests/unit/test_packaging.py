@@ -12,8 +12,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPONENTS = {"kvrail": "kvrail", "operator": "kvrail.operator", "worker": "kvrail.worker",
-              "router": "kvrail.router", "kernels": "kvrail.kernels"}  # fmt: skip
+COMPONENTS = {
+    "kvrail": "kvrail",
+    "operator": "kvrail.operator",
+    "worker": "kvrail.worker",
+    "router": "kvrail.router",
+    "kernels": "kvrail.kernels",
+    "agent": "kvrail.agent",
+    "cli": "kvrail.cli",
+    "local": "kvrail.local",
+    "testing": "kvrail.testing",
+}
 
 
 def _declared() -> list[str]:
@@ -84,3 +93,9 @@ def test_the_layer_contract_lists_every_module_of_the_contract_package() -> None
         f"kvrail.{p.name}" for p in (ROOT / "kvrail").iterdir() if (p / "__init__.py").exists()
     }
     assert sorted(contract["source_modules"]) == sorted(on_disk)
+
+
+def test_package_dir_maps_every_top_level_package_folder() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    mapping = config["tool"]["setuptools"]["package-dir"]
+    assert mapping == {package: folder for folder, package in COMPONENTS.items()}

@@ -29,7 +29,7 @@ import torch
 
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
-from kvrail.models import ModelSource
+from kvrail.model_files import ModelSource
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs

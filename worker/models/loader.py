@@ -1,7 +1,7 @@
 """Load a model source into a transformers config, a state dict and a tokenizer.
 
 A GGUF source is dequantized once by transformers (about 35 s for SmolLM2 Q4_1) and cached as
-safetensors under `kvrail.models.cache_dir()/<name>-<weights id prefix>/`, tokenizer included.
+safetensors under `kvrail.model_files.cache_dir()/<name>-<weights id prefix>/`, tokenizer included.
 The cache entry is written into a temporary directory and renamed into place, so a reader sees
 either nothing or a complete entry, never a half-written one; concurrent writers are harmless
 (the loser discards its copy). A safetensors directory source is read in place. Nothing is ever
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from kvrail.errors import ModelNotFoundError
-from kvrail.models import (
+from kvrail.model_files import (
     DEFAULT_MODEL,
     PREPARED_MARKER,
     ModelSource,

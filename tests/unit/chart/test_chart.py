@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kvrail.crdgen import CRD_FILENAME, render
+from kvrail.crd.gen import CRD_FILENAME, render
 from kvrail.operator.builders.env import SECRETS_DIR
 from kvrail.settings import Settings, load_settings
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvrail.crd_cel import apply_defaults, violations
-from kvrail.crdgen import openapi_schema
+from kvrail.crd.gen import openapi_schema
 from kvrail.operator.testing import ACCEPTED, REFUSED, Change, mutate, pool_manifest
+from kvrail.testing.cel import apply_defaults, violations
 
 
 @pytest.mark.parametrize(("case", "changes", "path", "word"), REFUSED, ids=[c[0] for c in REFUSED])

@@ -8,8 +8,8 @@ from typing import Any
 
 import yaml
 
-from kvrail.crd_cel import apply_defaults, violations
-from kvrail.crdgen import CRD_FILENAME, crd, main, openapi_schema, render
+from kvrail.crd.gen import CRD_FILENAME, crd, main, openapi_schema, render
+from kvrail.testing.cel import apply_defaults, violations
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -33,7 +33,7 @@ def _lookup(schema: dict[str, Any], dotted: str) -> dict[str, Any]:
 
 def test_committed_crd_is_regenerated_from_the_models() -> None:
     committed = (REPO / "crds" / CRD_FILENAME).read_text()
-    assert committed == render(), "crds/ is stale: run `.venv/bin/python -P -m kvrail.crdgen`"
+    assert committed == render(), "crds/ is stale: run `.venv/bin/python -P -m kvrail.crd.gen`"
 
 
 def test_check_mode_fails_on_a_stale_file(tmp_path: Path) -> None:
@@ -121,6 +121,6 @@ def test_rendered_yaml_has_no_anchors_and_parses_back() -> None:
 
 
 def test_api_version_is_group_and_version() -> None:
-    from kvrail.crd import API_VERSION, GROUP, VERSION
+    from kvrail.crd.pool import API_VERSION, GROUP, VERSION
 
     assert f"{GROUP}/{VERSION}" == API_VERSION

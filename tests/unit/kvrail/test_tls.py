@@ -9,7 +9,7 @@ import aetcd
 import pytest
 
 from kvrail.bus import connect
-from kvrail.crd_spec import InfrastructureSpec
+from kvrail.crd.spec import InfrastructureSpec
 from kvrail.errors import ConfigError
 from kvrail.operator.planes import pool_settings
 from kvrail.registry import etcd_client

@@ -3,11 +3,11 @@ posted; and which endpoints a pool's cleanup and signals use."""
 
 from __future__ import annotations
 
-from kvrail.crd_spec import InfrastructureSpec
-from kvrail.operator import planner as p
-from kvrail.operator.autoscaler import RECORD_EVERY_S, decision_status, record, rfc3339
+from kvrail.crd.spec import InfrastructureSpec
+from kvrail.operator.autoscale import planner as p
+from kvrail.operator.autoscale.autoscaler import RECORD_EVERY_S, decision_status, record, rfc3339
+from kvrail.operator.autoscale.planner import Decision, PlannerState, PrefillLoad, RoleState
 from kvrail.operator.planes import pool_settings
-from kvrail.operator.planner import Decision, PlannerState, PrefillLoad, RoleState
 from kvrail.settings import Settings
 
 T0 = 1_800_000_000.0

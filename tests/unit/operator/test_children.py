@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.children import ChildRef, build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 import yaml
 
-from kvrail.crd import InferencePool
-from kvrail.crd_cel import violations
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.children import build_children
 from kvrail.operator.builders.context import BuildContext
+from kvrail.testing.cel import violations
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[3] / "examples").glob("*.yaml"))
 
@@ -68,4 +68,4 @@ def test_vllm_example_runs_vllm_serve_beside_the_agent_on_a_gpu() -> None:
         assert {"name": "models", "mountPath": "/models", "readOnly": True} in engine[
             "volumeMounts"
         ]
-        assert agent["command"] == ["python", "-P", "-m", "kvrail.vllm.agent"]
+        assert agent["command"] == ["python", "-P", "-m", "kvrail.agent"]

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
-from kvrail.operator import placement
+from kvrail.crd.pool import InferencePool
+from kvrail.operator.builders import placement
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
 
 RDMA_LABEL = "feature.node.kubernetes.io/rdma.capable"

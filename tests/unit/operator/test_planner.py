@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
-from kvrail.operator import planner as p
-from kvrail.operator.planner import DecodeLoad, PlannerState, PrefillLoad, Signals, plan
+from kvrail.crd.pool import InferencePool
+from kvrail.operator.autoscale import planner as p
+from kvrail.operator.autoscale.planner import DecodeLoad, PlannerState, PrefillLoad, Signals, plan
 from kvrail.operator.testing import make_pool, mutate, pool_manifest
 
 # Windows in seconds: up 10, down 30, cooldown 0; 4 jobs (or 1000 tokens) per prefill replica;

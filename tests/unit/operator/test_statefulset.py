@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.statefulset import build_statefulset
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest

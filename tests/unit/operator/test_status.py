@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator import status as st
 from kvrail.operator.builders.meta import Component
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest

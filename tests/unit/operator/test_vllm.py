@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.crd import InferencePool
+from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.children import build_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import worker_env
@@ -31,7 +31,7 @@ INFRA = (
     ("spec.infrastructure.nats", {"url": "tls://n:4222", "credentialsSecret": "nats-user"}),
 )
 AGENT_ONLY = {"role", "vllm_url"}
-"""`KVRAIL_*` variables only the agent reads (`kvrail.vllm.agent`), not (yet) `Settings` fields."""
+"""`KVRAIL_*` variables only the agent reads (`kvrail.agent.vllm`), not (yet) `Settings` fields."""
 
 
 def vllm_pool(*changes: tuple[str, Any]) -> InferencePool:
@@ -210,7 +210,7 @@ def test_only_the_agent_mounts_etcd_and_nats_credentials_and_only_the_engine_the
 def test_agent_registers_the_server_with_the_pools_identity_and_planes(role: str) -> None:
     pool = vllm_pool(*INFRA, ("spec.model.servedName", "tiny-chat"))
     agent = containers(pool, role)["agent"]
-    assert agent["command"] == ["python", "-P", "-m", "kvrail.vllm.agent"]
+    assert agent["command"] == ["python", "-P", "-m", "kvrail.agent"]
     values = env(agent)
     assert values["KVRAIL_ROLE"] == role
     assert values["KVRAIL_VLLM_URL"] == "http://127.0.0.1:8000"

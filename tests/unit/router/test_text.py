@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
-from kvrail.models import PREPARED_MARKER, resolve
+from kvrail.model_files import PREPARED_MARKER, resolve
 from kvrail.router import text
 from kvrail.router.detokenizer import Detokenizer
 from kvrail.router.text import TextCodec

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.models import ModelSource
+from kvrail.model_files import ModelSource
 from kvrail.worker.models import loader
 
 

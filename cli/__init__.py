@@ -1,0 +1,1 @@
+"""The `kvrail` command line: `kvrail up`, `status`, `config`, `model prepare`, `version`."""

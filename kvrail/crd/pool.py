@@ -1,0 +1,207 @@
+"""The `InferencePool` API (`inferencepools.kvrail.dev/v1alpha1`): the source of `crds/`.
+
+Fields are snake_case here and camelCase in YAML. Every field is documented by the docstring under
+it; `kvrail.crd.gen` turns these models into the CRD's structural OpenAPI schema with defaults,
+enums and the CEL rules declared next to the models. The models check types, enums and ranges;
+rules spanning fields are CEL, enforced by the API server at `kubectl apply` and evaluated in unit
+tests by `kvrail.testing.cel`.
+
+What the model fingerprint covers (dtype, KV dtype, block size) lives once, in `spec.model`, so
+prefill and decode cannot disagree on it; the tensor-parallel size, also in the fingerprint, is set
+per pool and a CEL rule requires the two to match.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvrail.crd.base import CrdModel, rule, rules, sub
+from kvrail.crd.spec import (
+    AutoscalingSpec,
+    DisaggregationSpec,
+    EngineSpec,
+    InfrastructureSpec,
+    ModelSpec,
+    RoleSpec,
+    RouterSpec,
+    SecuritySpec,
+    TopologySpec,
+)
+from kvrail.crd.status import InferencePoolStatus
+from kvrail.model_files import PACKAGED_MODELS
+
+GROUP: Final = "kvrail.dev"
+VERSION: Final = "v1alpha1"
+KIND: Final = "InferencePool"
+PLURAL: Final = "inferencepools"
+API_VERSION: Final = "kvrail.dev/v1alpha1"
+MAX_POOL_NAME_LENGTH = 40
+Role = Literal["prefill", "decode"]
+VLLM_KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
+"""The values of vLLM's own `kv_load_failure_policy` (a vLLM pool cannot `reroute`)."""
+VLLM_KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
+"""kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
+
+
+def _cel_list(values: Iterable[str]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+def _vllm_rule(expr: str, message: str, field_path: str) -> dict[str, str]:
+    """A rule that holds for every engine but vLLM, and for vLLM when `expr` does."""
+    return rule(f"self.engine.kind != 'vllm' || {expr}", message, field_path)
+
+
+# What a vLLM pool cannot do, refused at apply rather than found when vLLM starts (or worse,
+# silently ignored). `kvrail.vllm.serve`, which builds vLLM's command line, refuses the same.
+_VLLM_RULES = (
+    _vllm_rule(
+        f"self.disaggregation.kvLoadFailurePolicy in {_cel_list(VLLM_KV_LOAD_FAILURE_POLICIES)}",
+        "engine.kind vllm cannot reroute a failed KV load to another prefill worker: vLLM's own "
+        f"kv_load_failure_policy knows only {' and '.join(VLLM_KV_LOAD_FAILURE_POLICIES)}",
+        ".disaggregation.kvLoadFailurePolicy",
+    ),
+    _vllm_rule(
+        "self.disaggregation.transferBackend == 'nixl'",
+        "engine.kind vllm moves KV with vLLM's NIXL connector only: set "
+        "disaggregation.transferBackend to nixl",
+        ".disaggregation.transferBackend",
+    ),
+    _vllm_rule(
+        f"!(self.model.source in {_cel_list(PACKAGED_MODELS)})",
+        "model.source names a model packaged for kvrail's own engine; engine.kind vllm needs "
+        "a safetensors directory (e.g. under /models, see model.volumeClaim) or a model id "
+        "vLLM can load",
+        ".model.source",
+    ),
+    _vllm_rule(
+        f"self.model.kvDtype in {_cel_list(['auto', *VLLM_KV_CACHE_DTYPES])} || "
+        "self.model.kvDtype == self.model.dtype",
+        "engine.kind vllm keeps the KV cache in the weights' dtype (auto) or in fp8 "
+        f"({', '.join(VLLM_KV_CACHE_DTYPES)}): vLLM's --kv-cache-dtype has no other float type",
+        ".model.kvDtype",
+    ),
+    _vllm_rule(
+        "!self.security.zeroKvOnRelease",
+        "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",
+        ".security.zeroKvOnRelease",
+    ),
+)
+
+_SPEC_RULES = rules(
+    rule(
+        "self.disaggregation.mode == 'colocated' || has(self.prefill)",
+        "disaggregated mode needs a prefill pool",
+        ".prefill",
+        "FieldValueRequired",
+    ),
+    rule(
+        "self.disaggregation.mode == 'disaggregated' || !has(self.prefill)",
+        "colocated mode runs a single pool (decode); remove prefill",
+        ".prefill",
+        "FieldValueForbidden",
+    ),
+    rule(
+        "!has(self.prefill) || self.prefill.parallelism.tensor == self.decode.parallelism.tensor",
+        "prefill and decode must use the same parallelism.tensor: it is part of the model "
+        "fingerprint, and workers with different fingerprints never pair",
+        ".prefill.parallelism.tensor",
+    ),
+    rule(
+        "self.disaggregation.mode == 'colocated' || "
+        "self.disaggregation.minRemotePrefillTokens < self.model.maxModelLen",
+        "disaggregation.minRemotePrefillTokens must be below model.maxModelLen, "
+        "or no prompt is ever prefilled remotely",
+        ".disaggregation.minRemotePrefillTokens",
+    ),
+    rule(
+        "!(self.topology.rdma == 'required' && self.disaggregation.transferBackend == 'local')",
+        "the local transfer backend never uses RDMA: use nixl, or set topology.rdma to "
+        "preferred or none",
+        ".topology.rdma",
+    ),
+    rule(
+        "!self.autoscaling.enabled || (has(self.decode.maxReplicas) && "
+        "(!has(self.prefill) || has(self.prefill.maxReplicas)))",
+        "autoscaling needs maxReplicas on every pool",
+        ".autoscaling.enabled",
+        "FieldValueRequired",
+    ),
+    *_VLLM_RULES,
+)
+
+
+class InferencePoolSpec(CrdModel):
+    """Desired state of a pool: the model, the two worker pools and how they are wired."""
+
+    model_config = ConfigDict(json_schema_extra=_SPEC_RULES)
+    image: str | None = Field(None, max_length=512)
+    """The kvrail image for every container; defaults to the operator's (`ghcr.io/kvrail/kvrail`
+    at the operator's version)."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    """Image pull policy. Default IfNotPresent."""
+    model: ModelSpec = sub(ModelSpec)
+    """The model and the settings every worker shares."""
+    engine: EngineSpec = sub(EngineSpec)
+    """The inference engine."""
+    prefill: RoleSpec | None = None
+    """The prefill pool; required in disaggregated mode, forbidden in colocated mode."""
+    decode: RoleSpec = sub(RoleSpec)
+    """The decode pool (in colocated mode, the only pool, running both phases)."""
+    disaggregation: DisaggregationSpec = sub(DisaggregationSpec)
+    """When prompts are prefilled remotely and what happens when a transfer fails."""
+    topology: TopologySpec = sub(TopologySpec)
+    """RDMA-aware placement."""
+    router: RouterSpec = sub(RouterSpec)
+    """The router."""
+    autoscaling: AutoscalingSpec = sub(AutoscalingSpec)
+    """Planner targets."""
+    infrastructure: InfrastructureSpec = sub(InfrastructureSpec)
+    """etcd and NATS endpoints and credentials."""
+    security: SecuritySpec = sub(SecuritySpec)
+    """Pod identity and hardening."""
+
+
+class ObjectMeta(BaseModel):
+    """The part of Kubernetes object metadata kvrail reads; the rest is kept as is."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+    namespace: str = "default"
+    uid: str = ""
+    generation: int = 0
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+
+class InferencePool(CrdModel):
+    """A model served by a prefill pool, a decode pool and a router."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            rule(
+                f"size(self.metadata.name) <= {MAX_POOL_NAME_LENGTH} && "
+                "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$')",
+                f"the pool name must be a DNS-1035 label of at most {MAX_POOL_NAME_LENGTH} "
+                "characters: it prefixes Service and StatefulSet names",
+            ),
+        )
+    )
+    api_version: Literal["kvrail.dev/v1alpha1"] = API_VERSION
+    """`kvrail.dev/v1alpha1`."""
+    kind: Literal["InferencePool"] = KIND
+    """`InferencePool`."""
+    metadata: ObjectMeta
+    """Standard object metadata."""
+    spec: InferencePoolSpec
+    """Desired state. Required: the defaults alone describe no valid pool (disaggregated mode
+    needs a prefill pool)."""
+    status: InferencePoolStatus | None = None
+    """Observed state, written by the operator."""
+
+    def role(self, role: Role) -> RoleSpec | None:
+        """The spec of one worker pool, or None when the pool does not run it."""
+        return self.spec.prefill if role == "prefill" else self.spec.decode

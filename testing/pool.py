@@ -1,0 +1,130 @@
+"""A local pool for tests: real worker and router processes over real etcd and NATS.
+
+`LocalPool` starts each component the production way (`python -P -m kvrail.worker` /
+`kvrail.router`, one process each, settings in the environment), waits for its "ready" log line,
+kills (-9) or stops it, and asks each worker over its debug subject for its block counts, so a
+test can end with "every block on every live worker is free again".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from pathlib import Path
+
+from nats.aio.client import Client as NatsClient
+
+from kvrail.keys import PoolKeys
+from kvrail.local.procs import ManagedProcess
+from kvrail.local.servers import EtcdServer, NatsServer
+from kvrail.messages import BlockCounts, WorkerRecord, decode
+from kvrail.registry import Registry, etcd_client
+from kvrail.settings import load_settings
+
+READY_TIMEOUT_S = 240.0
+_WORKER = [sys.executable, "-P", "-m", "kvrail.worker"]
+_ROUTER = [sys.executable, "-P", "-m", "kvrail.router"]
+
+
+class LocalPool:
+    def __init__(
+        self,
+        etcd: EtcdServer,
+        nats: NatsServer,
+        log_dir: Path,
+        pool: str,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.keys = PoolKeys("default", pool)
+        servers = {"KVRAIL_POOL": pool, **etcd.client_env(), **nats.client_env()}
+        self.settings = load_settings(environ=servers)  # TLS and credentials included
+        self.env = {
+            **os.environ,
+            "HF_HUB_OFFLINE": "1",
+            **servers,
+            "KVRAIL_TORCH_NUM_THREADS": "1",
+            **(env or {}),
+        }
+        self.log_dir = log_dir
+        self.procs: dict[str, ManagedProcess] = {}
+        self.ready: set[str] = set()
+        self.workers: set[str] = set()
+
+    def start(self, worker_id: str, role: str, **env: str) -> ManagedProcess:
+        """Start worker `worker_id` with `role`; `env` adds settings for this one."""
+        self.workers.add(worker_id)
+        argv = [*_WORKER, "--role", role, "--worker-id", worker_id]
+        return self._start(worker_id, argv, env)
+
+    def start_router(self, name: str, **env: str) -> ManagedProcess:
+        return self._start(name, list(_ROUTER), env)
+
+    def _start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
+        generation = sum(1 for _ in self.log_dir.glob(f"{name}.*.log"))
+        log_path = self.log_dir / f"{name}.{generation}.log"
+        proc = ManagedProcess(name, argv, log_path, env={**self.env, **env})
+        self.procs[name] = proc.start()
+        self.ready.discard(name)
+        return proc
+
+    def wait_ready(self, name: str, timeout_s: float = READY_TIMEOUT_S) -> None:
+        proc = self.procs[name]
+        marker = "worker ready" if name in self.workers else "router ready"
+        proc.wait_ready(lambda: marker in proc.log_path.read_text(), timeout_s, 0.25)
+        self.ready.add(name)
+
+    def kill(self, name: str) -> None:
+        """kill -9 one process and wait until it is gone."""
+        proc = self.procs[name]
+        self.ready.discard(name)
+        proc.kill()
+        deadline = time.monotonic() + 10
+        while proc.is_running():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{name} survived kill -9")
+            time.sleep(0.01)
+
+    def live(self) -> list[str]:
+        """Workers that became ready and still run."""
+        return [
+            n for n, p in self.procs.items() if n in self.ready & self.workers and p.is_running()
+        ]
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            proc.stop(grace_s=20)
+
+    async def records(self) -> dict[str, WorkerRecord]:
+        """The pool's worker records in etcd now."""
+        async with etcd_client(self.settings) as etcd:
+            records, _ = await Registry(etcd, self.keys).workers()
+        return records
+
+    async def block_counts(self, nc: NatsClient, worker_id: str) -> BlockCounts:
+        reply = await nc.request(self.keys.debug(worker_id), b"", timeout=5)
+        return decode(reply.data, BlockCounts)
+
+    async def blocks_held(self, nc: NatsClient, timeout_s: float = 30.0) -> dict[str, BlockCounts]:
+        """The live workers that still hold a request, a retained or a quarantined block after
+        waiting up to `timeout_s` for every one to be free (polled), with their counts."""
+        deadline = time.monotonic() + timeout_s
+        held: dict[str, BlockCounts] = {}
+        for worker_id in self.live():
+            while True:
+                c = await self.block_counts(nc, worker_id)
+                idle = c.num_requests == c.num_retained == c.num_pending == 0
+                if idle and c.num_free_blocks == c.num_blocks:
+                    break
+                if time.monotonic() > deadline:
+                    held[worker_id] = c
+                    break
+                await asyncio.sleep(0.2)
+        return held
+
+    async def assert_all_blocks_free(self, nc: NatsClient, timeout_s: float = 30.0) -> None:
+        """Every live worker holds no request, no retained and no quarantined block (polled)."""
+        held = await self.blocks_held(nc, timeout_s)
+        if held:
+            raise AssertionError(f"workers still hold blocks: {held}")

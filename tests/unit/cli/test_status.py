@@ -1,0 +1,41 @@
+from __future__ import annotations
+
+from kvrail.cli.status import PoolStatus, render
+from kvrail.keys import PoolKeys, parse_worker_key
+from kvrail.messages import WorkerRecord
+
+
+def worker(worker_id: str, role: str, **kw: object) -> WorkerRecord:
+    return WorkerRecord(worker_id=worker_id, pod_uid="u", incarnation=7, role=role,  # type: ignore[arg-type]
+                        fingerprint="f", **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_render_lists_each_pool_with_its_workers_and_queue() -> None:
+    text = render([
+        PoolStatus("team-a", "llama", [
+            worker("decode-0", "decode", is_ready=True, transport="nixl-ucx", num_running=3,
+                   kv_utilization=0.42),
+            worker("prefill-0", "prefill", transport="cuda-ipc"),
+        ], queued_jobs=5),
+        PoolStatus("team-b", "empty", [], queued_jobs=None, invalid_records=1),
+    ])  # fmt: skip
+    lines = text.splitlines()
+    assert lines[0] == "pool team-a/llama: 1 decode, 1 prefill; 5 queued jobs"
+    assert lines[1].split() == ["WORKER", "ROLE", "INCARNATION", "READY", "TRANSPORT", "RUNNING",
+                                "WAITING", "KV"]  # fmt: skip
+    assert lines[2].split() == ["decode-0", "decode", "7", "yes", "nixl-ucx", "3", "0", "42%"]
+    assert lines[3].split()[:5] == ["prefill-0", "prefill", "7", "no", "cuda-ipc"]
+    assert "pool team-b/empty: no workers; no prefill queue" in text
+    assert "1 invalid worker records ignored" in text
+
+
+def test_render_says_so_when_nothing_is_registered() -> None:
+    assert render([]) == "no pools have registered workers\n"
+
+
+def test_worker_keys_of_any_pool_parse_and_others_do_not() -> None:
+    keys = PoolKeys("ns", "p")
+    assert parse_worker_key(keys.worker("w-1")) == (keys, "w-1")
+    for other in ("/kvrail/v1/ns/p/other/w", "/kvrail/v1/ns/p/workers/", "/x/ns/p/workers/w",
+                  "/kvrail/v1/NS/p/workers/w", "/kvrail/v1/ns/p/workers/w/extra"):  # fmt: skip
+        assert parse_worker_key(other) is None
