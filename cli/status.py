@@ -13,8 +13,9 @@ import aetcd
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from kvrail.codec import MessageError, decode
 from kvrail.keys import ROOT_PREFIX, PoolKeys, parse_worker_key
-from kvrail.messages import MessageError, WorkerRecord, decode
+from kvrail.messages import WorkerRecord
 
 
 @dataclass

@@ -30,9 +30,10 @@ from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from nats.js.client import JetStreamContext
 from nats.js.errors import NotFoundError
 
+from kvrail.codec import MessageError, decode
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
-from kvrail.messages import MessageError, PrefillJob, decode
+from kvrail.messages import PrefillJob
 from kvrail.settings import Settings, read_secret
 from kvrail.tls import nats_ssl_context, require_nats_tls
 

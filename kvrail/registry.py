@@ -23,8 +23,9 @@ import aetcd.client
 import aetcd.rpc
 import aetcd.watcher
 
+from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import MessageError, WorkerRecord, decode
+from kvrail.messages import WorkerRecord
 from kvrail.settings import Settings, read_secret
 from kvrail.tls import etcd_credentials
 

@@ -190,7 +190,7 @@ class NatsServer:
         return self
 
     def _config(self) -> str:
-        # max_payload has no flag: messages up to kvrail.messages.MAX_MESSAGE_BYTES (KV state
+        # max_payload has no flag: messages up to kvrail.codec.MAX_MESSAGE_BYTES (KV state
         # replies of large pools); the default is 1 MiB.
         lines = ["max_payload: 8MB"]
         if self.tls:

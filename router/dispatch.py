@@ -35,8 +35,9 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.errors import TimeoutError as NatsTimeoutError
 
+from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import Cancel, GenerateRequest, MessageError, TokenEvent, decode
+from kvrail.messages import Cancel, GenerateRequest, TokenEvent
 from kvrail.router.discovery import WorkerView
 from kvrail.router.index import prompt_hashes
 from kvrail.router.job import AttemptFailed, CancelReason, DispatchError, EventStream, Job

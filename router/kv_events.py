@@ -18,8 +18,9 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import KvEvent, MessageError, WorkerRecord, decode
+from kvrail.messages import KvEvent, WorkerRecord
 from kvrail.router.index import KvIndex
 
 log = logging.getLogger(__name__)

@@ -16,10 +16,11 @@ from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
 
+from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import BlockCounts, WorkerRecord, decode
+from kvrail.messages import BlockCounts, WorkerRecord
 from kvrail.registry import Registry, etcd_client
 from kvrail.settings import load_settings
 

@@ -23,8 +23,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.codec import MessageError, decode
 from kvrail.errors import InvalidRequestError
-from kvrail.messages import Cancel, GenerateRequest, MessageError, PrefillMode, TokenEvent, decode
+from kvrail.messages import Cancel, GenerateRequest, PrefillMode, TokenEvent
 from kvrail.worker import metrics
 from kvrail.worker.cancels import RecentCancels
 from kvrail.worker.context import WorkerContext

@@ -39,8 +39,9 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.codec import MAX_BLOCKS, MessageError
 from kvrail.keys import PoolKeys
-from kvrail.messages import MAX_BLOCKS, KvEvent, MessageError
+from kvrail.messages import KvEvent
 from kvrail.worker.engine.block_pool import KvChanges
 
 log = logging.getLogger(__name__)

@@ -40,18 +40,17 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.bus import PrefillConsumer, QueuedJob
+from kvrail.codec import MessageError, decode
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
     WRITE_GRANT_REFUSALS,
     Cancel,
-    MessageError,
     PrefillDone,
     PrefillJob,
     PrefillSettled,
     WorkerRecord,
     WriteGrant,
     WriteGrantRequest,
-    decode,
     tokens_digest,
 )
 from kvrail.worker import metrics

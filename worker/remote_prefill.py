@@ -36,16 +36,15 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.codec import MessageError, decode
 from kvrail.messages import (
     GenerateRequest,
-    MessageError,
     PrefillDone,
     PrefillJob,
     PrefillSettled,
     WorkerRecord,
     WriteGrant,
     WriteGrantRequest,
-    decode,
     tokens_digest,
 )
 from kvrail.worker import metrics

@@ -42,10 +42,11 @@ from typing import Any
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import connect
+from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, TokenEvent, decode
+from kvrail.messages import GenerateRequest, TokenEvent
 from kvrail.settings import Settings
 
 READY_TIMEOUT_S = 240.0

@@ -18,7 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, fields
 from typing import Any
 
-from kvrail.messages import _PACKED, WIRE_VERSION, TokenEvent, _pack, decode
+from kvrail.codec import WIRE_VERSION, decode
+from kvrail.messages import _PACKED, TokenEvent, _pack
 
 REPEATS = 5
 N = 20_000

@@ -36,10 +36,11 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from kvrail.bus import connect
+from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, WorkerRecord, decode
+from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, WorkerRecord
 from kvrail.registry import Registry, etcd_client
 from kvrail.settings import Settings
 

@@ -66,9 +66,10 @@ from nats.aio.msg import Msg
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrail.bus import connect
+from kvrail.codec import decode
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import KvEvent, decode
+from kvrail.messages import KvEvent
 from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
 

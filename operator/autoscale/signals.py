@@ -23,7 +23,8 @@ from typing import TypeVar
 from nats.js.errors import NotFoundError
 
 from kvrail.bus import TOKENS_HEADER, PrefillQueue
-from kvrail.messages import MessageError, PrefillJob, decode
+from kvrail.codec import MessageError, decode
+from kvrail.messages import PrefillJob
 from kvrail.operator.autoscale.planner import DecodeLoad, PrefillLoad, Signals
 from kvrail.operator.planes import UNREACHABLE, PlaneError, Planes
 from kvrail.registry import Registry

@@ -20,9 +20,10 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord, decode
+from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery import WorkerView
 from kvrail.router.dispatch import Dispatcher, DispatchError, Job

@@ -25,19 +25,12 @@ import pytest
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import PrefillQueue, connect
+from kvrail.codec import decode
 from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import (
-    Cancel,
-    GenerateRequest,
-    KvEvent,
-    PrefillJob,
-    TokenEvent,
-    WorkerRecord,
-    decode,
-)
+from kvrail.messages import Cancel, GenerateRequest, KvEvent, PrefillJob, TokenEvent, WorkerRecord
 from kvrail.testing.pool import LocalPool
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"

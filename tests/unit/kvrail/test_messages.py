@@ -7,16 +7,8 @@ from typing import Any
 
 import pytest
 
-from kvrail.messages import (
-    MAX_MESSAGE_BYTES,
-    Cancel,
-    KvEvent,
-    MessageError,
-    PrefillDone,
-    PrefillJob,
-    WorkerRecord,
-    decode,
-)
+from kvrail.codec import MAX_MESSAGE_BYTES, MessageError, decode
+from kvrail.messages import Cancel, KvEvent, PrefillDone, PrefillJob, WorkerRecord
 
 
 def job(**overrides: Any) -> PrefillJob:

@@ -7,15 +7,9 @@ from typing import Any
 
 import pytest
 
+from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import (
-    BlockCounts,
-    GenerateRequest,
-    MessageError,
-    PrefillDone,
-    TokenEvent,
-    decode,
-)
+from kvrail.messages import BlockCounts, GenerateRequest, PrefillDone, TokenEvent
 
 
 def request(**overrides: Any) -> GenerateRequest:

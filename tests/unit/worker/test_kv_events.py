@@ -10,8 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvrail.codec import MAX_BLOCKS, MAX_MESSAGE_BYTES, decode
 from kvrail.hashing import block_hashes, root_hash
-from kvrail.messages import MAX_BLOCKS, MAX_MESSAGE_BYTES, KvEvent, decode
+from kvrail.messages import KvEvent
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.kv_events import KvEventLog, block_limits
