@@ -152,6 +152,12 @@ class KvEvent(Message):
     cleared: bool = False
 
 
+WorkerRole = Literal["prefill", "decode", "colocated"]
+"""What a worker does: `colocated` workers prefill and decode (a colocated pool's only role)."""
+DECODE_ROLES: tuple[WorkerRole, ...] = ("decode", "colocated")
+"""The roles that take generate requests."""
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerRecord(Message):
     """One worker's record in etcd, under its lease, refreshed about every second."""
@@ -160,7 +166,7 @@ class WorkerRecord(Message):
     worker_id: str
     pod_uid: str
     incarnation: int
-    role: Literal["prefill", "decode", "both"]
+    role: WorkerRole
     fingerprint: str
     address: str = ""
     nixl_agent_name: str = ""

@@ -28,6 +28,7 @@ from kvrail.crd.spec import (
     TransferBackend,
 )
 from kvrail.errors import ConfigError
+from kvrail.messages import WorkerRole
 from kvrail.tls import check_etcd_endpoints
 
 ENV_PREFIX = "KVRAIL_"
@@ -125,8 +126,10 @@ class Settings(BaseModel):
     )  # fmt: skip
 
     # The vLLM agent (`python -P -m kvrail.agent`, beside a `vllm serve` of a vLLM pool).
-    role: Literal["prefill", "decode", "both"] | None = Field(
-        None, description="what the agent's vLLM server does (kvrail workers take --role)"
+    role: WorkerRole | None = Field(
+        None,
+        description="what the agent's vLLM server does (kvrail workers take --role); the old "
+        "spelling `both` still means colocated",
     )
     vllm_url: str | None = Field(
         None, description="the agent's own vLLM server, e.g. http://127.0.0.1:8000"
@@ -170,6 +173,11 @@ class Settings(BaseModel):
             if not re.match(r"^https?://[^/:]+:\d+$", endpoint):
                 raise ValueError(f"etcd endpoint {endpoint!r} is not http(s)://host:port")
         return value
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _old_role_spelling(cls, value: object) -> object:
+        return "colocated" if value == "both" else value
 
     @field_validator("nats_url")
     @classmethod

@@ -44,10 +44,9 @@ from nats.aio.subscription import Subscription
 
 from kvrail.errors import DeadlineExceededError
 from kvrail.keys import PoolKeys
-from kvrail.messages import KvEvent, WorkerRecord
+from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
 from kvrail.registry import Registry
 from kvrail.router.index import KvIndex
-from kvrail.router.kv_events import DECODE_ROLES
 from kvrail.router.policy import Candidate
 from kvrail.router.worker_records import RecordFollower
 

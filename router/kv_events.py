@@ -20,13 +20,12 @@ from nats.aio.msg import Msg
 
 from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import KvEvent, WorkerRecord
+from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
 from kvrail.router.index import KvIndex
 
 log = logging.getLogger(__name__)
 
 MAX_BUFFERED_EVENTS = 1024
-DECODE_ROLES = ("decode", "both")
 INDEXED_ENGINES = ("kvrail",)
 """Engines whose workers publish KV events."""
 

@@ -15,9 +15,9 @@ import logging
 
 import aetcd
 
-from kvrail.messages import WorkerRecord
+from kvrail.messages import DECODE_ROLES, WorkerRecord
 from kvrail.registry import Registry
-from kvrail.router.kv_events import DECODE_ROLES, INDEXED_ENGINES, KvEventFollower
+from kvrail.router.kv_events import INDEXED_ENGINES, KvEventFollower
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""`python -P -m kvrail.worker --role prefill|decode|both [--worker-id ID]`
+"""`python -P -m kvrail.worker --role prefill|decode|colocated [--worker-id ID]`
 
 Loads settings from the environment, builds the engine (CUDA when available, else CPU), registers
 the NIXL agent over the engine's one KV tensor, registers the worker in etcd under a lease
@@ -19,7 +19,6 @@ import os
 import signal
 import sys
 import time
-from typing import Literal
 
 import aetcd
 import torch
@@ -28,24 +27,22 @@ from nats.aio.msg import Msg
 from kvrail.bus import PrefillQueue, connect
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys, check_label
-from kvrail.messages import BlockCounts, WorkerRecord
+from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.worker import metrics
-from kvrail.worker.context import WorkerContext
-from kvrail.worker.decode import DecodeRole
 from kvrail.worker.engine.engine import LLMEngine
-from kvrail.worker.kv_events import KvEventPublisher
-from kvrail.worker.peers import PeerTable
-from kvrail.worker.prefill import PrefillRole
+from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.decode import DecodeRole
+from kvrail.worker.roles.kv_events import KvEventPublisher
+from kvrail.worker.roles.peers import PeerTable
+from kvrail.worker.roles.prefill import PrefillRole
 from kvrail.worker.service import EngineService
-from kvrail.worker.transfer.connector import BlockRegion
-from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.rdma import rdma_devices, rdma_problem
 
 log = logging.getLogger("kvrail.worker")
 
-Role = Literal["prefill", "decode", "both"]
 _LOAD_REFRESH_S = 1.0
 
 
@@ -68,9 +65,9 @@ def build_engine(settings: Settings) -> LLMEngine:
 
 
 class Worker:
-    def __init__(self, settings: Settings, role: Role, worker_id: str) -> None:
+    def __init__(self, settings: Settings, role: WorkerRole, worker_id: str) -> None:
         self.settings = settings
-        self.role: Role = role
+        self.role: WorkerRole = role
         self.worker_id = worker_id
         self.incarnation = time.time_ns()
         self.agent_name = f"{worker_id}-{self.incarnation}"
@@ -81,8 +78,8 @@ class Worker:
         settings = self.settings
         engine = await asyncio.to_thread(build_engine, settings)
         fingerprint = engine.fingerprint.digest
-        region = BlockRegion(engine.kv_cache.tensor, engine.kv_cache.num_blocks)
-        nixl = NixlConnector(self.agent_name, region)
+        region = engine.kv_cache
+        connector = KvConnector(self.agent_name, region)
         nc = await connect(settings, f"kvrail-{self.role}-{self.worker_id}")
         kv_events = KvEventPublisher(nc, self.keys, self.worker_id, self.incarnation)
         service = EngineService(
@@ -97,10 +94,10 @@ class Worker:
             worker_id=self.worker_id, pod_uid=settings.pod_uid or f"local-{os.getpid()}",
             incarnation=self.incarnation, role=self.role, fingerprint=fingerprint,
             address=settings.pod_ip or "", nixl_agent_name=self.agent_name,
-            nixl_metadata_b64=base64.b64encode(nixl.metadata()).decode(),
+            nixl_metadata_b64=base64.b64encode(connector.metadata()).decode(),
             num_blocks=counts.num_blocks, block_bytes=region.block_bytes,
             block_size=engine.config.block_size, max_model_len=engine.config.max_model_len,
-            transport=nixl.transport, is_ready=False,
+            transport=connector.transport, is_ready=False,
         )  # fmt: skip
         registration = await registry.register(record)
         peers = PeerTable(registry, self.worker_id)
@@ -108,10 +105,10 @@ class Worker:
         ctx = WorkerContext(
             settings=settings, keys=self.keys, worker_id=self.worker_id,
             incarnation=self.incarnation, agent_name=self.agent_name, fingerprint=fingerprint,
-            nc=nc, prefill_queue=prefill_queue, service=service, nixl=nixl, peers=peers,
+            nc=nc, prefill_queue=prefill_queue, service=service, connector=connector, peers=peers,
         )  # fmt: skip
         roles: list[DecodeRole | PrefillRole] = []
-        if self.role in ("decode", "both"):
+        if self.role in DECODE_ROLES:
             roles.append(DecodeRole(ctx))
         if self.role == "prefill":
             roles.append(PrefillRole(ctx))
@@ -144,7 +141,7 @@ class Worker:
                 "worker ready worker=%s role=%s incarnation=%d agent=%s fingerprint=%s "
                 "blocks=%d block_bytes=%d device=%s transport=%s",
                 self.worker_id, self.role, self.incarnation, self.agent_name, fingerprint[:12],
-                counts.num_blocks, region.block_bytes, engine.device, nixl.transport,
+                counts.num_blocks, region.block_bytes, engine.device, connector.transport,
             )  # fmt: skip
             while not self.stopping.is_set():
                 with contextlib.suppress(TimeoutError):
@@ -179,7 +176,7 @@ class Worker:
             await kv_events.close()
             await nc.drain()
             await etcd.close()
-            nixl.close()
+            connector.close()
         log.info("worker stopped worker=%s", self.worker_id)
 
 
@@ -199,7 +196,12 @@ def _with(record: WorkerRecord, **changes: object) -> WorkerRecord:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -P -m kvrail.worker")
-    parser.add_argument("--role", choices=("prefill", "decode", "both"), required=True)
+    parser.add_argument(
+        "--role",
+        choices=("prefill", "decode", "colocated", "both"),
+        required=True,
+        help="colocated: prefill and decode in this worker (`both` is its old spelling)",
+    )
     parser.add_argument("--worker-id", help="a DNS-1123 label; default: the pod name")
     args = parser.parse_args(argv)
     try:
@@ -215,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.serve(settings.http_port)
     if settings.torch_num_threads is not None:
         torch.set_num_threads(settings.torch_num_threads)
-    worker = Worker(settings, args.role, worker_id)
+    role: WorkerRole = "colocated" if args.role == "both" else args.role
+    worker = Worker(settings, role, worker_id)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -48,10 +48,10 @@ _BUSY_WAIT_S = 0.002  # after a step that produced nothing (e.g. only reserved r
 
 @dataclass(frozen=True, slots=True)
 class Update:
-    """A request's state after a step: every output token so far, and why it ended (if so)."""
+    """What a step added to a request: its new tokens (only those), and why it ended (if so)."""
 
     request_id: str
-    output_token_ids: tuple[int, ...]
+    new_token_ids: tuple[int, ...]
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
@@ -191,7 +191,7 @@ class EngineService:
                 tracked,
                 Update(
                     request_id,
-                    tuple(request.output_token_ids),
+                    (first_token_id,),
                     request.is_finished,
                     request.status.finish_reason,
                 ),
@@ -232,11 +232,11 @@ class EngineService:
         except asyncio.CancelledError:
             await self.abort(request_id)
             raise
-        if update.error is not None or not update.output_token_ids:
+        if update.error is not None or not update.new_token_ids:
             await self.abort(request_id)
             raise DeadlineExceededError(f"prefill of {request_id} ended: {update.error}")
         block_ids = await self._call(lambda: self.engine.retained_block_ids(request_id))
-        return PrefillResult(update.output_token_ids[0], tuple(block_ids))
+        return PrefillResult(update.new_token_ids[0], tuple(block_ids))
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in any state (reserved, running, retained); its callback is dropped.
@@ -329,10 +329,7 @@ class EngineService:
         if output.finished:
             del self._tracked[output.request_id]
         update = Update(
-            output.request_id,
-            tuple(output.output_token_ids),
-            output.finished,
-            output.finish_reason,
+            output.request_id, output.new_token_ids, output.finished, output.finish_reason
         )
         return tracked.on_update, update
 

@@ -18,7 +18,7 @@ import torch
 import triton
 
 from kvrail.kernels import decode_attention as dec
-from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.kv_cache import KVCache
 
 LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
 TABLE_WIDTH = (8192 + 1024) // BS  # the captured graphs' width (max_model_len 9216)
@@ -27,7 +27,7 @@ TABLE_WIDTH = (8192 + 1024) // BS  # the captured graphs' width (max_model_len 9
 def case(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
     lens = torch.randint(512, 641, (batch,), generator=generator)
     need = int(((lens + BS - 1) // BS).sum())
-    cache = KVCache(need + 1, LAYERS, BS, HKV, D, torch.bfloat16, "cuda")
+    cache = KVCache.allocate(need + 1, LAYERS, BS, HKV, D, torch.bfloat16, "cuda")
     cache.tensor.normal_()
     k, v = cache.layer(5)
     order = torch.randperm(need, generator=generator) + 1

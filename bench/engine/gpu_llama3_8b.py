@@ -102,7 +102,7 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides: Any) -> Any:
     from kvrail.worker.engine.config import EngineConfig
     from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
-    from kvrail.worker.engine.kv_cache import KVCache
+    from kvrail.worker.kv_cache import KVCache
     from kvrail.worker.models.llama import LlamaForCausalLM
 
     dtype = next(hf.parameters()).dtype

@@ -79,9 +79,9 @@ async def service_gap_ms(engine: Any, n: int, params: Any) -> tuple[float, float
         nonlocal finished, all_started
         now = time.perf_counter()
         rid = update.request_id
-        new = update.output_token_ids[sent.get(rid, 0) :]
-        sent[rid] = len(update.output_token_ids)
-        TokenEvent(rid, sent[rid], tuple(new), update.finish_reason, update.error, "w").encode()
+        seq = sent.get(rid, 0)
+        sent[rid] = seq + 1
+        TokenEvent(rid, seq, update.new_token_ids, update.finish_reason, update.error, "w").encode()
         if len(sent) == n and all_started == float("inf"):
             all_started = now
         if last.get(rid, 0.0) >= all_started and not update.is_last:

@@ -62,7 +62,7 @@ def build_engine(smoke: bool, max_len: int, budget: int) -> Any:
 
     from kvrail.worker.engine.config import EngineConfig
     from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
-    from kvrail.worker.engine.kv_cache import KVCache
+    from kvrail.worker.kv_cache import KVCache
     from kvrail.worker.models.llama import LlamaForCausalLM
 
     device = "cpu" if smoke else "cuda"
@@ -150,7 +150,7 @@ def decode_user(
         for out in engine.step():
             if out.request_id == "a":
                 now = time.perf_counter()
-                times.extend([now] * (len(out.output_token_ids) - len(times)))
+                times.extend([now] * len(out.new_token_ids))
                 if len(times) == args.b_after and b_sent is None:
                     b_sent = now
                     if colocated:

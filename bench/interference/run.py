@@ -8,7 +8,7 @@ For each mode, real etcd and NATS (kvrail.local.servers) and real SmolLM2-135M w
 subprocesses, pinned with `taskset -c` (decode or colocated worker on core 0, prefill worker on
 core 1), one torch thread each, a fresh pool per mode:
 
-- `colocated`: one `--role both` worker, max_num_batched_tokens >= the long prompt (one step);
+- `colocated`: one `--role colocated` worker, max_num_batched_tokens >= the long prompt (one step);
 - `chunked-512`, `chunked-128`: the same with a per-step budget of 512 / 128 tokens;
 - `disaggregated`: a prefill worker on core 1 and a decode worker on core 0, remote prefill above
   a low threshold.
@@ -157,7 +157,7 @@ class ModeRun:
                 "KVRAIL_DISAGGREGATION_MODE": "colocated",
                 "KVRAIL_MAX_NUM_BATCHED_TOKENS": budget,
             }
-            self.workers = [("colo-0", "both", DECODE_CORE, env)]
+            self.workers = [("colo-0", "colocated", DECODE_CORE, env)]
         self.decode_worker = self.workers[-1][0]
 
     def start(self) -> None:

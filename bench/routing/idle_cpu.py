@@ -2,7 +2,7 @@
 
     .venv/bin/python -P bench/routing/idle_cpu.py --out bench/routing/idle_cpu.json   # ~1 min
 
-Starts real etcd and NATS, then one colocated `--role both` worker at a time (no router, no
+Starts real etcd and NATS, then one colocated `--role colocated` worker at a time (no router, no
 requests), waits until it is ready and a few seconds more, and measures over `--seconds` the CPU
 time of the whole process and of its busiest thread (/proc/<pid>/task/*/stat). With the thread
 on, the busiest thread is NIXL's UCX progress thread (`nixlUcxSharedThread::run`, identified with
@@ -69,7 +69,7 @@ def main() -> int:
                 )
             pool = LocalPool(etcd, nats, root / thread, f"idle-{uuid.uuid4().hex[:6]}", env)
             try:
-                pool.start("decode-0", "both")
+                pool.start("decode-0", "colocated")
                 pool.wait_ready("decode-0")
                 time.sleep(3)
                 pid = pool.procs["decode-0"].pid

@@ -5,15 +5,15 @@ Run from the repository root (about 8 minutes on the 2-core development VM):
     .venv/bin/python -P bench/routing/run.py --out bench/routing/
 
 What runs: real etcd and NATS (`kvrail.local.servers`), then for each rate and each policy a fresh
-pool (`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role both`,
-colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`. The workers
-are new processes for every (rate, policy), so each starts from empty prefix caches and no policy
-benefits from a cache another one warmed. The load generator (`bench/loadgen.py`, imported) then
-sends a Poisson stream of chat requests: one of `--prefixes` system prompts of `--prefix-tokens`
-words (one word is one SmolLM2 token) followed by a short unique question, and `--output-tokens`
-tokens out. Every policy gets the same requests at the same times (same seed; each rate has its own
-seed). The policies run one after the other within a rate, in reverse order at every other rate, so
-a change in the machine's load is not all on one policy.
+pool (`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role
+colocated`, colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`.
+The workers are new processes for every (rate, policy), so each starts from empty prefix caches and
+no policy benefits from a cache another one warmed. The load generator (`bench/loadgen.py`,
+imported) then sends a Poisson stream of chat requests: one of `--prefixes` system prompts of
+`--prefix-tokens` words (one word is one SmolLM2 token) followed by a short unique question, and
+`--output-tokens` tokens out. Every policy gets the same requests at the same times (same seed; each
+rate has its own seed). The policies run one after the other within a rate, in reverse order at
+every other rate, so a change in the machine's load is not all on one policy.
 
 NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its
 UCX backend busy-polls, so an idle worker keeps a core busy in it (`idle_cpu.py`), which on two
@@ -192,7 +192,7 @@ async def run_point(
     started = time.monotonic()
     try:
         for worker_id in workers:
-            pool.start(worker_id, "both")
+            pool.start(worker_id, "colocated")
         for worker_id in workers:
             await asyncio.to_thread(pool.wait_ready, worker_id)
         pool.start_router("router", KVRAIL_HTTP_PORT=str(port), KVRAIL_ROUTER_POLICY=policy)

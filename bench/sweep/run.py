@@ -10,13 +10,13 @@
 What runs, per setup: real etcd and NATS (`kvrail.local.servers`), a fresh pool of real worker
 processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router,
 all on this machine, then the load generator (`bench/loadgen.py`, imported) against the router's
-OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `both` worker, chunked prefill),
-`disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2`
-(a `both` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1). A worker on
+OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `colocated` worker, chunked prefill),
+`disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2` (a
+`colocated` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1). A worker on
 GPU g gets `CUDA_VISIBLE_DEVICES=g,<the others>`: g is its current device, and the others stay
-visible, as CUDA IPC to a peer on another GPU needs. The model (`model.py`) is the Llama-3-8B
-shape with random bf16 weights and a synthetic word-level tokenizer, so every generated token is
-one streamed chunk and every request runs to its max_tokens.
+visible, as CUDA IPC to a peer on another GPU needs. The model (`model.py`) is the Llama-3-8B shape
+with random bf16 weights and a synthetic word-level tokenizer, so every generated token is one
+streamed chunk and every request runs to its max_tokens.
 
 Workloads (`--workloads`, `long` and `chat`) run at several Poisson rates each, interleaved (so a
 run cut short by `--budget-s` still covers both), every point with its own seed (the prefix cache
@@ -116,7 +116,7 @@ def worker_specs(setup: str, args: argparse.Namespace) -> list[tuple[str, str, d
     }
     decode["KVRAIL_MIN_REMOTE_PREFILL_TOKENS"] = str(args.min_remote_prefill_tokens)
     if setup == "colocated":
-        return [("both-0", "both", colocated)]
+        return [("colocated-0", "colocated", colocated)]
     if setup == "disaggregated":
         return [("prefill-0", "prefill", prefill), ("decode-0", "decode", decode)]
 
@@ -124,7 +124,10 @@ def worker_specs(setup: str, args: argparse.Namespace) -> list[tuple[str, str, d
         return {**env, "CUDA_VISIBLE_DEVICES": visible_devices(gpu, args.gpus)}
 
     if setup == "colocated-x2":
-        return [("both-0", "both", on(0, colocated)), ("both-1", "both", on(1, colocated))]
+        return [
+            ("colocated-0", "colocated", on(0, colocated)),
+            ("colocated-1", "colocated", on(1, colocated)),
+        ]
     if setup == "disaggregated-x2":
         return [("prefill-0", "prefill", on(0, prefill)), ("decode-0", "decode", on(1, decode))]
     raise ValueError(f"unknown setup {setup!r}; choose from {SETUPS}")

@@ -52,14 +52,14 @@ MODES: dict[str, dict[str, Any]] = {
 def _region(device: str, num_blocks: int, block_bytes: int, fill: str) -> Any:
     import torch
 
-    from kvrail.worker.transfer.connector import BlockRegion
+    from kvrail.worker.kv_cache import KVCache
 
     shape = (num_blocks, block_bytes // 2)
     if fill == "random":
         t = torch.randn(shape, dtype=torch.bfloat16, device=device)
     else:
         t = torch.zeros(shape, dtype=torch.bfloat16, device=device)
-    return BlockRegion(t, num_blocks)
+    return KVCache(t, num_blocks)
 
 
 def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None:
@@ -68,13 +68,13 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
 
     from kvrail.worker.transfer.cuda_ipc import export_region
     from kvrail.worker.transfer.envelope import block_checksums
-    from kvrail.worker.transfer.nixl import NixlConnector
+    from kvrail.worker.transfer.kv_connector import KvConnector
     from kvrail.worker.transfer.testing import recv
 
     if args["device"].startswith("cuda:"):
         torch.cuda.set_device(torch.device(args["device"]))
     region = _region(args["device"], args["num_blocks"], args["block_bytes"], "zeros")
-    nixl = NixlConnector("reader-1", region, prefer_ipc=args["prefer_ipc"])
+    nixl = KvConnector("reader-1", region, prefer_ipc=args["prefer_ipc"])
     conn.send(nixl.metadata())
     if args["peer_map"]:
         conn.send(export_region(region.tensor))
@@ -96,7 +96,7 @@ def _run_mode(name: str, mode: dict[str, Any], args: argparse.Namespace) -> list
     import torch
 
     from kvrail.worker.transfer.envelope import block_checksums
-    from kvrail.worker.transfer.nixl import NixlConnector
+    from kvrail.worker.transfer.kv_connector import KvConnector
     from kvrail.worker.transfer.testing import recv
 
     block_bytes = args.block_kib * 1024
@@ -111,7 +111,7 @@ def _run_mode(name: str, mode: dict[str, Any], args: argparse.Namespace) -> list
     reader = ctx.Process(target=_reader, args=(child, mode["env"], cfg), daemon=True)
     reader.start()
     region = _region(writer_device, num_blocks, block_bytes, "random")
-    nixl = NixlConnector("writer-1", region, prefer_ipc=mode["prefer_ipc"])
+    nixl = KvConnector("writer-1", region, prefer_ipc=mode["prefer_ipc"])
     peer = nixl.add_peer(recv(parent))  # type: ignore[arg-type]
     mapped = None
     if peer_map:
@@ -177,7 +177,7 @@ def _ipc_placement(nixl: Any, peer: str) -> dict[str, Any]:
     """Where kvrail's CUDA IPC mapping of the peer's region landed in this process: the torch
     device of the tensor, and its address minus the mapped allocation's base (a small offset when
     the tensor is the mapping itself; anything else means torch copied the bytes elsewhere, and
-    writes would miss the peer). Reads NixlConnector internals: this is a diagnostic."""
+    writes would miss the peer). Reads KvConnector internals: this is a diagnostic."""
     remote = nixl._peers[peer]
     if remote.ipc is None:
         return {}
@@ -192,7 +192,7 @@ def _write_peer(nixl: Any, peer: str, region: Any, dst_tensor: Any, src: list[in
     contiguous run, both devices synchronized, then NIXL's notification (as kvrail's path)."""
     import torch
 
-    from kvrail.worker.transfer.connector import coalesce
+    from kvrail.worker.transfer.blocks import coalesce
 
     size = region.block_bytes
     flat = region.tensor.view(-1).view(torch.uint8)

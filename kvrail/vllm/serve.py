@@ -7,7 +7,7 @@ Both get it from one `ServeConfig`, so what runs in a cluster and what a test ru
 In disaggregated mode both roles run vLLM's NIXL connector, the prefill pool as `kv_producer`, the
 decode pool as `kv_consumer` (vLLM 0.32 warns that `kv_both` is deprecated), and the router drives
 each request through both with vLLM's `kv_transfer_params` (`kvrail.vllm.protocol`).
-Colocated mode (`role: both`) runs no connector at all.
+Colocated mode (`role: colocated`) runs no connector at all.
 
 vLLM's words differ from kvrail's in two places, mapped here and nowhere else: the KV cache dtype
 (`float8_e4m3fn` is vLLM's `fp8_e4m3`) and the failure policy (vLLM knows `recompute` and `fail`,
@@ -23,6 +23,7 @@ from pathlib import PurePosixPath
 from typing import Final, Literal
 
 from kvrail.crd.pool import VLLM_KV_CACHE_DTYPES, VLLM_KV_LOAD_FAILURE_POLICIES
+from kvrail.messages import WorkerRole
 
 DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 """The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM): the
@@ -35,8 +36,8 @@ SIDE_CHANNEL_HOST_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_HOST"
 SIDE_CHANNEL_PORT_ENV: Final = "VLLM_NIXL_SIDE_CHANNEL_PORT"
 NIXL_CONNECTOR: Final = "NixlConnector"
 
-VllmRole = Literal["prefill", "decode", "both"]
-"""What one server does: `both` is a colocated pool's only role."""
+VllmRole = WorkerRole
+"""What one server does: `colocated` is a colocated pool's only role."""
 KvBufferDevice = Literal["cuda", "cpu"]
 KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
 """The NIXL connector's `kv_role` of a disaggregated pool's servers."""
@@ -117,7 +118,7 @@ class ServeConfig:
 
     @property
     def is_disaggregated(self) -> bool:
-        return self.role != "both"
+        return self.role != "colocated"
 
 
 def kv_transfer_config(cfg: ServeConfig) -> dict[str, str] | None:

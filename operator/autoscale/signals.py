@@ -24,7 +24,7 @@ from nats.js.errors import NotFoundError
 
 from kvrail.bus import TOKENS_HEADER, PrefillQueue
 from kvrail.codec import MessageError, decode
-from kvrail.messages import PrefillJob
+from kvrail.messages import DECODE_ROLES, PrefillJob
 from kvrail.operator.autoscale.planner import DecodeLoad, PrefillLoad, Signals
 from kvrail.operator.planes import UNREACHABLE, PlaneError, Planes
 from kvrail.registry import Registry
@@ -70,10 +70,10 @@ async def prefill_load(queue: PrefillQueue, max_sampled: int = MAX_SAMPLED) -> P
 
 
 async def decode_load(registry: Registry) -> DecodeLoad:
-    """The load the ready decode workers report (colocated workers, role `both`, included)."""
+    """The load the ready decode workers report (colocated workers included)."""
     records, _ = await registry.workers()
     observed_at_s = time.time()
-    ready = [r for r in records.values() if r.is_ready and r.role in ("decode", "both")]
+    ready = [r for r in records.values() if r.is_ready and r.role in DECODE_ROLES]
     return DecodeLoad(
         num_workers=len(ready),
         kv_utilization_sum=sum(min(max(r.kv_utilization, 0.0), 1.0) for r in ready),

@@ -28,7 +28,7 @@ from kvrail.operator.builders.meta import (
 from kvrail.vllm.serve import VLLM_PORT
 
 WORKER_ROLES = ("prefill", "decode")
-"""Role labels of worker pods; a colocated pool's `--role both` workers are labelled decode."""
+"""Role labels of worker pods; a colocated pool's `--role colocated` workers are labelled decode."""
 
 
 def network_policy_name(pool: InferencePool) -> str:

@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 from kvrail.crd.pool import InferencePool, Role
+from kvrail.messages import WorkerRole
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import CACHE_DIR, infrastructure
 
 SHM_SIZE = "1Gi"
 MODELS_DIR = "/models"
-ProcessRole = Literal["prefill", "decode", "both"]
 
 
-def process_role(pool: InferencePool, role: Role) -> ProcessRole:
+def process_role(pool: InferencePool, role: Role) -> WorkerRole:
     """What a worker process of the role's pool does: in colocated mode the decode pool is the
     only one and runs both phases."""
-    return "both" if pool.spec.disaggregation.mode == "colocated" else role
+    return "colocated" if pool.spec.disaggregation.mode == "colocated" else role
 
 
 def image(pool: InferencePool, ctx: BuildContext) -> str:

@@ -3,7 +3,7 @@
 One StatefulSet per role, pods started in parallel (workers are independent peers found through
 etcd, so ordered start buys nothing). The pod template carries the model hash as a label: a model
 change changes every worker template, so both pools roll. In colocated mode the decode
-StatefulSet runs both phases (`--role both`) and there is no prefill StatefulSet.
+StatefulSet runs both phases (`--role colocated`) and there is no prefill StatefulSet.
 
 The engine decides only the pod's containers: kvrail's `worker`, or vLLM's `engine` and the
 kvrail `agent` (`builders.vllm`). Volumes, resources, placement and identity are the same for

@@ -1,6 +1,6 @@
 """bench/loadgen.py end to end: its command line against a real router and a real SmolLM2 worker.
 
-One colocated worker (`--role both`) and one router over the session's real etcd and NATS; the
+One colocated worker (`--role colocated`) and one router over the session's real etcd and NATS; the
 load generator runs as its own process, as a user runs it, for a handful of short streamed
 requests with shared prefixes, and its JSON report is checked.
 """
@@ -37,7 +37,7 @@ def router_url(
     )  # fmt: skip
     port = free_port()
     try:
-        pool.start("decode-0", "both")
+        pool.start("decode-0", "colocated")
         pool.wait_ready("decode-0")
         pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
         pool.wait_ready("router")

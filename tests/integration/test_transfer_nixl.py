@@ -13,9 +13,10 @@ import torch
 
 from kvrail.errors import TransferError
 from kvrail.messages import PrefillDone
-from kvrail.worker.transfer.connector import BlockRegion, coalesce
+from kvrail.worker.kv_cache import KVCache
+from kvrail.worker.transfer.blocks import coalesce
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, block_checksums, validate
-from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.testing import recv, start_decode_peer
 
 NUM_BLOCKS, BLOCK_ELEMS = 64, 4096  # 64 blocks of 16 KiB (float32)
@@ -36,8 +37,8 @@ def test_blocks_written_to_another_process_arrive_intact_with_one_notification(
     decode_peer: Connection,
 ) -> None:
     src = torch.randn(NUM_BLOCKS, BLOCK_ELEMS, generator=torch.Generator().manual_seed(0))
-    region = BlockRegion(src, NUM_BLOCKS)
-    prefill = NixlConnector("prefill-0-7", region)
+    region = KVCache(src, NUM_BLOCKS)
+    prefill = KvConnector("prefill-0-7", region)
     try:
         peer = prefill.add_peer(recv(decode_peer))  # type: ignore[arg-type]
         assert peer == "decode-0-1"
@@ -58,8 +59,8 @@ def test_blocks_written_to_another_process_arrive_intact_with_one_notification(
 def test_bad_block_ids_and_unknown_peers_fail_before_anything_moves(
     decode_peer: Connection,
 ) -> None:
-    region = BlockRegion(torch.ones(NUM_BLOCKS, BLOCK_ELEMS), NUM_BLOCKS)
-    prefill = NixlConnector("prefill-0-8", region)
+    region = KVCache(torch.ones(NUM_BLOCKS, BLOCK_ELEMS), NUM_BLOCKS)
+    prefill = KvConnector("prefill-0-8", region)
     try:
         peer = prefill.add_peer(recv(decode_peer))  # type: ignore[arg-type]
         decode_peer.send(prefill.metadata())
@@ -86,8 +87,8 @@ def test_bad_block_ids_and_unknown_peers_fail_before_anything_moves(
 
 
 def test_a_peer_with_another_block_size_is_refused() -> None:
-    a = NixlConnector("a-1", BlockRegion(torch.zeros(8, 1024), 8))
-    b = NixlConnector("b-1", BlockRegion(torch.zeros(8, 2048), 8))
+    a = KvConnector("a-1", KVCache(torch.zeros(8, 1024), 8))
+    b = KvConnector("b-1", KVCache(torch.zeros(8, 2048), 8))
     try:
         with pytest.raises(TransferError, match="byte DRAM blocks"):
             a.add_peer(b.metadata())
@@ -140,7 +141,7 @@ def test_a_completion_that_does_not_match_its_reservation_is_refused(
 
 
 def test_a_corrupted_block_is_caught_by_its_checksum() -> None:
-    region = BlockRegion(torch.randn(4, 256), 4)
+    region = KVCache(torch.randn(4, 256), 4)
     sums = block_checksums(region, [1, 2])
     validate(_done(block_checksums=sums), RES, 50.0, region)
     region.tensor[2, 17] += 1.0

@@ -1,4 +1,4 @@
-"""The vLLM agent against a real vLLM server (vLLM's CPU build, SmolLM2, colocated: role `both`,
+"""The vLLM agent against a real vLLM server (vLLM's CPU build, SmolLM2, role `colocated`,
 no connector) and a real etcd: what it registers, the load it publishes, readiness when vLLM
 stops answering and comes back, and deregistration on SIGTERM.
 
@@ -56,7 +56,7 @@ def vllm_pool(
         tmp_path_factory.mktemp("vllm-agent"),
         model_dir,
     )
-    cfg = serve_config(model_dir, "both", free_port(), free_port(), MAX_MODEL_LEN)
+    cfg = serve_config(model_dir, "colocated", free_port(), free_port(), MAX_MODEL_LEN)
     try:
         pool.start({NAME: (cfg, 0)})
         yield pool
@@ -97,7 +97,7 @@ async def test_the_agent_registers_its_server_as_a_ready_vllm_worker(
     current = await wait_for(records, lambda r: NAME in r, 10)
     record = current[NAME]
     assert record.engine == "vllm"
-    assert record.role == "both"
+    assert record.role == "colocated"
     assert record.address == server.url  # pod IP 127.0.0.1 and vLLM's port
     assert record.worker_id == NAME and record.pod_uid == f"uid-{NAME}"
     assert record.max_model_len == MAX_MODEL_LEN  # what vLLM reports in /v1/models

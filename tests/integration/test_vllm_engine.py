@@ -113,7 +113,7 @@ def stack(
             name: (serve_config(model_dir, role, free_port(), free_port(), MAX_MODEL_LEN), core)
             for name, role, core in roles
         }
-        reference.start("kvrail-0", "both")
+        reference.start("kvrail-0", "colocated")
         vllm.start(servers)
         reference.wait_ready("kvrail-0")
         vllm_routing.start_router("router-vllm", KVRAIL_HTTP_PORT=str(ports["router-vllm"]))

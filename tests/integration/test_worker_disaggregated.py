@@ -2,7 +2,7 @@
 
 Four workers of one pool start once for the module (SmolLM2 on CPU, one torch thread each):
 `prefill-0`, `decode-0` and `decode-1` (disaggregated, a low remote-prefill threshold,
-checksums on, kvLoadFailurePolicy recompute) and `colo-0` (role `both`, colocated: the
+checksums on, kvLoadFailurePolicy recompute) and `colo-0` (role `colocated`: the
 baseline). Tests talk to them as the router would: a `GenerateRequest` on a decode worker's
 subject, `TokenEvent`s back on a stream subject, each worker's debug subject for its block
 counts, and its KV events and KV state; every test ends with every live worker's blocks free.
@@ -67,7 +67,7 @@ def pool(
         p.start("prefill-0", "prefill", KVRAIL_HTTP_PORT=str(p.metrics_ports["prefill-0"]))
         p.start("decode-0", "decode", KVRAIL_HTTP_PORT=str(p.metrics_ports["decode-0"]))
         p.start("decode-1", "decode")
-        p.start("colo-0", "both", KVRAIL_DISAGGREGATION_MODE="colocated")
+        p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated")
         for worker_id in p.procs:
             p.wait_ready(worker_id)
         yield p

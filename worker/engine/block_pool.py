@@ -12,8 +12,9 @@ from its head and evicts a cached block's hash when it reuses it, so the prefix 
 capacity. `check_invariants()` proves the three sets partition the pool.
 
 Every hash entering or leaving the prefix cache is journaled; `take_changes()` returns the net
-changes since its last call (the source of the worker's KV events, see `kvrail.worker.kv_events`).
-The journal holds at most one entry per hash, so it stays bounded even if nobody takes it.
+changes since its last call (the source of the worker's KV events, see
+`kvrail.worker.roles.kv_events`). The journal holds at most one entry per hash, so it stays bounded
+even if nobody takes it.
 """
 
 from __future__ import annotations

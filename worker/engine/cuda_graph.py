@@ -19,8 +19,8 @@ import logging
 import numpy as np
 import torch
 
-from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.engine.staging import feed_tokens
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata
 from kvrail.worker.models.llama import LlamaForCausalLM
 

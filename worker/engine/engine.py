@@ -33,7 +33,6 @@ from kvrail.model_files import ModelSource
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
-from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.request import Request, SamplingParams
 from kvrail.worker.engine.sampler import Sampler
@@ -41,6 +40,7 @@ from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import RemoteReservation, SchedulerOutput
 from kvrail.worker.engine.staging import to_device
 from kvrail.worker.engine.stop import StopChecker
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.models.loader import LoadedModel
 
@@ -51,10 +51,11 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
-    """A request's state after a step: all its output tokens so far, and why it finished."""
+    """What one step did to a request: the tokens it sampled for it (only those: a request's
+    whole output is the concatenation over its outputs), and why it finished, if it did."""
 
     request_id: str
-    output_token_ids: list[int]
+    new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
     stop_reason: str | int | None
@@ -115,7 +116,7 @@ class LLMEngine:
             raise ValueError(
                 f"max_model_len {config.max_model_len} exceeds the model's {shape.max_position}"
             )
-        self.kv_cache = KVCache(
+        self.kv_cache = KVCache.allocate(
             config.num_blocks,
             shape.num_layers,
             config.block_size,
@@ -324,7 +325,7 @@ class LLMEngine:
         return [
             RequestOutput(
                 r.request_id,
-                list(r.output_token_ids),
+                (r.output_token_ids[-1],),
                 r.is_finished,
                 r.status.finish_reason,
                 r.stop_reason,

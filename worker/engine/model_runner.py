@@ -18,10 +18,10 @@ import numpy as np
 import torch
 
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
-from kvrail.worker.engine.kv_cache import KVCache
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvrail.worker.engine.staging import feed_tokens, to_device
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, fresh_runs
 from kvrail.worker.models.llama import LlamaForCausalLM
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
-from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
 from kvrail.worker.layers.linear import GatedLinear, Linear
 from kvrail.worker.layers.rms_norm import RMSNorm

@@ -1,5 +1,7 @@
-"""KV transfer between workers: one `Connector` interface, several transports.
+"""KV transfer between workers.
 
-`connector.py` states the guarantees; `nixl.py` moves blocks with NIXL (UCX: DRAM on CPU, RDMA
-across nodes); `envelope.py` checks what arrived before a sequence may run on it.
+`kv_connector.py` writes blocks into a peer's KV region (NIXL over UCX: DRAM on CPU, RDMA across
+nodes; CUDA IPC between two GPU processes on one node) and delivers the completion notification;
+`envelope.py` checks what arrived before a request may run on it; `blocks.py` holds the pure
+helpers both sides share.
 """

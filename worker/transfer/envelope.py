@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from kvrail.errors import TransferError
 from kvrail.messages import PrefillDone
-from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.kv_cache import KVCache
 
 
 class EnvelopeError(TransferError):
@@ -37,7 +37,7 @@ class Reservation:
     deadline_unix_s: float
 
 
-def block_checksums(region: BlockRegion, block_ids: Sequence[int]) -> tuple[str, ...]:
+def block_checksums(region: KVCache, block_ids: Sequence[int]) -> tuple[str, ...]:
     """8-byte BLAKE2b of each block's bytes, in order (copied to host memory for a GPU region)."""
     out = []
     for block_id in block_ids:
@@ -51,7 +51,7 @@ def validate(
     done: PrefillDone,
     reservation: Reservation,
     now_unix_s: float,
-    region: BlockRegion | None = None,
+    region: KVCache | None = None,
 ) -> None:
     """Raise EnvelopeError unless `done` completes `reservation`. Pass `region` to verify the
     checksums the prefill worker sent against the bytes that landed; a completion without

@@ -13,9 +13,9 @@ from multiprocessing.process import BaseProcess
 
 import torch
 
-from kvrail.worker.transfer.connector import BlockRegion
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.transfer.envelope import block_checksums
-from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.kv_connector import KvConnector
 
 
 def recv(conn: Connection, timeout_s: float = 60.0) -> object:
@@ -28,8 +28,8 @@ def recv(conn: Connection, timeout_s: float = 60.0) -> object:
 def _decode_peer(conn: Connection, agent_name: str, num_blocks: int, block_elems: int) -> None:
     """Sends its metadata, loads the writer's, collects notifications until asked which blocks
     to report on, answers (notifications, checksums, block contents), then exits on any word."""
-    region = BlockRegion(torch.zeros(num_blocks, block_elems), num_blocks)
-    nixl = NixlConnector(agent_name, region)
+    region = KVCache(torch.zeros(num_blocks, block_elems), num_blocks)
+    nixl = KvConnector(agent_name, region)
     conn.send(nixl.metadata())
     nixl.add_peer(recv(conn))  # type: ignore[arg-type]
     notes: list[tuple[str, bytes]] = []

@@ -26,7 +26,10 @@ def _without_progress_thread(api: Any) -> None:
 
 
 def _patch() -> None:
-    for name in ("nixl._api", "nixl_cu12._api"):  # the order kvrail.worker.transfer.nixl uses
+    for name in (
+        "nixl._api",
+        "nixl_cu12._api",
+    ):  # the order kvrail.worker.transfer.kv_connector uses
         try:
             api = importlib.import_module(name)
         except ImportError:

@@ -23,11 +23,13 @@ report: Any = run.reporting
 def test_first_token_lines_give_each_requests_prefill_time(tmp_path: Path) -> None:
     log = tmp_path / "decode-0.0.log"
     log.write_text(
-        "2026-11-29 13:36:09,066 INFO kvrail.worker.decode first token request_id=chatcmpl-a1 "
-        "mode=local prompt_tokens=432 admission_s=0.0001 prefill_compute_s=8.6923\n"
-        "2026-11-29 13:36:10,000 INFO kvrail.worker.decode request cancelled request_id=x\n"
-        "2026-11-29 13:36:17,327 INFO kvrail.worker.decode first token request_id=chatcmpl-b2 "
-        "mode=local prompt_tokens=424 admission_s=0.0000 prefill_compute_s=0.2129\n"
+        "2026-11-29 13:36:09,066 INFO kvrail.worker.roles.decode first token "
+        "request_id=chatcmpl-a1 mode=local prompt_tokens=432 admission_s=0.0001 "
+        "prefill_compute_s=8.6923\n"
+        "2026-11-29 13:36:10,000 INFO kvrail.worker.roles.decode request cancelled request_id=x\n"
+        "2026-11-29 13:36:17,327 INFO kvrail.worker.roles.decode first token "
+        "request_id=chatcmpl-b2 mode=local prompt_tokens=424 admission_s=0.0000 "
+        "prefill_compute_s=0.2129\n"
     )
     assert run.first_tokens(log) == {"chatcmpl-a1": 8.6923, "chatcmpl-b2": 0.2129}
 

@@ -43,7 +43,7 @@ def test_a_points_estimate_counts_warmup_arrivals_and_the_tail() -> None:
 def test_worker_specs_give_each_setup_its_roles_and_settings() -> None:
     args = run.parse_args(["--chunk-tokens", "1024", "--kv-blocks", "100"])
     [(worker_id, role, env)] = run.worker_specs("colocated", args)
-    assert (worker_id, role) == ("both-0", "both")
+    assert (worker_id, role) == ("colocated-0", "colocated")
     assert env["KVRAIL_DISAGGREGATION_MODE"] == "colocated"
     assert env["KVRAIL_MAX_NUM_BATCHED_TOKENS"] == "1024"
     prefill, decode = run.worker_specs("disaggregated", args)
@@ -56,14 +56,14 @@ def test_worker_specs_give_each_setup_its_roles_and_settings() -> None:
 
 def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> None:
     decode = (
-        "2026-11-29 16:02:07,000 INFO kvrail.worker.decode first token request_id=chatcmpl-a "
+        "2026-11-29 16:02:07,000 INFO kvrail.worker.roles.decode first token request_id=chatcmpl-a "
         "mode=remote prompt_tokens=8194 admission_s=0.0078 copy_s=0.0150 "
         "prefill_compute_s=1.7963\n"
-        "2026-11-29 16:02:08,000 INFO kvrail.worker.decode first token request_id=chatcmpl-b "
+        "2026-11-29 16:02:08,000 INFO kvrail.worker.roles.decode first token request_id=chatcmpl-b "
         "mode=local prompt_tokens=300 admission_s=0.0000 prefill_compute_s=0.1000\n"
     )
     prefill = (
-        "2026-11-29 16:02:06,900 INFO kvrail.worker.prefill prefill written "
+        "2026-11-29 16:02:06,900 INFO kvrail.worker.roles.prefill prefill written "
         "request_id=chatcmpl-a~1 dest=decode-0 prompt_tokens=8194 blocks=513 bytes=1 "
         "transfer_s=0.0050 transport=cuda-ipc compute_s=0.3000\n"
     )

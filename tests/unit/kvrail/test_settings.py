@@ -69,3 +69,8 @@ def test_credentials_come_from_files(tmp_path: Path) -> None:
     assert "s3cret" not in repr(s)
     with pytest.raises(ConfigError, match="cannot read credential file"):
         read_secret(tmp_path / "absent")
+
+
+def test_the_old_role_spelling_both_means_colocated() -> None:
+    assert load_settings(environ={"KVRAIL_ROLE": "both"}).role == "colocated"
+    assert load_settings(environ={"KVRAIL_ROLE": "colocated"}).role == "colocated"

@@ -99,7 +99,7 @@ def test_flags_are_the_same_for_vllm_serve_and_the_api_server_module() -> None:
 
 
 def test_colocated_server_has_no_connector_and_no_side_channel() -> None:
-    cfg = config(role="both", side_channel_host="10.0.0.1")
+    cfg = config(role="colocated", side_channel_host="10.0.0.1")
     assert transfer(serve_argv(cfg)) is None
     assert kv_transfer_config(cfg) is None
     assert serve_env(cfg) == {}

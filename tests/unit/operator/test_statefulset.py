@@ -32,7 +32,7 @@ def env(sts: dict[str, Any]) -> dict[str, Any]:
     [
         ((), "prefill", "prefill"),
         ((), "decode", "decode"),
-        (COLOCATED, "decode", "both"),
+        (COLOCATED, "decode", "colocated"),
     ],
 )
 def test_worker_command_is_the_worker_cli_with_its_role(

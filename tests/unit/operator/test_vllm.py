@@ -254,7 +254,7 @@ def test_colocated_vllm_pool_is_one_decode_pool_without_a_connector() -> None:
     assert "--kv-transfer-config" not in argv
     assert [p["name"] for p in both["engine"]["ports"]] == ["http"]
     assert not [n for n in env(both["engine"]) if n.startswith("VLLM_NIXL")]
-    assert env(both["agent"])["KVRAIL_ROLE"] == "both"
+    assert env(both["agent"])["KVRAIL_ROLE"] == "colocated"
 
 
 def test_worker_services_name_vllms_port() -> None:

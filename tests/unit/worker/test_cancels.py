@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrail.worker.cancels import RecentCancels
+from kvrail.worker.roles.cancels import RecentCancels
 
 
 class Clock:

@@ -34,7 +34,7 @@ def test_step_reports_each_new_token_and_the_finish_reason() -> None:
     outputs = []
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
-    assert [len(o.output_token_ids) for o in outputs] == [1, 2, 3]
+    assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1]  # only the new token, each step
     assert [o.finished for o in outputs] == [False, False, True]
     assert outputs[-1].finish_reason == "length"
     assert engine.step() == []
@@ -51,9 +51,10 @@ def test_zero_kv_on_release_leaves_no_finished_request_in_memory() -> None:
     for engine in (plain, zeroing):
         engine.add_request("a", PROMPT, params)
         engine.add_request("b", PROMPT, params)  # the same prompt, at the same time
-        done = {}
+        done: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
-            done.update({o.request_id: o.output_token_ids for o in engine.step()})
+            for o in engine.step():
+                done.setdefault(o.request_id, []).extend(o.new_token_ids)
         outputs.append(done)
     assert outputs[0] == outputs[1]
     assert plain.kv_cache.tensor.abs().sum() > 0 and plain.cached_block_hashes()

@@ -1,4 +1,4 @@
-"""The KV region layout: one tensor, and block b is exactly bytes [b, b+1) * block_nbytes."""
+"""The KV region layout: one tensor, and block b is exactly bytes [b, b+1) * block_bytes."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import pytest
 import torch
 
 from kvrail.kernels import reference
-from kvrail.worker.engine.kv_cache import KVCache
+from kvrail.worker.kv_cache import KVCache
 
 
 def test_a_block_written_through_layer_views_changes_only_its_byte_range() -> None:
-    cache = KVCache(6, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32)
-    assert cache.block_nbytes == 2 * 3 * 4 * 2 * 8 * 4
+    cache = KVCache.allocate(
+        6, num_layers=3, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32
+    )
+    assert cache.block_bytes == 2 * 3 * 4 * 2 * 8 * 4
     for layer in range(3):
         k_cache, v_cache = cache.layer(layer)
         slots = torch.tensor([4 * 4 + 1, 4 * 4 + 3])  # block 4, offsets 1 and 3
@@ -27,7 +29,7 @@ def test_a_block_written_through_layer_views_changes_only_its_byte_range() -> No
 
 
 def test_block_byte_range_rejects_a_block_outside_the_region() -> None:
-    cache = KVCache(2, 1, 4, 1, 8, torch.float32)
+    cache = KVCache.allocate(2, 1, 4, 1, 8, torch.float32)
     with pytest.raises(IndexError):
         cache.block_byte_range(2)
 

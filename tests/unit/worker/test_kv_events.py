@@ -15,7 +15,7 @@ from kvrail.hashing import block_hashes, root_hash
 from kvrail.messages import KvEvent
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.request import SamplingParams
-from kvrail.worker.kv_events import KvEventLog, block_limits
+from kvrail.worker.roles.kv_events import KvEventLog, block_limits
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
 
@@ -101,7 +101,7 @@ def test_a_state_over_the_limit_holds_the_first_hashes_and_warns(
 ) -> None:
     log = KvEventLog("w", 1, max_state_blocks=2)
     log.events_for(KvChanges(stored=(h(1), h(2), h(3))))
-    with caplog.at_level(logging.WARNING, logger="kvrail.worker.kv_events"):
+    with caplog.at_level(logging.WARNING, logger="kvrail.worker.roles.kv_events"):
         state = log.state()
     assert state.stored == (h(1).hex(), h(2).hex()) and state.seq == 1
     assert "kv state truncated" in caplog.text and "cached_blocks=3" in caplog.text

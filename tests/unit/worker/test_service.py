@@ -53,6 +53,11 @@ class Collector:
         await asyncio.wait_for(self.done.wait(), timeout_s)
         return self.updates[-1]
 
+    @property
+    def output_token_ids(self) -> tuple[int, ...]:
+        """Every token delivered so far (each update carries only its new ones)."""
+        return tuple(t for u in self.updates for t in u.new_token_ids)
+
 
 async def test_a_submitted_request_streams_the_tokens_generate_would_give(
     service: EngineService,
@@ -62,9 +67,9 @@ async def test_a_submitted_request_streams_the_tokens_generate_would_give(
     await service.submit("r1", PROMPT, GREEDY, got)
     last = await got.wait()
     assert last.finished and last.finish_reason == "length"
-    assert list(last.output_token_ids) == expected
-    lengths = [len(u.output_token_ids) for u in got.updates]
-    assert lengths == sorted(lengths) and lengths[-1] == 6
+    assert list(got.output_token_ids) == expected
+    # Only new tokens travel: one per step, never the history again.
+    assert [len(u.new_token_ids) for u in got.updates] == [1] * 6
 
 
 async def test_a_callback_that_raises_costs_the_other_requests_nothing(
@@ -84,7 +89,7 @@ async def test_a_callback_that_raises_costs_the_other_requests_nothing(
         service.submit("good", PROMPT, GREEDY, good),
     )
     last = await good.wait()
-    assert last.finished and len(last.output_token_ids) == 6
+    assert last.finished and len(good.output_token_ids) == 6
     assert len(calls) == 6 and calls[-1].finished  # every update was still offered to it
     assert "update callback failed request_id=broken" in caplog.text
 
@@ -115,8 +120,8 @@ async def test_a_reserved_request_runs_only_once_installed(service: EngineServic
     got = Collector()
     await service.install("r", 42, got)
     last = await got.wait()
-    assert last.output_token_ids[0] == 42 and len(last.output_token_ids) == 6
-    assert got.updates[0].output_token_ids == (42,)
+    assert last.finished and got.output_token_ids[0] == 42 and len(got.output_token_ids) == 6
+    assert got.updates[0].new_token_ids == (42,)
 
 
 async def test_an_abandoned_reservation_is_freed_by_abort(service: EngineService) -> None:
@@ -199,7 +204,7 @@ async def test_kv_changes_reach_the_loop_before_the_first_token_and_mirror_the_c
     got = Collector()
 
     def on_update(update: Update) -> None:
-        if len(update.output_token_ids) == 1:
+        if not got.updates:  # the first token
             seen_at_first_token.append(set(mirror.cached))
         got(update)
 

@@ -1,6 +1,6 @@
 """The decode worker's write grant: which prefill jobs may write into its reserved blocks.
 
-`RemotePrefill._grant_refusal` is pure logic over what the decode worker waits for; the whole
+`KvReceiver._grant_refusal` is pure logic over what the decode worker waits for; the whole
 exchange (a prefill worker asking over NATS before every NIXL write) runs in
 tests/integration/test_worker_disaggregated.py, with hostile jobs on a real queue.
 """
@@ -21,8 +21,9 @@ from kvrail.messages import (
     tokens_digest,
 )
 from kvrail.settings import Settings
-from kvrail.worker.context import WorkerContext
-from kvrail.worker.remote_prefill import RemotePrefill, RequestFailed, _Pending
+from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
+from kvrail.worker.roles.write_grants import AwaitedJob
 
 JOB = PrefillJob(
     request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
@@ -31,18 +32,18 @@ JOB = PrefillJob(
 )  # fmt: skip
 
 
-def remote_prefill() -> RemotePrefill:
+def remote_prefill() -> KvReceiver:
     ctx = SimpleNamespace(
         settings=Settings(), keys=None, worker_id="decode-0", incarnation=7,
         agent_name="decode-0-7", fingerprint="f" * 64, nc=None, prefill_queue=None, service=None,
-        nixl=SimpleNamespace(region=None, notifications=list),
+        connector=SimpleNamespace(region=None, notifications=list),
         peers=SimpleNamespace(listen=lambda _callback: None),
     )  # fmt: skip
-    return RemotePrefill(cast(WorkerContext, ctx))
+    return KvReceiver(cast(WorkerContext, ctx))
 
 
-def remote_prefill_recording_aborts() -> tuple[RemotePrefill, list[str]]:
-    """A RemotePrefill whose engine aborts are recorded (and settles go nowhere)."""
+def remote_prefill_recording_aborts() -> tuple[KvReceiver, list[str]]:
+    """A KvReceiver whose engine aborts are recorded (and settles go nowhere)."""
     aborted: list[str] = []
     rp = remote_prefill()
 
@@ -54,10 +55,10 @@ def remote_prefill_recording_aborts() -> tuple[RemotePrefill, list[str]]:
     return rp, aborted
 
 
-def wait_for(rp: RemotePrefill, job: PrefillJob) -> asyncio.Future[tuple[PrefillDone, float]]:
+def wait_for(rp: KvReceiver, job: PrefillJob) -> asyncio.Future[tuple[PrefillDone, float]]:
     """Make `rp` wait for `job` as `_run_job` does; returns the future of its outcome."""
     future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
-    rp._pending[job.request_id] = _Pending(job, tokens_digest(job.token_ids), future)
+    rp._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future)
     return future
 
 

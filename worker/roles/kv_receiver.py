@@ -1,22 +1,17 @@
-"""Remote prefill, the decode side: reserve, publish the job, wait, validate, install.
+"""The decode side of a remote prefill: reserve, publish the job, wait, validate, install.
 
-`RemotePrefill.prefill()` reserves the prompt's blocks first (reusing cached prefix blocks),
+`KvReceiver.prefill()` reserves the prompt's blocks first (reusing cached prefix blocks),
 publishes a `PrefillJob` naming them, waits (bounded by the deadline) for the prefill worker's
 NIXL notification carrying a `PrefillDone` (a refusal comes over NATS instead, as nothing was
 written), validates it against the reservation (checksums when asked) and only then installs the
 request, so a half-written block table never runs. Before writing, the prefill worker asks for a
-write grant (`WriteGrantRequest`), given only while this worker waits for exactly that job: its
-blocks, its prompt, this incarnation; so no forged, stale or replayed job writes into blocks
-another request may hold. A failure follows `kv_load_failure_policy`:
-`recompute` (the caller prefills locally), `fail` (an error), `reroute` (one more attempt on
-another prefill worker within the deadline, then an error).
+write grant (`write_grants.py`). A failure follows `kv_load_failure_policy`: `recompute` (the
+caller prefills locally), `fail` (an error), `reroute` (one more attempt on another prefill
+worker within the deadline, then an error).
 
-Blocks handed to a remote writer are never reused while a write may still land: when a remote
-prefill is abandoned without its completion (deadline, lost prefill worker, cancel) after a write
-was granted, its reservation is quarantined until the job's deadline (a prefill worker never
-writes past it) or until every granted attempt's completion or refusal arrived, whichever comes
-first. A job never granted cannot write (no more grants once it is abandoned): its blocks are
-free at once. Every completion
+Blocks handed to a remote writer are never reused while a write may still land: a remote prefill
+abandoned after a write was granted is quarantined (`quarantine.py`); one never granted cannot
+write (no more grants once it is abandoned), so its blocks are free at once. Every completion
 consumed, and every abandoned job, is announced as `PrefillSettled`, so a later redelivery of
 the job never writes.
 """
@@ -29,7 +24,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Literal
 
 import nats.errors
@@ -48,8 +42,11 @@ from kvrail.messages import (
     tokens_digest,
 )
 from kvrail.worker import metrics
-from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.roles import write_grants
+from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.quarantine import Quarantine
+from kvrail.worker.roles.write_grants import AwaitedJob
 from kvrail.worker.service import Update
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, validate
 
@@ -70,23 +67,7 @@ class RequestFailed(Exception):
         self.reason = reason
 
 
-@dataclass(frozen=True, slots=True)
-class _Pending:
-    """A published job this worker waits for: its outcome, and what a write grant must match."""
-
-    job: PrefillJob
-    tokens_digest: str
-    outcome: asyncio.Future[tuple[PrefillDone, float]]
-
-
-@dataclass(slots=True)
-class _Quarantined:
-    engine_id: str
-    release_at_monotonic: float
-    outstanding_job_ids: set[str]
-
-
-class RemotePrefill:
+class KvReceiver:
     def __init__(self, ctx: WorkerContext) -> None:
         self.settings = ctx.settings
         self.keys = ctx.keys
@@ -97,13 +78,12 @@ class RemotePrefill:
         self.nc = ctx.nc
         self.prefill_queue = ctx.prefill_queue
         self.service = ctx.service
-        self.region = ctx.nixl.region
-        self._notifications = ctx.nixl.notifications
+        self.region = ctx.connector.region
+        self._notifications = ctx.connector.notifications
         self.peers = ctx.peers
-        self._pending: dict[str, _Pending] = {}  # by job id
+        self._pending: dict[str, AwaitedJob] = {}  # by job id
         self._granted: set[str] = set()  # job ids granted a write, whose outcome is unknown
-        self._quarantine: dict[str, _Quarantined] = {}  # by job id, all attempts of a request
-        self._lifted: list[str] = []  # engine ids whose writers all reported late
+        self._quarantine = Quarantine()
         self._settling: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._poller: asyncio.Task[None] | None = None
@@ -111,7 +91,7 @@ class RemotePrefill:
 
     @property
     def num_quarantined(self) -> int:
-        return len(self._quarantined_engine_ids())
+        return len(self._quarantine.engine_ids())
 
     async def start(self) -> None:
         self._subs = [
@@ -128,9 +108,8 @@ class RemotePrefill:
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
-        for engine_id in self._quarantined_engine_ids():
+        for engine_id in self._quarantine.clear():
             await self.service.abort(engine_id)
-        self._quarantine.clear()
         self._granted.clear()
 
     async def _on_refused(self, msg: Msg) -> None:
@@ -151,17 +130,8 @@ class RemotePrefill:
             await msg.respond(WriteGrant(granted=not reason, reason=reason).encode())
 
     def _grant_refusal(self, ask: WriteGrantRequest) -> str:
-        """Why this write may not happen now ("" when it may)."""
-        pending = self._pending.get(ask.request_id)
-        if pending is None or pending.outcome.done():
-            return "not_waiting"
-        if ask.dest_incarnation != self.incarnation:
-            return "stale_incarnation"
-        if ask.block_ids != pending.job.dest_block_ids:
-            return "foreign_blocks"
-        if ask.tokens_digest != pending.tokens_digest:
-            return "other_prompt"
-        return ""
+        """Why this write may not happen now ("" when it may); see `write_grants.refusal`."""
+        return write_grants.refusal(ask, self._pending.get(ask.request_id), self.incarnation)
 
     def wants(self, request: GenerateRequest) -> bool:
         """Whether to try a remote prefill: disaggregated, long enough, a prefill worker ready."""
@@ -267,7 +237,7 @@ class RemotePrefill:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._pending[job.request_id] = _Pending(job, tokens_digest(job.token_ids), future)
+        self._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future)
         try:
             published = time.monotonic()
             stages["admission_s"] = published - arrived
@@ -325,9 +295,8 @@ class RemotePrefill:
             await self.service.abort(engine_id)
             return
         release_at = time.monotonic() + (deadline - time.time()) + _QUARANTINE_MARGIN_S
-        entry = _Quarantined(engine_id, release_at, set(job_ids))
+        self._quarantine.hold(engine_id, job_ids, release_at)
         for job_id in job_ids:
-            self._quarantine[job_id] = entry
             self._settle_soon(job_id)  # later deliveries never run; a write under way may land
         log.info(
             "reservation quarantined request_id=%s jobs=%d release_in_s=%.1f",
@@ -335,10 +304,7 @@ class RemotePrefill:
         )  # fmt: skip
 
     def is_quarantined(self, engine_id: str) -> bool:
-        return engine_id in self._quarantined_engine_ids()
-
-    def _quarantined_engine_ids(self) -> set[str]:
-        return {q.engine_id for q in self._quarantine.values()}
+        return engine_id in self._quarantine
 
     async def _poll_notifications(self) -> None:
         next_sweep = 0.0
@@ -363,12 +329,8 @@ class RemotePrefill:
         if pending is not None and not pending.outcome.done():
             pending.outcome.set_result((done, time.monotonic()))
             return
-        entry = self._quarantine.pop(done.request_id, None)
-        if entry is not None:
-            entry.outstanding_job_ids.discard(done.request_id)
-            if not entry.outstanding_job_ids:  # every writer reported: release at the next sweep
-                log.info("quarantine lifted, every writer reported request_id=%s", entry.engine_id)
-                self._lifted.append(entry.engine_id)
+        if self._quarantine.report(done.request_id):
+            log.info("quarantined writer reported request_id=%s", done.request_id)
 
     def _settle_soon(self, job_id: str) -> None:
         task = asyncio.create_task(self._settle(job_id))
@@ -381,15 +343,9 @@ class RemotePrefill:
             await self.nc.publish(self.keys.prefill_settled, PrefillSettled(job_id).encode())
 
     async def _sweep_quarantine(self, now: float) -> None:
-        expired = {
-            job_id: q for job_id, q in self._quarantine.items() if now >= q.release_at_monotonic
-        }
-        for job_id in expired:
-            del self._quarantine[job_id]
-            self._granted.discard(job_id)
-        released = {q.engine_id for q in expired.values()} | set(self._lifted)
-        self._lifted.clear()
-        for engine_id in released - self._quarantined_engine_ids():
+        released, expired_job_ids = self._quarantine.take_releasable(now)
+        self._granted -= expired_job_ids
+        for engine_id in released:
             await self.service.abort(engine_id)
 
     def _on_peer_change(

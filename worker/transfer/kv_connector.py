@@ -1,4 +1,6 @@
-"""NIXL transport: one agent per worker, the whole KV region registered once.
+"""The KV connector: writes blocks into a peer's KV region, one NIXL agent per worker.
+
+The whole KV region is registered with NIXL once.
 
 Agent names carry the worker's incarnation (`<worker_id>-<incarnation>`), so a restarted peer is
 a different agent and a write can never land in the memory of the process it replaced. Writes are
@@ -28,7 +30,8 @@ import torch
 
 from kvrail.errors import TransferError
 from kvrail.kernels import dispatch
-from kvrail.worker.transfer.connector import BlockRegion, TransferStats, coalesce
+from kvrail.worker.kv_cache import KVCache
+from kvrail.worker.transfer.blocks import TransferStats, coalesce
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 
 log = logging.getLogger(__name__)
@@ -79,12 +82,23 @@ def _unframe(blob: bytes) -> tuple[dict[str, object], bytes]:
     return header, blob[4 + n :]
 
 
-class NixlConnector:
-    """A `Connector` over NIXL."""
+class KvConnector:
+    """One worker's end of every KV transfer. Not thread-safe: one owner calls it.
+
+    Guarantees:
+    - `write()` returns only after every byte landed in the peer's region, or raises
+      `TransferError`; the notification is delivered to the peer only after a complete write.
+    - A peer removed with `remove_peer()` is never written to again; a write to an unknown peer
+      raises `TransferError` at once.
+    - Block ids are checked against both regions before anything moves (no partial effect).
+    - The transport a write used is the one reported: `transport_to(peer)` before, the
+      `TransferStats` after (`cuda-ipc` or `nixl-ucx`).
+    """
 
     transport = "nixl-ucx"
+    """The path to a peer that is not on CUDA IPC (what the worker's record reports)."""
 
-    def __init__(self, agent_name: str, region: BlockRegion, *, prefer_ipc: bool = True) -> None:
+    def __init__(self, agent_name: str, region: KVCache, *, prefer_ipc: bool = True) -> None:
         api = _nixl()
         self.prefer_ipc = prefer_ipc
         self.agent_name = agent_name

@@ -43,6 +43,7 @@ from kvrail.bus import PrefillConsumer, QueuedJob
 from kvrail.codec import MessageError, decode
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
+    DECODE_ROLES,
     WRITE_GRANT_REFUSALS,
     Cancel,
     PrefillDone,
@@ -54,9 +55,9 @@ from kvrail.messages import (
     tokens_digest,
 )
 from kvrail.worker import metrics
-from kvrail.worker.cancels import RecentCancels
-from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
+from kvrail.worker.roles.cancels import RecentCancels
+from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.transfer.envelope import block_checksums
 from kvrail.worker.transfer.faults import TransportFaults
 
@@ -84,7 +85,7 @@ class PrefillRole:
         self.nc = ctx.nc
         self.prefill_queue = ctx.prefill_queue
         self.service = ctx.service
-        self.nixl = ctx.nixl
+        self.connector = ctx.connector
         self.peers = ctx.peers
         self.faults = TransportFaults.from_settings(ctx.settings)
         self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
@@ -148,20 +149,20 @@ class PrefillRole:
     def _is_destination(self, record: WorkerRecord) -> bool:
         return (
             record.worker_id != self.worker_id
-            and record.role in ("decode", "both")
+            and record.role in DECODE_ROLES
             and record.fingerprint == self.fingerprint
             and bool(record.nixl_metadata_b64)
         )
 
     def _add_peer(self, record: WorkerRecord) -> None:  # on the NIXL thread
         try:
-            self.nixl.add_peer(base64.b64decode(record.nixl_metadata_b64, validate=True))
+            self.connector.add_peer(base64.b64decode(record.nixl_metadata_b64, validate=True))
         except (TransferError, binascii.Error, ValueError) as err:
             log.warning("cannot load a decode worker's agent worker=%s error=%s",
                         record.worker_id, err)  # fmt: skip
 
     def _remove_peer(self, agent_name: str) -> None:  # on the NIXL thread
-        self.nixl.remove_peer(agent_name)
+        self.connector.remove_peer(agent_name)
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -280,7 +281,7 @@ class PrefillRole:
                 raise _Refused("block_count")
             self._check(job)  # the destination may have gone while we computed
             sums = (
-                await asyncio.to_thread(block_checksums, self.nixl.region, src)
+                await asyncio.to_thread(block_checksums, self.connector.region, src)
                 if job.with_checksums
                 else ()
             )
@@ -290,14 +291,15 @@ class PrefillRole:
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
                 first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
                 prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation,
-                block_checksums=sums, transfer_bytes=len(src) * self.nixl.region.block_bytes,
-                transport=self.nixl.transport, queue_wait_s=queue_wait_s,
+                block_checksums=sums, transfer_bytes=len(src) * self.connector.region.block_bytes,
+                transport=self.connector.transport_to(job.dest_agent_name),
+                queue_wait_s=queue_wait_s,
                 prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
             )  # fmt: skip
             notification = done.encode()
             stats = await self._nixl_call(
                 lambda: self.faults.write(
-                    self.nixl,
+                    self.connector,
                     job.request_id,
                     job.dest_agent_name,
                     src,

@@ -9,9 +9,9 @@ from nats.aio.client import Client as NatsClient
 from kvrail.bus import PrefillQueue
 from kvrail.keys import PoolKeys
 from kvrail.settings import Settings
-from kvrail.worker.peers import PeerTable
+from kvrail.worker.roles.peers import PeerTable
 from kvrail.worker.service import EngineService
-from kvrail.worker.transfer.nixl import NixlConnector
+from kvrail.worker.transfer.kv_connector import KvConnector
 
 
 @dataclass(frozen=True)
@@ -28,5 +28,5 @@ class WorkerContext:
     nc: NatsClient
     prefill_queue: PrefillQueue
     service: EngineService
-    nixl: NixlConnector
+    connector: KvConnector
     peers: PeerTable

@@ -27,10 +27,10 @@ from kvrail.codec import MessageError, decode
 from kvrail.errors import InvalidRequestError
 from kvrail.messages import Cancel, GenerateRequest, PrefillMode, TokenEvent
 from kvrail.worker import metrics
-from kvrail.worker.cancels import RecentCancels
-from kvrail.worker.context import WorkerContext
 from kvrail.worker.engine.request import SamplingParams
-from kvrail.worker.remote_prefill import Outcome, RemotePrefill, RequestFailed
+from kvrail.worker.roles.cancels import RecentCancels
+from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.kv_receiver import KvReceiver, Outcome, RequestFailed
 from kvrail.worker.service import Update
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,10 @@ class _Stream:
     mode: PrefillMode = ""
     stages: dict[str, float] = field(default_factory=dict)
     seq: int = 0
-    num_sent: int = 0
     closed: bool = False
 
     async def send(self, update: Update) -> None:
-        new = update.output_token_ids[self.num_sent :]
-        await self._publish(new, update.finish_reason, update.error)
-        self.num_sent = len(update.output_token_ids)
+        await self._publish(update.new_token_ids, update.finish_reason, update.error)
 
     async def fail(self, reason: str) -> None:
         if not self.closed:
@@ -77,7 +74,7 @@ class DecodeRole:
         self.worker_id = ctx.worker_id
         self.nc = ctx.nc
         self.service = ctx.service
-        self.remote = RemotePrefill(ctx)
+        self.remote = KvReceiver(ctx)
         self._active: dict[str, asyncio.Task[None]] = {}
         # A cancel older than every request's deadline can only name a request past it.
         self._cancelled = RecentCancels(ctx.settings.request_timeout_s)

@@ -1,0 +1,109 @@
+"""The worker's KV cache: ONE contiguous tensor, so one NIXL registration covers it.
+
+The same object is the engine's cache and the transfer's region. Layout (`allocate`):
+`[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]` (2 = K, V), contiguous. Block b
+is the byte range `[b * block_bytes, (b + 1) * block_bytes)` of the region and holds its tokens'
+K and V for every layer, so moving a block to another worker is one contiguous copy and a
+transfer descriptor is pure arithmetic. Layer l's K cache is the strided view `[:, l, 0]` of
+shape `[num_blocks, block_size, num_kv_heads, head_dim]`, which is what the kernels take. This
+layout is "NHD" in the model fingerprint.
+
+Transfer code and its tests may also wrap any contiguous tensor as `num_blocks` equal blocks
+(`KVCache(tensor, num_blocks)`); only an allocated cache has layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class KVCache:
+    """A contiguous tensor viewed as `num_blocks` equal blocks; see the module docstring."""
+
+    tensor: torch.Tensor
+    num_blocks: int
+
+    def __post_init__(self) -> None:
+        if not self.tensor.is_contiguous():
+            raise ValueError("a KV region must be one contiguous tensor")
+        if self.num_blocks < 1 or self.nbytes % self.num_blocks:
+            raise ValueError(f"{self.nbytes} bytes do not split into {self.num_blocks} blocks")
+
+    @classmethod
+    def allocate(
+        cls,
+        num_blocks: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> KVCache:
+        """A zeroed cache in the engine's layout."""
+        shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device), num_blocks)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self._layout()[1])
+
+    @property
+    def block_size(self) -> int:
+        return int(self._layout()[3])
+
+    @property
+    def nbytes(self) -> int:
+        return self.tensor.numel() * self.tensor.element_size()
+
+    @property
+    def block_bytes(self) -> int:
+        return self.nbytes // self.num_blocks
+
+    @property
+    def base_address(self) -> int:
+        return int(self.tensor.data_ptr())
+
+    @property
+    def device_id(self) -> int:
+        return self.tensor.device.index or 0 if self.tensor.is_cuda else 0
+
+    def block_byte_range(self, block_id: int) -> tuple[int, int]:
+        """Offsets of a block inside the region: [start, end) bytes from `tensor.data_ptr()`."""
+        self._check(block_id)
+        return block_id * self.block_bytes, (block_id + 1) * self.block_bytes
+
+    def block_bytes_view(self, block_id: int) -> torch.Tensor:
+        """The raw bytes of one block (a view, no copy)."""
+        start, end = self.block_byte_range(block_id)
+        return self.tensor.view(-1).view(torch.uint8)[start:end]
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, Hkv, D]."""
+        self._layout()
+        return self.tensor[:, layer_idx, 0], self.tensor[:, layer_idx, 1]
+
+    @staticmethod
+    def num_blocks_for_bytes(
+        nbytes: int,
+        num_layers: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """How many blocks fit in `nbytes` of memory."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return nbytes // (2 * num_layers * block_size * num_kv_heads * head_dim * itemsize)
+
+    def _check(self, block_id: int) -> None:
+        if not 0 <= block_id < self.num_blocks:
+            raise IndexError(f"block {block_id} outside 0..{self.num_blocks - 1}")
+
+    def _layout(self) -> torch.Size:
+        if self.tensor.dim() != 6:
+            raise ValueError("this KV region was not allocated in the engine's layout")
+        return self.tensor.shape

@@ -1,0 +1,40 @@
+"""Write grants: which prefill job may write its KV into this decode worker's blocks, and when.
+
+Right before its NIXL WRITE a prefill worker asks the job's decode worker for a grant
+(`WriteGrantRequest`). The decode worker grants it only while it waits for exactly that job:
+this incarnation, the very blocks it reserved and the same prompt (`tokens_digest`). So a
+malformed, forged, stale or replayed job never writes into blocks another request may own.
+Pure: the decode side (`kv_receiver.py`) keeps what it waits for and answers over NATS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from kvrail.messages import PrefillDone, PrefillJob, WriteGrantRequest
+
+
+@dataclass(frozen=True, slots=True)
+class AwaitedJob:
+    """A published job the decode worker waits for: what a grant must match, and its outcome
+    (the completion and when it landed, or an exception)."""
+
+    job: PrefillJob
+    tokens_digest: str
+    outcome: asyncio.Future[tuple[PrefillDone, float]]
+
+
+def refusal(ask: WriteGrantRequest, awaited: AwaitedJob | None, incarnation: int) -> str:
+    """Why the write `ask` names may not happen now ("" when it may). `awaited` is the job of
+    that id this worker waits for, if any; a job whose outcome is known is no longer waited for.
+    Every reason is one of `kvrail.messages.WRITE_GRANT_REFUSALS`."""
+    if awaited is None or awaited.outcome.done():
+        return "not_waiting"
+    if ask.dest_incarnation != incarnation:
+        return "stale_incarnation"
+    if ask.block_ids != awaited.job.dest_block_ids:
+        return "foreign_blocks"
+    if ask.tokens_digest != awaited.tokens_digest:
+        return "other_prompt"
+    return ""

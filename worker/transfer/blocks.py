@@ -1,0 +1,39 @@
+"""Pure helpers of a transfer: what one moved (`TransferStats`) and block runs (`coalesce`).
+
+A worker's KV cache is one contiguous region of `num_blocks` blocks of `block_bytes` each
+(`kvrail.worker.kv_cache`), so a run of blocks contiguous on both sides is one descriptor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class TransferStats:
+    """What one transfer moved, how long it took and over which path."""
+
+    num_bytes: int
+    seconds: float
+    transport: str
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.num_bytes / self.seconds if self.seconds > 0 else 0.0
+
+
+def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Merge block pairs into runs `(src_start, dst_start, length)` that are contiguous on both
+    sides, so a transport issues one descriptor per run instead of one per block."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
