@@ -28,13 +28,13 @@ from kvrail.errors import ConfigError, KvrailError
 from kvrail.keys import PoolKeys
 from kvrail.registry import Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
-from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser
+from kvrail.router.streams.dispatcher import Dispatcher
+from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
-from kvrail.router.text import TextCodec
-from kvrail.router.vllm_options import VllmOptions
+from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail.router")

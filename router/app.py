@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,22 +25,23 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvrail.errors import KvrailError
-from kvrail.router import api_errors, responses, schemas, streaming
-from kvrail.router.api_errors import ApiError
-from kvrail.router.detokenizer import Detokenizer
-from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher
-from kvrail.router.job import DispatchError, Job
+from kvrail.router.api import errors as api_errors
+from kvrail.router.api import responses, schemas, streaming
+from kvrail.router.api.errors import ApiError
+from kvrail.router.api.schemas import Sampling
+from kvrail.router.api.streaming import Kind
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
-from kvrail.router.schemas import Sampling
+from kvrail.router.streams.dispatcher import Dispatcher
+from kvrail.router.streams.job import DispatchError, Job
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
-from kvrail.router.text import TextCodec
+from kvrail.router.text.detokenizer import Detokenizer
+from kvrail.router.text.tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_MODEL_LEN = 2048  # when neither the settings nor any worker says
-Kind = Literal["chat", "completion"]
 
 # Worker and dispatcher error codes -> (HTTP status, OpenAI error type).
 _ERRORS: dict[str, tuple[int, str]] = {
@@ -249,11 +250,17 @@ async def _serve(
     )  # fmt: skip
     state.metrics.prompt_tokens.labels(tenant.name).inc(len(prompt_ids))
     detok = state.codec.detokenizer(prompt_ids, sampling.stop)
-    reply = streaming.Reply(state, kind, response_id, len(prompt_ids), sampling.include_usage)
+    reply = streaming.Reply(
+        kind, response_id, state.served_name, state.created, len(prompt_ids),
+        sampling.include_usage,
+    )  # fmt: skip
     pieces = _generate(state, job, detok, started, tenant, ticket)
     endpoint = _endpoint(request)
     if sampling.stream:
-        sse = streaming.sse(state, reply, pieces, sampling.include_usage, endpoint)
+        sse = streaming.sse(
+            reply, pieces, sampling.include_usage,
+            lambda status: state.metrics.requests.labels(endpoint, status).inc(),
+        )  # fmt: skip
         return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
     try:
         text, finish, num_tokens = await streaming.until_disconnect(

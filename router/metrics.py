@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvrail import metrics
 from kvrail.messages import TokenEvent
-from kvrail.router.discovery import WorkerView
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Decision
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)

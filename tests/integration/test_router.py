@@ -29,10 +29,10 @@ from kvrail.bus import connect
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.registry import Registry, etcd_client
-from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher, Job
-from kvrail.router.index import prompt_hashes
+from kvrail.router.discovery.index import prompt_hashes
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Chooser
+from kvrail.router.streams.dispatcher import Dispatcher, Job
 from kvrail.testing.pool import LocalPool
 
 POOL = f"rt-{uuid.uuid4().hex[:8]}"

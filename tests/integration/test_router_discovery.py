@@ -1,4 +1,4 @@
-"""kvrail.router.discovery against the harness's real etcd and NATS.
+"""kvrail.router.discovery.view against the harness's real etcd and NATS.
 
 The worker records, the KV events and the kv_state answers are published by these tests, standing
 in for worker processes: this tests the router's view of the pool alone. Routing against real
@@ -25,10 +25,10 @@ from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord
 from kvrail.registry import Registration, Registry, etcd_client
-from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher, DispatchError, Job
-from kvrail.router.index import prompt_hashes
+from kvrail.router.discovery.index import prompt_hashes
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Chooser
+from kvrail.router.streams.dispatcher import Dispatcher, DispatchError, Job
 from kvrail.settings import Settings
 
 FINGERPRINT = "f" * 64

@@ -30,13 +30,13 @@ from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import TokenEvent, WorkerRecord
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
-from kvrail.router.discovery import WorkerView
-from kvrail.router.dispatch import Dispatcher, DispatchError, Job
+from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser, Policy
+from kvrail.router.streams.dispatcher import Dispatcher, DispatchError, Job
+from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
-from kvrail.router.text import TextCodec
-from kvrail.router.vllm_options import VllmOptions
+from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import Settings, default_cache_dir
 
 FINGERPRINT = "v" * 64

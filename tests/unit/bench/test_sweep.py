@@ -100,7 +100,7 @@ def test_the_vocabulary_names_roles_and_words_then_numbers_every_other_id() -> N
 def test_the_tokenizer_gives_one_token_per_word_and_a_nonempty_word_per_token(
     tmp_path: Path,
 ) -> None:
-    from kvrail.router.text import TextCodec
+    from kvrail.router.text.tokenizer import TextCodec
 
     model.write_tokenizer(tmp_path, 1000, lg.WORDS)
     codec = TextCodec.from_directory(tmp_path, "random")

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from kvrail.hashing import block_hashes, root_hash
 from kvrail.messages import KvEvent
-from kvrail.router.index import KvIndex, prompt_hashes
+from kvrail.router.discovery.index import KvIndex, prompt_hashes
 
 
 def ev(

@@ -23,15 +23,16 @@ from pydantic import BaseModel, ValidationError
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, KvrailError
 from kvrail.errors import ModelNotFoundError as ModelMissing
-from kvrail.router import api_errors, responses, schemas
+from kvrail.router.api import errors as api_errors
+from kvrail.router.api import responses, schemas
 
 try:  # the openai client 3.x speaks httpx2, older ones httpx
     import httpx2 as http
 except ImportError:  # pragma: no cover
     import httpx as http  # type: ignore[no-redef]
 
-from kvrail.router.api_errors import ApiError, validation_error
-from kvrail.router.schemas import (
+from kvrail.router.api.errors import ApiError, validation_error
+from kvrail.router.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     Sampling,

@@ -17,9 +17,9 @@ from hypothesis import strategies as st
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
 from kvrail.model_files import PREPARED_MARKER, resolve
-from kvrail.router import text
-from kvrail.router.detokenizer import Detokenizer
-from kvrail.router.text import TextCodec
+from kvrail.router.text import tokenizer as text
+from kvrail.router.text.detokenizer import Detokenizer
+from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import default_cache_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -119,8 +119,8 @@ def test_special_tokens_and_eos_come_from_the_tokenizer_files(
 
 def test_the_router_process_stays_free_of_torch_and_transformers() -> None:
     code = (
-        "import sys; from pathlib import Path; from kvrail.router.text import TextCodec; "
-        "from kvrail.router import responses, schemas; "
+        "import sys; from pathlib import Path; from kvrail.router.text.tokenizer import TextCodec; "
+        "from kvrail.router.api import responses, schemas; "
         f"c = TextCodec.load('smollm2', Path({str(default_cache_dir())!r})); "
         "c.chat_prompt([{'role': 'user', 'content': 'hi'}]); "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers')))"

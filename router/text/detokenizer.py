@@ -1,8 +1,9 @@
 """Incremental detokenization with stop strings: a request's output tokens turned into text as
 they arrive, one `Detokenizer` per request.
 
-Pure Python over a `decode` callable (the tokenizer's, from `kvrail.router.text.TextCodec`), so
-like the rest of the router it never imports torch (an import-linter contract).
+Pure Python over a `decode` callable (the tokenizer's, from
+`kvrail.router.text.tokenizer.TextCodec`), so like the rest of the router it never imports torch (an
+import-linter contract).
 """
 
 from __future__ import annotations

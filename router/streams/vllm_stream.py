@@ -43,20 +43,18 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import httpx
 
 from kvrail.messages import TokenEvent, WorkerRecord
-from kvrail.router.job import CancelReason, DispatchError, Job
-from kvrail.router.policy import Decision, NoWorkerError
-from kvrail.router.vllm_attempt import Prefilled, PrefillFailed, Retry
-from kvrail.router.vllm_options import CONNECT_TIMEOUT_S, VllmOptions
+from kvrail.router.policy import Decision
+from kvrail.router.streams.attempts import Attempts
+from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
+from kvrail.router.streams.vllm_attempt import Prefilled, PrefillFailed, Retry
+from kvrail.router.streams.vllm_options import CONNECT_TIMEOUT_S, VllmOptions
 from kvrail.vllm import protocol
 from kvrail.vllm.protocol import Completion, Delta, Done, VllmProtocolError
-
-if TYPE_CHECKING:
-    from kvrail.router.dispatch import Dispatcher
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -68,31 +66,38 @@ _POLL_S = 0.5  # how often a silent decode server's record is checked
 class VllmStream:
     """One request's events from vLLM; iterate it, then leave `Dispatcher.open`'s context."""
 
-    dispatcher: Dispatcher
+    workers: Workers
     options: VllmOptions
     job: Job
     first: Decision | None = None
     """The open-time choice (a vLLM decode server), used for the first attempt."""
     worker_id: str = ""
     decision: Decision | None = None
-    attempts: int = 0
     finished: bool = False
+    attempts: Attempts = field(init=False)
     _incarnation: int = 0
     _seq: int = 0
     _prefilled: Prefilled | None = None
+    _reusable: Prefilled | None = None
     _response: httpx.Response | None = None
     _lines: AsyncIterator[str] | None = None
     _pending: asyncio.Future[Any] | None = None
     _counted: list[str] = field(default_factory=list)
-    _tried: set[str] = field(default_factory=set)
     _failed_prefill: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.attempts = Attempts(self.workers, self.job, "vllm", self.first)
 
     def __aiter__(self) -> AsyncIterator[TokenEvent]:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         deadline = self.job.deadline_monotonic
-        event = await self._start(deadline)
+
+        async def attempt(decision: Decision) -> TokenEvent:
+            return await self._attempt(decision, deadline)
+
+        event = await self.attempts.first_event(attempt, self._release)
         while True:
             yield event
             if event.is_last:
@@ -102,47 +107,26 @@ class VllmStream:
             event = await self._next_event(deadline)
 
     # Attempts -----------------------------------------------------------------------------------
-    async def _start(self, deadline: float) -> TokenEvent:
-        """Prefill (maybe) and decode until a decode server sends its first event."""
-        reuse: Prefilled | None = None
-        while True:
-            record = self._choose_decode()
-            if reuse is not None and reuse.fingerprint == record.fingerprint:
-                self._prefilled = reuse
-            else:
-                self._prefilled = await self._prefill(record, deadline)
-            try:
-                await self._send_decode(record, deadline)
-                return await self._next_event(deadline)
-            except Retry as retry:
-                log.info(
-                    "vllm decode attempt failed, retrying request_id=%s worker=%s reason=%s",
-                    self.job.request_id, self.worker_id, retry.reason,
-                )  # fmt: skip
-                await self._release()
-                reuse = self._prefilled if retry.reusable else None
-                if self.attempts >= self.dispatcher.max_attempts:
-                    raise DispatchError("no_worker", "no decode server took the request") from None
-
-    def _choose_decode(self) -> WorkerRecord:
-        d = self.dispatcher
-        while True:
-            try:
-                if self.attempts == 0 and self.first is not None:
-                    decision = self.first
-                else:
-                    decision = d._choose(self.job, self._tried, ("vllm",))
-            except NoWorkerError as err:
-                raise DispatchError("no_worker", "no ready vLLM decode server") from err
-            self.decision, self.worker_id = decision, decision.worker_id
-            self._tried.add(decision.worker_id)
-            self.attempts += 1
-            record = d.view.records().get(decision.worker_id)
-            if record is not None:
-                self._incarnation = record.incarnation
-                return record
-            if self.attempts >= d.max_attempts:  # it left between the choice and now
-                raise DispatchError("no_worker", "no decode server took the request")
+    async def _attempt(self, decision: Decision, deadline: float) -> TokenEvent:
+        """Prefill (maybe) and decode on `decision`'s server until its first event. Raises
+        AttemptFailed (another server may take it), DispatchError."""
+        self.decision, self.worker_id = decision, decision.worker_id
+        record = self.workers.records().get(decision.worker_id)
+        if record is None:  # it left between the choice and now
+            raise AttemptFailed("worker_gone")
+        self._incarnation = record.incarnation
+        reuse, self._reusable = self._reusable, None
+        if reuse is not None and reuse.fingerprint == record.fingerprint:
+            self._prefilled = reuse
+        else:
+            self._prefilled = await self._prefill(record, deadline)
+        try:
+            await self._send_decode(record, deadline)
+            return await self._next_event(deadline)
+        except Retry as retry:
+            if retry.reusable:  # it never connected: the prefill's KV was not read
+                self._reusable = self._prefilled
+            raise
 
     def _completion(self) -> Completion:
         job = self.job
@@ -155,19 +139,19 @@ class VllmStream:
     # Step 1: prefill ----------------------------------------------------------------------------
     async def _prefill(self, decode: WorkerRecord, deadline: float) -> Prefilled:
         """Remote prefill on a prefill server of `decode`'s fingerprint, or the reason why not."""
-        opts, d = self.options, self.dispatcher
+        opts, workers = self.options, self.workers
         if len(self.job.token_ids) < opts.min_remote_prefill_tokens:
             return Prefilled("local")
-        for _ in range(d.max_attempts):
+        for _ in range(workers.max_attempts):
             candidates = [
                 c
-                for c in d.view.prefill_candidates(d.in_flight, decode.fingerprint, ("vllm",))
+                for c in workers.prefill_candidates(decode.fingerprint, ("vllm",))
                 if c.worker_id not in self._failed_prefill
             ]
             if not candidates:
                 break
             chosen = opts.prefill_chooser.choose(candidates, 0)
-            record = d.view.records()[chosen.worker_id]  # candidates come from the records
+            record = workers.records()[chosen.worker_id]  # candidates come from the records
             started = time.monotonic()
             try:
                 params = await self._post_prefill(record, deadline)
@@ -339,7 +323,7 @@ class VllmStream:
         return DispatchError("worker_lost", "the decode server went away")
 
     def _worker_alive(self) -> bool:
-        record = self.dispatcher.view.records().get(self.worker_id)
+        record = self.workers.records().get(self.worker_id)
         return record is not None and record.incarnation == self._incarnation
 
     # Bookkeeping --------------------------------------------------------------------------------
@@ -352,7 +336,7 @@ class VllmStream:
             self._counted.remove(worker_id)
         else:
             return
-        self.dispatcher.count_in_flight(worker_id, delta)
+        self.workers.count_in_flight(worker_id, delta)
 
     async def _release(self) -> None:
         """Close the decode response (vLLM aborts the request if it still runs) and drop the

@@ -46,9 +46,9 @@ from kvrail.errors import DeadlineExceededError
 from kvrail.keys import PoolKeys
 from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
 from kvrail.registry import Registry
-from kvrail.router.index import KvIndex
+from kvrail.router.discovery.index import KvIndex
+from kvrail.router.discovery.records import RecordFollower
 from kvrail.router.policy import Candidate
-from kvrail.router.worker_records import RecordFollower
 
 STATE_TIMEOUT_S = 2.0
 RETRY_INITIAL_S = 0.1

@@ -18,16 +18,15 @@ import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from kvrail.router import responses
-from kvrail.router.api_errors import ApiError
+from kvrail.router.api import responses
+from kvrail.router.api.errors import ApiError
 
-if TYPE_CHECKING:
-    from kvrail.router.app import Kind, RouterState
+Kind = Literal["chat", "completion"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +40,10 @@ class Piece:
 class Reply:
     """Builds the OpenAI-shaped bodies of one response."""
 
-    state: RouterState
     kind: Kind
     response_id: str
+    served_name: str
+    created: int
     num_prompt_tokens: int
     include_usage: bool = False
 
@@ -53,7 +53,7 @@ class Reply:
     def whole(self, text: str, finish: str, num_tokens: int) -> dict[str, Any]:
         build = responses.chat_completion if self.kind == "chat" else responses.completion
         return build(
-            self.response_id, self.state.served_name, self.state.created, text, finish,
+            self.response_id, self.served_name, self.created, text, finish,
             self.usage(num_tokens),
         )  # fmt: skip
 
@@ -61,14 +61,15 @@ class Reply:
         self, text: str | None, finish: str | None, usage: dict[str, int] | None = None,
         first: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
-        s, rid, usage_null = self.state, self.response_id, self.include_usage
+        rid, name, created, usage_null = (
+            self.response_id, self.served_name, self.created, self.include_usage
+        )  # fmt: skip
         if self.kind == "chat":
             return responses.chat_chunk(
-                rid, s.served_name, s.created, text, first, finish, usage,
-                include_usage=usage_null,
-            )  # fmt: skip
+                rid, name, created, text, first, finish, usage, include_usage=usage_null
+            )
         return responses.completion_chunk(
-            rid, s.served_name, s.created, text, finish, usage, include_usage=usage_null
+            rid, name, created, text, finish, usage, include_usage=usage_null
         )
 
 
@@ -134,12 +135,12 @@ def _event(body: dict[str, Any]) -> bytes:
 
 
 async def sse(
-    state: RouterState,
     reply: Reply,
     pieces: AsyncGenerator[Piece, None],
     include_usage: bool,
-    endpoint: str,
+    count: Callable[[str], None],
 ) -> AsyncIterator[bytes]:
+    """The response's events; `count` gets its HTTP status once it ends (499: the client left)."""
     status = "499"  # the client left before the end
     num_tokens = 0
     try:
@@ -159,5 +160,5 @@ async def sse(
         status = str(err.status)
         yield _event(err.body())
     finally:
-        state.metrics.requests.labels(endpoint, status).inc()
+        count(status)
     yield b"data: [DONE]\n\n"

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvrail.messages import PrefillMode
-from kvrail.router.job import AttemptFailed
+from kvrail.router.streams.job import AttemptFailed
 
 
 @dataclass(frozen=True, slots=True)

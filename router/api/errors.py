@@ -21,7 +21,7 @@ from kvrail.errors import (
     KvrailError,
     ModelNotFoundError,
 )
-from kvrail.router.schemas import UNSUPPORTED
+from kvrail.router.api.schemas import UNSUPPORTED
 
 # Message fields of OpenAI features kvrail lacks (never declared: reported as unsupported).
 _MESSAGE_FEATURES = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio"})

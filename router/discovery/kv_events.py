@@ -3,7 +3,7 @@
 `KvEventFollower` applies each decode worker's live `KvEvent`s (`PoolKeys.kv_events`) to the
 index, and fetches the worker's whole state (`PoolKeys.kv_state`, request/reply) when an event is
 out of step or a new incarnation registers; events that arrive during a fetch are buffered and
-replayed on top of the state. The guarantees are in the docstring of `kvrail.router.discovery`.
+replayed on top of the state. The guarantees are in the docstring of `kvrail.router.discovery.view`.
 The class holds no state of its own: `WorkerView.__init__` sets every attribute declared on it.
 """
 
@@ -21,7 +21,7 @@ from nats.aio.msg import Msg
 from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
 from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
-from kvrail.router.index import KvIndex
+from kvrail.router.discovery.index import KvIndex
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
 it, reads them again every `resync_interval_s`, and follows again from a fresh read when the watch
 breaks. A worker that joins, changes incarnation, role or engine, or leaves has its index state
 dropped and its state fetch started or stopped (`KvEventFollower`). The guarantees are in the
-docstring of `kvrail.router.discovery`. The class holds no state of its own:
+docstring of `kvrail.router.discovery.view`. The class holds no state of its own:
 `WorkerView.__init__` sets every attribute declared on it.
 """
 
@@ -17,7 +17,7 @@ import aetcd
 
 from kvrail.messages import DECODE_ROLES, WorkerRecord
 from kvrail.registry import Registry
-from kvrail.router.kv_events import INDEXED_ENGINES, KvEventFollower
+from kvrail.router.discovery.kv_events import INDEXED_ENGINES, KvEventFollower
 
 log = logging.getLogger(__name__)
 

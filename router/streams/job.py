@@ -1,20 +1,23 @@
-"""What a request stream is given and what it promises: `Job`, `DispatchError`, `EventStream`.
+"""What a request stream is given, what it may ask of its dispatcher, and what it promises:
+`Job`, `Workers`, `DispatchError`, `EventStream`.
 
-One module below both stream kinds (`dispatch.TokenStream` for kvrail's workers over NATS,
-`vllm_stream.VllmStream` for vLLM servers over HTTP), so neither imports the other.
+One module below both stream kinds (`token_stream.TokenStream` for kvrail's workers over NATS,
+`vllm_stream.VllmStream` for vLLM servers over HTTP) and the dispatcher that opens them, so none
+of them imports another.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvrail.messages import TokenEvent
-from kvrail.router.policy import Decision
+from kvrail.messages import TokenEvent, WorkerRecord
+from kvrail.router.policy import Candidate, Decision
 
 CancelReason = Literal["client_disconnect", "deadline", "error", "stop"]
+Engine = Literal["kvrail", "vllm"]
 
 
 class DispatchError(Exception):
@@ -71,3 +74,27 @@ class EventStream(Protocol):
     async def cancel(self, reason: CancelReason) -> None: ...
 
     async def close(self, reason: CancelReason = "client_disconnect") -> None: ...
+
+
+class Workers(Protocol):
+    """What a stream may ask of the dispatcher that opened it (`Dispatcher` implements it)."""
+
+    max_attempts: int
+    """At most this many workers try one request."""
+
+    def records(self) -> Mapping[str, WorkerRecord]:
+        """Every worker of the pool, by id, as last seen in etcd."""
+        ...
+
+    def choose(self, job: Job, exclude: set[str], engines: tuple[Engine, ...]) -> Decision:
+        """A ready decode worker of `engines` for `job`, none of `exclude`; raises
+        `NoWorkerError` when there is none."""
+        ...
+
+    def prefill_candidates(self, fingerprint: str, engines: tuple[Engine, ...]) -> list[Candidate]:
+        """The ready prefill workers of `engines` with `fingerprint`, with their load."""
+        ...
+
+    def count_in_flight(self, worker_id: str, delta: int) -> None:
+        """Count a request in flight on `worker_id` (+1) or no longer (-1)."""
+        ...

@@ -12,10 +12,10 @@ Everything here runs on `tokenizers` and `jinja2` only; the router process never
    saves its tokenizer. The entry is written into a temporary directory and renamed into place,
    so a reader sees nothing or a complete entry.
 
-The chat template is rendered as transformers renders it (`kvrail.router.chat_template`), so
+The chat template is rendered as transformers renders it (`kvrail.router.text.chat_template`), so
 `chat_prompt` equals transformers' `apply_chat_template(..., tokenize=True,
 add_generation_prompt=True)`. Incremental detokenization with stop strings is
-`kvrail.router.detokenizer`.
+`kvrail.router.text.detokenizer`.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from kvrail.model_files import (
     resolve,
 )
 from kvrail.model_files import cache_dir as models_cache_dir
-from kvrail.router.chat_template import chat_template, compile_template
-from kvrail.router.detokenizer import Detokenizer
+from kvrail.router.text.chat_template import chat_template, compile_template
+from kvrail.router.text.detokenizer import Detokenizer
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""The OpenAI surface: request schemas, error bodies, response bodies and their streaming."""

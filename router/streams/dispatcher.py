@@ -1,0 +1,134 @@
+"""Send one request to a decode worker and follow its token stream.
+
+`Dispatcher.open(job)` picks a decode worker (the `Chooser` over the `WorkerView`'s ready decode
+workers, each scored by the prompt blocks it already caches) and opens a stream to it: a
+`TokenStream` (`token_stream.py`, NATS) for a kvrail worker. The stream yields the worker's
+`TokenEvent`s in order and guarantees three things:
+
+- **Retry only while nothing changed hands**: no responders, a worker shutting down, or a worker
+  whose lease vanished before its first event: the request goes to another worker (at most
+  `max_attempts` in all). After the first event a failure is the client's error.
+- **Every wait has a deadline**: the request's own, and a worker whose etcd record disappears
+  (lease expired: killed, partitioned) fails the request within about a second.
+- **Nothing outlives the client**: leaving the stream before its last event (client disconnect,
+  stop string, deadline, error) publishes a `Cancel`, which every worker of the pool sees, so the
+  decode worker and any prefill worker holding blocks for it release them.
+
+Workers registered with `engine="vllm"` are vLLM servers: when the chooser picks one, `open` returns
+a `VllmStream` (`kvrail.router.streams.vllm_stream`) instead, which keeps the same interface and
+guarantees over HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from nats.aio.client import Client as NatsClient
+
+from kvrail.keys import PoolKeys
+from kvrail.messages import WorkerRecord
+from kvrail.router.discovery.index import prompt_hashes
+from kvrail.router.discovery.view import WorkerView
+from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
+from kvrail.router.streams.job import CancelReason, DispatchError, Engine, EventStream, Job
+from kvrail.router.streams.token_stream import TokenStream
+from kvrail.router.streams.vllm_options import VllmOptions
+from kvrail.router.streams.vllm_stream import VllmStream
+
+__all__ = ["CancelReason", "DispatchError", "Dispatcher", "EventStream", "Job", "TokenStream"]
+
+
+@dataclass(slots=True)
+class Dispatcher:
+    """Opens request streams over the pool's ready decode workers.
+
+    A pool runs one engine, but during a change it may hold both: `open` lets the chooser pick
+    among every ready decode worker this dispatcher can speak to (vLLM ones only with `vllm`
+    options), and the engine of the worker it picks decides the stream: a `TokenStream` over NATS
+    or a `VllmStream` over HTTP. Retries stay with that engine, so a vLLM server is never sent a
+    NATS `GenerateRequest` and a kvrail worker never an HTTP request. (vLLM servers publish no KV
+    events, so the kv-aware policy sees no cached blocks on them and weighs their load alone.)
+    """
+
+    nc: NatsClient
+    keys: PoolKeys
+    view: WorkerView
+    chooser: Chooser
+    block_size: int
+    max_attempts: int = 3
+    on_decision: Callable[[Decision], None] | None = None
+    in_flight: dict[str, int] = field(default_factory=dict)
+    vllm: VllmOptions | None = None
+    """How to reach vLLM servers; None: vLLM workers are never chosen."""
+
+    @property
+    def engines(self) -> tuple[Engine, ...]:
+        return ("kvrail", "vllm") if self.vllm is not None else ("kvrail",)
+
+    def candidates(
+        self, job: Job, engines: tuple[Engine, ...] | None = None
+    ) -> tuple[list[Candidate], int]:
+        """Ready decode workers (of `engines`, default: every engine this dispatcher speaks)
+        scored for `job`, and the prompt's number of full blocks. The prompt is hashed once per
+        model fingerprint (which covers the block size)."""
+        engines = engines or self.engines
+        workers = [r for r in self.view.decode_workers() if r.engine in engines]
+        block_sizes = {r.fingerprint: r.block_size or self.block_size for r in workers}
+        out: list[Candidate] = []
+        num_blocks = len(job.token_ids) // self.block_size
+        for fingerprint, block_size in sorted(block_sizes.items()):
+            hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
+            out += self.view.candidates(hashes, self.in_flight, fingerprint, engines)
+            num_blocks = len(job.token_ids) // block_size
+        return out, num_blocks
+
+    def count_in_flight(self, worker_id: str, delta: int) -> None:
+        """This router's requests in flight on `worker_id` (load-based choice and the per-worker
+        metrics read them); a worker with none leaves the table."""
+        left = self.in_flight.get(worker_id, 0) + delta
+        if left > 0:
+            self.in_flight[worker_id] = left
+        else:
+            self.in_flight.pop(worker_id, None)
+
+    @contextlib.asynccontextmanager
+    async def open(self, job: Job) -> AsyncIterator[EventStream]:
+        stream = self._stream_for(job)
+        try:
+            yield stream
+        finally:
+            await asyncio.shield(stream.close())
+
+    def _stream_for(self, job: Job) -> TokenStream | VllmStream:
+        """The stream kind of the worker the chooser picks now (that pick is the first attempt);
+        with no worker at all, a `TokenStream` that fails with `no_worker` when iterated."""
+        try:
+            decision = self.choose(job, set())
+        except NoWorkerError:
+            return TokenStream(self.nc, self.keys, self, job)
+        record = self.view.records().get(decision.worker_id)
+        if record is not None and record.engine == "vllm":
+            assert self.vllm is not None  # candidates() offers vLLM workers only with options
+            return VllmStream(self, self.vllm, job, first=decision)
+        return TokenStream(self.nc, self.keys, self, job, first=decision)
+
+    # The `Workers` protocol (what a stream may ask of its dispatcher) ---------------------------
+
+    def records(self) -> dict[str, WorkerRecord]:
+        return self.view.records()
+
+    def prefill_candidates(self, fingerprint: str, engines: tuple[Engine, ...]) -> list[Candidate]:
+        return self.view.prefill_candidates(self.in_flight, fingerprint, engines)
+
+    def choose(
+        self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None
+    ) -> Decision:
+        candidates, num_blocks = self.candidates(job, engines)
+        candidates = [c for c in candidates if c.worker_id not in exclude]
+        decision = self.chooser.choose(candidates, num_blocks)
+        if self.on_decision is not None:
+            self.on_decision(decision)
+        return decision

@@ -1,0 +1,1 @@
+"""Text: the tokenizer and chat template (prompts in), incremental detokenization (text out)."""
