@@ -16,7 +16,7 @@ import json
 import types
 import typing
 from array import array
-from dataclasses import MISSING, Field, dataclass, fields
+from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
 from kvrail.errors import KvrailError
@@ -67,25 +67,35 @@ class Message:
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": WIRE_VERSION, "kind": self.kind}
-        # Every field is flat (ints, floats, strings, tuples of them), so they are read as they
-        # are: `asdict`'s recursive copy made encoding a TokenEvent take 34 us on the 2-vCPU
-        # machine, against 13 us now, and a decode worker encodes one per running request per
-        # step.
-        for name in _info(type(self)).names:
-            value = getattr(self, name)
-            if name in _PACKED:
-                body[name] = _pack(tuple(value), _PACKED[name][0])
-            else:
-                body[name] = list(value) if isinstance(value, tuple) else value
+        body.update(_encode_fields(self))
         data = json.dumps(body, separators=(",", ":")).encode()
         if len(data) > MAX_MESSAGE_BYTES:
             raise MessageError(f"{self.kind} message of {len(data)} bytes exceeds the limit")
         return data
 
 
-# Per message class, computed once: `typing.get_type_hints` evaluates every annotation's string
-# (`from __future__ import annotations`) and took 200 of the 216 us that decoding a TokenEvent
-# cost on the 2-vCPU machine, where a router decodes one per token it streams.
+def _encode_fields(obj: Any) -> dict[str, Any]:
+    """A dataclass's fields as JSON values. Fields are flat (ints, floats, strings, tuples of
+    them) or a nested frozen dataclass (e.g. `SamplingParams`), so they are read as they are:
+    `asdict`'s recursive copy made encoding a TokenEvent take 34 us on the 2-vCPU machine,
+    against 13 us, and a decode worker encodes one per running request per step."""
+    body: dict[str, Any] = {}
+    for name in _info(type(obj)).names:
+        value = getattr(obj, name)
+        if name in _PACKED:
+            body[name] = _pack(tuple(value), _PACKED[name][0])
+        elif isinstance(value, tuple):
+            body[name] = list(value)
+        elif is_dataclass(value) and not isinstance(value, type):
+            body[name] = _encode_fields(value)
+        else:
+            body[name] = value
+    return body
+
+
+# Per dataclass (message or nested), computed once: `typing.get_type_hints` evaluates every
+# annotation's string (`from __future__ import annotations`) and took 200 of the 216 us that
+# decoding a TokenEvent cost on the 2-vCPU machine, where a router decodes one per token.
 @dataclass(frozen=True, slots=True)
 class _ClassInfo:
     fields: tuple[Field[Any], ...]
@@ -93,10 +103,10 @@ class _ClassInfo:
     hints: dict[str, Any]
 
 
-_CLASS_INFO: dict[type[Message], _ClassInfo] = {}
+_CLASS_INFO: dict[type[Any], _ClassInfo] = {}
 
 
-def _info(cls: type[Message]) -> _ClassInfo:
+def _info(cls: type[Any]) -> _ClassInfo:
     info = _CLASS_INFO.get(cls)
     if info is None:
         found = fields(cls)
@@ -106,6 +116,7 @@ def _info(cls: type[Message]) -> _ClassInfo:
 
 
 M = TypeVar("M", bound=Message)
+D = TypeVar("D")
 
 
 def decode(data: bytes, cls: type[M]) -> M:
@@ -122,6 +133,12 @@ def decode(data: bytes, cls: type[M]) -> M:
         raise MessageError(f"unsupported wire version (want {WIRE_VERSION})")
     if body.get("kind") != cls.kind:
         raise MessageError(f"expected a {cls.kind} message, got another kind")
+    return _decode_fields(cls, body, f"{cls.kind} message")
+
+
+def _decode_fields(cls: type[D], body: dict[str, Any], what: str) -> D:
+    """Build dataclass `cls` from a JSON object, every field checked against its type hint; a
+    value the class itself refuses (its `__post_init__`) is a MessageError too."""
     info = _info(cls)
     hints = info.hints
     values: dict[str, Any] = {}
@@ -129,7 +146,7 @@ def decode(data: bytes, cls: type[M]) -> M:
         if f.name not in body:
             if f.default is not MISSING or f.default_factory is not MISSING:
                 continue  # optional field: its default applies
-            raise MessageError(f"{cls.kind} message lacks field {f.name}")
+            raise MessageError(f"{what} lacks field {f.name}")
         raw = body[f.name]
         if f.name in _PACKED:
             code, limit = _PACKED[f.name]
@@ -138,11 +155,15 @@ def decode(data: bytes, cls: type[M]) -> M:
             values[f.name] = _check(raw, hints[f.name], f.name)
     try:
         return cls(**values)
-    except (TypeError, ValueError) as err:
-        raise MessageError(f"invalid {cls.kind} message: {err}") from err
+    except (TypeError, ValueError, KvrailError) as err:
+        raise MessageError(f"invalid {what}: {err}") from err
 
 
 def _check(value: Any, hint: Any, name: str) -> Any:
+    if isinstance(hint, type) and is_dataclass(hint):
+        if not isinstance(value, dict):
+            raise MessageError(f"field {name} must be an object")
+        return _decode_fields(hint, value, f"field {name}")
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
         for option in typing.get_args(hint):

@@ -1,8 +1,9 @@
 """The exception hierarchy every component raises from.
 
-The router turns these into OpenAI error bodies in one place (`kvrail.router.openai`); the operator
-turns `InvalidSpecError` into a Degraded condition. Lack of capacity is not an error: allocators
-return None with no partial effect.
+The router turns these into OpenAI error bodies in one place (`kvrail.router.api.errors`). An
+invalid `InferencePool` is a pydantic validation error in the operator, which sets `Degraded`
+and raises Kopf's `PermanentError`. Lack of capacity is not an error: allocators return None with
+no partial effect.
 """
 
 
@@ -15,15 +16,16 @@ class ConfigError(KvrailError):
 
 
 class InvalidRequestError(KvrailError):
-    """A client request is malformed or exceeds a limit (HTTP 400)."""
+    """A client request is malformed or exceeds a limit (HTTP 400). `param` names the request
+    field at fault, when one is."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 class ModelNotFoundError(KvrailError):
     """A model source cannot be resolved to weights on this machine."""
-
-
-class IncompatibleWorkerError(KvrailError):
-    """Two workers disagree on the model fingerprint and must never pair."""
 
 
 class TransferError(KvrailError):
@@ -32,7 +34,3 @@ class TransferError(KvrailError):
 
 class DeadlineExceededError(KvrailError):
     """A request or job ran past its deadline."""
-
-
-class NotBuiltError(KvrailError):
-    """A component exists in the design but is not built yet; raised instead of pretending."""

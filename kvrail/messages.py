@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from kvrail.codec import Message
+from kvrail.sampling import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,11 +34,9 @@ class PrefillJob(Message):
     dest_block_ids: tuple[int, ...]
     first_block_index: int
     deadline_unix_s: float
+    sampling: SamplingParams
+    """The request's own: the prefill worker samples the first token with it."""
     tenant_salt: str = ""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
     with_checksums: bool = False
 
     def __post_init__(self) -> None:
@@ -206,13 +205,7 @@ class GenerateRequest(Message):
     token_ids: tuple[int, ...]
     stream_subject: str
     deadline_unix_s: float
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
+    sampling: SamplingParams
     tenant_salt: str = ""
 
     def __post_init__(self) -> None:
@@ -220,15 +213,26 @@ class GenerateRequest(Message):
             raise ValueError("request_id must be 1-128 characters")
         if not self.token_ids:
             raise ValueError("token_ids is empty")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
         if len(self.stream_subject) > 256 or not _SUBJECT.match(self.stream_subject):
             raise ValueError("stream_subject must be a literal NATS subject (no wildcards)")
-        if any(t < 0 for t in self.stop_token_ids):
-            raise ValueError("stop_token_ids must be >= 0")
 
 
 PrefillMode = Literal["", "local", "remote", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenStages:
+    """Where a request's time to its first token went, in seconds, each stage on the clock of
+    the worker that timed it: the prefill job's wait in the queue, the prefill's compute, the
+    wait for the transfer thread, the KV copy, its validation, and the decode worker's own
+    admission (reserving, publishing, installing)."""
+
+    queue_wait_s: float = 0.0
+    prefill_compute_s: float = 0.0
+    transfer_queue_s: float = 0.0
+    copy_s: float = 0.0
+    validation_s: float = 0.0
+    admission_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +241,8 @@ class TokenEvent(Message):
 
     `seq` counts from 0 per request, so a gap is visible. The last event has a `finish_reason`
     (`stop`, `length`, `abort`) or an `error` (a metric-safe code, never prompt text). The first
-    event says how the prompt was prefilled and how long each stage of the first token took.
+    event says how the prompt was prefilled, how many of its tokens were already cached, and how
+    long each stage of the first token took.
     """
 
     kind: ClassVar[str] = "token_event"
@@ -248,16 +253,12 @@ class TokenEvent(Message):
     error: str | None = None
     worker_id: str = ""
     prefill_mode: PrefillMode = ""
-    queue_wait_s: float = 0.0
-    prefill_compute_s: float = 0.0
-    transfer_queue_s: float = 0.0
-    copy_s: float = 0.0
-    validation_s: float = 0.0
-    admission_s: float = 0.0
+    num_cached_tokens: int = 0
+    stages: FirstTokenStages | None = None
 
     def __post_init__(self) -> None:
-        if self.seq < 0:
-            raise ValueError("seq must be >= 0")
+        if self.seq < 0 or self.num_cached_tokens < 0:
+            raise ValueError("seq and num_cached_tokens must be >= 0")
 
     @property
     def is_last(self) -> bool:

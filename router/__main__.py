@@ -26,7 +26,9 @@ import uvicorn
 from kvrail.bus import connect
 from kvrail.errors import ConfigError, KvrailError
 from kvrail.keys import PoolKeys
+from kvrail.model_files import resolve
 from kvrail.registry import Registry, etcd_client
+from kvrail.router.api.sampling import Defaults
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
@@ -67,6 +69,7 @@ async def serve(settings: Settings) -> None:
     tenants = TenantTable.load(settings.api_keys_file)
     log.info("loading the tokenizer model=%s", settings.model)
     codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir)
+    defaults = Defaults.of(settings.generation_config, resolve(settings.model).generation_config())
     served_name = settings.served_model_name or config.get("servedModelName") or codec.served_name
     max_model_len = settings.max_model_len or config.get("maxModelLen") or 0
     block_size = int(config.get("blockSize") or settings.block_size)
@@ -90,7 +93,8 @@ async def serve(settings: Settings) -> None:
     state = RouterState(
         codec=codec, dispatcher=dispatcher, view=view, tenants=tenants, admission=Admission(),
         metrics=metrics, served_name=served_name, max_model_len=int(max_model_len),
-        request_timeout_s=settings.request_timeout_s,
+        request_timeout_s=settings.request_timeout_s, defaults=defaults,
+        allow_special_tokens=settings.allow_special_tokens_in_prompts,
     )  # fmt: skip
     port = settings.http_port or DEFAULT_PORT
     server = uvicorn.Server(
@@ -110,9 +114,11 @@ async def serve(settings: Settings) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             log.info(
-                "router ready url=http://%s:%d model=%s policy=%s pool=%s/%s tenants=%s",
+                "router ready url=http://%s:%d model=%s policy=%s pool=%s/%s tenants=%s "
+                "sampling_defaults=%s",
                 settings.router_host, port, served_name, settings.router_policy, keys.namespace,
                 keys.pool, "on" if tenants.enabled else "off",
+                ",".join(f"{k}:{v}" for k, v in defaults.describe().items()),
             )  # fmt: skip
         await serving
         if not server.started:

@@ -1,12 +1,16 @@
-"""The OpenAI-compatible HTTP API (DESIGN.md, steps 1-2): FastAPI over the dispatcher.
+"""The OpenAI-compatible HTTP API: FastAPI over the dispatcher.
 
-`/v1/chat/completions` and `/v1/completions` (streamed as server-sent events or not), `/v1/models`,
-`/health` (the process answers), `/ready` (a ready decode worker is known), `/metrics`.
-Every error has OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with the
-status the OpenAI API uses (400 bad input, 401 no valid key, 404 unknown model, 429 over a
-tenant's limits with Retry-After, 503 no worker, 504 deadline); FastAPI's own 422 never reaches
-a client. A request is tokenized here, admitted against its tenant's limits, and followed until
-its last token; a client that goes away (streaming or not) cancels it on every worker.
+`/v1/chat/completions` and `/v1/completions` (streamed as server-sent events or not),
+`/v1/models` and `/v1/models/{model}`, `/health` (the process answers), `/ready` (a ready decode
+worker is known), `/metrics`. Every error has OpenAI's shape,
+`{"error": {"message", "type", "param", "code"}}`, with the status the OpenAI API uses (400 bad
+input, 401 no valid key, 404 unknown model, 413 body too large, 429 over a tenant's limits with
+Retry-After, 503 no worker, 504 deadline); FastAPI's own 422 never reaches a client, and every
+refusal is logged with its status, code and field (never the prompt).
+
+A prompt is tokenized here, on the router's tokenizer threads (the event loop keeps serving
+meanwhile), after a check that its length alone does not already prove it too long for the
+context; then `generate.serve` admits it and follows it until its last token.
 """
 
 from __future__ import annotations
@@ -14,64 +18,35 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvrail.errors import KvrailError
+from kvrail.router import generate
 from kvrail.router.api import errors as api_errors
-from kvrail.router.api import responses, schemas, streaming
+from kvrail.router.api import responses, schemas
 from kvrail.router.api.errors import ApiError
-from kvrail.router.api.schemas import Sampling
-from kvrail.router.api.streaming import Kind
-from kvrail.router.discovery.view import WorkerView
-from kvrail.router.metrics import RouterMetrics
-from kvrail.router.streams.dispatcher import Dispatcher
-from kvrail.router.streams.job import DispatchError, Job
-from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
-from kvrail.router.text.detokenizer import Detokenizer
-from kvrail.router.text.tokenizer import TextCodec
+from kvrail.router.api.sampling import requested
+from kvrail.router.generate import RouterState, context_len
+from kvrail.router.tenants import Rejected, Tenant
+
+__all__ = ["RouterState", "create_app"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_MAX_MODEL_LEN = 2048  # when neither the settings nor any worker says
-
-# Worker and dispatcher error codes -> (HTTP status, OpenAI error type).
-_ERRORS: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "deadline": (504, "timeout_error"),
-    "no_worker": (503, "service_unavailable_error"),
-    "prefill_failed": (503, "service_unavailable_error"),
-    "protocol_error": (502, "server_error"),
-    "shutting_down": (503, "service_unavailable_error"),
-    "worker_lost": (503, "service_unavailable_error"),
-}
-
 
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": responses.ErrorBody} for status in (400, 401, 404, 413, 429, 503, 504)
 }
-
-
-@dataclass(slots=True)
-class RouterState:
-    codec: TextCodec
-    dispatcher: Dispatcher
-    view: WorkerView
-    tenants: TenantTable
-    admission: Admission
-    metrics: RouterMetrics
-    served_name: str
-    max_model_len: int  # 0: the workers' (see `_context_len`)
-    request_timeout_s: float
-    created: int = 0
 
 
 def create_app(state: RouterState) -> FastAPI:
@@ -80,35 +55,27 @@ def create_app(state: RouterState) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return _error_response(state, request, exc)
+        return error_response(state, request, exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _error_response(state, request, api_errors.validation_error(exc.errors()))
+        return error_response(state, request, api_errors.validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return _error_response(state, request, ApiError(exc.status_code, str(exc.detail), kind))
+        return error_response(state, request, ApiError(exc.status_code, str(exc.detail), kind))
 
     @app.exception_handler(KvrailError)
     async def _kvrail(request: Request, exc: KvrailError) -> JSONResponse:
-        return _error_response(state, request, api_errors.api_error_of(exc))
+        return error_response(state, request, api_errors.api_error_of(exc))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error path=%s", request.url.path, exc_info=exc)
-        return _error_response(state, request, ApiError(500, "internal error", "server_error"))
+        return error_response(state, request, ApiError(500, "internal error", "server_error"))
 
-    @app.middleware("http")
-    async def _limit_body(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-            too_big = f"request body above {MAX_BODY_BYTES} bytes"
-            return _error_response(state, request, ApiError(413, too_big, "invalid_request_error"))
-        return await call_next(request)
+    app.add_middleware(_BodyLimit, state=state)
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -130,6 +97,12 @@ def create_app(state: RouterState) -> FastAPI:
         _authenticate(state, authorization)
         return responses.model_list([state.served_name], state.created)
 
+    @app.get("/v1/models/{model_id:path}", response_model=responses.ModelCard)
+    async def model(model_id: str, authorization: str | None = Header(None)) -> dict[str, Any]:
+        _authenticate(state, authorization)
+        _check_model(state, model_id)
+        return responses.model_card(state.served_name, state.created)
+
     @app.post(
         "/v1/chat/completions", response_model=responses.ChatCompletion, responses=_ERROR_RESPONSES
     )
@@ -140,8 +113,15 @@ def create_app(state: RouterState) -> FastAPI:
     ) -> Response:
         tenant = _authenticate(state, authorization)
         _check_model(state, body.model)
-        prompt_ids = await _off_loop(state.codec.chat_prompt, body.template_messages())
-        return await _serve(state, request, "chat", tenant, prompt_ids, schemas.sampling_of(body))
+        messages = body.template_messages()
+        _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
+        prompt_ids = await _tokenize(
+            state, state.codec.chat_prompt, messages, state.allow_special_tokens
+        )
+        endpoint = endpoint_of(request)
+        return await generate.serve(
+            state, request, endpoint, "chat", tenant, prompt_ids, requested(body)
+        )
 
     @app.post("/v1/completions", response_model=responses.Completion, responses=_ERROR_RESPONSES)
     async def completions(
@@ -153,23 +133,59 @@ def create_app(state: RouterState) -> FastAPI:
         _check_model(state, body.model)
         text, prompt_ids = body.prompt_text, body.prompt_ids
         if text is not None:
-            prompt_ids = await _off_loop(state.codec.encode, text)
+            _check_length(state, len(text.encode()), "prompt")
+            prompt_ids = await _tokenize(
+                state, state.codec.encode, text, state.allow_special_tokens
+            )
         assert prompt_ids is not None
         vocab = state.codec.vocab_size
         if any(t < 0 or t >= vocab for t in prompt_ids):
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
-        return await _serve(
-            state, request, "completion", tenant, prompt_ids, schemas.sampling_of(body)
+        endpoint = endpoint_of(request)
+        return await generate.serve(
+            state, request, endpoint, "completion", tenant, prompt_ids, requested(body)
         )
 
     return app
 
 
-async def _off_loop(encode: Callable[[Any], list[int]], arg: Any) -> list[int]:
-    """Tokenize; prompts above a few thousand characters leave the event loop meanwhile."""
-    if len(str(arg)) < 4096:
-        return encode(arg)
-    return await asyncio.to_thread(encode, arg)
+class _BodyLimit:
+    """Refuses a body above `MAX_BODY_BYTES` (by its Content-Length) with a 413, before any of
+    it is read. Plain ASGI, not Starlette's `BaseHTTPMiddleware`: that one hides a client's
+    disconnect from the endpoints behind it, so a non-streamed request whose client left would
+    run to its end."""
+
+    def __init__(self, app: ASGIApp, state: RouterState) -> None:
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            length = dict(scope["headers"]).get(b"content-length")
+            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+                too_big = ApiError(413, f"request body above {MAX_BODY_BYTES} bytes")
+                response = error_response(self.state, Request(scope), too_big)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _check_length(state: RouterState, num_bytes: int, param: str) -> None:
+    """Refuse a prompt whose text alone proves it longer than the context, before tokenizing
+    it: no token covers more than `TextCodec.max_token_bytes` bytes."""
+    at_least = state.codec.at_least_tokens(num_bytes)
+    context = context_len(state)
+    if at_least > context:
+        raise ApiError(
+            400, f"the prompt has at least {at_least} tokens ({num_bytes} bytes of text); this "
+            f"model's context is {context} tokens", param=param, code="context_length_exceeded",
+        )  # fmt: skip
+
+
+async def _tokenize(state: RouterState, encode: Callable[..., T], *args: Any) -> T:
+    """Run `encode` on the router's tokenizer threads: the event loop keeps serving meanwhile
+    (the tokenizer releases the GIL while it works)."""
+    return await asyncio.get_running_loop().run_in_executor(state.tokenizer, encode, *args)
 
 
 def _authenticate(state: RouterState, authorization: str | None) -> Tenant:
@@ -180,14 +196,6 @@ def _authenticate(state: RouterState, authorization: str | None) -> Tenant:
         raise ApiError(401, err.message, "authentication_error", code="invalid_api_key") from err
 
 
-def _context_len(state: RouterState) -> int:
-    """The configured context, else the smallest any ready decode worker announces."""
-    if state.max_model_len:
-        return state.max_model_len
-    announced = [r.max_model_len for r in state.view.decode_workers() if r.max_model_len]
-    return min(announced, default=DEFAULT_MAX_MODEL_LEN)
-
-
 def _check_model(state: RouterState, model: str) -> None:
     if model != state.served_name:
         raise ApiError(
@@ -196,148 +204,25 @@ def _check_model(state: RouterState, model: str) -> None:
         )  # fmt: skip
 
 
-def _error_response(state: RouterState, request: Request, exc: ApiError) -> JSONResponse:
-    state.metrics.requests.labels(_endpoint(request), str(exc.status)).inc()
+def error_response(state: RouterState, request: Request, exc: ApiError) -> JSONResponse:
+    """The error's response, counted under the request's endpoint; a client's error is logged
+    with its status, code and field (never the prompt)."""
+    endpoint = endpoint_of(request)
+    state.metrics.requests.labels(endpoint, str(exc.status)).inc()
+    if exc.status < 500:
+        log.info(
+            "request refused endpoint=%s status=%d code=%s param=%s",
+            endpoint, exc.status, exc.code or exc.type, exc.param or "-",
+        )  # fmt: skip
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def _endpoint(request: Request) -> str:
-    path = request.url.path
-    return path if path.startswith("/v1/") and path.count("/") == 2 else "other"
-
-
-async def _serve(
-    state: RouterState,
-    request: Request,
-    kind: Kind,
-    tenant: Tenant,
-    prompt_ids: Sequence[int],
-    sampling: Sampling,
-) -> Response:
-    started = time.monotonic()
-    if not prompt_ids:
-        param = "prompt" if kind == "completion" else "messages"
-        raise ApiError(400, "the prompt is empty", param=param)
-    context = _context_len(state)
-    room = context - len(prompt_ids)
-    if room < 1:
-        raise ApiError(
-            400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
-            f"{context} tokens", param="messages" if kind == "chat" else "prompt",
-            code="context_length_exceeded",
-        )  # fmt: skip
-    max_tokens = sampling.max_tokens if sampling.max_tokens is not None else room
-    if max_tokens > room:
-        raise ApiError(
-            400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
-            f"this model's context of {context} tokens", param="max_tokens",
-            code="context_length_exceeded",
-        )  # fmt: skip
-    try:
-        ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
-    except Rejected as err:
-        state.metrics.rejected.labels("rate_limited" if err.status == 429 else "too_large").inc()
-        headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else {}
-        kind_ = "rate_limit_error" if err.status == 429 else "invalid_request_error"
-        raise ApiError(err.status, err.message, kind_, headers=headers) from err
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
-    job = Job(
-        request_id=response_id, token_ids=tuple(prompt_ids), max_tokens=max_tokens,
-        deadline_unix_s=time.time() + state.request_timeout_s,
-        temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-        tenant_salt=tenant.salt,
-    )  # fmt: skip
-    state.metrics.prompt_tokens.labels(tenant.name).inc(len(prompt_ids))
-    detok = state.codec.detokenizer(prompt_ids, sampling.stop)
-    reply = streaming.Reply(
-        kind, response_id, state.served_name, state.created, len(prompt_ids),
-        sampling.include_usage,
-    )  # fmt: skip
-    pieces = _generate(state, job, detok, started, tenant, ticket)
-    endpoint = _endpoint(request)
-    if sampling.stream:
-        sse = streaming.sse(
-            reply, pieces, sampling.include_usage,
-            lambda status: state.metrics.requests.labels(endpoint, status).inc(),
-        )  # fmt: skip
-        return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
-    try:
-        text, finish, num_tokens = await streaming.until_disconnect(
-            request, streaming.collect(pieces)
-        )
-    finally:
-        ticket.release(0)  # a no-op once the request released it with its real usage
-    state.metrics.requests.labels(endpoint, "200").inc()
-    return JSONResponse(reply.whole(text, finish, num_tokens))
-
-
-async def _generate(
-    state: RouterState,
-    job: Job,
-    detok: Detokenizer,
-    started: float,
-    tenant: Tenant,
-    ticket: Ticket,
-) -> AsyncGenerator[streaming.Piece, None]:
-    """Text pieces of one request, in order; the last has a finish reason. Raises ApiError."""
-    m = state.metrics
-    num_tokens = 0
-    outcome = "error"
-    m.in_flight.inc()
-    try:
-        async with state.dispatcher.open(job) as stream:
-            last = started
-            try:
-                async for event in stream:
-                    now = time.monotonic()
-                    if event.seq == 0:
-                        m.first_event(event, now - started)
-                    elif event.token_ids:
-                        gap = (now - last) / len(event.token_ids)
-                        for _ in event.token_ids:
-                            m.itl.observe(gap)
-                    last = now
-                    if event.error is not None:
-                        raise DispatchError(event.error)
-                    num_tokens += len(event.token_ids)
-                    text = detok.feed(event.token_ids)
-                    if detok.stopped:
-                        await stream.cancel("stop")
-                        outcome = "stop"
-                        yield streaming.Piece(text, "stop", num_tokens)
-                        return
-                    finish = None
-                    if event.finish_reason is not None:
-                        if event.finish_reason not in ("stop", "length"):
-                            raise DispatchError("aborted")
-                        finish = event.finish_reason
-                        text += detok.flush()
-                        outcome = finish
-                    yield streaming.Piece(text, finish, num_tokens)
-            except DispatchError as err:
-                await stream.cancel("deadline" if err.code == "deadline" else "error")
-                log.info("request failed request_id=%s worker=%s code=%s",
-                         job.request_id, stream.worker_id, err.code)  # fmt: skip
-                status, type_ = _ERRORS.get(err.code, (500, "server_error"))
-                raise ApiError(status, _message(err.code), type_, code=err.code) from err
-    except asyncio.CancelledError:
-        outcome = "cancelled"
-        raise
-    finally:
-        m.in_flight.dec()
-        m.generation_tokens.labels(tenant.name).inc(num_tokens)
-        m.duration.labels(outcome).observe(time.monotonic() - started)
-        ticket.release(len(job.token_ids) + num_tokens)
-
-
-def _message(code: str) -> str:
-    return {
-        "deadline": "the request did not finish within its deadline",
-        "no_worker": "no decode worker is ready to take the request; retry later",
-        "invalid_request": "a worker refused the request as invalid",
-        "prefill_failed": "no prefill worker could prefill the prompt; retry later",
-        "protocol_error": "a worker answered in a form the router does not understand",
-        "shutting_down": "the decode worker shut down before the request finished; retry it",
-        "worker_lost": "the decode worker went away before the request finished; retry it",
-    }.get(code, f"the request failed ({code})")
+def endpoint_of(request: Request) -> str:
+    """The route template the request matches (`/v1/chat/completions`,
+    `/v1/models/{model_id}`), or `other`: a client never chooses a metric label value."""
+    app = request.scope.get("app")
+    for route in app.router.routes if app is not None else ():
+        match, _ = route.matches(request.scope)
+        if match is Match.FULL:
+            return str(getattr(route, "path", "other")).replace(":path}", "}")
+    return "other"

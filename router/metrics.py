@@ -89,8 +89,10 @@ class RouterMetrics:
 
     def first_event(self, event: TokenEvent, ttft_s: float) -> None:
         self.ttft.labels(event.prefill_mode or "unknown").observe(ttft_s)
+        if event.stages is None:
+            return
         for stage in STAGES:
-            seconds = getattr(event, stage + "_s")
+            seconds = getattr(event.stages, stage + "_s")
             if seconds > 0:
                 self.stages.labels(stage).observe(seconds)
 

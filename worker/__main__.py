@@ -31,6 +31,7 @@ from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.worker import metrics
+from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.decode import DecodeRole
@@ -53,15 +54,13 @@ def build_engine(settings: Settings) -> LLMEngine:
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
     else:
         dtype = names[settings.dtype]
-    config: dict[str, object] = {
-        "num_blocks": settings.num_kv_blocks, "block_size": settings.block_size,
-        "max_num_seqs": settings.max_num_seqs,
-        "max_num_batched_tokens": settings.max_num_batched_tokens,
-        "zero_kv_on_release": settings.zero_kv_on_release,
-    }  # fmt: skip
-    if settings.max_model_len is not None:
-        config["max_model_len"] = settings.max_model_len
-    return LLMEngine.from_source(settings.model, dtype=dtype, device=device, **config)
+    config = EngineConfig(
+        num_blocks=settings.num_kv_blocks, block_size=settings.block_size,
+        max_model_len=settings.max_model_len or 0, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        zero_kv_on_release=settings.zero_kv_on_release,
+    )  # fmt: skip
+    return LLMEngine.from_source(settings.model, config, dtype=dtype, device=device)
 
 
 class Worker:
@@ -96,7 +95,7 @@ class Worker:
             address=settings.pod_ip or "", nixl_agent_name=self.agent_name,
             nixl_metadata_b64=base64.b64encode(connector.metadata()).decode(),
             num_blocks=counts.num_blocks, block_bytes=region.block_bytes,
-            block_size=engine.config.block_size, max_model_len=engine.config.max_model_len,
+            block_size=engine.config.block_size, max_model_len=engine.max_request_tokens,
             transport=connector.transport, is_ready=False,
         )  # fmt: skip
         registration = await registry.register(record)
@@ -105,6 +104,7 @@ class Worker:
         ctx = WorkerContext(
             settings=settings, keys=self.keys, worker_id=self.worker_id,
             incarnation=self.incarnation, agent_name=self.agent_name, fingerprint=fingerprint,
+            block_size=engine.config.block_size,
             nc=nc, prefill_queue=prefill_queue, service=service, connector=connector, peers=peers,
         )  # fmt: skip
         roles: list[DecodeRole | PrefillRole] = []

@@ -34,9 +34,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.engine import LLMEngine, RequestOutput
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.engine.scheduler_output import RemoteReservation
 
 log = logging.getLogger(__name__)
@@ -55,6 +55,8 @@ class Update:
     finished: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (a locally prefilled request's)."""
 
     @property
     def is_last(self) -> bool:
@@ -329,8 +331,9 @@ class EngineService:
         if output.finished:
             del self._tracked[output.request_id]
         update = Update(
-            output.request_id, output.new_token_ids, output.finished, output.finish_reason
-        )
+            output.request_id, output.new_token_ids, output.finished, output.finish_reason,
+            num_cached_tokens=output.num_cached_tokens,
+        )  # fmt: skip
         return tracked.on_update, update
 
     def _expire_deadlines(self) -> None:

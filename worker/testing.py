@@ -8,10 +8,11 @@ import itertools
 from typing import Any
 
 from kvrail.hashing import root_hash
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.config import EngineConfig
-from kvrail.worker.engine.request import Request, SamplingParams
+from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler import Scheduler
-from kvrail.worker.engine.stop import Detokenize, StopChecker
+from kvrail.worker.engine.stop import StopChecker
 
 TEST_HASH_ROOT = root_hash("kvrail-test-fingerprint")
 EOS_TOKEN_ID = 2
@@ -26,10 +27,11 @@ def make_request(
     **params: Any,
 ) -> Request:
     """A request with `prompt_token_ids` or `num_prompt_tokens` distinct ids (>= 10, so never EOS).
-    `params` go to SamplingParams; ignore_eos defaults to True here."""
+    `params` go to SamplingParams; max_tokens defaults to 16 and ignore_eos to True here."""
     if prompt_token_ids is None:
         start = 10 + 1000 * next(_ids)
         prompt_token_ids = list(range(start, start + num_prompt_tokens))
+    params.setdefault("max_tokens", 16)
     params.setdefault("ignore_eos", True)
     return Request(
         request_id=request_id or f"req-{next(_ids)}",
@@ -50,10 +52,8 @@ def make_engine_config(**overrides: Any) -> EngineConfig:
     return EngineConfig(**values)
 
 
-def make_scheduler(detokenize: Detokenize | None = None, **overrides: Any) -> Scheduler:
-    return Scheduler(
-        make_engine_config(**overrides), TEST_HASH_ROOT, StopChecker(EOS_TOKEN_ID, detokenize)
-    )
+def make_scheduler(**overrides: Any) -> Scheduler:
+    return Scheduler(make_engine_config(**overrides), TEST_HASH_ROOT, StopChecker(EOS_TOKEN_ID))
 
 
 def tiny_llama_config(**overrides: Any) -> Any:

@@ -29,7 +29,7 @@ def main() -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(args.threads)
 
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
     from kvrail.worker.models.loader import load, load_transformers_model
     from kvrail.worker.testing import make_engine
 

@@ -105,7 +105,7 @@ class StepRecorder:
 
 
 def make_params(kind: str, max_tokens: int, seed: int) -> Any:
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     if kind == GREEDY:
         return SamplingParams(max_tokens=max_tokens, ignore_eos=True)

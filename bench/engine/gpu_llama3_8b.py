@@ -139,7 +139,7 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
 
 def warmed(engine: Any) -> Any:
     """`engine` after one short untimed run (compiles, CUDA-graph capture, allocator)."""
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     engine.generate(prompts(4, 64, 9), SamplingParams(max_tokens=8, ignore_eos=True))
     return engine
@@ -164,7 +164,7 @@ def fmt(values: list[float], spec: str) -> str:
 def generate_phases(engine: Any, batch: list[list[int]], max_tokens: int) -> tuple[float, float]:
     """Run `batch` to completion; returns (seconds until every request had its first token,
     seconds in all)."""
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sync()
@@ -216,7 +216,7 @@ def main() -> int:
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA3_8B)

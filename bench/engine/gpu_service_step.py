@@ -118,7 +118,7 @@ def main() -> None:
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     if args.smoke:
         base.DEVICE = "cpu"

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_llama3_8b as base
 
-from kvrail.worker.engine.request import SamplingParams
+from kvrail.sampling import SamplingParams
 
 
 def main() -> int:

@@ -98,7 +98,7 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
 
 
 def params(max_tokens: int) -> Any:
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
 

@@ -47,6 +47,7 @@ from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, TokenEvent
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
 READY_TIMEOUT_S = 240.0
@@ -92,8 +93,8 @@ async def run_request(
     sub = await nc.subscribe(subject)
     request = GenerateRequest(
         request_id=stream.request_id, token_ids=token_ids, stream_subject=subject,
-        deadline_unix_s=time.time() + deadline_s, max_tokens=max_tokens, ignore_eos=True,
-        temperature=0.0,
+        deadline_unix_s=time.time() + deadline_s,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )  # fmt: skip
     try:
         stream.sent_at = time.monotonic()
@@ -261,13 +262,18 @@ async def measure(run: ModeRun, args: Any) -> dict[str, Any]:
         "b_first_token_at_s": b.times[0] - origin,
         "b_prefill_mode": b.first.prefill_mode,
         "b_stages_s": {
-            "queue_wait": b.first.queue_wait_s,
-            "prefill_compute": b.first.prefill_compute_s,
-            "transfer_queue": b.first.transfer_queue_s,
-            "copy": b.first.copy_s,
-            "validation": b.first.validation_s,
-            "admission": b.first.admission_s,
-        },
+            name.removesuffix("_s"): getattr(b.first.stages, name)
+            for name in (
+                "queue_wait_s",
+                "prefill_compute_s",
+                "transfer_queue_s",
+                "copy_s",
+                "validation_s",
+                "admission_s",
+            )
+        }
+        if b.first.stages is not None
+        else {},
     }
     result["summary"] = summarize(result)
     return result

@@ -42,6 +42,7 @@ from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, WorkerRecord
 from kvrail.registry import Registry, etcd_client
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
 POOL = "bench-router"
@@ -91,7 +92,7 @@ async def direct(nc: NatsClient, max_tokens: int) -> float:
     sub = await nc.subscribe(inbox)
     request = GenerateRequest(
         request_id=uuid.uuid4().hex, token_ids=tuple(range(100, 140)), stream_subject=inbox,
-        deadline_unix_s=time.time() + 30, max_tokens=max_tokens,
+        deadline_unix_s=time.time() + 30, sampling=SamplingParams(max_tokens=max_tokens),
     )  # fmt: skip
     await nc.publish(KEYS.decode_requests(WORKER), request.encode(), reply=inbox)
     decode((await sub.next_msg(timeout=10)).data, TokenEvent)

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final, Literal
 
 from kvrail.errors import KvrailError
+from kvrail.sampling import SamplingParams
 
 COMPLETIONS_PATH: Final = "/v1/completions"
 REQUEST_ID_HEADER: Final = "X-Request-Id"
@@ -57,18 +58,13 @@ class Completion:
     model: str
     """The served model name (`--served-model-name`)."""
     prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("a vLLM completion needs the served model name")
         if not self.prompt_token_ids:
             raise ValueError("a vLLM completion needs a prompt")
-        if self.max_tokens < 1:
-            raise ValueError("max_tokens must be at least 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +97,20 @@ def remote_decode_params() -> dict[str, Any]:
     }
 
 
-def _sampling(c: Completion) -> dict[str, Any]:
-    out: dict[str, Any] = {"temperature": c.temperature, "top_p": c.top_p}
-    if c.seed is not None:
-        out["seed"] = c.seed
+def _sampling(s: SamplingParams) -> dict[str, Any]:
+    """vLLM's names are kvrail's (`kvrail.sampling` follows vLLM's `SamplingParams`); neutral
+    values are left out, so a server answers exactly as it would to a plain OpenAI request."""
+    out: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p}
+    optional: dict[str, Any] = {
+        "top_k": (s.top_k, 0), "min_p": (s.min_p, 0.0), "seed": (s.seed, None),
+        "min_tokens": (s.min_tokens, 0), "stop_token_ids": (list(s.stop_token_ids), []),
+        "ignore_eos": (s.ignore_eos, False), "repetition_penalty": (s.repetition_penalty, 1.0),
+        "presence_penalty": (s.presence_penalty, 0.0),
+        "frequency_penalty": (s.frequency_penalty, 0.0),
+    }  # fmt: skip
+    for name, (value, neutral) in optional.items():
+        if value != neutral:
+            out[name] = value
     return out
 
 
@@ -114,7 +120,7 @@ def prefill_body(c: Completion) -> dict[str, Any]:
         "model": c.model,
         "prompt": list(c.prompt_token_ids),
         "max_tokens": 1,
-        **_sampling(c),
+        **_sampling(replace(c.sampling, max_tokens=1, min_tokens=min(c.sampling.min_tokens, 1))),
         "stream": False,
         "kv_transfer_params": remote_decode_params(),
     }
@@ -126,8 +132,8 @@ def decode_body(c: Completion, kv_transfer_params: Mapping[str, Any] | None) -> 
     body: dict[str, Any] = {
         "model": c.model,
         "prompt": list(c.prompt_token_ids),
-        "max_tokens": c.max_tokens,
-        **_sampling(c),
+        "max_tokens": c.sampling.max_tokens,
+        **_sampling(c.sampling),
         "stream": True,
         "return_token_ids": True,
     }

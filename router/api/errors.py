@@ -71,7 +71,7 @@ def api_error_of(err: KvrailError) -> ApiError:
     """The one mapping from kvrail's exception hierarchy to HTTP. Only client-facing errors keep
     their message (they never quote the prompt); anything else becomes a generic 500."""
     if isinstance(err, InvalidRequestError):
-        return ApiError(400, str(err), "invalid_request_error")
+        return ApiError(400, str(err), "invalid_request_error", err.param)
     if isinstance(err, ModelNotFoundError):
         return ApiError(404, str(err), "not_found_error", "model", "model_not_found")
     if isinstance(err, DeadlineExceededError):

@@ -235,6 +235,9 @@ def completion_chunk(
     return out
 
 
+def model_card(id: str, created: int, owned_by: str = "kvrail") -> dict[str, Any]:
+    return {"id": id, "object": "model", "created": created, "owned_by": owned_by}
+
+
 def model_list(ids: Sequence[str], created: int, owned_by: str = "kvrail") -> dict[str, Any]:
-    data = [{"id": i, "object": "model", "created": created, "owned_by": owned_by} for i in ids]
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [model_card(i, created, owned_by) for i in ids]}

@@ -12,7 +12,6 @@ The error format is in `api_errors`, response bodies in `responses`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -28,12 +27,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from kvrail.sampling import MAX_PENALTY, MAX_STOP_TOKEN_IDS
+
 # The seed range: int64, with the top end rounded down to 2**63 - 1024, the largest int64 that a
 # float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1024
 MAX_STOP_STRINGS = 4
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+_DEFAULT_FROM_MODEL = "default: the model's generation config, else {default}"
 
 # Feature fields that are accepted only with their neutral value -> what that value is.
 UNSUPPORTED: dict[str, str] = {
@@ -41,13 +43,10 @@ UNSUPPORTED: dict[str, str] = {
     "tool_choice": 'null or "none"',
     "functions": "null or []",
     "function_call": 'null or "none"',
-    "parallel_tool_calls": "null",
     "logprobs": "null or false",
     "top_logprobs": "null or 0",
     "logit_bias": "null or {}",
     "response_format": '{"type": "text"}',
-    "frequency_penalty": "0",
-    "presence_penalty": "0",
     "audio": "null",
     "modalities": '["text"]',
     "prediction": "null",
@@ -63,6 +62,8 @@ UNSUPPORTED: dict[str, str] = {
     "echo": "false",
     "suffix": "null",
     "best_of": "1",
+    "skip_special_tokens": "true",
+    "include_stop_str_in_output": "false",
 }
 _PART_TYPES = frozenset({"image_url", "input_audio", "file", "refusal"})  # quoted in messages
 
@@ -80,8 +81,14 @@ def _is_false(value: bool) -> bool:
     return value
 
 
+def _is_true(value: bool) -> bool:
+    if not value:
+        raise _fail("must be true")
+    return value
+
+
 OnlyFalse = Annotated[bool, AfterValidator(_is_false), WithJsonSchema({"const": False})]
-OnlyZero = Annotated[float, Field(ge=0, le=0)]
+OnlyTrue = Annotated[bool, AfterValidator(_is_true), WithJsonSchema({"const": True})]
 EmptyList = Annotated[list[Any], Field(max_length=0)]
 StopString = Annotated[str, Field(min_length=1)]
 Stop = StopString | Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP_STRINGS)]
@@ -167,6 +174,9 @@ class ChatMessage(BaseModel):
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = Field(
+        None, description="vLLM's: usage in every chunk (with include_usage, also at the end)"
+    )
     include_obfuscation: bool | None = Field(None, description="accepted; kvrail never pads")
 
 
@@ -182,16 +192,37 @@ class _GenerationRequest(BaseModel):
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = Field(1.0, ge=0, le=2)
-    top_p: float | None = Field(1.0, gt=0, le=1)
+    temperature: float | None = Field(
+        None, ge=0, le=2, description=_DEFAULT_FROM_MODEL.format(default="1")
+    )
+    top_p: float | None = Field(
+        None, gt=0, le=1, description=_DEFAULT_FROM_MODEL.format(default="1")
+    )
     stop: Stop | None = None
     seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
+    # vLLM's sampling extensions (`kvrail.sampling`), which its benchmark clients send.
+    top_k: int | None = Field(
+        None, ge=-1, description=_DEFAULT_FROM_MODEL.format(default="0 (-1 and 0: off)")
+    )
+    min_p: float | None = Field(
+        None, ge=0, le=1, description=_DEFAULT_FROM_MODEL.format(default="0 (off)")
+    )
+    min_tokens: int | None = Field(None, ge=0)
+    ignore_eos: bool | None = None
+    stop_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None
+    ) = None
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, description=_DEFAULT_FROM_MODEL.format(default="1 (off)")
+    )
+    skip_special_tokens: OnlyTrue | None = None
+    include_stop_str_in_output: OnlyFalse | None = None
     n: int | None = Field(1, ge=1, le=1)
     user: str | None = Field(None, description="accepted and ignored")
     safety_identifier: str | None = Field(None, description="accepted and ignored")
     prompt_cache_key: str | None = Field(None, description="accepted and ignored")
-    frequency_penalty: OnlyZero | None = None
-    presence_penalty: OnlyZero | None = None
+    frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
 
     @field_validator("stop", mode="before")
@@ -222,7 +253,9 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Literal["none"] | None = None
     functions: EmptyList | None = None
     function_call: Literal["none"] | None = None
-    parallel_tool_calls: None = None
+    parallel_tool_calls: bool | None = Field(
+        None, description="accepted: without tools it changes nothing"
+    )
     response_format: ResponseFormat | None = None
     audio: None = None
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
@@ -308,35 +341,3 @@ class CompletionRequest(_GenerationRequest):
         """The prompt token ids, or None when the prompt is text."""
         p = self.prompt
         return None if isinstance(p, str) or isinstance(p[0], str) else [int(t) for t in p]
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """What both endpoints ask of generation. `max_tokens=None`: as many as the context allows
-    (the app clamps with the model length)."""
-
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
-    stop: tuple[str, ...]
-    stream: bool
-    include_usage: bool
-
-
-def sampling_of(req: ChatCompletionRequest | CompletionRequest) -> Sampling:
-    if isinstance(req, ChatCompletionRequest):
-        max_tokens = req.max_completion_tokens or req.max_tokens
-    else:
-        max_tokens = req.max_tokens
-    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    stream = bool(req.stream)
-    return Sampling(
-        max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        seed=req.seed,
-        stop=tuple(dict.fromkeys(stop)),
-        stream=stream,
-        include_usage=stream and bool(req.stream_options and req.stream_options.include_usage),
-    )

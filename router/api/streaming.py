@@ -1,14 +1,16 @@
 """How a request's text pieces reach its client: server-sent events or one JSON body.
 
-`app._generate` yields `Piece`s (text, its finish reason on the last, the output tokens so far);
-`Reply` builds the OpenAI-shaped bodies from them. Streamed, `sse` sends a chat response's
-first chunk with the role, a chunk per piece with text, one with the finish reason, the usage
-chunk when `stream_options.include_usage` asks, and always ends with `data: [DONE]`; an error
-while streaming is sent before it as an event in OpenAI's error shape. `EventStream`
-closes the pieces however the response ends, so a client that disconnects (before the first
-byte included) cancels the request on every worker at once. Not streamed, `collect` joins the
-pieces and `until_disconnect` cancels them if the client leaves meanwhile. Every response is
-counted in `kvrail_requests_total` with its status (499 for a client that left mid-stream).
+`generate.serve` yields `Piece`s (text, its finish reason on the last, the output tokens so
+far, the prompt tokens served from the prefix cache); `Reply` builds the OpenAI-shaped bodies
+from them. Streamed, `sse` sends a chat response's first chunk with the role, a chunk per piece
+with text, one with the finish reason, the usage chunk when `stream_options.include_usage` asks
+(and usage in every chunk when `continuous_usage_stats` does), and always ends with
+`data: [DONE]`; an error while streaming is sent before it as an event in OpenAI's error shape.
+`EventStream` closes the pieces however the response ends, so a client that disconnects (before
+the first byte included) cancels the request on every worker at once. Not streamed, `collect`
+joins the pieces and `until_disconnect` cancels them if the client leaves meanwhile. Every
+response is counted in `kvrail_requests_total` with its status (499 for a client that left
+mid-stream).
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ class Piece:
     text: str
     finish_reason: str | None
     num_tokens: int
+    num_cached_tokens: int = 0
 
 
 @dataclass(slots=True)
 class Reply:
-    """Builds the OpenAI-shaped bodies of one response."""
+    """Builds the OpenAI-shaped bodies of one response; `created` is when it was created."""
 
     kind: Kind
     response_id: str
@@ -46,19 +49,19 @@ class Reply:
     created: int
     num_prompt_tokens: int
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
-    def usage(self, num_tokens: int) -> dict[str, int]:
-        return responses.usage(self.num_prompt_tokens, num_tokens)
+    def usage(self, piece: Piece) -> dict[str, Any]:
+        """Usage as of `piece`, with the prompt tokens the prefix cache served (vLLM's
+        `prompt_tokens_details.cached_tokens`)."""
+        return responses.usage(self.num_prompt_tokens, piece.num_tokens, piece.num_cached_tokens)
 
-    def whole(self, text: str, finish: str, num_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
         build = responses.chat_completion if self.kind == "chat" else responses.completion
-        return build(
-            self.response_id, self.served_name, self.created, text, finish,
-            self.usage(num_tokens),
-        )  # fmt: skip
+        return build(self.response_id, self.served_name, self.created, text, finish, usage)
 
     def chunk(
-        self, text: str | None, finish: str | None, usage: dict[str, int] | None = None,
+        self, text: str | None, finish: str | None, usage: dict[str, Any] | None = None,
         first: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
         rid, name, created, usage_null = (
@@ -73,16 +76,19 @@ class Reply:
         )
 
 
-async def collect(pieces: AsyncGenerator[Piece, None]) -> tuple[str, str, int]:
+async def collect(
+    pieces: AsyncGenerator[Piece, None], reply: Reply
+) -> tuple[str, str, dict[str, Any]]:
+    """The whole text, its finish reason and its usage."""
     parts: list[str] = []
-    finish, num_tokens = "stop", 0
+    finish, last = "stop", Piece("", None, 0)
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
             parts.append(piece.text)
-            num_tokens = piece.num_tokens
+            last = piece
             if piece.finish_reason is not None:
                 finish = piece.finish_reason
-    return "".join(parts), finish, num_tokens
+    return "".join(parts), finish, reply.usage(last)
 
 
 async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
@@ -135,26 +141,25 @@ def _event(body: dict[str, Any]) -> bytes:
 
 
 async def sse(
-    reply: Reply,
-    pieces: AsyncGenerator[Piece, None],
-    include_usage: bool,
-    count: Callable[[str], None],
+    reply: Reply, pieces: AsyncGenerator[Piece, None], count: Callable[[str], None]
 ) -> AsyncIterator[bytes]:
     """The response's events; `count` gets its HTTP status once it ends (499: the client left)."""
     status = "499"  # the client left before the end
-    num_tokens = 0
+    last = Piece("", None, 0)
+    every = reply.continuous_usage_stats
     try:
         if reply.kind == "chat":
-            yield _event(reply.chunk("", None, first=True))
+            yield _event(reply.chunk("", None, reply.usage(last) if every else None, first=True))
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
-                num_tokens = piece.num_tokens
+                last = piece
+                usage = reply.usage(piece) if every else None
                 if piece.text:
-                    yield _event(reply.chunk(piece.text, None))
+                    yield _event(reply.chunk(piece.text, None, usage))
                 if piece.finish_reason is not None:
-                    yield _event(reply.chunk(None, piece.finish_reason))
-        if include_usage:
-            yield _event(reply.chunk(None, None, usage=reply.usage(num_tokens)))
+                    yield _event(reply.chunk(None, piece.finish_reason, usage))
+        if reply.include_usage:
+            yield _event(reply.chunk(None, None, usage=reply.usage(last)))
         status = "200"
     except ApiError as err:
         status = str(err.status)

@@ -15,6 +15,7 @@ from typing import Literal, Protocol
 
 from kvrail.messages import TokenEvent, WorkerRecord
 from kvrail.router.policy import Candidate, Decision
+from kvrail.sampling import SamplingParams
 
 CancelReason = Literal["client_disconnect", "deadline", "error", "stop"]
 Engine = Literal["kvrail", "vllm"]
@@ -43,11 +44,8 @@ class Job:
 
     request_id: str
     token_ids: tuple[int, ...]
-    max_tokens: int
+    sampling: SamplingParams
     deadline_unix_s: float
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
     tenant_salt: str = ""
 
     @property

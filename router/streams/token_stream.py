@@ -86,8 +86,7 @@ class TokenStream:
         self._sub = await self.nc.subscribe(inbox)
         request = GenerateRequest(
             request_id=self.job.request_id, token_ids=self.job.token_ids, stream_subject=inbox,
-            deadline_unix_s=self.job.deadline_unix_s, max_tokens=self.job.max_tokens,
-            temperature=self.job.temperature, top_p=self.job.top_p, seed=self.job.seed,
+            deadline_unix_s=self.job.deadline_unix_s, sampling=self.job.sampling,
             tenant_salt=self.job.tenant_salt,
         )  # fmt: skip
         self.workers.count_in_flight(self.worker_id, +1)

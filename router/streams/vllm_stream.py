@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvrail.messages import TokenEvent, WorkerRecord
+from kvrail.messages import FirstTokenStages, TokenEvent, WorkerRecord
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
 from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
@@ -130,11 +130,7 @@ class VllmStream:
 
     def _completion(self) -> Completion:
         job = self.job
-        return Completion(
-            model=self.options.served_name, prompt_token_ids=job.token_ids,
-            max_tokens=job.max_tokens, temperature=job.temperature, top_p=job.top_p,
-            seed=job.seed,
-        )  # fmt: skip
+        return Completion(self.options.served_name, job.token_ids, job.sampling)
 
     # Step 1: prefill ----------------------------------------------------------------------------
     async def _prefill(self, decode: WorkerRecord, deadline: float) -> Prefilled:
@@ -267,7 +263,7 @@ class VllmStream:
             prefill_mode=prefilled.mode if first else "",
             # NOTE: measured at the router (the whole prefill request, network included), not on
             # the prefill server's clock like kvrail's own stage durations.
-            prefill_compute_s=prefilled.seconds if first else 0.0,
+            stages=FirstTokenStages(prefill_compute_s=prefilled.seconds) if first else None,
         )  # fmt: skip
         self._seq += 1
         return event

@@ -2,8 +2,8 @@
 they arrive, one `Detokenizer` per request.
 
 Pure Python over a `decode` callable (the tokenizer's, from
-`kvrail.router.text.tokenizer.TextCodec`), so like the rest of the router it never imports torch (an
-import-linter contract).
+`kvrail.router.text.tokenizer.TextCodec`), so like the rest of the router it never imports torch
+(an import-linter contract).
 """
 
 from __future__ import annotations
@@ -26,16 +26,24 @@ class Detokenizer:
     the longest); nothing after a stop string is ever returned; `stopped` turns True when one
     completes; after that, `feed()` and `flush()` return "". The decode of the last prompt
     tokens is the left context of the first output token (tokenizers that strip a leading space
-    at the start of a text would otherwise lose it), unless it ends mid-character.
+    at the start of a text would otherwise lose it), unless it ends mid-character. With
+    `min_tokens`, stop strings apply only to the text of the tokens fed after the first
+    `min_tokens` (a stop string that began earlier and ends later is not found).
     """
 
     CONTEXT_TOKENS = 5
 
     def __init__(
-        self, decode: Callable[[list[int]], str], prompt_ids: Sequence[int], stop: Sequence[str]
+        self,
+        decode: Callable[[list[int]], str],
+        prompt_ids: Sequence[int],
+        stop: Sequence[str],
+        min_tokens: int = 0,
     ) -> None:
         if any(not s for s in stop):
             raise ValueError("stop strings must not be empty")
+        self._min_tokens = min_tokens
+        self._num_fed = 0
         self._decode = decode
         context = list(prompt_ids[-self.CONTEXT_TOKENS :])
         if context and decode(context).endswith("\ufffd"):
@@ -60,6 +68,7 @@ class Detokenizer:
         if self.stopped or not token_ids:
             return ""
         self._ids.extend(token_ids)
+        self._num_fed += len(token_ids)
         return self._emit(self._decode_new(final=False), final=False)
 
     def flush(self) -> str:
@@ -83,7 +92,7 @@ class Detokenizer:
         return text[len(prefix_text) :]
 
     def _emit(self, new: str, final: bool) -> str:
-        if self._matcher is None:
+        if self._matcher is None or self._num_fed <= self._min_tokens:
             out = new
         else:
             hit = self._matcher.scan(new)

@@ -14,8 +14,18 @@ Everything here runs on `tokenizers` and `jinja2` only; the router process never
 
 The chat template is rendered as transformers renders it (`kvrail.router.text.chat_template`), so
 `chat_prompt` equals transformers' `apply_chat_template(..., tokenize=True,
-add_generation_prompt=True)`. Incremental detokenization with stop strings is
-`kvrail.router.text.detokenizer`.
+add_generation_prompt=True)`, with one exception: text a client wrote never becomes a control
+token. Only the template emits special tokens (`<|im_start|>`, `<|eot_id|>`, `[INST]`, ...); the
+same strings inside a message or a completion prompt are encoded as plain text, unless the
+deployment trusts its clients (`allow_special_tokens_in_prompts`). A template that rewrites the
+content it inserts (e.g. `| trim`) cannot be encoded piecewise: such a conversation is encoded
+whole, and refused if a message holds a special token's text. Incremental detokenization with
+stop strings is `kvrail.router.text.detokenizer`.
+
+Encoding runs `tokenizers`' batch call, which releases the GIL, so a caller may run it on a
+thread while the event loop keeps serving; `at_least_tokens` bounds a text's token count from
+its length alone (no token is longer than `max_token_bytes`), so a prompt that cannot fit is
+refused without tokenizing it.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +108,25 @@ class TextCodec:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._fingerprint = fingerprint
         self._template = compile_template(chat_template) if chat_template else None
+        # The same tokenizer with special-token text encoded as text (for what clients wrote).
+        self._plain = Tokenizer.from_str(tokenizer.to_str())
+        self._plain.encode_special_tokens = True
+        vocab = tokenizer.get_vocab(with_added_tokens=True)
+        # A bound, not the exact figure: a byte-level token's characters take 1-2 UTF-8 bytes
+        # each for the one byte they stand for, so this can only overstate a token's length.
+        self.max_token_bytes = max((len(t.encode()) for t in vocab), default=1)
+        specials = {
+            t.content: i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special
+        }
+        self._special_texts = tuple(specials)
+        self._special_ids = specials
+        # Longest first, so a special token that extends another one wins (as the tokenizer's
+        # own matching does).
+        self._special_pattern = (
+            re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+            if specials
+            else None
+        )
 
     @classmethod
     def load(cls, model: str, cache_dir: Path) -> TextCodec:
@@ -147,10 +177,16 @@ class TextCodec:
         """An identity of the tokenizer: sha256 of tokenizer.json and the chat template."""
         return self._fingerprint
 
-    def encode(self, text: str) -> list[int]:
+    def at_least_tokens(self, num_bytes: int) -> int:
+        """A lower bound on the tokens of any text of `num_bytes` UTF-8 bytes."""
+        return -(-num_bytes // self.max_token_bytes)
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of `text`, with the special tokens the tokenizer's own post-processor adds
-        (none for SmolLM2), as transformers' `tokenizer(text)` gives them."""
-        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+        (none for SmolLM2), as transformers' `tokenizer(text)` gives them, except that special
+        tokens written in `text` are plain text unless `allow_special`."""
+        tokenizer = self.tokenizer if allow_special else self._plain
+        return list(tokenizer.encode_batch([text], add_special_tokens=True)[0].ids)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The chat template applied to `messages` with `add_generation_prompt=True`. A template
@@ -173,18 +209,92 @@ class TextCodec:
         except jinja2.TemplateError as err:
             raise InvalidRequestError(f"the chat template rejected the messages: {err}") from err
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_prompt(
+        self, messages: Sequence[Mapping[str, str]], allow_special: bool = False
+    ) -> list[int]:
         """The prompt token ids of a conversation: the rendered template, encoded without adding
-        special tokens (the template writes them)."""
-        return list(self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids)
+        special tokens (the template writes them). Message contents are plain text unless
+        `allow_special` (see the module docstring); raises InvalidRequestError when that cannot
+        be guaranteed."""
+        rendered = self.render_chat(messages)
+        if allow_special:
+            return self._encode_with_special(rendered)
+        contents = [m.get("content") or "" for m in messages]
+        sentinels = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        marked = self.render_chat(
+            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)]
+        )
+        pieces = _split_at(marked, sentinels)
+        if pieces is None or _join(pieces, contents) != rendered:
+            # The template changed the content it inserted: encode the whole text, but never
+            # with a client's special-token text in it.
+            if any(t in c for c in contents for t in self._special_texts):
+                raise InvalidRequestError(
+                    "a message contains the text of a special token, which this model's chat "
+                    "template keeps kvrail from encoding as plain text",
+                    "messages",
+                )
+            return self._encode_with_special(rendered)
+        spans, start = [], 0
+        for piece, content in zip(pieces, contents, strict=False):
+            start += len(piece)
+            spans.append((start, start + len(content)))
+            start += len(content)
+        return self._encode_outside(rendered, spans)
+
+    def _encode_with_special(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    def _encode_outside(self, text: str, spans: Sequence[tuple[int, int]]) -> list[int]:
+        """`text` encoded as the tokenizer would (split at special tokens, each part encoded
+        apart), except that a special token's text inside one of `spans` is plain text."""
+        cuts: list[tuple[int, int, int]] = []  # (start, end, token id) of the specials kept
+        if self._special_pattern is not None:
+            for match in self._special_pattern.finditer(text):
+                begin, end = match.span()
+                if not any(s < end and begin < e for s, e in spans):
+                    cuts.append((begin, end, self._special_ids[match.group()]))
+        parts: list[str] = []
+        position = 0
+        for begin, end, _ in cuts:
+            parts.append(text[position:begin])
+            position = end
+        parts.append(text[position:])
+        encoded = self._plain.encode_batch(parts, add_special_tokens=False)
+        ids: list[int] = []
+        for i, encoding in enumerate(encoded):
+            ids.extend(encoding.ids)
+            if i < len(cuts):
+                ids.append(cuts[i][2])
+        return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (EOS, template markers) are left out by default."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def detokenizer(self, prompt_ids: Sequence[int], stop: Sequence[str] = ()) -> Detokenizer:
+    def detokenizer(
+        self, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0
+    ) -> Detokenizer:
         """A fresh incremental detokenizer for one request's output."""
-        return Detokenizer(self.decode, prompt_ids, stop)
+        return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
+
+
+def _split_at(text: str, sentinels: Sequence[str]) -> list[str] | None:
+    """`text` cut at each sentinel, in order (one more piece than sentinels), or None when a
+    sentinel is missing or out of order (the template dropped or reordered a message)."""
+    pieces: list[str] = []
+    rest = text
+    for sentinel in sentinels:
+        before, found, rest = rest.partition(sentinel)
+        if not found:
+            return None
+        pieces.append(before)
+    pieces.append(rest)
+    return pieces
+
+
+def _join(pieces: Sequence[str], contents: Sequence[str]) -> str:
+    return "".join(p + c for p, c in zip(pieces, [*contents, ""], strict=True))
 
 
 # ---------------------------------------------------------------------------------------------

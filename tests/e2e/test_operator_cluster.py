@@ -34,6 +34,7 @@ from kvrail.messages import PrefillJob
 from kvrail.operator.builders.meta import MODEL_HASH_LABEL, POOL_LABEL, ROLE_LABEL
 from kvrail.operator.testing import mutate
 from kvrail.registry import etcd_client
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 from kvrail.testing.operator_process import (
@@ -173,7 +174,8 @@ async def put_pool_data(servers: Settings, keys: PoolKeys) -> None:
         job = PrefillJob(request_id="r-1", token_ids=(1, 2, 3), fingerprint="f" * 64,
                          dest_worker_id="decode-0", dest_incarnation=1, dest_agent_name="a",
                          dest_block_ids=(1,), first_block_index=0,
-                         deadline_unix_s=time.time() + 60)  # fmt: skip
+                         deadline_unix_s=time.time() + 60,
+                         sampling=SamplingParams(max_tokens=1))  # fmt: skip
         await queue.publish(job)
     finally:
         await nc.close()

@@ -30,6 +30,7 @@ from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import PrefillJob, WorkerRecord
 from kvrail.operator.testing import mutate, pool_manifest
 from kvrail.registry import Registration, Registry, etcd_client
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 from kvrail.testing.operator_process import (
@@ -155,7 +156,8 @@ def job(i: int, num_tokens: int = 100) -> PrefillJob:
     return PrefillJob(request_id=f"req-{i}", token_ids=tuple(range(num_tokens)),
                       fingerprint="f" * 64, dest_worker_id="decode-0", dest_incarnation=1,
                       dest_agent_name="agent", dest_block_ids=(1,), first_block_index=0,
-                      deadline_unix_s=time.time() + 600)  # fmt: skip
+                      deadline_unix_s=time.time() + 600,
+                      sampling=SamplingParams(max_tokens=1))  # fmt: skip
 
 
 def record(worker_id: str, kv_utilization: float) -> WorkerRecord:

@@ -13,6 +13,7 @@ from kvrail.bus import PrefillQueue, connect
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import NatsServer
 from kvrail.messages import PrefillJob
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
 
@@ -21,6 +22,7 @@ def job(request_id: str = "req-1", **kw: Any) -> PrefillJob:
         request_id=request_id, token_ids=(1, 2, 3), fingerprint="f" * 64,
         dest_worker_id="decode-0", dest_incarnation=1, dest_agent_name="a",
         dest_block_ids=(4,), first_block_index=0, deadline_unix_s=time.time() + 60,
+        sampling=SamplingParams(max_tokens=1),
     )  # fmt: skip
     base.update(kw)
     return PrefillJob(**base)

@@ -271,7 +271,9 @@ async def test_a_long_prompt_is_prefilled_remotely_and_the_params_reach_the_deco
     events, worker = await run(pool.dispatcher("kv-aware"), j)  # no KV index: load decides
     assert worker == "d-0"
     assert [e.seq for e in events] == [0, 1] and [e.token_ids for e in events] == [(7, 8), (9,)]
-    assert events[0].prefill_mode == "remote" and events[0].prefill_compute_s > 0
+    stages = events[0].stages
+    assert events[0].prefill_mode == "remote" and stages is not None
+    assert stages.prefill_compute_s > 0
     assert events[-1].finish_reason == "length" and events[-1].is_last
     (p,), (d,) = prefill.seen, decode.seen
     assert p.path == d.path == "/v1/completions"
@@ -284,7 +286,9 @@ async def test_a_long_prompt_is_prefilled_remotely_and_the_params_reach_the_deco
 async def test_a_short_prompt_or_no_prefill_server_decodes_locally(pool: Pool) -> None:
     decode = await pool.server("d-0", "decode", stream([7], [9]))
     events, _ = await run(pool.dispatcher(), job(LONG))  # no prefill server
-    assert events[0].prefill_mode == "local" and events[0].prefill_compute_s == 0
+    stages = events[0].stages
+    assert events[0].prefill_mode == "local" and stages is not None
+    assert stages.prefill_compute_s == 0
     prefill = await pool.server("p-0", "prefill", prefilled())
     events, _ = await run(pool.dispatcher(), job(SHORT))  # below the threshold
     assert events[0].prefill_mode == "local"

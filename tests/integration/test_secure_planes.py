@@ -24,6 +24,7 @@ from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import PrefillJob, WorkerRecord
 from kvrail.operator.planes import PlaneError, Planes
 from kvrail.registry import Registry, etcd_client
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings, load_settings
 from kvrail.testing.pki import issue_serving_cert, make_pki
 
@@ -74,6 +75,7 @@ def _job(request_id: str) -> PrefillJob:
         request_id=request_id, token_ids=(1, 2, 3), fingerprint="f" * 64,
         dest_worker_id="decode-0", dest_incarnation=1, dest_agent_name="a",
         dest_block_ids=(4,), first_block_index=0, deadline_unix_s=time.time() + 60,
+        sampling=SamplingParams(max_tokens=1),
     )  # fmt: skip
 
 

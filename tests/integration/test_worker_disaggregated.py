@@ -31,6 +31,7 @@ from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import Cancel, GenerateRequest, KvEvent, PrefillJob, TokenEvent, WorkerRecord
+from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"
@@ -97,7 +98,8 @@ async def generate(
     sub = await nc.subscribe(subject)
     request = GenerateRequest(
         request_id=request_id, token_ids=token_ids, stream_subject=subject,
-        deadline_unix_s=time.time() + deadline_s, max_tokens=max_tokens, ignore_eos=True,
+        deadline_unix_s=time.time() + deadline_s,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )  # fmt: skip
     await nc.publish(KEYS.decode_requests(worker_id), request.encode())
     events: list[TokenEvent] = []
@@ -143,8 +145,8 @@ async def test_remote_prefill_decodes_exactly_like_a_colocated_worker(
     assert len(tokens_of(colocated)) == 8
     assert tokens_of(disaggregated) == tokens_of(colocated)
     assert disaggregated[-1].finish_reason == "length"
-    first = disaggregated[0]
-    assert first.prefill_compute_s > 0 and first.validation_s > 0
+    stages = disaggregated[0].stages
+    assert stages is not None and stages.prefill_compute_s > 0 and stages.validation_s > 0
     await assert_all_blocks_free(nc, pool)
     decode_metrics = scrape(pool.metrics_ports["decode-0"])
     assert 'kvrail_ttft_stage_seconds_count{stage="copy"} 1.0' in decode_metrics
@@ -249,7 +251,7 @@ def job_for(
         request_id=request_id, token_ids=token_ids, fingerprint=dest.fingerprint,
         dest_worker_id=dest.worker_id, dest_incarnation=dest.incarnation,
         dest_agent_name=dest.nixl_agent_name, dest_block_ids=block_ids, first_block_index=0,
-        deadline_unix_s=time.time() + 30,
+        deadline_unix_s=time.time() + 30, sampling=SamplingParams(max_tokens=1),
     )  # fmt: skip
 
 

@@ -13,7 +13,9 @@ class EngineConfig:
 
     `num_blocks` counts the null block 0, so `num_blocks - 1` blocks hold tokens.
     `max_num_batched_tokens` is the per-step token budget; with chunked prefill a prompt longer
-    than it is computed over several steps. `max_model_len` bounds prompt + output tokens.
+    than it is computed over several steps. `max_model_len` bounds prompt + output tokens (0:
+    the model's own limit, which the engine fills in; a request must also fit the KV pool, see
+    `LLMEngine.max_request_tokens`).
     `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
     `zero_kv_on_release` zeroes every block whose last reference is dropped, at once (and keeps
     no finished request's blocks in the prefix cache).
@@ -23,7 +25,7 @@ class EngineConfig:
     """
 
     num_blocks: int
-    max_model_len: int
+    max_model_len: int = 0
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
@@ -34,16 +36,22 @@ class EngineConfig:
     async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_blocks", "max_model_len", "block_size", "max_num_batched_tokens"):
+        for name in ("num_blocks", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine {name} must be at least 1, got {getattr(self, name)}")
+        if self.max_model_len < 0:
+            raise ConfigError(f"engine max_model_len must be >= 0, got {self.max_model_len}")
         if self.num_blocks < 2:
             raise ConfigError(
                 f"engine num_blocks must be at least 2 (1 null), got {self.num_blocks}"
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if (
+            not self.enable_chunked_prefill
+            and self.max_model_len
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
             raise ConfigError(
                 "without chunked prefill max_num_batched_tokens "
                 f"({self.max_num_batched_tokens}) must be >= max_model_len ({self.max_model_len})"

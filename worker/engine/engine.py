@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvrail.errors import ConfigError
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
 from kvrail.model_files import ModelSource
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
-from kvrail.worker.engine.request import Request, SamplingParams
+from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import RemoteReservation, SchedulerOutput
@@ -58,7 +60,9 @@ class RequestOutput:
     new_token_ids: tuple[int, ...]
     finished: bool
     finish_reason: str | None
-    stop_reason: str | int | None
+    stop_reason: int | None
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache (vLLM's `cached_tokens`)."""
 
 
 @dataclass(slots=True)
@@ -108,14 +112,16 @@ class LLMEngine:
         param = next(model.parameters())
         self.device = param.device
         self.model = model.eval()
+        shape = model.shape
+        if config.max_model_len > shape.max_position:
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} exceeds the model's {shape.max_position}"
+            )
+        if not config.max_model_len:
+            config = replace(config, max_model_len=shape.max_position)
         self.config = config
         self.fingerprint = fingerprint
         self.tokenizer = tokenizer
-        shape = model.shape
-        if config.max_model_len > shape.max_position:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} exceeds the model's {shape.max_position}"
-            )
         self.kv_cache = KVCache.allocate(
             config.num_blocks,
             shape.num_layers,
@@ -125,9 +131,8 @@ class LLMEngine:
             param.dtype,
             self.device,
         )
-        detokenize = tokenizer.decode if tokenizer is not None else None
         self.scheduler = Scheduler(
-            config, root_hash(fingerprint.digest), StopChecker(eos_token_id, detokenize),
+            config, root_hash(fingerprint.digest), StopChecker(eos_token_id),
             self._zero_blocks if config.zero_kv_on_release else None,
         )  # fmt: skip
         self._tenant_roots: dict[str, bytes] = {}
@@ -137,7 +142,7 @@ class LLMEngine:
             graphs = DecodeGraphs(model, self.kv_cache, config.max_num_seqs, max_blocks)
             graphs.capture()
         self.runner = ModelRunner(model, self.kv_cache, self.device, graphs)
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_id)
         self.async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
@@ -153,29 +158,36 @@ class LLMEngine:
             self.device,
         )
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The longest prompt + completion this engine can ever hold: the model length, or what
+        the KV pool holds (the null block left out) when that is less. What the worker announces,
+        so a router never sends a request the engine must refuse."""
+        pool = (self.config.num_blocks - 1) * self.config.block_size
+        return min(self.config.max_model_len, pool)
+
     @classmethod
     def from_source(
         cls,
-        source: ModelSource | str = "smollm2",
+        source: ModelSource | str,
+        config: EngineConfig,
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        **config: Any,
     ) -> LLMEngine:
-        """Load a model source (cached conversion) and build an engine. `config` overrides
-        EngineConfig fields; max_model_len defaults to the model's limit."""
+        """Load a model source (cached conversion) and build an engine."""
         from kvrail.worker.models.loader import load
 
-        return cls.from_loaded(load(source), dtype=dtype, device=device, **config)
+        return cls.from_loaded(load(source), config, dtype=dtype, device=device)
 
     @classmethod
     def from_loaded(
         cls,
         loaded: LoadedModel,
+        config: EngineConfig,
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
-        **config: Any,
     ) -> LLMEngine:
         """An engine over already loaded weights and tokenizer (see `from_source`). The
         fingerprint's weights and tokenizer ids are the source's weights id (a GGUF file carries
@@ -183,12 +195,8 @@ class LLMEngine:
         model = LlamaForCausalLM(loaded.config)
         model.load_weights(loaded.state_dict)
         model.to(device=device, dtype=dtype)
-        config.setdefault("max_model_len", model.shape.max_position)
-        engine_config = EngineConfig(**config)
-        fingerprint = make_fingerprint(model, engine_config, loaded.weights_id, loaded.weights_id)
-        return cls(
-            model, engine_config, fingerprint, loaded.tokenizer, loaded.tokenizer.eos_token_id
-        )
+        fingerprint = make_fingerprint(model, config, loaded.weights_id, loaded.weights_id)
+        return cls(model, config, fingerprint, loaded.tokenizer, loaded.tokenizer.eos_token_id)
 
     def add_request(
         self,
@@ -329,6 +337,7 @@ class LLMEngine:
                 r.is_finished,
                 r.status.finish_reason,
                 r.stop_reason,
+                r.num_cached_tokens,
             )
             for r in advanced
         ]

@@ -1,19 +1,17 @@
-"""Requests and their sampling parameters.
+"""Requests: the engine's mutable record of one generation.
 
-`SamplingParams` is validated when built: an invalid value raises `InvalidRequestError` naming the
-field, so nothing downstream ever sees a bad parameter. A `Request` is the engine's mutable record
-of one generation: its tokens, how many of them have KV in the cache (`num_computed_tokens`) and
-its `RequestStatus`.
+A `Request` holds its tokens, how many of them have KV in the cache (`num_computed_tokens`), its
+`RequestStatus` and its `kvrail.sampling.SamplingParams` (validated when built, so the engine
+trusts them).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvrail.errors import InvalidRequestError
+from kvrail.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -51,89 +49,6 @@ _FINISH_REASONS = {
 }
 
 
-def _fail(name: str, value: object, why: str) -> InvalidRequestError:
-    return InvalidRequestError(f"sampling parameter {name}={value!r} is invalid: {why}")
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick tokens and when to stop. Defaults: greedy, 16 tokens, stop at EOS.
-
-    `temperature == 0` means greedy (top_p, top_k and seed are then irrelevant). `top_k == 0`
-    disables top-k. `stop` strings end generation when they appear in the decoded output (the
-    caller trims the text at `Request.stop_reason`); `stop_token_ids` end it when sampled.
-    """
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    def __init__(
-        self,
-        max_tokens: int = 16,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        seed: int | None = None,
-        stop: str | Sequence[str] | None = None,
-        stop_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-    ) -> None:
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise _fail("max_tokens", max_tokens, "must be an integer of at least 1")
-        if not isinstance(temperature, int | float) or not 0.0 <= temperature < float("inf"):
-            raise _fail("temperature", temperature, "must be a finite number >= 0")
-        if not isinstance(top_p, int | float) or not 0.0 < top_p <= 1.0:
-            raise _fail("top_p", top_p, "must be in (0, 1]")
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-            raise _fail("top_k", top_k, "must be an integer >= 0 (0 disables it)")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise _fail("seed", seed, "must be an integer or None")
-        stops = _stop_strings(stop)
-        stop_ids = _stop_token_ids(stop_token_ids)
-        setter = object.__setattr__
-        setter(self, "max_tokens", max_tokens)
-        setter(self, "temperature", float(temperature))
-        setter(self, "top_p", float(top_p))
-        setter(self, "top_k", top_k)
-        setter(self, "seed", seed)
-        setter(self, "stop", stops)
-        setter(self, "stop_token_ids", stop_ids)
-        setter(self, "ignore_eos", bool(ignore_eos))
-
-    @property
-    def is_greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-def _stop_strings(stop: object) -> tuple[str, ...]:
-    if stop is None:
-        return ()
-    if isinstance(stop, str):
-        stop = (stop,)
-    if not isinstance(stop, list | tuple) or not all(isinstance(s, str) for s in stop):
-        raise _fail("stop", stop, "must be a string or a list of strings")
-    if any(not s for s in stop):
-        raise _fail("stop", stop, "stop strings must not be empty")
-    return tuple(stop)
-
-
-def _stop_token_ids(ids: object) -> tuple[int, ...]:
-    if ids is None:
-        return ()
-    ok = isinstance(ids, list | tuple) and all(
-        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids
-    )
-    if not ok:
-        raise _fail("stop_token_ids", ids, "must be a list of non-negative integers")
-    return tuple(ids)  # type: ignore[arg-type]
-
-
 @dataclass(eq=False, slots=True)
 class Request:
     """One generation. The engine owns it; callers read it only through engine outputs.
@@ -156,7 +71,7 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
-    stop_reason: str | int | None = None
+    stop_reason: int | None = None
     block_hashes: list[bytes] = field(default_factory=list)
     generator: Any = None
     retain_blocks: bool = False

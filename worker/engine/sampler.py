@@ -1,10 +1,16 @@
-"""Token sampling from logits, per request: greedy, temperature, top-k, top-p, seed.
+"""Token sampling from logits, per request (`kvrail.sampling.SamplingParams`).
 
-Greedy rows take the argmax. Other rows are scaled by their temperature, masked by their top-k and
-top-p, and drawn from the remaining distribution. A request with a seed draws from its own
-`torch.Generator`, created on its first draw and kept on the request, so its samples do not depend
-on the rest of the batch or on preemption. The sampler never mutates the logits it is given, and
-`sample` never waits for the device: its tokens stay there until the caller copies them.
+Rows are first adjusted where their request asks for it: the end-of-sequence token and the stop
+token ids masked while `min_tokens` is not reached, and the repetition, presence and frequency
+penalties applied over the request's tokens so far. Then greedy rows take the argmax; the others
+are scaled by their temperature, masked by their top-k, top-p and min-p, and drawn from what
+remains. A request with a seed draws from its own `torch.Generator`, created on its first draw
+and kept on the request, so its samples do not depend on the rest of the batch or on preemption.
+The sampler never mutates the logits it is given, and `sample` never waits for the device: its
+tokens stay there until the caller copies them.
+
+A penalized row needs the request's whole token history: the scheduler does not schedule such a
+request ahead of its previous token (`Scheduler.schedule_ahead`), so the history is complete.
 """
 
 from __future__ import annotations
@@ -40,24 +46,103 @@ def apply_top_k_top_p(
     return torch.empty_like(logits).scatter_(-1, order, masked_sorted)
 
 
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask the tokens whose probability is below `min_p` times the row's highest (0 = off)."""
+    probs = logits.softmax(dim=-1)
+    keep = probs >= min_p.unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_ids: Sequence[Sequence[int]],
+    output_ids: Sequence[Sequence[int]],
+    repetition: Sequence[float],
+    presence: Sequence[float],
+    frequency: Sequence[float],
+) -> torch.Tensor:
+    """Penalized float32 logits, one row per request (vLLM's definitions): the repetition penalty
+    over the tokens of the prompt and the output, presence and frequency over the output."""
+    rows, vocab = logits.shape
+    device = logits.device
+    out = logits.float().clone()
+    output_counts = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+    seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+    for i in range(rows):
+        if output_ids[i]:
+            ids = _on(device, output_ids[i], np.int64)
+            output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
+        if prompt_ids[i]:
+            seen[i, _on(device, prompt_ids[i], np.int64)] = True
+    seen |= output_counts > 0
+    rep = _on(device, repetition, np.float32).unsqueeze(-1)
+    penalized = torch.where(out > 0, out / rep, out * rep)
+    out = torch.where(seen, penalized, out)
+    out -= _on(device, frequency, np.float32).unsqueeze(-1) * output_counts
+    out -= _on(device, presence, np.float32).unsqueeze(-1) * (output_counts > 0).float()
+    return out
+
+
 class Sampler:
     """Samples one token per row of `logits` for the matching request.
 
-    Apart from one draw per seeded row (each from its own generator), the tensor operations per
-    step do not grow with the batch: one argmax over every row, the sampled rows scaled together
-    (top-k/top-p only on the rows that set them) and one draw for all rows without a seed.
+    Apart from one draw per seeded row (each from its own generator) and the rows that need an
+    adjustment, the tensor operations per step do not grow with the batch: one argmax over every
+    row, the sampled rows scaled together (top-k/top-p and min-p only on the rows that set them)
+    and one draw for all rows without a seed.
     """
+
+    def __init__(self, eos_token_id: int | None = None) -> None:
+        self.eos_token_id = eos_token_id
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The tokens as an int64 tensor on the logits' device, one per row."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
+        logits = self._adjusted(logits, requests)
         chosen = dispatch.argmax(logits)  # exact in any dtype
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if rows:
             index = _on(logits.device, rows, np.int64)
             chosen[index] = _draw(logits.index_select(0, index), [requests[i] for i in rows])
         return chosen
+
+    def _adjusted(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
+        """`logits`, or a copy with the rows that mask stop tokens or apply penalties changed."""
+        masked = [i for i, r in enumerate(requests) if self._stop_ids_masked(r)]
+        penalized = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
+        if not masked and not penalized:
+            return logits
+        out = logits.clone()
+        if penalized:
+            params = [requests[i].sampling_params for i in penalized]
+            index = _on(logits.device, penalized, np.int64)
+            rows = apply_penalties(
+                out.index_select(0, index),
+                [requests[i].prompt_token_ids for i in penalized],
+                [requests[i].output_token_ids for i in penalized],
+                [p.repetition_penalty for p in params],
+                [p.presence_penalty for p in params],
+                [p.frequency_penalty for p in params],
+            )
+            out[index] = rows.to(out.dtype)
+        for i in masked:
+            sampling = requests[i].sampling_params
+            ids = list(sampling.stop_token_ids)
+            if not sampling.ignore_eos and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+            out[i, _on(logits.device, ids, np.int64)] = float("-inf")
+        return out
+
+    def _stop_ids_masked(self, request: Request) -> bool:
+        params = request.sampling_params
+        # The row samples output token number `num_output_tokens + num_in_flight - 1` (0-based):
+        # `num_in_flight` counts this step's token, and a step still on the device (async).
+        if request.num_output_tokens + request.num_in_flight - 1 >= params.min_tokens:
+            return False
+        return bool(params.stop_token_ids) or (
+            not params.ignore_eos and self.eos_token_id is not None
+        )
 
 
 def _on(device: torch.device, values: Sequence[float], dtype: type) -> torch.Tensor:
@@ -66,7 +151,7 @@ def _on(device: torch.device, values: Sequence[float], dtype: type) -> torch.Ten
 
 def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     """One token id per row, drawn from the row's logits scaled by its request's temperature
-    and masked by its top-k and top-p."""
+    and masked by its top-k, top-p and min-p."""
     params = [r.sampling_params for r in requests]
     device = logits.device
     temperature = _on(device, [p.temperature for p in params], np.float32)
@@ -77,6 +162,11 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         top_k = _on(device, [params[j].top_k for j in masked], np.int64)
         top_p = _on(device, [params[j].top_p for j in masked], np.float32)
         scaled[index] = apply_top_k_top_p(scaled[index], top_k, top_p)
+    with_min_p = [j for j, p in enumerate(params) if p.min_p > 0.0]
+    if with_min_p:
+        index = _on(device, with_min_p, np.int64)
+        min_p = _on(device, [params[j].min_p for j in with_min_p], np.float32)
+        scaled[index] = apply_min_p(scaled[index], min_p)
     probs = scaled.softmax(dim=-1)
     drawn = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [j for j, p in enumerate(params) if p.seed is None]

@@ -18,7 +18,7 @@ scheduled before its sampled tokens are known. A request whose last step samples
 on the device (`Request.num_in_flight`) decodes that token next, fed from the device
 (`ScheduledRequest.token_on_device`); it is not scheduled ahead when that token may be its last
 (max_tokens reached) or when it retains its blocks. A request that stopped on the in-flight token
-(EOS, a stop string) computes one token more, which is discarded. Scheduling ahead never preempts:
+(EOS, a stop token id) computes one token more, which is discarded. Scheduling ahead never preempts:
 when a request's blocks run short it returns None, and the caller resolves the running step first.
 
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
@@ -86,8 +86,6 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request needs {total} tokens of KV, more than the whole KV pool holds"
             )
-        if request.sampling_params.stop and self.stop_checker.detokenize is None:
-            raise InvalidRequestError("stop strings need a tokenizer, and this engine has none")
         if request.request_id in self.requests or request.request_id in self.retained:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
 
@@ -175,6 +173,8 @@ class Scheduler:
                 last = request.num_output_tokens + 1 >= params.max_tokens
                 if last or request.retain_blocks:
                     continue  # it may finish with the token in flight: wait for it
+                if params.has_penalties:
+                    continue  # its penalties need the token in flight: wait for it
             num_pending = request.num_tokens + request.num_in_flight - request.num_computed_tokens
             if num_pending == 1:
                 decoding.append(request)

@@ -16,8 +16,9 @@ from kvrail.worker.transfer.kv_connector import KvConnector
 
 @dataclass(frozen=True)
 class WorkerContext:
-    """Identity (`worker_id`, `incarnation`, NIXL `agent_name`, model `fingerprint`) and the
-    live connections of one worker process; the roles borrow them and never close them."""
+    """Identity (`worker_id`, `incarnation`, NIXL `agent_name`, model `fingerprint`), the
+    engine's `block_size` (the one source of it for the roles) and the live connections of one
+    worker process; the roles borrow them and never close them."""
 
     settings: Settings
     keys: PoolKeys
@@ -25,6 +26,7 @@ class WorkerContext:
     incarnation: int
     agent_name: str
     fingerprint: str
+    block_size: int
     nc: NatsClient
     prefill_queue: PrefillQueue
     service: EngineService

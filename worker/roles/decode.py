@@ -1,7 +1,7 @@
 """The decode role: admit requests, prefill them locally or remotely, stream their tokens.
 
 For each `GenerateRequest` on `PoolKeys.decode_requests(worker_id)`: prefill remotely (see
-`remote_prefill.py`) when the pool is disaggregated, a ready prefill worker with our fingerprint
+`kv_receiver.py`) when the pool is disaggregated, a ready prefill worker with our fingerprint
 is registered and at least `min_remote_prefill_tokens` prompt tokens are not cached here;
 otherwise (and after a failed remote prefill under the `recompute` policy) prefill locally.
 Tokens go to the request's stream subject as `TokenEvent`s, the first with the TTFT stages; the
@@ -27,10 +27,10 @@ from kvrail.codec import MessageError, decode
 from kvrail.errors import InvalidRequestError
 from kvrail.messages import Cancel, GenerateRequest, PrefillMode, TokenEvent
 from kvrail.worker import metrics
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, Outcome, RequestFailed
+from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.service import Update
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class _Stream:
     request: GenerateRequest
     worker_id: str
     mode: PrefillMode = ""
-    stages: dict[str, float] = field(default_factory=dict)
+    stages: StageTimes = field(default_factory=StageTimes)
+    num_cached_tokens: int = 0
     seq: int = 0
     closed: bool = False
 
@@ -58,10 +59,12 @@ class _Stream:
     async def _publish(
         self, token_ids: tuple[int, ...], finish_reason: str | None, error: str | None
     ) -> None:
-        first = {"prefill_mode": self.mode, **self.stages} if self.seq == 0 else {}
+        first = self.seq == 0
         event = TokenEvent(
             self.request.request_id, self.seq, token_ids, finish_reason, error, self.worker_id,
-            **first,  # type: ignore[arg-type]
+            prefill_mode=self.mode if first else "",
+            num_cached_tokens=self.num_cached_tokens if first else 0,
+            stages=self.stages.message() if first else None,
         )  # fmt: skip
         self.seq += 1
         self.closed = event.is_last
@@ -74,7 +77,7 @@ class DecodeRole:
         self.worker_id = ctx.worker_id
         self.nc = ctx.nc
         self.service = ctx.service
-        self.remote = KvReceiver(ctx)
+        self.receiver = KvReceiver(ctx)
         self._active: dict[str, asyncio.Task[None]] = {}
         # A cancel older than every request's deadline can only name a request past it.
         self._cancelled = RecentCancels(ctx.settings.request_timeout_s)
@@ -84,14 +87,14 @@ class DecodeRole:
     @property
     def num_pending(self) -> int:
         """Requests in flight plus quarantined reservations (debug counts)."""
-        return len(self._active) + self.remote.num_quarantined
+        return len(self._active) + self.receiver.num_quarantined
 
     async def start(self) -> None:
         self._subs.append(
             await self.nc.subscribe(self.keys.decode_requests(self.worker_id), cb=self._on_request)
         )
         self._subs.append(await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel))
-        await self.remote.start()
+        await self.receiver.start()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, let those in flight finish (bounded), then stop. A request
@@ -106,7 +109,7 @@ class DecodeRole:
         for task in self._active.values():
             task.cancel()
         await asyncio.gather(*self._active.values(), return_exceptions=True)
-        await self.remote.stop()
+        await self.receiver.stop()
 
     # -- request plane --------------------------------------------------------------------------
 
@@ -148,28 +151,22 @@ class DecodeRole:
         try:
             if time.monotonic() >= deadline:
                 raise RequestFailed("deadline")
-            try:
-                params = SamplingParams(
-                    max_tokens=request.max_tokens, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
-                    stop_token_ids=request.stop_token_ids, ignore_eos=request.ignore_eos,
-                )  # fmt: skip
-            except InvalidRequestError as err:
-                raise RequestFailed("invalid_request") from err
+            params = request.sampling  # validated when the message was decoded
             updates: asyncio.Queue[Update] = asyncio.Queue()
             outcome: Outcome = "local"
-            if self.remote.wants(request):
+            if self.receiver.wants(request):
                 stream.mode = "remote"
-                outcome = await self.remote.prefill(
+                handoff = await self.receiver.prefill(
                     request, params, updates.put_nowait, stream.stages, arrived, deadline
                 )
-                if self.remote.is_quarantined(engine_id):
+                outcome, stream.num_cached_tokens = handoff.outcome, handoff.num_cached_tokens
+                if self.receiver.is_quarantined(engine_id):
                     engine_id = request.request_id + "~local"
             installed = outcome == "installed"
             if not installed:
                 stream.mode = "recompute" if outcome == "recompute" else "local"
                 submitted = time.monotonic()
-                stream.stages["admission_s"] = submitted - arrived
+                stream.stages.admission_s = submitted - arrived
                 try:
                     await self.service.submit(
                         engine_id, request.token_ids, params, updates.put_nowait,
@@ -191,7 +188,7 @@ class DecodeRole:
                 await asyncio.shield(stream.fail(reason))
             raise
         finally:
-            if not self.remote.is_quarantined(engine_id):
+            if not self.receiver.is_quarantined(engine_id):
                 await asyncio.shield(self.service.abort(engine_id))
 
     async def _stream(
@@ -208,14 +205,17 @@ class DecodeRole:
             except TimeoutError as err:
                 raise RequestFailed("deadline") from err
             if submitted is not None and stream.seq == 0:
-                stream.stages["prefill_compute_s"] = time.monotonic() - submitted
+                stream.stages.prefill_compute_s = time.monotonic() - submitted
+                stream.num_cached_tokens = update.num_cached_tokens
             if stream.seq == 0:
-                for stage, seconds in stream.stages.items():
+                timed = stream.stages.timed()
+                for stage, seconds in timed.items():
                     metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
                 log.info(
-                    "first token request_id=%s mode=%s prompt_tokens=%d %s",
+                    "first token request_id=%s mode=%s prompt_tokens=%d cached_tokens=%d %s",
                     stream.request.request_id, stream.mode, len(stream.request.token_ids),
-                    " ".join(f"{k}={v:.4f}" for k, v in sorted(stream.stages.items())),
+                    stream.num_cached_tokens,
+                    " ".join(f"{k}={v:.4f}" for k, v in sorted(timed.items())),
                 )  # fmt: skip
             await stream.send(update)
             if update.is_last:

@@ -24,6 +24,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Literal
 
 import nats.errors
@@ -41,11 +42,12 @@ from kvrail.messages import (
     WriteGrantRequest,
     tokens_digest,
 )
+from kvrail.sampling import SamplingParams
 from kvrail.worker import metrics
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.roles import write_grants
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.quarantine import Quarantine
+from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
 from kvrail.worker.service import Update
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, validate
@@ -57,6 +59,15 @@ _IDLE_POLL_S = 0.05  # otherwise (late completions only lift quarantines)
 _QUARANTINE_MARGIN_S = 1.0
 
 Outcome = Literal["installed", "local", "recompute"]
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """How a remote prefill ended (see `KvReceiver.prefill`) and, when installed, how many of
+    the prompt's tokens this worker had cached already."""
+
+    outcome: Outcome
+    num_cached_tokens: int = 0
 
 
 class RequestFailed(Exception):
@@ -75,6 +86,7 @@ class KvReceiver:
         self.incarnation = ctx.incarnation
         self.agent_name = ctx.agent_name
         self.fingerprint = ctx.fingerprint
+        self.block_size = ctx.block_size
         self.nc = ctx.nc
         self.prefill_queue = ctx.prefill_queue
         self.service = ctx.service
@@ -146,10 +158,10 @@ class KvReceiver:
         request: GenerateRequest,
         params: SamplingParams,
         on_update: Callable[[Update], None],
-        stages: dict[str, float],
+        stages: StageTimes,
         arrived: float,
         deadline: float,
-    ) -> Outcome:
+    ) -> Handoff:
         """Prefill on a prefill worker into reserved blocks. `installed`: the request runs, its
         tokens flow to `on_update`; `local`: nothing was tried, prefill locally; `recompute`: the
         remote prefill failed, prefill locally (under another engine id if `is_quarantined`).
@@ -159,14 +171,13 @@ class KvReceiver:
             rid, request.token_ids, params, tenant_salt=request.tenant_salt
         )
         if reservation is None:
-            return "local"  # the pool is short now: queue it locally, where it waits for blocks
-        block_size = self.settings.block_size
-        first_block = reservation.num_cached_tokens // block_size
+            return Handoff("local")  # the pool is short now: queue it locally, to wait for blocks
+        first_block = reservation.num_cached_tokens // self.block_size
         dest = tuple(reservation.block_ids[first_block:])
         uncached = len(request.token_ids) - reservation.num_cached_tokens
         if not dest or uncached < self.settings.min_remote_prefill_tokens:
             await self.service.abort(rid)
-            return "local"
+            return Handoff("local")
         policy = self.settings.kv_load_failure_policy
         job_ids: list[str] = []
         failed_worker = ""
@@ -189,8 +200,7 @@ class KvReceiver:
                     dest_worker_id=self.worker_id, dest_incarnation=self.incarnation,
                     dest_agent_name=self.agent_name, dest_block_ids=dest,
                     first_block_index=first_block, deadline_unix_s=request.deadline_unix_s,
-                    tenant_salt=request.tenant_salt, temperature=request.temperature,
-                    top_p=request.top_p, top_k=request.top_k, seed=request.seed,
+                    sampling=request.sampling, tenant_salt=request.tenant_salt,
                     with_checksums=self.settings.transfer_checksums,
                 )  # fmt: skip
                 job_ids.append(job.request_id)
@@ -206,11 +216,13 @@ class KvReceiver:
                         await self.service.install(
                             rid, done.first_token_id, on_update, deadline_monotonic=deadline
                         )
-                        stages["admission_s"] += time.monotonic() - installed_at
+                        stages.admission_s = (stages.admission_s or 0.0) + (
+                            time.monotonic() - installed_at
+                        )
                         for outstanding in job_ids:  # an earlier attempt must never write now
                             self._settle_soon(outstanding)  # (same blocks, same prompt if it did)
                             self._granted.discard(outstanding)
-                        return "installed"
+                        return Handoff("installed", reservation.num_cached_tokens)
                     reason = "kv_invalid"
                 else:
                     job_ids.remove(job.request_id)  # the prefill worker refused it for good
@@ -223,14 +235,14 @@ class KvReceiver:
         metrics.KV_TRANSFER_FAILURES.labels(reason).inc()
         log.warning("remote prefill failed request_id=%s reason=%s policy=%s", rid, reason, policy)
         if policy == "recompute":
-            return "recompute"
+            return Handoff("recompute")
         raise RequestFailed(reason)
 
     async def _run_job(
         self,
         job: PrefillJob,
         target: str | None,
-        stages: dict[str, float],
+        stages: StageTimes,
         arrived: float,
         deadline: float,
     ) -> PrefillDone:
@@ -240,7 +252,7 @@ class KvReceiver:
         self._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future)
         try:
             published = time.monotonic()
-            stages["admission_s"] = published - arrived
+            stages.admission_s = published - arrived
             if not await self.prefill_queue.publish(job, to_worker=target):
                 raise RequestFailed("duplicate_job")
             wait_until = min(deadline, published + self.settings.remote_prefill_timeout_s)
@@ -253,15 +265,14 @@ class KvReceiver:
             self._pending.pop(job.request_id, None)
         if done.error is None:
             known = done.queue_wait_s + done.prefill_compute_s + done.transfer_queue_s
-            stages.update(
-                queue_wait_s=done.queue_wait_s, prefill_compute_s=done.prefill_compute_s,
-                transfer_queue_s=done.transfer_queue_s,
-                copy_s=max(0.0, landed - published - known),
-            )  # fmt: skip
+            stages.queue_wait_s = done.queue_wait_s
+            stages.prefill_compute_s = done.prefill_compute_s
+            stages.transfer_queue_s = done.transfer_queue_s
+            stages.copy_s = max(0.0, landed - published - known)
         return done
 
     async def _validate(
-        self, done: PrefillDone, job: PrefillJob, request: GenerateRequest, stages: dict[str, float]
+        self, done: PrefillDone, job: PrefillJob, request: GenerateRequest, stages: StageTimes
     ) -> bool:
         reservation = Reservation(
             job.request_id, self.fingerprint, self.incarnation, job.dest_block_ids,
@@ -283,7 +294,7 @@ class KvReceiver:
                 request.request_id, err.reason, len(job.dest_block_ids),
             )  # fmt: skip
             return False
-        stages["validation_s"] = time.monotonic() - started
+        stages.validation_s = time.monotonic() - started
         return True
 
     async def _quarantine_or_release(

@@ -33,6 +33,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TypeVar
 
 import nats.errors
@@ -55,7 +56,6 @@ from kvrail.messages import (
     tokens_digest,
 )
 from kvrail.worker import metrics
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.transfer.envelope import block_checksums
@@ -82,6 +82,7 @@ class PrefillRole:
         self.worker_id = ctx.worker_id
         self.incarnation = ctx.incarnation
         self.fingerprint = ctx.fingerprint
+        self.block_size = ctx.block_size
         self.nc = ctx.nc
         self.prefill_queue = ctx.prefill_queue
         self.service = ctx.service
@@ -258,13 +259,10 @@ class PrefillRole:
         queue_wait_s = max(0.0, (datetime.datetime.now(datetime.UTC) - published).total_seconds())
         self._check(job)
         deadline = fetched + (job.deadline_unix_s - time.time())
-        try:
-            params = SamplingParams(
-                max_tokens=1, temperature=job.temperature, top_p=job.top_p, top_k=job.top_k,
-                seed=job.seed,
-            )  # fmt: skip
-        except InvalidRequestError as err:
-            raise _Refused("invalid_request") from err
+        # The first token only, sampled as the request's own sampler would (at most one token
+        # of its `min_tokens` is due here).
+        first = job.sampling
+        params = replace(first, max_tokens=1, min_tokens=min(first.min_tokens, 1))
         try:
             result = await self.service.prefill(
                 job.request_id, job.token_ids, params,
@@ -337,7 +335,7 @@ class PrefillRole:
             or dest.nixl_agent_name != job.dest_agent_name
         ):
             raise _Refused("stale_destination")
-        num_prompt_blocks = -(-len(job.token_ids) // self.nixl_block_size)
+        num_prompt_blocks = -(-len(job.token_ids) // self.block_size)
         if len(job.dest_block_ids) != num_prompt_blocks - job.first_block_index:
             raise _Refused("block_count")
 
@@ -358,10 +356,6 @@ class PrefillRole:
         if not grant.granted:
             known = grant.reason in WRITE_GRANT_REFUSALS
             raise _Refused(f"not_granted_{grant.reason}" if known else "not_granted")
-
-    @property
-    def nixl_block_size(self) -> int:
-        return int(self.service.engine.config.block_size)
 
     async def _tell_refused(self, job: PrefillJob, reason: str) -> None:
         """Tell the decode worker nothing will be written for this job (best effort)."""

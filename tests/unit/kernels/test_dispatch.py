@@ -36,7 +36,7 @@ def test_cpu_tensors_use_the_reference_and_never_import_triton(
 def test_engine_tokens_are_identical_with_interpreted_triton_kernels(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
     from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
     def run() -> list[list[int]]:

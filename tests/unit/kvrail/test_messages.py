@@ -9,6 +9,7 @@ import pytest
 
 from kvrail.codec import MAX_MESSAGE_BYTES, MessageError, decode
 from kvrail.messages import Cancel, KvEvent, PrefillDone, PrefillJob, WorkerRecord
+from kvrail.sampling import SamplingParams
 
 
 def job(**overrides: Any) -> PrefillJob:
@@ -16,6 +17,7 @@ def job(**overrides: Any) -> PrefillJob:
         request_id="req-1", token_ids=tuple(range(40)), fingerprint="f" * 64,
         dest_worker_id="decode-0", dest_incarnation=3, dest_agent_name="decode-0-3",
         dest_block_ids=(7, 8, 9), first_block_index=0, deadline_unix_s=1e9,
+        sampling=SamplingParams(max_tokens=1),
     )  # fmt: skip
     base.update(overrides)
     return PrefillJob(**base)
@@ -25,7 +27,11 @@ def job(**overrides: Any) -> PrefillJob:
     "message",
     [
         job(),
-        job(seed=42, temperature=0.7, tenant_salt="t1", with_checksums=True),
+        job(
+            sampling=SamplingParams(max_tokens=1, seed=42, temperature=0.7),
+            tenant_salt="t1",
+            with_checksums=True,
+        ),
         PrefillDone(
             request_id="r",
             fingerprint="f",

@@ -9,13 +9,14 @@ import pytest
 
 from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import BlockCounts, GenerateRequest, PrefillDone, TokenEvent
+from kvrail.messages import BlockCounts, FirstTokenStages, GenerateRequest, PrefillDone, TokenEvent
+from kvrail.sampling import SamplingParams
 
 
 def request(**overrides: Any) -> GenerateRequest:
     base: dict[str, Any] = dict(
         request_id="req-1", token_ids=tuple(range(100, 140)), stream_subject="_INBOX.abc.1",
-        deadline_unix_s=1e9,
+        deadline_unix_s=1e9, sampling=SamplingParams(max_tokens=16),
     )  # fmt: skip
     base.update(overrides)
     return GenerateRequest(**base)
@@ -27,18 +28,26 @@ def _tamper(message: Any, **changes: Any) -> bytes:
     return json.dumps(body).encode()
 
 
+def _tamper_sampling(**changes: Any) -> bytes:
+    body = json.loads(request().encode())
+    body["sampling"].update(changes)
+    return json.dumps(body).encode()
+
+
 @pytest.mark.parametrize(
     "message",
     [
         request(),
         request(
-            max_tokens=64,
-            temperature=0.7,
-            top_p=0.9,
-            top_k=40,
-            seed=7,
-            stop_token_ids=(2, 5),
-            ignore_eos=True,
+            sampling=SamplingParams(
+                max_tokens=64,
+                temperature=0.7,
+                top_p=0.9,
+                top_k=40,
+                seed=7,
+                stop_token_ids=(2, 5),
+                ignore_eos=True,
+            ),
             tenant_salt="tenant-a",
         ),
         TokenEvent(
@@ -46,9 +55,8 @@ def _tamper(message: Any, **changes: Any) -> bytes:
             seq=0,
             token_ids=(5, 6),
             prefill_mode="remote",
-            queue_wait_s=0.01,
-            prefill_compute_s=0.2,
-            copy_s=0.003,
+            num_cached_tokens=32,
+            stages=FirstTokenStages(queue_wait_s=0.01, prefill_compute_s=0.2, copy_s=0.003),
         ),
         TokenEvent(request_id="r", seq=3, finish_reason="length"),
         TokenEvent(request_id="r", seq=1, error="deadline"),
@@ -109,14 +117,16 @@ def test_only_the_last_event_is_last() -> None:
     [
         (_tamper(request(), request_id=""), GenerateRequest, "request_id"),
         (_tamper(request(), request_id="x" * 129), GenerateRequest, "request_id"),
-        (_tamper(request(), max_tokens=0), GenerateRequest, "max_tokens"),
-        (_tamper(request(), max_tokens="8"), GenerateRequest, "max_tokens must be int"),
+        (_tamper_sampling(max_tokens=0), GenerateRequest, "max_tokens"),
+        (_tamper_sampling(max_tokens="8"), GenerateRequest, "max_tokens must be int"),
         (_tamper(request(), stream_subject="kvrail.*"), GenerateRequest, "stream_subject"),
         (_tamper(request(), stream_subject="a.>"), GenerateRequest, "stream_subject"),
         (_tamper(request(), stream_subject="a b"), GenerateRequest, "stream_subject"),
-        (_tamper(request(), stop_token_ids=[1, -2]), GenerateRequest, "stop_token_ids"),
-        (_tamper(request(), seed=1.5), GenerateRequest, "seed"),
-        (_tamper(request(), ignore_eos=1), GenerateRequest, "ignore_eos"),
+        (_tamper_sampling(stop_token_ids=[1, -2]), GenerateRequest, "stop_token_ids"),
+        (_tamper_sampling(seed=1.5), GenerateRequest, "seed"),
+        (_tamper_sampling(ignore_eos=1), GenerateRequest, "ignore_eos"),
+        (_tamper(request(), sampling=None), GenerateRequest, "sampling"),
+        (_tamper(TokenEvent(request_id="r", seq=0), num_cached_tokens=-1), TokenEvent, "cached"),
         (_tamper(TokenEvent(request_id="r", seq=0), seq=-1), TokenEvent, "seq"),
         (_tamper(TokenEvent(request_id="r", seq=0), prefill_mode="guess"), TokenEvent, "prefill"),
         (_tamper(TokenEvent(request_id="r", seq=0), error=7), TokenEvent, "error"),

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from kvrail.sampling import SamplingParams
 from kvrail.vllm.protocol import (
     DONE,
     Completion,
@@ -20,7 +21,9 @@ from kvrail.vllm.protocol import (
     prefill_body,
 )
 
-REQUEST = Completion("smol", (1, 2, 3), max_tokens=7, temperature=0.5, top_p=0.9, seed=11)
+REQUEST = Completion(
+    "smol", (1, 2, 3), SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, seed=11)
+)
 # What a vLLM 0.32 prefill server answers (abridged to the fields kvrail passes on).
 PARAMS = {
     "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [3, 4],
@@ -54,15 +57,34 @@ def test_the_decode_body_streams_token_ids_with_the_prefills_params_or_none() ->
     assert remote["kv_transfer_params"] == PARAMS and remote["kv_transfer_params"] is not PARAMS
     assert remote["stream"] is True and remote["return_token_ids"] is True
     assert remote["max_tokens"] == 7 and remote["prompt"] == [1, 2, 3]
-    local = decode_body(Completion("smol", (5,), max_tokens=2), None)
+    local = decode_body(Completion("smol", (5,), SamplingParams(max_tokens=2)), None)
     assert "kv_transfer_params" not in local and "seed" not in local
 
 
-def test_a_completion_without_a_prompt_model_or_tokens_is_refused() -> None:
-    cases = [({"prompt_token_ids": ()}, "prompt"), ({"model": ""}, "model name"),
-             ({"max_tokens": 0}, "max_tokens")]  # fmt: skip
+def test_every_sampling_field_reaches_vllm_under_its_own_name_and_neutral_ones_stay_out() -> None:
+    sampling = SamplingParams(
+        max_tokens=9, min_tokens=3, temperature=0.7, top_k=40, min_p=0.1, stop_token_ids=(5,),
+        ignore_eos=True, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25,
+    )  # fmt: skip
+    body = decode_body(Completion("smol", (5,), sampling), None)
+    assert {k: body[k] for k in ("max_tokens", "min_tokens", "top_k", "min_p")} == {
+        "max_tokens": 9, "min_tokens": 3, "top_k": 40, "min_p": 0.1,
+    }  # fmt: skip
+    assert body["stop_token_ids"] == [5] and body["ignore_eos"] is True
+    assert (body["repetition_penalty"], body["presence_penalty"]) == (1.1, 0.5)
+    assert body["frequency_penalty"] == 0.25
+    prefill = prefill_body(Completion("smol", (5,), sampling))
+    assert (prefill["max_tokens"], prefill["min_tokens"]) == (1, 1)
+    plain = decode_body(Completion("smol", (5,), SamplingParams(max_tokens=2)), None)
+    assert not {"min_tokens", "top_k", "min_p", "stop_token_ids", "ignore_eos"} & set(plain)
+
+
+def test_a_completion_without_a_prompt_or_model_is_refused() -> None:
+    cases = [({"prompt_token_ids": ()}, "prompt"), ({"model": ""}, "model name")]
     for kwargs, problem in cases:
-        values: dict[str, Any] = {"model": "m", "prompt_token_ids": (1,), "max_tokens": 1}
+        values: dict[str, Any] = {
+            "model": "m", "prompt_token_ids": (1,), "sampling": SamplingParams(max_tokens=1)
+        }  # fmt: skip
         with pytest.raises(ValueError, match=problem):
             Completion(**(values | kwargs))
 

@@ -32,12 +32,9 @@ except ImportError:  # pragma: no cover
     import httpx as http  # type: ignore[no-redef]
 
 from kvrail.router.api.errors import ApiError, validation_error
-from kvrail.router.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    Sampling,
-    sampling_of,
-)
+from kvrail.router.api.sampling import Defaults, Delivery, Requested, requested
+from kvrail.router.api.schemas import ChatCompletionRequest, CompletionRequest
+from kvrail.sampling import SamplingParams
 
 SECRET = "SECRET-PROMPT-TEXT"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": SECRET}]}
@@ -80,9 +77,17 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (chat(logit_bias={"42": 5}), "logit_bias", "not supported", "unsupported_parameter"),
     (chat(response_format={"type": "json_object"}), "response_format", "not supported",
      "unsupported_parameter"),
-    (chat(frequency_penalty=0.5), "frequency_penalty", "not supported", "unsupported_parameter"),
-    (chat(presence_penalty=-1), "presence_penalty", "not supported", "unsupported_parameter"),
-    (chat(parallel_tool_calls=True), "parallel_tool_calls", "not supported",
+    (chat(frequency_penalty=2.5), "frequency_penalty", "less than or equal to 2", None),
+    (chat(presence_penalty=-3), "presence_penalty", "greater than or equal to -2", None),
+    (chat(top_k=-2), "top_k", "greater than or equal to -1", None),
+    (chat(min_p=1.5), "min_p", "less than or equal to 1", None),
+    (chat(min_tokens=-1), "min_tokens", "greater than or equal to 0", None),
+    (chat(repetition_penalty=0), "repetition_penalty", "greater than 0", None),
+    (chat(stop_token_ids=[-1]), "stop_token_ids.0", "greater than or equal to 0", None),
+    (chat(ignore_eos="yes"), "ignore_eos", "valid boolean", None),
+    (chat(skip_special_tokens=False), "skip_special_tokens", "not supported",
+     "unsupported_parameter"),
+    (chat(include_stop_str_in_output=True), "include_stop_str_in_output", "not supported",
      "unsupported_parameter"),
     (chat(audio={"voice": "x"}), "audio", "not supported", "unsupported_parameter"),
     (chat(modalities=["text", "audio"]), "modalities", "not supported", "unsupported_parameter"),
@@ -170,43 +175,77 @@ def test_an_invalid_completion_request_is_a_400_naming_the_field(
 def test_neutral_values_of_unsupported_features_are_accepted() -> None:
     neutral = chat(
         tools=[], tool_choice="none", functions=None, logprobs=False, top_logprobs=0,
-        logit_bias={}, response_format={"type": "text"}, frequency_penalty=0,
-        presence_penalty=0.0, modalities=["text"], store=False, service_tier="auto",
-        user="u", safety_identifier="s", prompt_cache_key="k", n=1, parallel_tool_calls=None,
+        logit_bias={}, response_format={"type": "text"}, modalities=["text"], store=False,
+        service_tier="auto", user="u", safety_identifier="s", prompt_cache_key="k", n=1,
+        parallel_tool_calls=False, skip_special_tokens=True, include_stop_str_in_output=False,
     )  # fmt: skip
-    assert sampling_of(ChatCompletionRequest.model_validate(neutral)) == sampling_of(
+    assert requested(ChatCompletionRequest.model_validate(neutral)) == requested(
         ChatCompletionRequest.model_validate(CHAT)
     )
     assert CompletionRequest.model_validate(completion(echo=False, best_of=1, logprobs=None))
 
 
-def test_sampling_of_a_chat_request_normalizes_both_spellings_of_max_tokens() -> None:
-    plain = sampling_of(ChatCompletionRequest.model_validate(CHAT))
-    assert plain == Sampling(
-        max_tokens=None, temperature=1.0, top_p=1.0, seed=None, stop=(), stream=False,
-        include_usage=False,
-    )  # fmt: skip
+def test_a_chat_request_normalizes_both_spellings_of_max_tokens() -> None:
+    plain = requested(ChatCompletionRequest.model_validate(CHAT))
+    assert plain == Requested(max_tokens=None, delivery=Delivery(), fields={})
     both = chat(max_tokens=7, max_completion_tokens=7)
     for body in [chat(max_tokens=7), chat(max_completion_tokens=7), both]:
-        assert sampling_of(ChatCompletionRequest.model_validate(body)).max_tokens == 7
+        assert requested(ChatCompletionRequest.model_validate(body)).max_tokens == 7
     full = chat(
         temperature=0, top_p=0.5, seed=-3, stop=["\n", "END", "\n"], stream=True,
         stream_options={"include_usage": True},
     )  # fmt: skip
-    s = sampling_of(ChatCompletionRequest.model_validate(full))
-    assert (s.temperature, s.top_p, s.seed, s.stop) == (0.0, 0.5, -3, ("\n", "END"))
-    assert s.stream and s.include_usage
+    r = requested(ChatCompletionRequest.model_validate(full))
+    assert r.fields == {"temperature": 0.0, "top_p": 0.5, "seed": -3}
+    assert r.delivery == Delivery(stop=("\n", "END"), stream=True, include_usage=True)
     nulls = chat(temperature=None, top_p=None, stream=None, stop=None, n=None)
-    assert sampling_of(ChatCompletionRequest.model_validate(nulls)) == plain
-    streamed = sampling_of(ChatCompletionRequest.model_validate(chat(stream=True)))
-    assert streamed.stream and not streamed.include_usage
+    assert requested(ChatCompletionRequest.model_validate(nulls)) == plain
+    streamed = requested(ChatCompletionRequest.model_validate(chat(stream=True)))
+    assert streamed.delivery.stream and not streamed.delivery.include_usage
 
 
-def test_sampling_of_a_completion_defaults_to_16_tokens_and_null_means_unbounded() -> None:
-    assert sampling_of(CompletionRequest.model_validate(COMPLETION)).max_tokens == 16
+def test_a_completion_defaults_to_16_tokens_and_null_means_unbounded() -> None:
+    assert requested(CompletionRequest.model_validate(COMPLETION)).max_tokens == 16
     unbounded = CompletionRequest.model_validate(completion(max_tokens=None))
-    assert sampling_of(unbounded).max_tokens is None
-    assert sampling_of(CompletionRequest.model_validate(completion(stop="x"))).stop == ("x",)
+    assert requested(unbounded).max_tokens is None
+    assert requested(CompletionRequest.model_validate(completion(stop="x"))).delivery.stop == ("x",)
+
+
+def test_omitted_fields_take_the_defaults_and_sent_ones_win() -> None:
+    model = Defaults.of("model", {"temperature": 0.2, "top_p": 0.9, "top_k": 50.0})
+    assert (model.temperature, model.top_p, model.top_k, model.source) == (0.2, 0.9, 50, "model")
+    assert Defaults.of("openai", {"temperature": 0.2}) == Defaults() == Defaults.of("model", {})
+    omitted = requested(ChatCompletionRequest.model_validate(CHAT)).params(30, model)
+    assert omitted == SamplingParams(max_tokens=30, temperature=0.2, top_p=0.9, top_k=50)
+    sent = chat(temperature=0, top_k=-1, top_p=1)
+    assert requested(ChatCompletionRequest.model_validate(sent)).params(30, model) == (
+        SamplingParams(max_tokens=30, temperature=0.0, top_p=1.0, top_k=0)
+    )
+    assert requested(ChatCompletionRequest.model_validate(CHAT)).params(30, Defaults()) == (
+        SamplingParams(max_tokens=30, temperature=1.0)
+    )
+
+
+def test_vllms_sampling_extensions_reach_the_sampling_params() -> None:
+    body = chat(
+        min_tokens=3, ignore_eos=True, top_k=40, min_p=0.05, repetition_penalty=1.1,
+        presence_penalty=0.5, frequency_penalty=-0.5, stop_token_ids=[7, 7, 9], seed=1,
+        stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True},
+    )  # fmt: skip
+    asked = requested(ChatCompletionRequest.model_validate(body))
+    params = asked.params(10, Defaults())
+    assert (params.min_tokens, params.ignore_eos, params.top_k, params.min_p) == (3, True, 40, 0.05)
+    assert (params.repetition_penalty, params.presence_penalty) == (1.1, 0.5)
+    assert (params.frequency_penalty, params.stop_token_ids) == (-0.5, (7, 9))
+    assert asked.delivery.continuous_usage_stats
+
+
+def test_min_tokens_above_max_tokens_is_a_400_naming_min_tokens() -> None:
+    asked = requested(ChatCompletionRequest.model_validate(chat(min_tokens=9)))
+    with pytest.raises(InvalidRequestError, match="min_tokens") as info:
+        asked.params(5, Defaults())
+    assert info.value.param == "min_tokens"
+    assert api_errors.api_error_of(info.value).param == "min_tokens"
 
 
 def test_a_completion_prompt_is_text_or_token_ids() -> None:

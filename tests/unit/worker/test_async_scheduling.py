@@ -14,8 +14,9 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.engine import LLMEngine
-from kvrail.worker.engine.request import RequestStatus, SamplingParams
+from kvrail.worker.engine.request import RequestStatus
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import SchedulerOutput
 from kvrail.worker.testing import (
@@ -44,7 +45,9 @@ def _params(stop_tokens: dict[int, int]) -> list[SamplingParams]:
     params = []
     for i in range(len(_prompts())):
         extra: dict[str, Any] = {"temperature": 0.9, "seed": 7 + i} if i % 3 == 1 else {}
-        stops = [stop_tokens[i]] if i in stop_tokens else None
+        if i % 4 == 2:  # penalties: scheduled ahead only once the token in flight is known
+            extra.update(repetition_penalty=1.3, frequency_penalty=0.5)
+        stops = (stop_tokens[i],) if i in stop_tokens else ()
         params.append(
             SamplingParams(max_tokens=6 + 3 * i, ignore_eos=True, stop_token_ids=stops, **extra)
         )
@@ -156,7 +159,7 @@ def test_random_workloads_scheduled_ahead_keep_every_block_accounted_for(
     prefix = list(range(10, 40))
     admitted = []
     for n, m, stop_after, kind in requests:
-        request = make_request(prompt_token_ids=prefix[:n], max_tokens=m, stop_token_ids=[51])
+        request = make_request(prompt_token_ids=prefix[:n], max_tokens=m, stop_token_ids=(51,))
         if kind == "remote" and scheduler.reserve_remote(request) is not None:
             scheduler.install_remote(request.request_id, 70)  # its first output, never a stop
             stop_after = max(stop_after, 1)

@@ -19,7 +19,7 @@ def test_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graph_replay_gives_the_same_tokens_as_eager_decode() -> None:
-    from kvrail.worker.engine.request import SamplingParams
+    from kvrail.sampling import SamplingParams
     from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
     def run(enable: bool) -> list[list[int]]:

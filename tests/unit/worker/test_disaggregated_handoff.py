@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvrail.kernels import reference
-from kvrail.worker.engine.request import SamplingParams
+from kvrail.sampling import SamplingParams
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
 

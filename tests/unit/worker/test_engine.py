@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.engine import LLMEngine
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
 PROMPT = list(range(3, 24))  # 5 full 4-token blocks

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from kvrail.codec import MAX_BLOCKS, MAX_MESSAGE_BYTES, decode
 from kvrail.hashing import block_hashes, root_hash
 from kvrail.messages import KvEvent
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.roles.kv_events import KvEventLog, block_limits
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 

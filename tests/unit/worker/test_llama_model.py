@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvrail.errors import ConfigError
-from kvrail.worker.engine.request import SamplingParams
+from kvrail.sampling import SamplingParams
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from kvrail.worker.engine.request import Request
-from kvrail.worker.engine.sampler import Sampler, apply_top_k_top_p
+from kvrail.worker.engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
 from kvrail.worker.testing import make_request
 
 
@@ -100,3 +100,51 @@ def test_without_top_k_or_top_p_every_token_can_be_drawn() -> None:
     request = make_request(2, temperature=1.0, seed=11)
     seen = {sample(logits, [request])[0] for _ in range(200)}
     assert seen == set(range(8))
+
+
+def _with_outputs(request: Request, output_ids: list[int]) -> Request:
+    """`request` as the sampler sees it while it samples output token `len(output_ids)`."""
+    request.output_token_ids.extend(output_ids)
+    request.num_in_flight = 1  # the step being sampled
+    return request
+
+
+def test_eos_and_stop_ids_cannot_be_sampled_before_min_tokens() -> None:
+    eos = 2
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])  # EOS best, then token 3
+    sampler = Sampler(eos_token_id=eos)
+
+    def pick(request: Request) -> int:
+        return int(sampler.sample(logits, [request])[0])
+
+    params = {"max_tokens": 8, "min_tokens": 2, "ignore_eos": False}
+    assert pick(_with_outputs(make_request(4, **params), [])) == 3  # first token: EOS masked
+    assert pick(_with_outputs(make_request(4, **params), [5])) == 3  # second: still masked
+    assert pick(_with_outputs(make_request(4, **params), [5, 5])) == eos  # then allowed
+    stop_id = make_request(4, max_tokens=8, min_tokens=1, stop_token_ids=(3,), ignore_eos=True)
+    assert pick(_with_outputs(stop_id, [])) == eos  # ignore_eos: EOS stays, the stop id goes
+    assert int(Sampler(eos_token_id=eos).sample(logits, [make_request(4)])[0]) == eos
+
+
+def test_penalties_follow_vllms_definitions() -> None:
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0]])
+    out = apply_penalties(logits, [[0]], [[1, 3, 3]], [2.0], [0.5], [0.25])[0].tolist()
+    # token 0: prompt only, repetition: 2.0 / 2; token 1: output once, -1 * 2 - 0.25 - 0.5;
+    # token 2: unseen; token 3: output twice, 3 / 2 - 0.5 - 2 * 0.25.
+    assert out == [1.0, -2.75, 0.5, 0.5]
+    assert logits.tolist() == [[2.0, -1.0, 0.5, 3.0]]  # not mutated
+
+
+def test_a_penalized_greedy_row_avoids_what_it_already_said() -> None:
+    logits = torch.tensor([[0.0, 5.0, 4.0]])
+    plain = make_request(prompt_token_ids=[0], max_tokens=4)
+    penalized = make_request(prompt_token_ids=[0], max_tokens=4, frequency_penalty=2.0)
+    rows = logits.repeat(2, 1)
+    requests = [_with_outputs(plain, [1]), _with_outputs(penalized, [1])]
+    assert Sampler().sample(rows, requests).tolist() == [1, 2]
+
+
+def test_min_p_drops_tokens_far_below_the_best() -> None:
+    probs = torch.tensor([[0.6, 0.3, 0.08, 0.02]])
+    kept = torch.isfinite(apply_min_p(probs.log(), torch.tensor([0.1]))).tolist()[0]
+    assert kept == [True, True, True, False]  # 0.02 < 0.1 * 0.6 <= 0.08

@@ -152,7 +152,6 @@ BAD_REQUESTS: list[tuple[str, dict[str, Any], str]] = [
         "exceed",
     ),
     ("request larger than the whole pool", {"num_prompt_tokens": 300}, "KV pool"),
-    ("stop strings without a tokenizer", {"stop": ["x"]}, "tokenizer"),
 ]
 
 
@@ -178,13 +177,14 @@ def test_duplicate_request_id_is_rejected() -> None:
 
 
 def test_stop_conditions_finish_requests_with_the_right_reason() -> None:
-    text = {50: "a", 51: "b", 52: "c"}
-    scheduler = make_scheduler(detokenize=lambda ids: "".join(text.get(i, "?") for i in ids))
+    """EOS, ignore_eos, stop token ids and min_tokens (stop strings are the router's: its
+    detokenizer finds them, tests/unit/router/test_text.py)."""
+    scheduler = make_scheduler()
     cases = {
         "eos": make_request(4, max_tokens=5, ignore_eos=False),
         "ignored eos": make_request(4, max_tokens=3),
-        "stop id": make_request(4, max_tokens=5, stop_token_ids=[2]),
-        "stop string": make_request(4, max_tokens=5, stop=["xx", "?"]),
+        "stop id": make_request(4, max_tokens=5, stop_token_ids=(2,)),
+        "eos after min_tokens": make_request(4, max_tokens=5, min_tokens=3, ignore_eos=False),
     }
     for request in cases.values():
         scheduler.add_request(request)
@@ -192,20 +192,6 @@ def test_stop_conditions_finish_requests_with_the_right_reason() -> None:
     assert cases["eos"].output_token_ids == [2] and cases["eos"].stop_reason == 2
     assert cases["ignored eos"].status is RequestStatus.FINISHED_LENGTH
     assert cases["stop id"].status is RequestStatus.FINISHED_STOPPED
-    assert cases["stop string"].stop_reason == "?"
-    assert_engine_empty(scheduler)
-
-
-def test_stop_string_spanning_several_tokens_is_found() -> None:
-    text = {50: "he", 51: "llo", 52: " wor", 53: "ld"}
-    scheduler = make_scheduler(detokenize=lambda ids: "".join(text[i] for i in ids))
-    request = make_request(4, max_tokens=10, stop="lo w")
-    scheduler.add_request(request)
-    for token in (50, 51, 52, 53):
-        out = scheduler.schedule()
-        scheduler.update_from_output(out, {request.request_id: token})
-        if request.is_finished:
-            break
-    assert request.output_token_ids == [50, 51, 52]
-    assert request.stop_reason == "lo w"
+    late = cases["eos after min_tokens"]
+    assert late.output_token_ids == [2, 2, 2] and late.status is RequestStatus.FINISHED_STOPPED
     assert_engine_empty(scheduler)

@@ -11,8 +11,8 @@ import pytest
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError
 from kvrail.hashing import block_hashes, root_hash
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
-from kvrail.worker.engine.request import SamplingParams
 from kvrail.worker.service import EngineService, Update
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 

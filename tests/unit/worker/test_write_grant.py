@@ -20,6 +20,7 @@ from kvrail.messages import (
     WriteGrantRequest,
     tokens_digest,
 )
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
@@ -28,14 +29,15 @@ from kvrail.worker.roles.write_grants import AwaitedJob
 JOB = PrefillJob(
     request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
     dest_incarnation=7, dest_agent_name="decode-0-7", dest_block_ids=(3, 4), first_block_index=0,
-    deadline_unix_s=2e9,
+    deadline_unix_s=2e9, sampling=SamplingParams(max_tokens=1),
 )  # fmt: skip
 
 
 def remote_prefill() -> KvReceiver:
     ctx = SimpleNamespace(
         settings=Settings(), keys=None, worker_id="decode-0", incarnation=7,
-        agent_name="decode-0-7", fingerprint="f" * 64, nc=None, prefill_queue=None, service=None,
+        agent_name="decode-0-7", fingerprint="f" * 64, block_size=16, nc=None, prefill_queue=None,
+        service=None,
         connector=SimpleNamespace(region=None, notifications=list),
         peers=SimpleNamespace(listen=lambda _callback: None),
     )  # fmt: skip

@@ -1,0 +1,108 @@
+"""How a request picks its tokens and when it may stop: one `SamplingParams` from the router's
+edge to the sampler.
+
+The router builds it once per request, from the client's fields and the request defaults
+(`kvrail.router.api.sampling`); it travels inside `GenerateRequest` and `PrefillJob` and the
+engine samples with the very same object. It is validated when built, so a decoded message and
+an engine request can both trust it: an invalid value raises `InvalidRequestError` naming the
+field, and nothing downstream checks it again. The field defaults are the neutral values (greedy,
+no penalty, no minimum); what a field the client omitted means is decided at the edge only.
+
+Semantics follow vLLM's `SamplingParams`:
+- `temperature == 0` is greedy (top_p, top_k, min_p and seed are then irrelevant);
+- `top_k == 0` and `min_p == 0` are off; `min_p` drops tokens less likely than `min_p` times the
+  most likely one;
+- `min_tokens`: until that many tokens were generated, the end-of-sequence token (unless
+  `ignore_eos`) and `stop_token_ids` cannot be sampled, and stop strings do not apply;
+- `repetition_penalty` (1 = off) divides the positive logits and multiplies the negative ones of
+  every token in the prompt or the output so far; `presence_penalty` and `frequency_penalty`
+  (0 = off, OpenAI's definition) subtract a constant and a multiple of the count from the logits
+  of the tokens in the output so far;
+- `ignore_eos`: the end-of-sequence token does not end generation (benchmarks use it for fixed
+  lengths).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvrail.errors import InvalidRequestError
+
+MAX_STOP_TOKEN_IDS = 64
+MAX_PENALTY = 2.0  # OpenAI's bound for presence and frequency penalties
+
+
+def _fail(name: str, value: object, why: str) -> InvalidRequestError:
+    return InvalidRequestError(f"sampling parameter {name}={value!r} is invalid: {why}", name)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """See the module docstring. Frozen, and checked in `__post_init__`."""
+
+    max_tokens: int
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default=())
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise _fail("max_tokens", self.max_tokens, "must be an integer of at least 1")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise _fail("min_tokens", self.min_tokens, "must be an integer in [0, max_tokens]")
+        if not _is_number(self.temperature) or self.temperature < 0:
+            raise _fail("temperature", self.temperature, "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise _fail("top_p", self.top_p, "must be in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise _fail("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise _fail("min_p", self.min_p, "must be in [0, 1] (0 disables it)")
+        if self.seed is not None and not _is_int(self.seed):
+            raise _fail("seed", self.seed, "must be an integer or None")
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise _fail("stop_token_ids", ids, "must be a list of non-negative integers")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise _fail("stop_token_ids", len(ids), f"at most {MAX_STOP_TOKEN_IDS} ids")
+        if not isinstance(self.ignore_eos, bool):
+            raise _fail("ignore_eos", self.ignore_eos, "must be true or false")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise _fail("repetition_penalty", self.repetition_penalty, "must be > 0 (1 is off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise _fail(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        set_ = object.__setattr__
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):  # fmt: skip
+            set_(self, name, float(getattr(self, name)))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )

@@ -1,0 +1,217 @@
+"""One generation, from a tokenized prompt to its last text piece (`serve`).
+
+`serve` checks the prompt and `max_tokens` against the context every ready decode worker can
+hold (an omitted `max_tokens` means the room left, as in vLLM), admits the request against its
+tenant's limits, builds its `SamplingParams` once (`kvrail.router.api.sampling`), and follows
+the dispatcher's stream until the last token: streamed as server-sent events or collected into
+one body, and cancelled on every worker when the client leaves either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass, field
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from kvrail.router.api import streaming
+from kvrail.router.api.errors import ApiError
+from kvrail.router.api.sampling import Defaults, Requested
+from kvrail.router.api.streaming import Kind
+from kvrail.router.discovery.view import WorkerView
+from kvrail.router.metrics import RouterMetrics
+from kvrail.router.streams.dispatcher import Dispatcher
+from kvrail.router.streams.job import DispatchError, Job
+from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
+from kvrail.router.text.detokenizer import Detokenizer
+from kvrail.router.text.tokenizer import TextCodec
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048  # when neither the settings nor any worker says
+TOKENIZER_THREADS = 2  # prompts tokenized at once; more wait (tokenizing releases the GIL)
+
+# Worker and dispatcher error codes -> (HTTP status, OpenAI error type).
+_ERRORS: dict[str, tuple[int, str]] = {
+    "invalid_request": (400, "invalid_request_error"),
+    "deadline": (504, "timeout_error"),
+    "no_worker": (503, "service_unavailable_error"),
+    "prefill_failed": (503, "service_unavailable_error"),
+    "protocol_error": (502, "server_error"),
+    "shutting_down": (503, "service_unavailable_error"),
+    "worker_lost": (503, "service_unavailable_error"),
+}
+
+
+def _tokenizer_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+
+
+@dataclass(slots=True)
+class RouterState:
+    codec: TextCodec
+    dispatcher: Dispatcher
+    view: WorkerView
+    tenants: TenantTable
+    admission: Admission
+    metrics: RouterMetrics
+    served_name: str
+    max_model_len: int  # 0: the workers' (see `context_len`)
+    request_timeout_s: float
+    defaults: Defaults = field(default_factory=Defaults)
+    allow_special_tokens: bool = False
+    created: int = 0  # when the router started: the served model's `created`
+    tokenizer: concurrent.futures.ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
+
+
+def context_len(state: RouterState) -> int:
+    """The longest prompt + completion every ready decode worker can hold (each announces its
+    model's limit or what its KV pool holds, whichever is smaller), capped by the configured
+    context; `DEFAULT_MAX_MODEL_LEN` when nothing says."""
+    limits = [r.max_model_len for r in state.view.decode_workers() if r.max_model_len]
+    if state.max_model_len:
+        limits.append(state.max_model_len)
+    return min(limits, default=DEFAULT_MAX_MODEL_LEN)
+
+
+async def serve(
+    state: RouterState,
+    request: Request,
+    endpoint: str,
+    kind: Kind,
+    tenant: Tenant,
+    prompt_ids: Sequence[int],
+    asked: Requested,
+) -> Response:
+    started = time.monotonic()
+    param = "messages" if kind == "chat" else "prompt"
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param=param)
+    context = context_len(state)
+    room = context - len(prompt_ids)
+    if room < 1:
+        raise ApiError(
+            400, f"the prompt has {len(prompt_ids)} tokens; this model's context is "
+            f"{context} tokens", param=param, code="context_length_exceeded",
+        )  # fmt: skip
+    max_tokens = asked.max_tokens if asked.max_tokens is not None else room
+    if max_tokens > room:
+        raise ApiError(
+            400, f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({max_tokens}) exceeds "
+            f"this model's context of {context} tokens", param="max_tokens",
+            code="context_length_exceeded",
+        )  # fmt: skip
+    params = asked.params(max_tokens, state.defaults)  # InvalidRequestError: a 400 naming it
+    try:
+        ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
+    except Rejected as err:
+        state.metrics.rejected.labels("rate_limited" if err.status == 429 else "too_large").inc()
+        headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else {}
+        kind_ = "rate_limit_error" if err.status == 429 else "invalid_request_error"
+        raise ApiError(err.status, err.message, kind_, headers=headers) from err
+    prefix = "chatcmpl" if kind == "chat" else "cmpl"
+    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    job = Job(
+        request_id=response_id, token_ids=tuple(prompt_ids), sampling=params,
+        deadline_unix_s=time.time() + state.request_timeout_s, tenant_salt=tenant.salt,
+    )  # fmt: skip
+    state.metrics.prompt_tokens.labels(tenant.name).inc(len(prompt_ids))
+    delivery = asked.delivery
+    detok = state.codec.detokenizer(prompt_ids, delivery.stop, params.min_tokens)
+    reply = streaming.Reply(
+        kind, response_id, state.served_name, int(time.time()), len(prompt_ids),
+        delivery.include_usage, delivery.continuous_usage_stats,
+    )  # fmt: skip
+    pieces = _generate(state, job, detok, started, tenant, ticket)
+    if delivery.stream:
+        sse = streaming.sse(
+            reply, pieces, lambda status: state.metrics.requests.labels(endpoint, status).inc()
+        )
+        return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
+    try:
+        text, finish, usage = await streaming.until_disconnect(
+            request, streaming.collect(pieces, reply)
+        )
+    finally:
+        ticket.release(0)  # a no-op once the request released it with its real usage
+    state.metrics.requests.labels(endpoint, "200").inc()
+    return JSONResponse(reply.whole(text, finish, usage))
+
+
+async def _generate(
+    state: RouterState,
+    job: Job,
+    detok: Detokenizer,
+    started: float,
+    tenant: Tenant,
+    ticket: Ticket,
+) -> AsyncGenerator[streaming.Piece, None]:
+    """Text pieces of one request, in order; the last has a finish reason. Raises ApiError."""
+    m = state.metrics
+    num_tokens = 0
+    num_cached = 0
+    outcome = "error"
+    m.in_flight.inc()
+    try:
+        async with state.dispatcher.open(job) as stream:
+            last = started
+            try:
+                async for event in stream:
+                    now = time.monotonic()
+                    if event.seq == 0:
+                        m.first_event(event, now - started)
+                        num_cached = event.num_cached_tokens
+                    elif event.token_ids:
+                        gap = (now - last) / len(event.token_ids)
+                        for _ in event.token_ids:
+                            m.itl.observe(gap)
+                    last = now
+                    if event.error is not None:
+                        raise DispatchError(event.error)
+                    num_tokens += len(event.token_ids)
+                    text = detok.feed(event.token_ids)
+                    if detok.stopped:
+                        await stream.cancel("stop")
+                        outcome = "stop"
+                        yield streaming.Piece(text, "stop", num_tokens, num_cached)
+                        return
+                    finish = None
+                    if event.finish_reason is not None:
+                        if event.finish_reason not in ("stop", "length"):
+                            raise DispatchError("aborted")
+                        finish = event.finish_reason
+                        text += detok.flush()
+                        outcome = finish
+                    yield streaming.Piece(text, finish, num_tokens, num_cached)
+            except DispatchError as err:
+                await stream.cancel("deadline" if err.code == "deadline" else "error")
+                log.info("request failed request_id=%s worker=%s code=%s",
+                         job.request_id, stream.worker_id, err.code)  # fmt: skip
+                status, type_ = _ERRORS.get(err.code, (500, "server_error"))
+                raise ApiError(status, _message(err.code), type_, code=err.code) from err
+    except asyncio.CancelledError:
+        outcome = "cancelled"
+        raise
+    finally:
+        m.in_flight.dec()
+        m.generation_tokens.labels(tenant.name).inc(num_tokens)
+        m.duration.labels(outcome).observe(time.monotonic() - started)
+        ticket.release(len(job.token_ids) + num_tokens)
+
+
+def _message(code: str) -> str:
+    return {
+        "deadline": "the request did not finish within its deadline",
+        "no_worker": "no decode worker is ready to take the request; retry later",
+        "invalid_request": "a worker refused the request as invalid",
+        "prefill_failed": "no prefill worker could prefill the prompt; retry later",
+        "protocol_error": "a worker answered in a form the router does not understand",
+        "shutting_down": "the decode worker shut down before the request finished; retry it",
+        "worker_lost": "the decode worker went away before the request finished; retry it",
+    }.get(code, f"the request failed ({code})")
