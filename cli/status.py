@@ -1,7 +1,9 @@
 """`kvrail status`: pools, workers and prefill queues as one readable table.
 
 `collect()` reads the discovery plane (every worker record under the root prefix, or one pool's)
-and each pool's JetStream prefill stream; `render()` is pure and turns that into text.
+and each pool's JetStream prefill stream; `render()` is pure and turns that into text. A worker
+that should be there (one the local stack started) but has no record is shown as lost: its lease
+expired, so it died or cannot reach etcd.
 """
 
 from __future__ import annotations
@@ -58,8 +60,20 @@ async def collect(
 COLUMNS = ("WORKER", "ROLE", "INCARNATION", "READY", "TRANSPORT", "RUNNING", "WAITING", "KV")
 
 
-def render(pools: list[PoolStatus]) -> str:
-    """The status table, one block per pool. Identifiers and numbers only."""
+def _kv(w: WorkerRecord) -> str:
+    """KV use as a share and as blocks (of the blocks that hold tokens)."""
+    if not w.num_blocks:
+        return f"{w.kv_utilization:.0%}"
+    used = round(w.kv_utilization * w.num_blocks)
+    return f"{w.kv_utilization:.0%} ({used}/{w.num_blocks} blocks)"
+
+
+def render(pools: list[PoolStatus], expected_workers: tuple[str, ...] = ()) -> str:
+    """The status table, one block per pool. Identifiers and numbers only. `expected_workers`
+    that have no record in a pool are listed there as lost (the first pool, when none has any
+    worker)."""
+    if expected_workers and not pools:
+        return "no pools have registered workers; lost: " + ", ".join(expected_workers) + "\n"
     if not pools:
         return "no pools have registered workers\n"
     out: list[str] = []
@@ -75,13 +89,16 @@ def render(pools: list[PoolStatus]) -> str:
         rows = [COLUMNS] + [
             (
                 w.worker_id, w.role, str(w.incarnation), "yes" if w.is_ready else "no",
-                w.transport or "-", str(w.num_running), str(w.num_waiting),
-                f"{w.kv_utilization:.0%}",
+                w.transport or "-", str(w.num_running), str(w.num_waiting), _kv(w),
             )
             for w in sorted(p.workers, key=lambda w: (w.role, w.worker_id))
         ]  # fmt: skip
+        present = {w.worker_id for w in p.workers}
+        if p is pools[0]:
+            rows += [(w, "-", "-", "lost", "-", "-", "-", "-")
+                     for w in expected_workers if w not in present]  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
-        if p.workers:
+        if len(rows) > 1:
             out.extend("  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True))
                        .rstrip() for r in rows)  # fmt: skip
     return "\n".join(out) + "\n"

@@ -93,6 +93,11 @@ class Settings(BaseModel):
     torch_num_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )
+    pdl: bool = Field(
+        True,
+        description="programmatic dependent launch of a worker's decode kernels on Hopper and "
+        "later GPUs; KVRAIL_PDL=0 is the A/B switch and the way out (read by kvrail.kernels)",
+    )
     rdma: RdmaMode = "preferred"
     zero_kv_on_release: bool = Field(
         False, description="zero KV blocks when released (InferencePool security.zeroKVOnRelease)"

@@ -2,12 +2,15 @@
 
 Used by `kvrail up` (the local stack) and by the test harness (real etcd, NATS and Kubernetes
 servers). Each process runs in its own session so that a stop reaches its whole process group,
-writes stdout and stderr to one log file, and is stopped with SIGTERM, then SIGKILL after a grace
-period. Every wait has a deadline.
+writes stdout and stderr to one log file (appended to; `log_text()` is this start's part), and is
+stopped with SIGTERM, then SIGKILL after a grace period. Every wait has a deadline. A child is
+also killed when the thread that started it dies, however it dies (Linux's parent-death signal):
+nothing outlives what started it, not even a `kill -9` of that.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -21,6 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between fork and exec
+    """Ask the kernel to SIGKILL this process when its parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def free_port() -> int:
@@ -51,6 +61,7 @@ class ManagedProcess:
         self.env = dict(env) if env is not None else None
         self.cwd = cwd
         self._proc: subprocess.Popen[bytes] | None = None
+        self._log_offset = 0
 
     @property
     def pid(self) -> int | None:
@@ -61,6 +72,7 @@ class ManagedProcess:
             raise RuntimeError(f"{self.name} already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
+            self._log_offset = out.tell()
             self._proc = subprocess.Popen(
                 self.argv,
                 stdout=out,
@@ -69,6 +81,7 @@ class ManagedProcess:
                 env=self.env,
                 cwd=self.cwd,
                 start_new_session=True,
+                preexec_fn=_die_with_parent,
             )
         log.info("process started name=%s pid=%d log=%s", self.name, self._proc.pid, self.log_path)
         return self
@@ -113,10 +126,18 @@ class ManagedProcess:
         except ProcessLookupError:
             pass
 
-    def tail(self, num_lines: int = 40) -> str:
+    def log_text(self) -> str:
+        """What this start of the process wrote to its log (not what earlier runs appended)."""
         try:
-            lines = self.log_path.read_text(errors="replace").splitlines()
+            with self.log_path.open("rb") as f:
+                f.seek(self._log_offset)
+                return f.read().decode(errors="replace")
         except OSError:
+            return ""
+
+    def tail(self, num_lines: int = 40) -> str:
+        lines = self.log_text().splitlines()
+        if not lines and not self.log_path.exists():
             return f"(no log at {self.log_path})"
         return "\n".join(f"  {self.name}| {line}" for line in lines[-num_lines:])
 
@@ -130,9 +151,11 @@ def http_ok(url: str, timeout_s: float = 1.0, context: ssl.SSLContext | None = N
         return False
 
 
-def tcp_open(host: str, port: int, timeout_s: float = 0.5) -> bool:
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` fails now (another process listens there)."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
             return True
-    except OSError:
-        return False
+    return False

@@ -6,8 +6,13 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +25,7 @@ from kvrail.messages import WorkerRecord
 from kvrail.registry import etcd_client
 from kvrail.settings import Settings
 
-KVRAIL = [sys.executable, "-P", "-c", "import sys; from kvrail.cli import main; sys.exit(main())"]
+KVRAIL = [sys.executable, "-P", "-m", "kvrail.cli"]
 
 
 @pytest.mark.usefixtures("etcd_server")  # fails early, with a clear message, if etcd is missing
@@ -122,3 +127,163 @@ def test_status_reports_an_unreachable_etcd_clearly(nats_server: NatsServer) -> 
     assert out.returncode == 2
     assert "cannot read etcd at http://127.0.0.1:1" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_status_reports_an_unreachable_nats_in_one_line_at_once(etcd_server: EtcdServer) -> None:
+    env = {**os.environ, "KVRAIL_ETCD_ENDPOINTS": etcd_server.endpoint,
+           "KVRAIL_NATS_URL": f"nats://127.0.0.1:{free_port()}"}  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run([*KVRAIL, "status"], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 2 and time.monotonic() - started < 15
+    (line,) = [line for line in out.stderr.splitlines() if line.strip()]
+    assert line.startswith("kvrail: error: cannot reach NATS at nats://127.0.0.1:")
+    assert not line.endswith(": ")  # a reason follows the colon
+
+
+# `kvrail up` supervising its stack, as a user sees it. A cache dir of its own (so `kvrail status`
+# finds this stack's run dir), with the converted model and tokenizer linked from the real one.
+
+
+def _cache_dir(tmp_path: Path) -> Path:
+    real = Path(os.environ.get("KVRAIL_CACHE_DIR") or Path.home() / ".cache/kvrail")
+    subprocess.run([*KVRAIL, "model", "prepare"], check=True, capture_output=True, timeout=900)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in ("models", "tokenizers"):
+        if (real / name).exists():
+            (cache / name).symlink_to(real / name)
+    return cache
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+class _Up:
+    """`kvrail up` started with SIGINT ignored (as a background job of a non-interactive shell
+    starts), its output read by a thread."""
+
+    def __init__(self, cache: Path, port: int, pool: str) -> None:
+        self.env = {**os.environ, "KVRAIL_HTTP_PORT": str(port), "KVRAIL_CACHE_DIR": str(cache),
+                    "KVRAIL_TORCH_NUM_THREADS": "1", "KVRAIL_POOL": pool}  # fmt: skip
+        self.port, self.pool = port, pool
+        self.proc = subprocess.Popen(
+            [*KVRAIL, "up"], env=self.env, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, preexec_fn=_ignore_sigint,
+        )  # fmt: skip
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.lines):
+            assert self.proc.poll() is None or any(text in ln for ln in self.lines), self.output
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout_s} s\n{self.output}"
+            time.sleep(0.2)
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def chat(self) -> dict[str, object]:
+        body = json.dumps({"model": "SmolLM2-135M-Instruct", "max_tokens": 4, "temperature": 0,
+                           "messages": [{"role": "user", "content": "Hi"}]}).encode()  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions", data=body,
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            result: dict[str, object] = json.loads(reply.read())
+            return result
+
+    def pids(self) -> list[int]:
+        """Every process of this stack (its environment names the stack's pool)."""
+        ps = subprocess.run(["pgrep", "-f", "kvrail|etcd|nats-server"], capture_output=True,
+                            text=True)  # fmt: skip
+        mine = f"KVRAIL_POOL={self.pool}".encode()
+        own = {os.getpid()}
+        return [int(p) for p in ps.stdout.split() if int(p) not in own and mine in _environ(p)]
+
+
+def _worker_pid(up: _Up, worker_id: str) -> int:
+    for pid in up.pids():
+        if f"--worker-id\0{worker_id}".encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    raise AssertionError(f"no process for {worker_id}")
+
+
+def test_up_restarts_what_dies_is_found_by_status_and_stops_on_sigint_ignored_or_not(
+    tmp_path: Path,
+) -> None:
+    cache = _cache_dir(tmp_path)
+    port = free_port()
+    up = _Up(cache, port, f"up-{port}")
+    try:
+        up.wait_for("press Ctrl-C", 300)
+        assert up.chat()["object"] == "chat.completion"
+        # `kvrail status` with no planes named finds the stack (and says its KV in blocks).
+        status_env = {k: v for k, v in os.environ.items() if not k.startswith("KVRAIL_")}
+        status_env["KVRAIL_CACHE_DIR"] = str(cache)
+        out = subprocess.run([*KVRAIL, "status"], capture_output=True, text=True, timeout=60,
+                             env=status_env, check=True).stdout  # fmt: skip
+        assert f"pool default/{up.pool}:" in out and "decode-0" in out and "blocks)" in out, out
+        shown = subprocess.run([*KVRAIL, "config"], capture_output=True, text=True, timeout=60,
+                               env=status_env, check=True)  # fmt: skip
+        config = json.loads(shown.stdout)
+        assert config["pool"] == up.pool and config["nats_url"] != "nats://127.0.0.1:4222"
+        # A killed worker comes back, and the stack serves again.
+        os.kill(_worker_pid(up, "decode-0"), signal.SIGKILL)
+        up.wait_for("the decode worker exited", 30)
+        up.wait_for("the decode worker restarted", 30)
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                assert up.chat()["object"] == "chat.completion"
+                break
+            except (urllib.error.URLError, ConnectionError):
+                assert time.monotonic() < deadline, up.output
+                time.sleep(1)
+    finally:
+        up.proc.send_signal(signal.SIGINT)  # ignored by its parent shell, not by `kvrail up`
+        started = time.monotonic()
+        up.proc.wait(timeout=60)
+    assert time.monotonic() - started < 30, "the stack did not stop within its grace"
+    up._reader.join(timeout=5)
+    assert "stopped everything it started" in up.output
+    assert not up.pids()
+
+
+def test_a_killed_up_takes_every_process_it_started_with_it(tmp_path: Path) -> None:
+    cache = _cache_dir(tmp_path)
+    port = free_port()
+    up = _Up(cache, port, f"up-{port}")
+    try:
+        up.wait_for("press Ctrl-C", 300)
+        assert len(up.pids()) >= 6  # etcd, NATS, two workers, router, and `kvrail up` itself
+    finally:
+        up.proc.kill()
+        up.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while up.pids():
+        assert time.monotonic() < deadline, f"left running: {up.pids()}"
+        time.sleep(0.2)
+
+
+def test_up_refuses_a_port_in_use_before_starting_anything(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "KVRAIL_HTTP_PORT": str(port)}
+        started = time.monotonic()
+        out = subprocess.run([*KVRAIL, "up", "--run-dir", str(tmp_path)], capture_output=True,
+                             text=True, timeout=60, env=env)  # fmt: skip
+    assert out.returncode == 2 and time.monotonic() - started < 10
+    assert f"port {port} on 127.0.0.1 is in use" in out.stderr
+    assert not (tmp_path / "logs").exists()  # nothing was started

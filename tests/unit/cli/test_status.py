@@ -39,3 +39,15 @@ def test_worker_keys_of_any_pool_parse_and_others_do_not() -> None:
     for other in ("/kvrail/v1/ns/p/other/w", "/kvrail/v1/ns/p/workers/", "/x/ns/p/workers/w",
                   "/kvrail/v1/NS/p/workers/w", "/kvrail/v1/ns/p/workers/w/extra"):  # fmt: skip
         assert parse_worker_key(other) is None
+
+
+def test_kv_use_shows_blocks_and_a_worker_the_stack_started_but_etcd_lost_is_listed() -> None:
+    pools = [PoolStatus("default", "local", [
+        worker("decode-0", "decode", is_ready=True, num_blocks=511, kv_utilization=0.12),
+    ], queued_jobs=0)]  # fmt: skip
+    lines = render(pools, expected_workers=("prefill-0", "decode-0")).splitlines()
+    assert lines[2].split()[-3:] == ["12%", "(61/511", "blocks)"]
+    assert lines[3].split() == ["prefill-0", "-", "-", "lost", "-", "-", "-", "-"]
+    assert render([], expected_workers=("decode-0",)) == (
+        "no pools have registered workers; lost: decode-0\n"
+    )

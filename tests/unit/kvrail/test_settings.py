@@ -74,3 +74,9 @@ def test_credentials_come_from_files(tmp_path: Path) -> None:
 def test_the_old_role_spelling_both_means_colocated() -> None:
     assert load_settings(environ={"KVRAIL_ROLE": "both"}).role == "colocated"
     assert load_settings(environ={"KVRAIL_ROLE": "colocated"}).role == "colocated"
+
+
+def test_the_kernels_pdl_switch_is_a_setting_not_an_unknown_variable() -> None:
+    """kvrail.kernels reads KVRAIL_PDL itself; the settings must accept it, not refuse to start."""
+    assert load_settings(environ={"KVRAIL_PDL": "0"}).pdl is False
+    assert load_settings(environ={}).pdl is True
