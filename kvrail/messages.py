@@ -177,7 +177,6 @@ class WorkerRecord(Message):
     block_size: int = 0
     max_model_len: int = 0  # the longest prompt + completion it serves (0 = unknown)
     transport: str = ""
-    bandwidth_bytes_per_s: float = 0.0
     is_ready: bool = False
     num_running: int = 0
     num_waiting: int = 0

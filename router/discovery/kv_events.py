@@ -37,7 +37,6 @@ class KvEventFollower:
     index: KvIndex
     num_malformed_events: int
     num_dropped_events: int
-    num_state_loads: int
     num_state_failures: int
     _nc: NatsClient
     _state_timeout_s: float
@@ -158,7 +157,6 @@ class KvEventFollower:
     def _load(self, worker_id: str, state: KvEvent) -> bool:
         """Load `state` and replay the buffered events newer than it; False: fetch again."""
         self.index.load_state(state)
-        self.num_state_loads += 1
         buffered = sorted(self._buffers.get(worker_id, ()), key=lambda e: (e.incarnation, e.seq))
         for i, event in enumerate(buffered):
             if event.incarnation < state.incarnation:

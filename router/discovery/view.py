@@ -80,7 +80,6 @@ class WorkerView(RecordFollower):
         """Events and state replies that did not decode or named another worker."""
         self.num_dropped_events = 0
         """Events of unknown workers, of an older incarnation, or past a full buffer."""
-        self.num_state_loads = 0
         self.num_state_failures = 0
         self._nc = nc
         self._state_timeout_s = state_timeout_s

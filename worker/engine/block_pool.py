@@ -79,11 +79,6 @@ class BlockPool:
         """Blocks an allocation can take now: free plus cached-unreferenced ones."""
         return len(self._free)
 
-    @property
-    def num_cached_blocks(self) -> int:
-        """Blocks with a hash in the prefix cache, referenced or not."""
-        return len(self._cached)
-
     def usage(self) -> float:
         """Fraction of allocatable blocks referenced by requests."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)

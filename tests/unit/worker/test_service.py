@@ -152,13 +152,22 @@ async def test_a_prefill_past_its_deadline_raises_and_retains_nothing(
 
 
 async def test_an_aborted_request_gets_no_more_updates(service: EngineService) -> None:
-    got = Collector()
+    """Aborted while it streams (it had updates, and a request beside it keeps getting them
+    over the same time), it gets none after the abort."""
+    got, beside = Collector(), Collector()
     await service.submit("r", PROMPT, LONG, got)
-    await asyncio.sleep(0.05)
+    await service.submit("beside", list(range(70, 90)), LONG, beside)
+    deadline = asyncio.get_running_loop().time() + 30
+    while not got.updates:
+        assert asyncio.get_running_loop().time() < deadline, "the request never streamed"
+        await asyncio.sleep(0.01)
     assert await service.abort("r")
-    seen = len(got.updates)
-    await asyncio.sleep(0.1)
+    seen, beside_seen = len(got.updates), len(beside.updates)
+    while len(beside.updates) < beside_seen + 3:  # the engine kept stepping meanwhile
+        assert asyncio.get_running_loop().time() < deadline, "the engine stopped stepping"
+        await asyncio.sleep(0.01)
     assert len(got.updates) == seen and not got.done.is_set()
+    assert await service.abort("beside")
 
 
 async def test_close_fails_what_is_left_and_the_engine_ends_empty() -> None:
