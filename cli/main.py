@@ -98,7 +98,8 @@ async def _status(settings: Settings, all_pools: bool) -> str:
     try:
         nc = await asyncio.wait_for(
             connect(settings, name="kvrail-status", allow_reconnect=False,
-                    max_reconnect_attempts=0, connect_timeout=PLANE_TIMEOUT_S),
+                    max_reconnect_attempts=0, connect_timeout=PLANE_TIMEOUT_S,
+                    error_cb=_quiet),
             timeout=PLANE_TIMEOUT_S + 1,
         )  # fmt: skip
     except (OSError, TimeoutError, nats.errors.Error) as err:
@@ -115,6 +116,10 @@ async def _status(settings: Settings, all_pools: bool) -> str:
     stack = read_stack(_run_dir(settings))
     expected = stack.workers if stack and stack.etcd_endpoint in settings.etcd_endpoints else ()
     return render(pools, expected_workers=expected)
+
+
+async def _quiet(err: Exception) -> None:
+    """NATS's own error reports: the one line `status` prints says it."""
 
 
 def _reason(err: BaseException) -> str:

@@ -85,7 +85,10 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
         if name in _PACKED:
             body[name] = _pack(tuple(value), _PACKED[name][0])
         elif isinstance(value, tuple):
-            body[name] = list(value)
+            body[name] = [
+                _encode_fields(v) if is_dataclass(v) and not isinstance(v, type) else v
+                for v in value
+            ]
         elif is_dataclass(value) and not isinstance(value, type):
             body[name] = _encode_fields(value)
         else:

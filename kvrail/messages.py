@@ -194,7 +194,8 @@ _SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")
 class GenerateRequest(Message):
     """Router -> one decode worker (NATS): generate from `token_ids`, stream to `stream_subject`.
 
-    The decode worker publishes `TokenEvent`s to `stream_subject` until one carries a
+    The decode worker publishes the request's `TokenEvent`s, in `TokenEventBatch`es, to
+    `stream_subject` (the router's events subject, shared by its requests) until one carries a
     `finish_reason` or an `error`. Past `deadline_unix_s` the request is aborted with an error
     event and every block it held is released.
     """
@@ -262,6 +263,27 @@ class TokenEvent(Message):
     @property
     def is_last(self) -> bool:
         return self.finish_reason is not None or self.error is not None
+
+
+MAX_EVENTS_PER_BATCH = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEventBatch(Message):
+    """Decode worker -> one router's events subject: the `TokenEvent`s of one engine step (or of
+    one turn of the worker's event loop) for every request of that router, in order.
+
+    A step of N running requests is one message per router instead of N: the worker's publish,
+    the NATS server's routing and the router's wake-up are paid once per step. Each event keeps
+    its request id, its `seq` and the worker it came from.
+    """
+
+    kind: ClassVar[str] = "token_events"
+    events: tuple[TokenEvent, ...]
+
+    def __post_init__(self) -> None:
+        if not 0 < len(self.events) <= MAX_EVENTS_PER_BATCH:
+            raise ValueError(f"a batch holds 1 to {MAX_EVENTS_PER_BATCH} events")
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,6 +108,9 @@ async def serve(
             code="context_length_exceeded",
         )  # fmt: skip
     params = asked.params(max_tokens, state.defaults)  # InvalidRequestError: a 400 naming it
+    vocab = state.codec.vocab_size
+    if any(t >= vocab for t in params.stop_token_ids):
+        raise ApiError(400, f"stop_token_ids must be below {vocab}", param="stop_token_ids")
     try:
         ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
     except Rejected as err:

@@ -46,7 +46,7 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, TokenEvent
+from kvrail.messages import GenerateRequest, TokenEvent, TokenEventBatch
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
@@ -103,16 +103,18 @@ async def run_request(
         while stream.last is None:
             msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
             now = time.monotonic()
-            event = decode(msg.data, TokenEvent)
-            if event.error is not None:
-                raise RuntimeError(f"request {stream.request_id} failed: {event.error}")
-            if event.token_ids:
-                stream.times.append(now)
-                stream.counts.append(len(event.token_ids))
-            if stream.first is None:
-                stream.first = event
-            if event.is_last:
-                stream.last = event
+            for event in decode(msg.data, TokenEventBatch).events:
+                if event.request_id != stream.request_id:
+                    continue
+                if event.error is not None:
+                    raise RuntimeError(f"request {stream.request_id} failed: {event.error}")
+                if event.token_ids:
+                    stream.times.append(now)
+                    stream.counts.append(len(event.token_ids))
+                if stream.first is None:
+                    stream.first = event
+                if event.is_last:
+                    stream.last = event
             stream.progress.set()
     finally:
         await sub.unsubscribe()

@@ -40,7 +40,7 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, WorkerRecord
+from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, TokenEventBatch, WorkerRecord
 from kvrail.registry import Registry, etcd_client
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
@@ -69,14 +69,14 @@ async def stand_in_worker(nc: NatsClient) -> None:
             first = TokenEvent(
                 request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
             )
-            await nc.publish(request.stream_subject, first.encode())
+            await nc.publish(request.stream_subject, TokenEventBatch((first,)).encode())
             return
         for seq in range(n):
             event = TokenEvent(
                 request.request_id, seq, (REPLY_TOKEN,), "length" if seq == n - 1 else None,
                 worker_id=WORKER, prefill_mode="local" if seq == 0 else "",
             )  # fmt: skip
-            await nc.publish(request.stream_subject, event.encode())
+            await nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
 
     async def on_state(msg: Msg) -> None:
         await msg.respond(KvEvent(WORKER, 1, 0, cleared=True).encode())
@@ -95,7 +95,7 @@ async def direct(nc: NatsClient, max_tokens: int) -> float:
         deadline_unix_s=time.time() + 30, sampling=SamplingParams(max_tokens=max_tokens),
     )  # fmt: skip
     await nc.publish(KEYS.decode_requests(WORKER), request.encode(), reply=inbox)
-    decode((await sub.next_msg(timeout=10)).data, TokenEvent)
+    decode((await sub.next_msg(timeout=10)).data, TokenEventBatch)
     await sub.unsubscribe()
     return time.perf_counter() - started
 

@@ -42,6 +42,14 @@ SHAPES: dict[str, dict[str, Any]] = {
                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                             "original_max_position_embeddings": 8192},
     },
+    # A few layers of small width: the serving bench's CPU runs, where the model's own time
+    # must stay small beside the stack's.
+    "tiny": {
+        "vocab_size": 8192, "hidden_size": 256, "intermediate_size": 512,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": True, "max_position_embeddings": 8192,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
     # SmolLM2-135M, for the CPU smoke run.
     "smollm2-135m": {
         "vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536,

@@ -41,7 +41,13 @@ class Piece:
 
 @dataclass(slots=True)
 class Reply:
-    """Builds the OpenAI-shaped bodies of one response; `created` is when it was created."""
+    """Builds the OpenAI-shaped bodies of one response; `created` is when it was created.
+
+    A chunk that carries only text, the one a stream sends per token, is written from a template
+    made once per response (`text_event`): the same bytes as the dict built and serialized in
+    full, without building it every token (`tests/unit/router/test_streaming.py` holds the two
+    equal).
+    """
 
     kind: Kind
     response_id: str
@@ -50,6 +56,17 @@ class Reply:
     num_prompt_tokens: int
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    _template: tuple[bytes, bytes] | None = None
+
+    def text_event(self, text: str) -> bytes:
+        """`data: <the chunk carrying text only>` and its blank line, as `_event` would write it."""
+        if self._template is None:
+            mark = "\u0000kvrail-text\u0000"
+            full = _event(self.chunk(mark, None)).decode()
+            head, tail = full.split(json.dumps(mark), 1)
+            self._template = (head.encode(), tail.encode())
+        head_bytes, tail_bytes = self._template
+        return head_bytes + json.dumps(text).encode() + tail_bytes
 
     def usage(self, piece: Piece) -> dict[str, Any]:
         """Usage as of `piece`, with the prompt tokens the prefix cache served (vLLM's
@@ -154,7 +171,9 @@ async def sse(
             async for piece in pieces:
                 last = piece
                 usage = reply.usage(piece) if every else None
-                if piece.text:
+                if piece.text and usage is None:
+                    yield reply.text_event(piece.text)
+                elif piece.text:
                     yield _event(reply.chunk(piece.text, None, usage))
                 if piece.finish_reason is not None:
                     yield _event(reply.chunk(None, piece.finish_reason, usage))

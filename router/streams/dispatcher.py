@@ -33,6 +33,7 @@ from kvrail.messages import WorkerRecord
 from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
+from kvrail.router.streams.inbox import EventInbox
 from kvrail.router.streams.job import CancelReason, DispatchError, Engine, EventStream, Job
 from kvrail.router.streams.token_stream import TokenStream
 from kvrail.router.streams.vllm_options import VllmOptions
@@ -63,6 +64,10 @@ class Dispatcher:
     in_flight: dict[str, int] = field(default_factory=dict)
     vllm: VllmOptions | None = None
     """How to reach vLLM servers; None: vLLM workers are never chosen."""
+    inbox: EventInbox = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.inbox = EventInbox(self.nc)
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -108,12 +113,12 @@ class Dispatcher:
         try:
             decision = self.choose(job, set())
         except NoWorkerError:
-            return TokenStream(self.nc, self.keys, self, job)
+            return TokenStream(self.nc, self.keys, self.inbox, self, job)
         record = self.view.records().get(decision.worker_id)
         if record is not None and record.engine == "vllm":
             assert self.vllm is not None  # candidates() offers vLLM workers only with options
             return VllmStream(self, self.vllm, job, first=decision)
-        return TokenStream(self.nc, self.keys, self, job, first=decision)
+        return TokenStream(self.nc, self.keys, self.inbox, self, job, first=decision)
 
     # The `Workers` protocol (what a stream may ask of its dispatcher) ---------------------------
 

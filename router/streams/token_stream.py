@@ -1,16 +1,19 @@
 """One request on a kvrail decode worker, over NATS: send, then follow its token events.
 
-The request is a `GenerateRequest` published to the chosen worker with a fresh inbox as its
-reply subject, so NATS answers "no responders" at once when the worker is gone. Events come in
-order (a gap fails the request with `lost_events`); a worker whose etcd record disappears (lease
-expired: killed, partitioned) or changes incarnation fails the request within about a second
-(`_POLL_S`), or gives it to another worker if it had sent nothing yet (`attempts.Attempts`).
-Leaving the stream early publishes a `Cancel`, which every worker of the pool sees, so the decode
-worker and any prefill worker holding blocks for it release them.
+The request is a `GenerateRequest` published to the chosen worker; its events arrive through the
+router's one `EventInbox` (batched per engine step by the worker), and its reply subject makes
+NATS answer "no responders" at once when the worker is gone. Events come in order (a gap fails
+the request with `lost_events`), only the current attempt's worker's count (a late event of an
+earlier attempt is ignored); a worker whose etcd record disappears (lease expired: killed,
+partitioned) or changes incarnation fails the request within about a second (`_POLL_S`), or gives
+it to another worker if it had sent nothing yet (`attempts.Attempts`). Leaving the stream early
+publishes a `Cancel`, which every worker of the pool sees, so the decode worker and any prefill
+worker holding blocks for it release them.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -18,20 +21,16 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.errors import TimeoutError as NatsTimeoutError
 
-from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, TokenEvent
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
+from kvrail.router.streams.inbox import NO_RESPONDERS, EventInbox
 from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
 
 log = logging.getLogger(__name__)
 
-_NO_RESPONDERS = "503"
 _POLL_S = 0.5  # how often a silent worker's lease is checked
 # Worker errors that mean "not taken": nothing was generated, no block changed hands.
 _NOT_TAKEN = {"shutting_down", "duplicate_request"}
@@ -43,6 +42,7 @@ class TokenStream:
 
     nc: NatsClient
     keys: PoolKeys
+    inbox: EventInbox
     workers: Workers
     job: Job
     first: Decision | None = None
@@ -51,7 +51,8 @@ class TokenStream:
     decision: Decision | None = None
     finished: bool = False
     attempts: Attempts = field(init=False)
-    _sub: Subscription | None = None
+    _queue: asyncio.Queue[TokenEvent | str] | None = None
+    _counted: bool = False
     _incarnation: int = 0
     _seq: int = 0
 
@@ -68,7 +69,7 @@ class TokenStream:
             await self._send(decision)
             return await self._next(deadline)
 
-        event = await self.attempts.first_event(attempt, self._unsubscribe)
+        event = await self.attempts.first_event(attempt, self._release_attempt)
         while True:
             yield event
             if event.is_last:
@@ -82,36 +83,45 @@ class TokenStream:
         record = self.workers.records().get(self.worker_id)
         self._incarnation = record.incarnation if record else 0
         self._seq = 0
-        inbox = self.nc.new_inbox()
-        self._sub = await self.nc.subscribe(inbox)
+        rid = self.job.request_id
+        if self._queue is None:
+            await self.inbox.start()
+            self._queue = self.inbox.open(rid)
         request = GenerateRequest(
-            request_id=self.job.request_id, token_ids=self.job.token_ids, stream_subject=inbox,
-            deadline_unix_s=self.job.deadline_unix_s, sampling=self.job.sampling,
-            tenant_salt=self.job.tenant_salt,
+            request_id=rid, token_ids=self.job.token_ids,
+            stream_subject=self.inbox.events_subject, deadline_unix_s=self.job.deadline_unix_s,
+            sampling=self.job.sampling, tenant_salt=self.job.tenant_salt,
         )  # fmt: skip
         self.workers.count_in_flight(self.worker_id, +1)
+        self._counted = True
         await self.nc.publish(
-            self.keys.decode_requests(self.worker_id), request.encode(), reply=inbox
-        )
+            self.keys.decode_requests(self.worker_id), request.encode(),
+            reply=self.inbox.reply_subject(rid),
+        )  # fmt: skip
 
     async def _next(self, deadline: float) -> TokenEvent:
         """The next event in order; raises AttemptFailed (before the first), DispatchError."""
-        assert self._sub is not None
+        assert self._queue is not None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DispatchError("deadline", "the request's deadline passed")
             try:
-                msg = await self._sub.next_msg(timeout=min(remaining, _POLL_S))
-            except NatsTimeoutError:
+                item = await asyncio.wait_for(self._queue.get(), min(remaining, _POLL_S))
+            except TimeoutError:
                 if not self._worker_alive():
                     if self._seq == 0:
                         raise AttemptFailed("worker_lost") from None
                     raise DispatchError("worker_lost", "the decode worker went away") from None
                 continue
-            event = self._parse(msg)
-            if event is None:
+            if item == NO_RESPONDERS:
+                if self._seq == 0:
+                    raise AttemptFailed("no_responders")
                 continue
+            assert isinstance(item, TokenEvent)
+            event = item
+            if event.worker_id != self.worker_id:
+                continue  # a late event of an earlier attempt
             if event.seq != self._seq:
                 raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
             if self._seq == 0 and event.error in _NOT_TAKEN:
@@ -119,30 +129,14 @@ class TokenStream:
             self._seq += 1
             return event
 
-    def _parse(self, msg: Msg) -> TokenEvent | None:
-        if msg.headers and msg.headers.get("Status") == _NO_RESPONDERS:
-            if self._seq == 0:
-                raise AttemptFailed("no_responders")
-            return None
-        try:
-            event = decode(msg.data, TokenEvent)
-        except MessageError as err:
-            log.warning("ignoring an invalid token event request_id=%s error=%s",
-                        self.job.request_id, err)  # fmt: skip
-            return None
-        if event.request_id != self.job.request_id:
-            return None
-        return event
-
     def _worker_alive(self) -> bool:
         record = self.workers.records().get(self.worker_id)
         return record is not None and record.incarnation == self._incarnation
 
-    async def _unsubscribe(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+    async def _release_attempt(self) -> None:
+        """Undo a failed attempt's count (its queue stays: the next attempt reads it)."""
+        if self._counted:
+            self._counted = False
             self.workers.count_in_flight(self.worker_id, -1)
 
     async def cancel(self, reason: CancelReason) -> None:
@@ -156,4 +150,5 @@ class TokenStream:
 
     async def close(self, reason: CancelReason = "client_disconnect") -> None:
         await self.cancel(reason)
-        await self._unsubscribe()
+        await self._release_attempt()
+        self.inbox.close(self.job.request_id)

@@ -35,6 +35,7 @@ from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Chooser
 from kvrail.router.streams.dispatcher import Dispatcher, Job
+from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool
 
 POOL = f"rt-{uuid.uuid4().hex[:8]}"
@@ -149,7 +150,15 @@ def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(pool: LocalPo
     finishes = [ch.choices[0].finish_reason for ch in chunks if ch.choices]
     assert finishes[-1] == whole.choices[0].finish_reason
     assert finishes.count(None) == len(finishes) - 1
-    assert not chunks[-1].choices and chunks[-1].usage == whole.usage
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage is not None and whole.usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens, whole.usage.total_tokens,
+    )  # fmt: skip
+    # The same prompt a second time: its full blocks come from the prefix cache.
+    assert usage.prompt_tokens_details is not None
+    cached = usage.prompt_tokens_details.cached_tokens or 0
+    assert 16 <= cached < usage.prompt_tokens and cached % 16 == 0
 
 
 @pytest.mark.usefixtures("nc")
@@ -492,7 +501,12 @@ async def dispatcher(pool: LocalPool, nc: NatsClient) -> AsyncIterator[Dispatche
 
 
 async def run(dispatcher: Dispatcher, token_ids: tuple[int, ...], max_tokens: int = 2) -> str:
-    job = Job(f"rt-{uuid.uuid4().hex[:12]}", token_ids, max_tokens, time.time() + 60)
+    job = Job(
+        f"rt-{uuid.uuid4().hex[:12]}",
+        token_ids,
+        SamplingParams(max_tokens=max_tokens),
+        time.time() + 60,
+    )
     async with dispatcher.open(job) as stream:
         events = [event async for event in stream]
     assert events[-1].error is None and events[-1].finish_reason is not None
@@ -514,7 +528,7 @@ async def test_the_worker_holding_the_prefix_wins(pool: LocalPool, dispatcher: D
         suffix = tuple(rng.randrange(100, 40_000) for _ in range(5 + i))
         assert await run(dispatcher, prefix + suffix) == holder
     # Another tenant's salt makes other hashes: the same prompt finds nothing cached, anywhere.
-    other = Job("rt-other", prefix, 2, time.time() + 60, tenant_salt="team-c")
+    other = Job("rt-other", prefix, SamplingParams(max_tokens=2), time.time() + 60, "team-c")
     candidates, _ = dispatcher.candidates(other)
     assert [c.matched_blocks for c in candidates] == [0, 0]
     # A router that starts now (a restart, a new replica) rebuilds the same picture from the

@@ -23,12 +23,20 @@ from nats.aio.subscription import Subscription
 from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import Cancel, GenerateRequest, KvEvent, TokenEvent, WorkerRecord
+from kvrail.messages import (
+    Cancel,
+    GenerateRequest,
+    KvEvent,
+    TokenEvent,
+    TokenEventBatch,
+    WorkerRecord,
+)
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Chooser
 from kvrail.router.streams.dispatcher import Dispatcher, DispatchError, Job
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
 FINGERPRINT = "f" * 64
@@ -333,14 +341,14 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
         request = decode(msg.data, GenerateRequest)
         seqs = scripts[request.request_id.split("-")[0]]
         last = 1 if request.request_id.startswith("late") else len(seqs) - 1
-        stranger = TokenEvent(request_id="someone-else", seq=0, token_ids=(9,))
-        await pool.nc.publish(request.stream_subject, stranger.encode())
+        stranger = TokenEvent(request_id="someone-else", seq=0, token_ids=(9,), worker_id="d-0")
+        await pool.nc.publish(request.stream_subject, TokenEventBatch((stranger,)).encode())
         for i, seq in enumerate(seqs):
             event = TokenEvent(
                 request_id=request.request_id, seq=seq, token_ids=(100 + seq,), worker_id="d-0",
                 finish_reason="length" if i == last else None,
             )  # fmt: skip
-            await pool.nc.publish(request.stream_subject, event.encode())
+            await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
 
     sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=answer)
     cancel_sub = await pool.nc.subscribe(pool.keys.cancel, cb=on_cancel)
@@ -350,7 +358,12 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
     dispatcher = Dispatcher(pool.nc, pool.keys, pool.view, Chooser("round-robin"), BLOCK_SIZE)
 
     async def run(name: str) -> list[int]:
-        job = Job(f"{name}-{uuid.uuid4().hex[:6]}", tuple(range(8)), 4, time.time() + 10)
+        job = Job(
+            f"{name}-{uuid.uuid4().hex[:6]}",
+            tuple(range(8)),
+            SamplingParams(max_tokens=4),
+            time.time() + 10,
+        )
         async with dispatcher.open(job) as stream:
             return [t for event in [e async for e in stream] for t in event.token_ids]
 

@@ -37,6 +37,7 @@ from kvrail.router.streams.dispatcher import Dispatcher, DispatchError, Job
 from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text.tokenizer import TextCodec
+from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings, default_cache_dir
 
 FINGERPRINT = "v" * 64
@@ -243,7 +244,12 @@ async def pool(etcd_server: EtcdServer, nats_server: NatsServer) -> AsyncIterato
 
 
 def job(token_ids: tuple[int, ...] = LONG, timeout_s: float = 10.0) -> Job:
-    return Job(f"cmpl-{uuid.uuid4().hex[:8]}", token_ids, 8, time.time() + timeout_s, seed=5)
+    return Job(
+        f"cmpl-{uuid.uuid4().hex[:8]}",
+        token_ids,
+        SamplingParams(max_tokens=8, seed=5),
+        time.time() + timeout_s,
+    )
 
 
 async def run(dispatcher: Dispatcher, j: Job) -> tuple[list[TokenEvent], str]:

@@ -30,7 +30,15 @@ from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import Cancel, GenerateRequest, KvEvent, PrefillJob, TokenEvent, WorkerRecord
+from kvrail.messages import (
+    Cancel,
+    GenerateRequest,
+    KvEvent,
+    PrefillJob,
+    TokenEvent,
+    TokenEventBatch,
+    WorkerRecord,
+)
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool
 
@@ -109,8 +117,9 @@ async def generate(
         stop_at = time.monotonic() + deadline_s + 5
         while not events or not events[-1].is_last:
             msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
-            events.append(decode(msg.data, TokenEvent))
-            if started is not None:
+            events += [e for e in decode(msg.data, TokenEventBatch).events
+                       if e.request_id == request_id]  # fmt: skip
+            if started is not None and events:
                 started.set()
     finally:
         await sub.unsubscribe()

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvrail.errors import ConfigError
+from kvrail.errors import ConfigError, InvalidRequestError
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
 from kvrail.model_files import ModelSource
@@ -210,10 +210,20 @@ class LLMEngine:
         """Queue a request; raises InvalidRequestError (and keeps nothing) when it is invalid.
         With `retain_blocks` its KV blocks outlive it until `release` (the prefill role). A
         `tenant_salt` seeds its block hashes, so tenants never share cached prefixes."""
+        self._check_token_ids(prompt_token_ids, params)
         request = Request(request_id, list(prompt_token_ids), params, retain_blocks=retain_blocks)
         request.hash_root = self._hash_root(tenant_salt)
         self.scheduler.add_request(request)
         return request
+
+    def _check_token_ids(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Refuse ids the model does not have before they reach a step: an out-of-range id
+        would fail the whole batch, every other request with it."""
+        vocab = self.model.shape.vocab_size
+        if any(t >= vocab for t in prompt_token_ids):
+            raise InvalidRequestError(f"prompt token ids must be below {vocab}", "prompt")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError(f"stop_token_ids must be below {vocab}", "stop_token_ids")
 
     def reserve_remote(
         self,
@@ -227,6 +237,7 @@ class LLMEngine:
         Scheduler.reserve_remote); None with no effect when the pool is short. Waits for the
         step in flight first: a block it gets may have been freed while that step still writes
         it, and the remote writer is not ordered after device work."""
+        self._check_token_ids(prompt_token_ids, params)
         if self._in_flight is not None:
             self._in_flight.wait()
         request = Request(request_id, list(prompt_token_ids), params)

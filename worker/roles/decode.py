@@ -19,7 +19,6 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
@@ -30,6 +29,7 @@ from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, Outcome, RequestFailed
+from kvrail.worker.roles.outbox import TokenOutbox
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.service import Update
 
@@ -38,9 +38,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Stream:
-    """Publishes one request's TokenEvents in order; the first carries the TTFT stages."""
+    """Publishes one request's TokenEvents in order (through the role's outbox, which batches a
+    step's events per router); the first carries the TTFT stages."""
 
-    nc: NatsClient
+    outbox: TokenOutbox
     request: GenerateRequest
     worker_id: str
     mode: PrefillMode = ""
@@ -68,7 +69,7 @@ class _Stream:
         )  # fmt: skip
         self.seq += 1
         self.closed = event.is_last
-        await self.nc.publish(self.request.stream_subject, event.encode())
+        self.outbox.add(self.request.stream_subject, event)
 
 
 class DecodeRole:
@@ -76,6 +77,7 @@ class DecodeRole:
         self.keys = ctx.keys
         self.worker_id = ctx.worker_id
         self.nc = ctx.nc
+        self.outbox = TokenOutbox(ctx.nc)
         self.service = ctx.service
         self.receiver = KvReceiver(ctx)
         self._active: dict[str, asyncio.Task[None]] = {}
@@ -109,6 +111,7 @@ class DecodeRole:
         for task in self._active.values():
             task.cancel()
         await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await self.outbox.flush()  # the last events (shutting_down included) leave before we do
         await self.receiver.stop()
 
     # -- request plane --------------------------------------------------------------------------
@@ -119,7 +122,7 @@ class DecodeRole:
         except MessageError as err:
             log.warning("dropping an invalid generate request error=%s", err)
             return
-        stream = _Stream(self.nc, request, self.worker_id)
+        stream = _Stream(self.outbox, request, self.worker_id)
         if request.request_id in self._cancelled:  # the cancel overtook the request
             log.info("request cancelled before it arrived request_id=%s", request.request_id)
             await stream.fail("cancelled")

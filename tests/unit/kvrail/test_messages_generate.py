@@ -9,7 +9,14 @@ import pytest
 
 from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import BlockCounts, FirstTokenStages, GenerateRequest, PrefillDone, TokenEvent
+from kvrail.messages import (
+    BlockCounts,
+    FirstTokenStages,
+    GenerateRequest,
+    PrefillDone,
+    TokenEvent,
+    TokenEventBatch,
+)
 from kvrail.sampling import SamplingParams
 
 
@@ -145,3 +152,16 @@ def test_the_debug_and_refusal_subjects_are_scoped_per_worker() -> None:
     assert keys.prefill_refused("d-0") == "kvrail.team-a.llama.refused.d-0"
     with pytest.raises(ValueError, match="worker id"):
         keys.debug("d.*")
+
+
+def test_a_steps_events_travel_as_one_batch_and_a_bad_batch_is_refused() -> None:
+    events = tuple(
+        TokenEvent(request_id=f"r-{i}", seq=3, token_ids=(i,), worker_id="d-0") for i in range(50)
+    ) + (TokenEvent(request_id="r-0", seq=4, finish_reason="length", worker_id="d-0"),)
+    batch = TokenEventBatch(events)
+    assert decode(batch.encode(), TokenEventBatch) == batch
+    body = json.loads(batch.encode())
+    for events_field, message in (([], "1 to"), ({}, "list"), ([{"seq": 1}], "lacks field")):
+        body["events"] = events_field
+        with pytest.raises(MessageError, match=message):
+            decode(json.dumps(body).encode(), TokenEventBatch)

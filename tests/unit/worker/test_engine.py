@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+from kvrail.errors import InvalidRequestError
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
@@ -67,3 +70,21 @@ def test_zero_kv_on_release_leaves_no_finished_request_in_memory() -> None:
     assert zeroing.kv_cache.tensor.abs().sum() == 0
     assert _run(zeroing, "d", tenant="") == 0
     assert_engine_empty(zeroing)
+
+
+def test_token_ids_the_model_does_not_have_are_refused_before_any_step() -> None:
+    """One request's out-of-range id would fail the whole batch: it is refused at admission and
+    the request beside it runs to its end."""
+    engine = make_engine(tiny_llama_config(), seed=1)
+    vocab = engine.model.shape.vocab_size
+    beside = engine.add_request("ok", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    with pytest.raises(InvalidRequestError, match="prompt token ids"):
+        engine.add_request("bad", [5, vocab], SamplingParams(max_tokens=3))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.add_request("bad", [5], SamplingParams(max_tokens=3, stop_token_ids=(vocab + 7,)))
+    with pytest.raises(InvalidRequestError, match="stop_token_ids"):
+        engine.reserve_remote("bad", [5], SamplingParams(max_tokens=3, stop_token_ids=(vocab,)))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(beside.output_token_ids) == 3
+    assert_engine_empty(engine)

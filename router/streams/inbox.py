@@ -1,0 +1,84 @@
+"""One NATS subscription per router for every request's token events.
+
+Decode workers publish a step's events for this router as one `TokenEventBatch` to its events
+subject, `<prefix>.events`; each request is published with the reply subject
+`<prefix>.r.<request id>`, so that NATS's "no responders" answer, which carries nothing but a
+status, still names its request. `EventInbox` subscribes `<prefix>.>` once and hands each event
+to the queue of its request (`open` / `close`); an event for a request nobody waits for (one
+that finished or left) is dropped. The request ids come from the router itself (uuid hex), so
+they are valid subject tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Final
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from kvrail.codec import MessageError, decode
+from kvrail.messages import TokenEvent, TokenEventBatch
+
+log = logging.getLogger(__name__)
+
+NO_RESPONDERS: Final = "no_responders"
+"""Put in a request's queue when NATS found no decode worker subscribed to its subject."""
+
+
+class EventInbox:
+    """Start with `start()` (once the event loop runs), stop with `stop()`."""
+
+    def __init__(self, nc: NatsClient) -> None:
+        self._nc = nc
+        self._prefix = nc.new_inbox()
+        self.events_subject = f"{self._prefix}.events"
+        self._replies = f"{self._prefix}.r."
+        self._queues: dict[str, asyncio.Queue[TokenEvent | str]] = {}
+        self._sub: Subscription | None = None
+        self.num_invalid = 0
+
+    async def start(self) -> None:
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(f"{self._prefix}.>", cb=self._on_message)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    def reply_subject(self, request_id: str) -> str:
+        return self._replies + request_id
+
+    def open(self, request_id: str) -> asyncio.Queue[TokenEvent | str]:
+        """The queue of `request_id`'s events (and `NO_RESPONDERS`), until `close`."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            queue = self._queues[request_id] = asyncio.Queue()
+        return queue
+
+    def close(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    async def _on_message(self, msg: Msg) -> None:
+        if msg.subject == self.events_subject:
+            try:
+                batch = decode(msg.data, TokenEventBatch)
+            except MessageError as err:
+                self.num_invalid += 1
+                log.warning("ignoring an invalid token event batch error=%s", err)
+                return
+            for event in batch.events:
+                queue = self._queues.get(event.request_id)
+                if queue is not None:
+                    queue.put_nowait(event)
+            return
+        no_responders = msg.headers is not None and msg.headers.get("Status") == "503"
+        if msg.subject.startswith(self._replies) and no_responders:
+            queue = self._queues.get(msg.subject[len(self._replies) :])
+            if queue is not None:
+                queue.put_nowait(NO_RESPONDERS)
