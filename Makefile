@@ -31,7 +31,7 @@ help:
 	@echo "make test     the whole suite (unit, integration on real etcd/NATS/kube-apiserver, e2e)"
 	@echo "make lint     ruff, mypy, import-linter"
 	@echo "make e2e      only the e2e tier (real control plane with KWOK nodes)"
-	@echo "make bench    benchmarks under bench/"
+	@echo "make bench    the CPU benchmarks under bench/ (bench/README.md lists them all)"
 	@echo "make setup    install everything the above need (idempotent)"
 
 setup: system-deps python-deps
@@ -98,8 +98,10 @@ lint: setup
 	cd build/view && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p kvrail
 	cd build/view && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 
+# The CPU benchmarks (minutes); the GPU ones run on a lent H200 (bench/README.md).
 bench: setup
-	$(VENV)/bin/python -P bench/run_all.py
+	$(VENV)/bin/python -P bench/router/overhead.py --seconds 10
+	$(VENV)/bin/python -P bench/serving/run.py --threads 1 --out bench/serving/cpu.json
 
 clean:
 	rm -rf build dist .pytest_cache .mypy_cache .ruff_cache

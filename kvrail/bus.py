@@ -15,6 +15,7 @@ by the caller.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import ssl
@@ -250,25 +251,53 @@ class PrefillQueue:
 
 
 class PrefillConsumer:
-    """Fetches jobs for one prefill worker: its own first, then the shared queue."""
+    """Fetches jobs for one prefill worker: its own (addressed to it) before the shared queue's.
+
+    One pull request per subscription is outstanding at any time, and a call waits on both at
+    once, so a job is handed over as soon as it arrives on either. (Waiting on the worker's own
+    subscription first, then on the shared one, made every shared job wait out the first pull's
+    expiry: 50 ms of fixed cost per prefill.) A pull that delivers while the caller is not
+    waiting keeps its job for the next call; `close` returns unstarted jobs to the queue.
+    """
 
     def __init__(
         self, own: JetStreamContext.PullSubscription, shared: JetStreamContext.PullSubscription
     ) -> None:
         self._subs = (own, shared)
+        self._pulls: list[asyncio.Future[list[Msg]] | None] = [None, None]
+        self._ready: collections.deque[QueuedJob] = collections.deque()
 
     async def fetch(self, timeout_s: float = 1.0) -> QueuedJob | None:
         """One job, or None when none arrived within about `timeout_s`."""
-        for i, sub in enumerate(self._subs):
-            wait = 0.05 if i == 0 else timeout_s
-            try:
-                (msg,) = await sub.fetch(1, timeout=wait)
-            except nats.errors.TimeoutError:
-                continue
-            return await _parse(msg)
-        return None
+        if not self._ready:
+            for i, sub in enumerate(self._subs):
+                if self._pulls[i] is None:
+                    self._pulls[i] = asyncio.ensure_future(sub.fetch(1, timeout=timeout_s))
+            pending = [p for p in self._pulls if p is not None]
+            await asyncio.wait(
+                pending, timeout=timeout_s + 1.0, return_when=asyncio.FIRST_COMPLETED
+            )
+            for i, pull in enumerate(self._pulls):  # the worker's own first
+                if pull is None or not pull.done():
+                    continue
+                self._pulls[i] = None
+                try:
+                    msgs = pull.result()
+                except nats.errors.TimeoutError:
+                    continue
+                for msg in msgs:
+                    self._ready.append(await _parse(msg))
+        return self._ready.popleft() if self._ready else None
 
     async def close(self) -> None:
+        for pull in self._pulls:
+            if pull is not None:
+                pull.cancel()
+        await asyncio.gather(*(p for p in self._pulls if p is not None), return_exceptions=True)
+        while self._ready:  # fetched, never started: another worker may take them at once
+            queued = self._ready.popleft()
+            with contextlib.suppress(nats.errors.Error):
+                await queued.msg.nak()
         for sub in self._subs:
             await sub.unsubscribe()
 

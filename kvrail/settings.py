@@ -90,6 +90,11 @@ class Settings(BaseModel):
         False, description="checksum every transferred KV block (always on in tests)"
     )
     num_kv_blocks: int = Field(512, ge=2, description="KV cache blocks per worker (incl. null)")
+    max_num_mixed_prefill_tokens: int = Field(
+        0, ge=0,
+        description="prefill tokens at most in a step that also decodes (0: the step budget "
+        "alone): long prompts take more steps instead of stalling every decode",
+    )  # fmt: skip
     torch_num_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )

@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import uvicorn
+import uvloop
 
 from kvrail.bus import connect
 from kvrail.errors import ConfigError, KvrailError
@@ -143,7 +144,9 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     try:
-        asyncio.run(serve(settings))
+        # uvloop: HTTP and NATS share this one loop, and its per-event cost is the router's.
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(serve(settings))
     except KvrailError as err:
         print(f"kvrail router: error: {err}", file=sys.stderr)
         return 2

@@ -22,6 +22,7 @@ import time
 
 import aetcd
 import torch
+import uvloop
 from nats.aio.msg import Msg
 
 from kvrail.bus import PrefillQueue, connect
@@ -58,6 +59,7 @@ def build_engine(settings: Settings) -> LLMEngine:
         num_blocks=settings.num_kv_blocks, block_size=settings.block_size,
         max_model_len=settings.max_model_len or 0, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_mixed_prefill_tokens=settings.max_num_mixed_prefill_tokens,
         zero_kv_on_release=settings.zero_kv_on_release,
     )  # fmt: skip
     return LLMEngine.from_source(settings.model, config, dtype=dtype, device=device)
@@ -226,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
             loop.add_signal_handler(sig, worker.stopping.set)
         await worker.run()
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run())
     return 0
 
 

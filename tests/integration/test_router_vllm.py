@@ -24,10 +24,11 @@ import nats
 import pytest
 from nats.aio.client import Client as NatsClient
 
+from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import TokenEvent, WorkerRecord
+from kvrail.messages import GenerateRequest, TokenEvent, TokenEventBatch, WorkerRecord
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
@@ -428,9 +429,12 @@ async def test_engines_never_mix_and_a_router_without_vllm_options_ignores_vllm_
     def counter(worker_id: str) -> Callable[[Any], Awaitable[None]]:
         async def count(msg: Any) -> None:
             nats_requests[worker_id] += 1
-            request_id = json.loads(msg.data)["request_id"]
-            done = TokenEvent(request_id=request_id, seq=0, token_ids=(4,), finish_reason="stop")
-            await pool.nc.publish(msg.reply, done.encode())
+            request = decode(msg.data, GenerateRequest)
+            done = TokenEvent(
+                request_id=request.request_id, seq=0, token_ids=(4,), finish_reason="stop",
+                worker_id=worker_id,
+            )  # fmt: skip
+            await pool.nc.publish(request.stream_subject, TokenEventBatch((done,)).encode())
 
         return count
 

@@ -19,6 +19,9 @@ class EngineConfig:
     `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
     `zero_kv_on_release` zeroes every block whose last reference is dropped, at once (and keeps
     no finished request's blocks in the prefix cache).
+    `max_num_mixed_prefill_tokens` (0: no limit of its own) bounds the prefill tokens of a step
+    that also decodes: a long prompt then takes more steps, and the requests decoding beside it
+    never wait on one long step (Sarathi-Serve's stall-free batching).
     `async_scheduling` queues each step on the device before the previous one has finished
     (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
     and it would only delay each token by a step).
@@ -29,6 +32,7 @@ class EngineConfig:
     block_size: int = 16
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 256
+    max_num_mixed_prefill_tokens: int = 0
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_cuda_graphs: bool = True
@@ -44,6 +48,11 @@ class EngineConfig:
         if self.num_blocks < 2:
             raise ConfigError(
                 f"engine num_blocks must be at least 2 (1 null), got {self.num_blocks}"
+            )
+        if self.max_num_mixed_prefill_tokens < 0:
+            raise ConfigError(
+                f"engine max_num_mixed_prefill_tokens must be >= 0, got "
+                f"{self.max_num_mixed_prefill_tokens}"
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")

@@ -186,7 +186,10 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this step
             num_pending = request.num_tokens + request.num_in_flight - request.num_computed_tokens
-            num_new = min(num_pending, budget)
+            limit = budget if num_pending == 1 else self._prefill_room(out, budget)
+            if limit == 0:
+                break
+            num_new = min(num_pending, limit)
             if ahead:
                 slots = request.num_computed_tokens + num_new
                 if self.kv_cache_manager.allocate_slots(request, slots) is None:
@@ -197,12 +200,21 @@ class Scheduler:
             scheduled.add(request.request_id)
             budget -= num_new
         if not out.preempted_ids:
-            self._admit(out, budget)
+            self._admit(out, self._prefill_room(out, budget))
         for item in out.decodes + out.prefills:
             item.request.num_computed_tokens = item.num_computed_tokens + item.num_new_tokens
             if item.samples:
                 item.request.num_in_flight += 1
         return out
+
+    def _prefill_room(self, out: SchedulerOutput, budget: int) -> int:
+        """Prefill tokens this step may still take: the budget, and in a step that also decodes
+        at most `max_num_mixed_prefill_tokens` of prefill in all (when set)."""
+        cap = self.config.max_num_mixed_prefill_tokens
+        if not cap or not out.decodes:
+            return budget
+        used = sum(item.num_new_tokens for item in out.prefills)
+        return max(0, min(budget, cap - used))
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, scheduled: set[str], out: SchedulerOutput

@@ -107,9 +107,10 @@ class KvConnector:
         # when idle (bench/routing/idle_cpu.json: 1.01 cores per idle worker, 0.012 without),
         # and both sides progress UCX themselves there (the writer polls its transfer, the
         # reader its notifications). On the GPU it stays: without it, NIXL's default UCX path
-        # moved a 1 GiB handoff on the H200 at 1.07 TB/s, with it at 1.74 TB/s (same session,
-        # bench/transfer/results-h200-no-progress-thread.json vs results-h200-rerun.json; kvrail's
-        # CUDA IPC path, 2.0 TB/s, does not use it).
+        # moved a 1 GiB handoff on the H200 at 1.07 TB/s, with it at 1.74 TB/s (same session:
+        # bench/history/transfer/results-h200-no-progress-thread.json against
+        # bench/transfer/results-h200-rerun.json; kvrail's CUDA IPC path, 2.0 TB/s, does not
+        # use it).
         progress_thread = region.tensor.is_cuda
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self._agent = api.nixl_agent(agent_name, config)

@@ -195,3 +195,30 @@ def test_stop_conditions_finish_requests_with_the_right_reason() -> None:
     late = cases["eos after min_tokens"]
     assert late.output_token_ids == [2, 2, 2] and late.status is RequestStatus.FINISHED_STOPPED
     assert_engine_empty(scheduler)
+
+
+def test_a_step_that_decodes_takes_no_more_prefill_than_the_mixed_cap() -> None:
+    """A long prompt arriving while others decode is chunked to the cap, so their next token
+    never waits on one long step; alone, it takes the full budget."""
+    scheduler = make_scheduler(max_num_batched_tokens=64, max_num_mixed_prefill_tokens=8)
+    decoding = make_request(4, max_tokens=20)
+    scheduler.add_request(decoding)
+    out = scheduler.schedule()
+    scheduler.update_from_output(out, {decoding.request_id: 77})
+    long = make_request(40, max_tokens=2)
+    scheduler.add_request(long)
+    seen = []
+    while not long.is_finished:
+        out = scheduler.schedule()
+        seen.append(sum(item.num_new_tokens for item in out.prefills))
+        sampled = {item.request.request_id: 77 for item in out.decodes + out.prefills
+                   if item.samples}  # fmt: skip
+        scheduler.update_from_output(out, sampled)
+    assert seen[:5] == [8, 8, 8, 8, 8]  # 40 prompt tokens in chunks of 8 beside the decode
+    scheduler.abort(decoding.request_id)
+    alone = make_request(40, max_tokens=1)
+    scheduler.add_request(alone)
+    out = scheduler.schedule()
+    assert sum(item.num_new_tokens for item in out.prefills) == 40  # nothing decodes: no cap
+    scheduler.update_from_output(out, {alone.request_id: 77})
+    assert_engine_empty(scheduler)
