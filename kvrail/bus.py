@@ -19,6 +19,7 @@ import collections
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -269,14 +270,17 @@ class PrefillConsumer:
 
     async def fetch(self, timeout_s: float = 1.0) -> QueuedJob | None:
         """One job, or None when none arrived within about `timeout_s`."""
-        if not self._ready:
+        deadline = time.monotonic() + timeout_s
+        while not self._ready:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
             for i, sub in enumerate(self._subs):
                 if self._pulls[i] is None:
-                    self._pulls[i] = asyncio.ensure_future(sub.fetch(1, timeout=timeout_s))
+                    self._pulls[i] = asyncio.ensure_future(sub.fetch(1, timeout=remaining))
             pending = [p for p in self._pulls if p is not None]
-            await asyncio.wait(
-                pending, timeout=timeout_s + 1.0, return_when=asyncio.FIRST_COMPLETED
-            )
+            first = asyncio.FIRST_COMPLETED
+            await asyncio.wait(pending, timeout=remaining + 1.0, return_when=first)
             for i, pull in enumerate(self._pulls):  # the worker's own first
                 if pull is None or not pull.done():
                     continue
@@ -284,10 +288,10 @@ class PrefillConsumer:
                 try:
                     msgs = pull.result()
                 except nats.errors.TimeoutError:
-                    continue
+                    continue  # expired empty: pull again while time is left
                 for msg in msgs:
                     self._ready.append(await _parse(msg))
-        return self._ready.popleft() if self._ready else None
+        return self._ready.popleft()
 
     async def close(self) -> None:
         for pull in self._pulls:
