@@ -16,6 +16,7 @@ import json
 import types
 import typing
 from array import array
+from collections.abc import Callable
 from dataclasses import MISSING, Field, dataclass, fields, is_dataclass
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -96,14 +97,19 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
     return body
 
 
-# Per dataclass (message or nested), computed once: `typing.get_type_hints` evaluates every
-# annotation's string (`from __future__ import annotations`) and took 200 of the 216 us that
-# decoding a TokenEvent cost on the 2-vCPU machine, where a router decodes one per token.
+# Per dataclass (message or nested), computed once: the fields and, for each, a checker made
+# from its type hint. `typing.get_type_hints` evaluates every annotation's string (`from
+# __future__ import annotations`), and walking a hint with `typing.get_origin` for every value
+# decoded cost more than the rest of decoding; a router decodes every token event it streams.
+Checker = Callable[[Any, str], Any]
+
+
 @dataclass(frozen=True, slots=True)
 class _ClassInfo:
     fields: tuple[Field[Any], ...]
     names: tuple[str, ...]
-    hints: dict[str, Any]
+    checkers: dict[str, Checker]
+    required: frozenset[str]
 
 
 _CLASS_INFO: dict[type[Any], _ClassInfo] = {}
@@ -113,7 +119,12 @@ def _info(cls: type[Any]) -> _ClassInfo:
     info = _CLASS_INFO.get(cls)
     if info is None:
         found = fields(cls)
-        info = _ClassInfo(found, tuple(f.name for f in found), typing.get_type_hints(cls))
+        hints = typing.get_type_hints(cls)
+        checkers = {f.name: _checker(hints[f.name]) for f in found if f.name not in _PACKED}
+        required = frozenset(
+            f.name for f in found if f.default is MISSING and f.default_factory is MISSING
+        )
+        info = _ClassInfo(found, tuple(f.name for f in found), checkers, required)
         _CLASS_INFO[cls] = info
     return info
 
@@ -143,52 +154,81 @@ def _decode_fields(cls: type[D], body: dict[str, Any], what: str) -> D:
     """Build dataclass `cls` from a JSON object, every field checked against its type hint; a
     value the class itself refuses (its `__post_init__`) is a MessageError too."""
     info = _info(cls)
-    hints = info.hints
+    checkers = info.checkers
     values: dict[str, Any] = {}
-    for f in info.fields:
-        if f.name not in body:
-            if f.default is not MISSING or f.default_factory is not MISSING:
-                continue  # optional field: its default applies
-            raise MessageError(f"{what} lacks field {f.name}")
-        raw = body[f.name]
-        if f.name in _PACKED:
-            code, limit = _PACKED[f.name]
-            values[f.name] = _unpack(raw, code, f.name, limit)
+    for name in info.names:
+        if name not in body:
+            if name in info.required:
+                raise MessageError(f"{what} lacks field {name}")
+            continue  # optional field: its default applies
+        raw = body[name]
+        if name in _PACKED:
+            code, limit = _PACKED[name]
+            values[name] = _unpack(raw, code, name, limit)
         else:
-            values[f.name] = _check(raw, hints[f.name], f.name)
+            values[name] = checkers[name](raw, name)
     try:
         return cls(**values)
     except (TypeError, ValueError, KvrailError) as err:
         raise MessageError(f"invalid {what}: {err}") from err
 
 
-def _check(value: Any, hint: Any, name: str) -> Any:
+def _checker(hint: Any) -> Checker:
+    """A function that returns a JSON value as `hint` says it must be, or raises MessageError."""
     if isinstance(hint, type) and is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise MessageError(f"field {name} must be an object")
-        return _decode_fields(hint, value, f"field {name}")
+
+        def nested(value: Any, name: str) -> Any:
+            if not isinstance(value, dict):
+                raise MessageError(f"field {name} must be an object")
+            return _decode_fields(hint, value, f"field {name}")
+
+        return nested
     origin = typing.get_origin(hint)
     if origin in (types.UnionType, typing.Union):
-        for option in typing.get_args(hint):
-            try:
-                return _check(value, option, name)
-            except MessageError:
-                continue
-        raise MessageError(f"field {name} has the wrong type")
+        options = [_checker(option) for option in typing.get_args(hint)]
+
+        def union(value: Any, name: str) -> Any:
+            for option in options:
+                try:
+                    return option(value, name)
+                except MessageError:
+                    continue
+            raise MessageError(f"field {name} has the wrong type")
+
+        return union
     if hint is type(None):
-        if value is None:
-            return None
-        raise MessageError(f"field {name} must be null")
+
+        def null(value: Any, name: str) -> Any:
+            if value is None:
+                return None
+            raise MessageError(f"field {name} must be null")
+
+        return null
     if origin is Literal:
-        if value in typing.get_args(hint):
-            return value
-        raise MessageError(f"field {name} is not one of {typing.get_args(hint)}")
+        allowed = typing.get_args(hint)
+
+        def literal(value: Any, name: str) -> Any:
+            if value in allowed:
+                return value
+            raise MessageError(f"field {name} is not one of {allowed}")
+
+        return literal
     if origin is tuple:
         (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-        if not isinstance(value, list) or len(value) > MAX_BLOCKS:
-            raise MessageError(f"field {name} must be a list of at most {MAX_BLOCKS}")
-        return tuple(_check(v, item, name) for v in value)
-    expected = {float: (int, float)}.get(hint, hint)
-    if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
-        raise MessageError(f"field {name} must be {getattr(hint, '__name__', hint)}")
-    return float(value) if hint is float else value
+        check_item = _checker(item)
+
+        def sequence(value: Any, name: str) -> Any:
+            if not isinstance(value, list) or len(value) > MAX_BLOCKS:
+                raise MessageError(f"field {name} must be a list of at most {MAX_BLOCKS}")
+            return tuple(check_item(v, name) for v in value)
+
+        return sequence
+    expected = (int, float) if hint is float else hint
+    label = getattr(hint, "__name__", str(hint))
+
+    def scalar(value: Any, name: str) -> Any:
+        if not isinstance(value, expected) or (hint is not bool and isinstance(value, bool)):
+            raise MessageError(f"field {name} must be {label}")
+        return float(value) if hint is float else value
+
+    return scalar

@@ -64,6 +64,7 @@ class Plan:
     kv_blocks: int
     modes: tuple[str, ...]
     threads: int | None
+    routers: int = 1
 
     @property
     def output_tokens(self) -> int:
@@ -225,14 +226,16 @@ def _pct(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-async def stack_tokens_per_s(pool: LocalPool, port: int, plan: Plan, n: int, pids: dict[str, int]
-                             ) -> dict[str, Any]:  # fmt: skip
+async def stack_tokens_per_s(
+    pool: LocalPool, ports: list[int], plan: Plan, n: int, pids: dict[str, int]
+) -> dict[str, Any]:
     streams = [Stream() for _ in range(n)]
     bodies = [{"model": "bench", "max_tokens": plan.output_tokens, "temperature": 0,
                "ignore_eos": True, "stream": True,
                "messages": [{"role": "user", "content": words}]}
               for words in prompt_words(n, plan.prompt_tokens)]  # fmt: skip
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    per_router = -(-n // len(ports)) + 8
+    limits = httpx.Limits(max_connections=per_router, max_keepalive_connections=per_router)
     cpu_marks: list[tuple[float, dict[str, float]]] = []
 
     async def sample_cpu() -> None:
@@ -241,11 +244,18 @@ async def stack_tokens_per_s(pool: LocalPool, port: int, plan: Plan, n: int, pid
             await asyncio.sleep(0.05)
 
     sampler = asyncio.create_task(sample_cpu())
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                 timeout=1800) as http:  # fmt: skip
+    clients = [
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits, timeout=1800)
+        for port in ports
+    ]
+    try:  # stream i goes to router i mod K, as a Service spreads connections over replicas
+        pairs = enumerate(zip(bodies, streams, strict=True))
         await asyncio.gather(
-            *(stream_one(http, b, s) for b, s in zip(bodies, streams, strict=True))
+            *(stream_one(clients[i % len(clients)], body, out) for i, (body, out) in pairs)
         )
+    finally:
+        for client in clients:
+            await client.aclose()
     sampler.cancel()
     errors = [s.error for s in streams if s.error]
     if errors:
@@ -272,10 +282,12 @@ async def stack_tokens_per_s(pool: LocalPool, port: int, plan: Plan, n: int, pid
     }  # fmt: skip
 
 
-def start_stack(plan: Plan, model_dir: Path, work: Path) -> tuple[LocalPool, int, dict[str, int]]:
+def start_stack(
+    plan: Plan, model_dir: Path, work: Path
+) -> tuple[LocalPool, list[int], dict[str, int]]:
     etcd = EtcdServer(work / "etcd", work / "logs" / "etcd.log").start()
     nats = NatsServer(work / "nats", work / "logs" / "nats.log").start()
-    port = free_port()
+    ports = [free_port() for _ in range(plan.routers)]
     env = {"KVRAIL_MODEL": str(model_dir), "KVRAIL_CACHE_DIR": str(work / "cache"),
            "KVRAIL_SERVED_MODEL_NAME": "bench", **plan.worker_env()}  # fmt: skip
     if plan.device == "cpu":
@@ -283,15 +295,18 @@ def start_stack(plan: Plan, model_dir: Path, work: Path) -> tuple[LocalPool, int
     pool = LocalPool(etcd, nats, work / "logs", "serving", env)
     pool.start("worker-0", "colocated")
     pool.wait_ready("worker-0", timeout_s=900)
-    pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
-    pool.wait_ready("router")
+    for i, port in enumerate(ports):
+        pool.start_router(f"router-{i}", KVRAIL_HTTP_PORT=str(port))
+    for i in range(len(ports)):
+        pool.wait_ready(f"router-{i}")
     pids = {
-        "worker": pool.procs["worker-0"].pid or 0, "router": pool.procs["router"].pid or 0,
+        "worker": pool.procs["worker-0"].pid or 0,
+        **{f"router-{i}": pool.procs[f"router-{i}"].pid or 0 for i in range(len(ports))},
         "nats": nats.process.pid if nats.process and nats.process.pid else 0,
         "clients": os.getpid(),
     }  # fmt: skip
     pool.servers = (etcd, nats)  # type: ignore[attr-defined]
-    return pool, port, pids
+    return pool, ports, pids
 
 
 def stop_stack(pool: LocalPool) -> None:
@@ -346,6 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kv-blocks", type=int, default=0, help="0: enough for every request")
     parser.add_argument("--modes", default="engine,service,stack")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's)")
+    parser.add_argument("--routers", type=int, default=1, help="router processes (replicas)")
     parser.add_argument("--work", type=Path, help="model dir and logs (default: a temp dir)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
@@ -354,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     per_request = -(-(args.prompt_tokens + steps * 3 + 64 + 64) // BLOCK_SIZE)
     kv_blocks = args.kv_blocks or per_request * max(concurrency) + 1
     plan = Plan(args.device, args.shape, concurrency, args.prompt_tokens, steps, kv_blocks,
-                tuple(args.modes.split(",")), args.threads or None)  # fmt: skip
+                tuple(args.modes.split(",")), args.threads or None, args.routers)  # fmt: skip
     work = args.work or Path(tempfile.mkdtemp(prefix="kvrail-bench-serving-"))
     started = time.time()
     result = run(plan, work)

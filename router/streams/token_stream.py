@@ -107,7 +107,13 @@ class TokenStream:
             if remaining <= 0:
                 raise DispatchError("deadline", "the request's deadline passed")
             try:
-                item = await asyncio.wait_for(self._queue.get(), min(remaining, _POLL_S))
+                # An event already queued is taken at once; otherwise wait (a timeout context,
+                # not `wait_for`, which wraps every wait in a task of its own).
+                if self._queue.empty():
+                    async with asyncio.timeout(min(remaining, _POLL_S)):
+                        item = await self._queue.get()
+                else:
+                    item = self._queue.get_nowait()
             except TimeoutError:
                 if not self._worker_alive():
                     if self._seq == 0:

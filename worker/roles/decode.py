@@ -204,7 +204,11 @@ class DecodeRole:
         while True:
             remaining = deadline - time.monotonic() + 1.0  # the service aborts at the deadline
             try:
-                update = await asyncio.wait_for(updates.get(), max(remaining, 0.0))
+                if updates.empty():
+                    async with asyncio.timeout(max(remaining, 0.0)):
+                        update = await updates.get()
+                else:
+                    update = updates.get_nowait()
             except TimeoutError as err:
                 raise RequestFailed("deadline") from err
             if submitted is not None and stream.seq == 0:
