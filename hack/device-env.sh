@@ -6,8 +6,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   --target /tmp/site .whl/*.whl || return 1
 rm -rf /tmp/view && mkdir -p /tmp/view/kvrail
 for f in "$PWD"/kvrail/*; do ln -s "$f" /tmp/view/kvrail/; done
-for d in operator worker router kernels agent cli local testing; do
-  ln -s "$PWD/$d" "/tmp/view/kvrail/$d"
+for d in operator worker router kernels agent cli local testing; do  # -fn: over a stale copy's dir
+  ln -sfn "$PWD/$d" "/tmp/view/kvrail/$d"
 done
 export PYTHONPATH=/tmp/view:/tmp/site PYTHONUNBUFFERED=1
-python3 -c "import kvrail.settings, kvrail.worker.engine.engine, kvrail.router.app" || return 1
+python3 -P -c "import kvrail.settings, kvrail.worker.engine.engine, kvrail.router.app" || return 1

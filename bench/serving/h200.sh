@@ -22,7 +22,7 @@ case "${1:?what to run}" in
   serving)
     source bench/sweep/device-setup.sh || exit 1
     python3 -P bench/serving/run.py --device cuda --shape llama3-8b --concurrency 1,32,256 --routers 4 \
-      --steps 48 --work /tmp/serving --out "$OUT/serving_h200.json" 2>&1 | tail -n 40
+      --steps 48 --work /tmp/serving --out "$OUT/serving_h200.json" 2>&1 | tee "$OUT/serving_h200.log" | tail -n 40
     cp /tmp/serving/logs/*.log "$OUT/" 2>/dev/null || true
     ;;
 esac
