@@ -61,14 +61,19 @@ for g in json.load(sys.stdin).get("Godebug") or []: print(g["Key"]+"="+g["Value"
   "$BIN/kube-apiserver" --version >&2
 }
 
+# etcd, and etcdctl for the real node's etcd image (the chart's auth Job runs it).
 build_etcd() {
-  if "$BIN/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}"; then return 0; fi
-  log "building etcd $ETCD_VERSION"
+  if "$BIN/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" \
+     && "$BIN/etcdctl" version 2>/dev/null | grep -q "etcdctl version: ${ETCD_VERSION#v}"; then
+    return 0
+  fi
+  log "building etcd and etcdctl $ETCD_VERSION"
   local w=$ROOT/etcd-wrapper
   rm -rf "$w" && mkdir -p "$w" && cd "$w"
   go mod init local.invalid/etcdbuild >/dev/null 2>&1
-  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "go.etcd.io/etcd/etcdctl/v3@$ETCD_VERSION"
   go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
+  go build -trimpath -ldflags "-s -w" -o "$BIN/etcdctl" go.etcd.io/etcd/etcdctl/v3
 }
 
 build_kwok() {

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Build the binaries of a real node that do not come from k8s.io/kubernetes, idempotently, into the
 # same cache as hack/k8s-binaries.sh (which builds the kubelet and kube-proxy with the control plane):
-# CoreDNS (cluster DNS) and Traefik (the Gateway API implementation). Prints the bin dir last.
+# CoreDNS (cluster DNS), Traefik (the Gateway API implementation) and nats-server (the image the
+# chart's bundled NATS runs in the tests). Prints the bin dir last.
 #
-#   hack/node-binaries.sh                 # both
-#   hack/node-binaries.sh coredns|traefik
+#   hack/node-binaries.sh                 # all three
+#   hack/node-binaries.sh coredns|traefik|nats
 #
 # containerd, runc and the CNI plugins are Debian's packages (`make node-deps`).
 set -euo pipefail
@@ -12,6 +13,8 @@ export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 K8S_VERSION=${K8S_VERSION:-v1.36.3}
 COREDNS_VERSION=${COREDNS_VERSION:-v1.15.0}
 TRAEFIK_VERSION=${TRAEFIK_VERSION:-v3.7.13}
+# The version charts/kvrail/values.yaml names for nats.image.
+NATS_VERSION=${NATS_VERSION:-v2.11.9}
 CACHE=${K8S_HARNESS_CACHE:-$HOME/.cache/kvrail/k8s}
 ROOT=$CACHE/$K8S_VERSION
 BIN=$ROOT/bin
@@ -24,6 +27,12 @@ build_coredns() {
   if "$BIN/coredns" -version 2>/dev/null | grep -q "CoreDNS-${COREDNS_VERSION#v}"; then return 0; fi
   log "building coredns $COREDNS_VERSION (cold: ~5 min)"
   GOBIN=$BIN go install -trimpath -ldflags "-s -w" "github.com/coredns/coredns@$COREDNS_VERSION"
+}
+
+build_nats() {
+  if "$BIN/nats-server" --version 2>/dev/null | grep -q "v${NATS_VERSION#v}$"; then return 0; fi
+  log "building nats-server $NATS_VERSION"
+  GOBIN=$BIN go install -trimpath -ldflags "-s -w" "github.com/nats-io/nats-server/v2@$NATS_VERSION"
 }
 
 # Traefik's go.mod replaces two modules with forks and one nested module with a local path
@@ -132,8 +141,8 @@ EOF
 }
 
 case "${1:-all}" in
-  all) build_coredns; build_traefik ;;
-  coredns|traefik) "build_$1" ;;
-  *) echo "usage: $0 [all|coredns|traefik]" >&2; exit 2 ;;
+  all) build_coredns; build_traefik; build_nats ;;
+  coredns|traefik|nats) "build_$1" ;;
+  *) echo "usage: $0 [all|coredns|traefik|nats]" >&2; exit 2 ;;
 esac
 echo "$BIN"
