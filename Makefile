@@ -63,9 +63,9 @@ k8s-binaries:
 	hack/k8s-binaries.sh >/dev/null
 
 # The real node (tests/node) and the image: containerd and runc, the CNI plugins, iptables and
-# conntrack for kube-proxy, buildah and debootstrap (the image's base comes from Debian's
+# conntrack for kube-proxy, buildah, skopeo and debootstrap (the image's base comes from Debian's
 # packages: no registry can be reached), gcc for the pause binary.
-NODE_DEBS := containerd runc containernetworking-plugins iptables conntrack buildah debootstrap gcc libc6-dev
+NODE_DEBS := containerd runc containernetworking-plugins iptables conntrack buildah skopeo debootstrap gcc libc6-dev
 node-deps:
 	@missing=""; for p in $(NODE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
