@@ -117,11 +117,11 @@ def gateway_api_crds() -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     """The control plane with one real node (kubelet, containerd, runc, CNI bridge, kube-proxy),
     CoreDNS, Traefik as the Gateway API implementation and kvrail's image loaded: root only.
-    Per module (about 16 s warm), so no idle pods keep cores busy while other tiers run."""
+    About 16 s to start warm; the tests leave it idle (nothing but CoreDNS and Traefik)."""
     if os.geteuid() != 0:
         _unavailable("the real node needs root (network namespaces, mounts, cgroups)")
     tools = [t for t in NODE_TOOLS if shutil.which(t) is None]
