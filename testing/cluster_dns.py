@@ -3,7 +3,7 @@ way clusters run it, so pods find Services by name.
 
 It answers for `cluster.local` (and reverse lookups of pods and Services) from the API server
 and forwards nothing: there is no resolver beyond this machine to forward to, and pods must not
-reach one.
+reach one. Any other name is NXDOMAIN.
 """
 
 from __future__ import annotations
@@ -18,18 +18,24 @@ NAME = "coredns"
 DNS_PORT = 1053  # unprivileged inside the pod; the Service serves 53
 LABELS = {"k8s-app": "kube-dns"}
 
-COREFILE = f""".:{DNS_PORT} {{
+COREFILE = f"""{CLUSTER_DOMAIN}:{DNS_PORT} in-addr.arpa:{DNS_PORT} ip6.arpa:{DNS_PORT} {{
     errors
     health :8080
     ready :8181
     kubernetes {CLUSTER_DOMAIN} in-addr.arpa ip6.arpa {{
         pods insecure
-        fallthrough in-addr.arpa ip6.arpa
         ttl 30
     }}
     cache 30
 }}
+.:{DNS_PORT} {{
+    template ANY ANY {{
+        rcode NXDOMAIN
+    }}
+}}
 """
+"""The cluster's zones from the API server; every other name does not exist (NXDOMAIN at once,
+rather than SERVFAIL after a search for a plugin that could forward it)."""
 
 
 def manifests(net: NodeNetwork, image: str) -> list[dict[str, Any]]:
