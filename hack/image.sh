@@ -60,8 +60,10 @@ build() {
       -v "${UV_CACHE_DIR:-$HOME/.cache/uv}:/uv-cache" -t "$ref" "$CTX" >/dev/null
     log "built $ref in $((SECONDS - start)) s, $(bah images --format '{{.Size}}' "$ref")"
     # Older builds of this image: their tags go, the layers they share with this one stay.
-    bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/kvrail:dev-' | grep -vx "$ref" \
-      | while read -r old; do bah rmi "$old" >/dev/null 2>&1 || true; done
+    local old
+    for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/kvrail:dev-' || true); do
+      [ "$old" = "$ref" ] || bah rmi "$old" >/dev/null 2>&1 || true
+    done
   fi
   echo "$ref"
 }
