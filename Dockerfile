@@ -12,7 +12,7 @@ FROM ${BASE}
 # uv's cache: a cache mount here; hack/image.sh points it at the build machine's own uv cache
 # (UV_CACHE_DIR and a volume) and sets UV_OFFLINE=1, so no wheel is downloaded a second time.
 ARG UV_CACHE_DIR=/root/.cache/uv
-ARG UV_OFFLINE=
+ARG UV_OFFLINE=false
 ENV PYTHONUNBUFFERED=1 PATH=/opt/kvrail/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
     KVRAIL_CACHE_DIR=/var/cache/kvrail
 # The dependencies first, in a layer of their own (several GB: PyPI's torch is the CUDA build), so
