@@ -94,13 +94,27 @@ def prune(layout: Path) -> None:
             path.unlink()
 
 
+def targets(socket: str) -> dict[str, str]:
+    """Every image reference in containerd and the manifest digest it points to."""
+    out = subprocess.run(["ctr", "-a", socket, "-n", "k8s.io", "images", "ls"],
+                         check=True, capture_output=True, text=True).stdout  # fmt: skip
+    rows = [line.split() for line in out.splitlines()[1:] if line.strip()]
+    return {row[0]: row[2] for row in rows}
+
+
 def forget_older(socket: str, ref: str) -> None:
-    """Remove the other tags of `ref`'s repository from containerd (it collects their blobs)."""
+    """Remove the other tags of `ref`'s repository from containerd, then the references by ID
+    (`sha256:<config>`, which the CRI plugin adds for every image it sees) of images no tag
+    names any more, with their blobs and snapshots (`--sync`: collected before returning)."""
     repository = ref.rpartition(":")[0]
-    old = [r for r in ctr(socket, "images", "ls", "-q") if r.rpartition(":")[0] == repository]
-    old = [r for r in old if r != ref]
+    old = [r for r in targets(socket) if r.rpartition(":")[0] == repository and r != ref]
     if old:
-        ctr(socket, "images", "rm", *old)
+        ctr(socket, "images", "rm", "--sync", *old)
+    refs = targets(socket)
+    named = {digest for r, digest in refs.items() if not r.startswith("sha256:")}
+    orphans = [r for r, digest in refs.items() if r.startswith("sha256:") and digest not in named]
+    if orphans:
+        ctr(socket, "images", "rm", "--sync", *orphans)
 
 
 def main() -> None:
