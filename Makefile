@@ -24,13 +24,15 @@ _space     := $(subst ,, )
 # The stamp names every pin, so changing one reinstalls.
 VLLM_STAMP := $(VLLM_VENV)/.kvrail-installed-$(subst ==,-,$(subst $(_space),_,$(VLLM_PINS) $(VLLM_OVERRIDES)))
 
-.PHONY: help setup system-deps python-deps k8s-binaries vllm-env run test test-unit test-integration e2e lint bench clean
+.PHONY: help setup system-deps python-deps k8s-binaries node-deps image vllm-env run test test-unit test-integration e2e node lint bench clean
 
 help:
 	@echo "make run      start the local stack serving SmolLM2-135M-Instruct"
 	@echo "make test     the whole suite (unit, integration on real etcd/NATS/kube-apiserver, e2e)"
 	@echo "make lint     ruff, mypy, import-linter"
 	@echo "make e2e      only the e2e tier (real control plane with KWOK nodes)"
+	@echo "make node     only the real-node tier (helm install, kubelet, containerd, a Gateway)"
+	@echo "make image    the container image every component runs (buildah, cached by content)"
 	@echo "make bench    the CPU benchmarks under bench/ (bench/README.md lists them all)"
 	@echo "make setup    install everything the above need (idempotent)"
 
@@ -60,6 +62,22 @@ $(STAMP): pyproject.toml
 k8s-binaries:
 	hack/k8s-binaries.sh >/dev/null
 
+# The real node (tests/node) and the image: containerd and runc, the CNI plugins, iptables and
+# conntrack for kube-proxy, buildah, skopeo and debootstrap (the image's base comes from Debian's
+# packages: no registry can be reached), gcc for the pause binary.
+NODE_DEBS := containerd runc containernetworking-plugins iptables conntrack buildah skopeo debootstrap gcc libc6-dev
+node-deps:
+	@missing=""; for p in $(NODE_DEBS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+# localhost/kvrail:dev-<hash of its inputs>, in buildah's storage under ~/.cache/kvrail/image.
+# Cold: several minutes (most of it copying torch's CUDA build); warm: seconds.
+image: setup node-deps
+	hack/image.sh >/dev/null
+
 # About 1.3 GB of wheels from PyPI the first time (27-92 s measured here), a few seconds from uv's
 # cache, nothing once the stamp exists. The venv takes 6.3 GB (hard links into uv's cache).
 vllm-env: $(VLLM_STAMP)
@@ -74,7 +92,7 @@ $(VLLM_STAMP): | $(STAMP)
 run: setup
 	$(VENV)/bin/kvrail up
 
-test: setup k8s-binaries vllm-env
+test: setup k8s-binaries vllm-env image
 	$(VENV)/bin/pytest $(PYTEST_ARGS)
 
 test-unit: setup
@@ -85,6 +103,9 @@ test-integration: setup k8s-binaries vllm-env
 
 e2e: setup k8s-binaries
 	$(VENV)/bin/pytest tests/e2e $(PYTEST_ARGS)
+
+node: setup k8s-binaries image
+	$(VENV)/bin/pytest tests/node $(PYTEST_ARGS)
 
 # mypy and import-linter must not see the repository root first (operator/ shadows the stdlib
 # module, and the components are only packages under their kvrail.* names), so both run from a

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the Kubernetes test binaries from the Go module proxy, idempotently, into a cache outside
-# the repository: kube-apiserver, kube-controller-manager, kube-scheduler (k8s.io/kubernetes),
-# etcd for the API server, kwok (fake nodes) and helm. Prints the bin directory on its last line.
+# the repository: kube-apiserver, kube-controller-manager, kube-scheduler, kubelet and kube-proxy
+# (k8s.io/kubernetes), etcd for the API server, kwok (fake nodes) and helm; then, through
+# hack/node-binaries.sh, CoreDNS and Traefik for the real node. Prints the bin directory last.
 #
 #   hack/k8s-binaries.sh            # build what is missing, then print the bin dir
 #   K8S_HARNESS_CACHE=/x hack/k8s-binaries.sh
@@ -24,11 +25,12 @@ mkdir -p "$BIN"
 log() { echo "k8s-binaries: $*" >&2; }
 
 build_kubernetes() {
-  if "$BIN/kube-apiserver" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION" \
-     && [ -x "$BIN/kube-controller-manager" ] && [ -x "$BIN/kube-scheduler" ]; then
-    return 0
-  fi
-  log "building kube-apiserver, kube-controller-manager, kube-scheduler $K8S_VERSION (cold: ~20 min)"
+  local cmds="kube-apiserver kube-controller-manager kube-scheduler kubelet kube-proxy" ok=1 c
+  for c in $cmds; do
+    "$BIN/$c" --version 2>/dev/null | grep -qx "Kubernetes $K8S_VERSION" || ok=0
+  done
+  [ "$ok" = 1 ] && return 0
+  log "building $cmds $K8S_VERSION (cold: ~25 min)"
   local staging="v0.${K8S_VERSION#v1.}" minor="${K8S_VERSION#v1.}"
   minor=${minor%%.*}
   local w=$ROOT/wrapper
@@ -47,7 +49,8 @@ for g in json.load(sys.stdin).get("Godebug") or []: print(g["Key"]+"="+g["Value"
     edits+=("-godebug=$kv")
   done
   go mod edit "${edits[@]}"
-  local pkgs="k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager k8s.io/kubernetes/cmd/kube-scheduler"
+  local pkgs
+  pkgs=$(for c in $cmds; do echo "k8s.io/kubernetes/cmd/$c"; done)
   go get $(for p in $pkgs; do echo "$p@$K8S_VERSION"; done)
   local ldf="-s -w" date
   date=$(date -u +%Y-%m-%dT%H:%M:%SZ)
@@ -58,14 +61,19 @@ for g in json.load(sys.stdin).get("Godebug") or []: print(g["Key"]+"="+g["Value"
   "$BIN/kube-apiserver" --version >&2
 }
 
+# etcd, and etcdctl for the real node's etcd image (the chart's auth Job runs it).
 build_etcd() {
-  if "$BIN/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}"; then return 0; fi
-  log "building etcd $ETCD_VERSION"
+  if "$BIN/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" \
+     && "$BIN/etcdctl" version 2>/dev/null | grep -q "etcdctl version: ${ETCD_VERSION#v}"; then
+    return 0
+  fi
+  log "building etcd and etcdctl $ETCD_VERSION"
   local w=$ROOT/etcd-wrapper
   rm -rf "$w" && mkdir -p "$w" && cd "$w"
   go mod init local.invalid/etcdbuild >/dev/null 2>&1
-  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION"
+  go get "go.etcd.io/etcd/server/v3@$ETCD_VERSION" "go.etcd.io/etcd/etcdctl/v3@$ETCD_VERSION"
   go build -trimpath -ldflags "-s -w" -o "$BIN/etcd" go.etcd.io/etcd/server/v3
+  go build -trimpath -ldflags "-s -w" -o "$BIN/etcdctl" go.etcd.io/etcd/etcdctl/v3
 }
 
 build_kwok() {
@@ -109,7 +117,8 @@ build_helm() {
 }
 
 case "${1:-all}" in
-  all) build_kubernetes; build_etcd; build_kwok; kwok_stages; gateway_api; build_helm ;;
+  all) build_kubernetes; build_etcd; build_kwok; kwok_stages; gateway_api; build_helm
+       "$(dirname "$0")/node-binaries.sh" >/dev/null ;;
   kubernetes|etcd|kwok|helm) "build_$1" ;;
   kwok_stages|gateway_api) "$1" ;;
   *) echo "usage: $0 [all|kubernetes|etcd|kwok|helm|kwok_stages|gateway_api]" >&2; exit 2 ;;

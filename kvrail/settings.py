@@ -168,6 +168,18 @@ class Settings(BaseModel):
     )
 
     # Operator.
+    operator_image: str | None = Field(
+        None,
+        min_length=1,
+        max_length=512,
+        description="image of the pools without spec.image (the chart sets the operator's own); "
+        "unset: ghcr.io/kvrail/kvrail:<version>",
+    )
+    operator_share_access: bool = Field(
+        True,
+        description="give pools that name no etcd or NATS of their own the operator's "
+        "credentials and CAs, in a Secret <pool>-infrastructure of their namespace",
+    )
     operator_metrics_port: int | None = Field(
         None, ge=1, le=65535, description="serve the operator's Prometheus metrics; unset: off"
     )

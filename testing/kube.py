@@ -6,6 +6,11 @@ no grants) and RBAC authorization. `start_cluster_components()` adds kube-contro
 kube-scheduler and KWOK, so StatefulSet pods are created, scheduled onto fake nodes by the real
 scheduler and reported Running. The binaries are built from the Go module proxy by
 `hack/k8s-binaries.sh` into a cache outside the repository.
+
+Bound to 127.0.0.1 by default. A real node (`kvrail.testing.node`) needs the API server where its
+kubelet and pods reach it: `address` is then the host end of the node's link, the `kubernetes`
+Service gets that address as its endpoint, and `extra_users` adds the kubelet's and kube-proxy's
+token identities.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import secrets
 import ssl
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +29,7 @@ import yaml
 
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer
-from kvrail.testing.pki import Pki, make_pki
+from kvrail.testing.pki import Pki, issue_client_cert, make_pki
 
 K8S_VERSION = "v1.36.3"
 ADMIN = "kvrail-admin"
@@ -51,11 +56,21 @@ class KubeUser:
 class KubeControlPlane:
     """One control plane under `workdir`; `stop()` tears everything down in reverse order."""
 
-    def __init__(self, workdir: Path, bin_dir: Path) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        bin_dir: Path,
+        address: str = "127.0.0.1",
+        extra_users: Mapping[str, tuple[str, ...]] | None = None,
+    ) -> None:
+        """`extra_users`: more token identities, name -> groups (e.g. `system:node:<name>` in
+        `system:nodes`); each gets a kubeconfig like the admin's."""
         self.workdir = workdir
         self.bin_dir = bin_dir
+        self.address = address
+        self.extra_users = dict(extra_users or {})
         self.port = free_port()
-        self.server = f"https://127.0.0.1:{self.port}"
+        self.server = f"https://{address}:{self.port}"
         self.users: dict[str, KubeUser] = {}
         self._etcd: EtcdServer | None = None
         self._procs: list[ManagedProcess] = []
@@ -65,24 +80,32 @@ class KubeControlPlane:
     # -- lifecycle ------------------------------------------------------------------------------
     def start(self, timeout_s: float = 120.0) -> KubeControlPlane:
         logs = self.workdir / "logs"
-        self._pki = pki = make_pki(self.workdir / "pki")
+        self._pki = pki = make_pki(self.workdir / "pki", extra_sans=(f"IP:{self.address}",))
+        # What the API server presents to kubelets (logs, exec); system:masters passes their
+        # webhook authorization.
+        kubelet_client = issue_client_cert(
+            pki, "apiserver-kubelet-client", "kube-apiserver-kubelet-client", "system:masters"
+        )
         self._ssl = ssl.create_default_context(cafile=str(pki.ca_crt))
         # Its own etcd 3.6, built beside it: kube-apiserver 1.36 does not work with Debian's 3.4.
         self._etcd = EtcdServer(
             self.workdir / "etcd", logs / "etcd.log", binary=str(self.bin_dir / "etcd")
         ).start()
-        tokens = {ADMIN: secrets.token_hex(16), RESTRICTED: secrets.token_hex(16)}
+        groups = {ADMIN: ("system:masters",), RESTRICTED: (), **self.extra_users}
+        tokens = {name: secrets.token_hex(16) for name in groups}
         (self.workdir / "tokens.csv").write_text(
-            f'{tokens[ADMIN]},{ADMIN},{ADMIN}-uid,"system:masters"\n'
-            f"{tokens[RESTRICTED]},{RESTRICTED},{RESTRICTED}-uid\n"
+            "".join(
+                f'{tokens[n]},{n},{n}-uid,"{",".join(g)}"\n' if g else f"{tokens[n]},{n},{n}-uid\n"
+                for n, g in groups.items()
+            )
         )
         for name, token in tokens.items():
             self.users[name] = KubeUser(name, token, self._write_kubeconfig(name, token))
         argv = [
             str(self.bin_dir / "kube-apiserver"),
             f"--etcd-servers={self._etcd.endpoint}",
-            "--bind-address=127.0.0.1",
-            "--advertise-address=127.0.0.1",
+            f"--bind-address={self.address}",
+            f"--advertise-address={self.address}",
             f"--secure-port={self.port}",
             f"--tls-cert-file={pki.server_crt}",
             f"--tls-private-key-file={pki.server_key}",
@@ -94,7 +117,12 @@ class KubeControlPlane:
             "--service-cluster-ip-range=10.96.0.0/16",
             "--authorization-mode=Node,RBAC",
             "--allow-privileged=true",
-            "--endpoint-reconciler-type=none",
+            # The `kubernetes` Service's endpoint is the advertised address, which may not be
+            # a loopback one: with the default 127.0.0.1 there is none.
+            f"--endpoint-reconciler-type={'none' if self.address == '127.0.0.1' else 'lease'}",
+            "--kubelet-preferred-address-types=InternalIP",
+            f"--kubelet-client-certificate={kubelet_client.cert_file}",
+            f"--kubelet-client-key={kubelet_client.key_file}",
             "--profiling=false",
             f"--cert-dir={self.workdir / 'certs'}",
             "--v=1",
@@ -103,8 +131,9 @@ class KubeControlPlane:
         apiserver.wait_ready(lambda: self._get_status("/readyz") == 200, timeout_s, 0.25)
         return self
 
-    def start_cluster_components(self, timeout_s: float = 120.0) -> None:
-        """kube-controller-manager, kube-scheduler and KWOK (fake nodes, pods made Running)."""
+    def start_cluster_components(self, timeout_s: float = 120.0, kwok: bool = True) -> None:
+        """kube-controller-manager, kube-scheduler and KWOK (fake nodes, pods made Running);
+        `kwok=False` for a cluster whose only nodes are real."""
         assert self._pki is not None, "start() first"
         admin = self.users[ADMIN].kubeconfig
         always_allow = "--authorization-always-allow-paths=/healthz,/readyz,/livez,/metrics"
@@ -132,12 +161,13 @@ class KubeControlPlane:
             "--bind-address=127.0.0.1", f"--secure-port={sched_port}", always_allow, "--v=1",
         ])  # fmt: skip
         stages = self.bin_dir.parent / "kwok-stages.yaml"
-        self._spawn("kwok", [
-            str(self.bin_dir / "kwok"), f"--kubeconfig={admin}", f"--config={stages}",
-            "--manage-all-nodes=false",
-            "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
-            "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
-        ])  # fmt: skip
+        if kwok:
+            self._spawn("kwok", [
+                str(self.bin_dir / "kwok"), f"--kubeconfig={admin}", f"--config={stages}",
+                "--manage-all-nodes=false",
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
+                "--cidr=10.244.0.0/16", "--node-ip=10.0.0.1", "--node-lease-duration-seconds=40",
+            ])  # fmt: skip
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE  # self-signed serving certs of KCM and scheduler
@@ -149,6 +179,11 @@ class KubeControlPlane:
             proc.stop()
         if self._etcd:
             self._etcd.stop()
+
+    @property
+    def pki(self) -> Pki:
+        assert self._pki is not None, "start() first"
+        return self._pki
 
     @property
     def log_dir(self) -> Path:
@@ -204,7 +239,7 @@ class KubeControlPlane:
 
     def _write_kubeconfig(self, user: str, token: str) -> Path:
         assert self._pki is not None
-        path = self.workdir / f"{user}.kubeconfig"
+        path = self.workdir / f"{user.replace(':', '-')}.kubeconfig"
         config = {
             "apiVersion": "v1",
             "kind": "Config",

@@ -28,16 +28,18 @@ def _openssl(*args: str, cwd: Path) -> None:
     subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
-def make_pki(directory: Path) -> Pki:
-    """CA, apiserver serving certificate and service-account signing key pair."""
+def make_pki(directory: Path, extra_sans: tuple[str, ...] = ()) -> Pki:
+    """CA, apiserver serving certificate (for `extra_sans` too, e.g. `IP:10.250.0.1`) and
+    service-account signing key pair."""
     d = directory
+    sans = ",".join((_SERVER_SANS, *extra_sans))
     d.mkdir(parents=True, exist_ok=True)
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl("req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.crt", "-days", "3650",
              "-subj", "/CN=kvrail-test-ca", cwd=d)  # fmt: skip
     _openssl("req", *ec, "-keyout", "apiserver.key", "-out", "apiserver.csr",
              "-subj", "/CN=kube-apiserver", cwd=d)  # fmt: skip
-    (d / "server.ext").write_text(f"subjectAltName={_SERVER_SANS}\nextendedKeyUsage=serverAuth\n")
+    (d / "server.ext").write_text(f"subjectAltName={sans}\nextendedKeyUsage=serverAuth\n")
     _openssl("x509", "-req", "-in", "apiserver.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
              "-CAcreateserial", "-out", "apiserver.crt", "-days", "3650",
              "-extfile", "server.ext", cwd=d)  # fmt: skip
@@ -61,3 +63,23 @@ def issue_serving_cert(
              "-CAcreateserial", "-out", f"{name}.crt", "-days", "3650",
              "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
     return ServingCert(cert_file=d / f"{name}.crt", key_file=d / f"{name}.key", ca_file=pki.ca_crt)
+
+
+@dataclass(frozen=True)
+class ClientCert:
+    cert_file: Path
+    key_file: Path
+
+
+def issue_client_cert(pki: Pki, name: str, common_name: str, organization: str) -> ClientCert:
+    """A client certificate `<name>.crt` (key `<name>.key`) for user `common_name` in group
+    `organization`, signed by the PKI's CA, next to it."""
+    d = pki.ca_crt.parent
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr",
+             "-subj", f"/O={organization}/CN={common_name}", cwd=d)  # fmt: skip
+    (d / f"{name}.ext").write_text("extendedKeyUsage=clientAuth\n")
+    _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+             "-CAcreateserial", "-out", f"{name}.crt", "-days", "3650",
+             "-extfile", f"{name}.ext", cwd=d)  # fmt: skip
+    return ClientCert(cert_file=d / f"{name}.crt", key_file=d / f"{name}.key")

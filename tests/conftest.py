@@ -1,4 +1,5 @@
-"""Session-scoped real servers: etcd, NATS with JetStream, and a Kubernetes control plane.
+"""Session-scoped real servers: etcd, NATS with JetStream, a Kubernetes control plane, and a
+real node with a Gateway (`real_cluster`).
 
 Each server binds to a free loopback port, keeps its data and log under pytest's temporary
 directory (kept after the run; the path is printed when a test failed) and is stopped at the end
@@ -8,6 +9,7 @@ of the session. Under CI=true a missing binary fails the test instead of skippin
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -22,6 +24,9 @@ from kvrail.testing.kube import (
     default_bin_dir,
     missing_binaries,
 )
+from kvrail.testing.node import NODE_BINARIES, NODE_TOOLS
+from kvrail.testing.real_cluster import RealCluster
+from kvrail.testing.real_cluster import real_cluster as real_cluster_of
 
 IN_CI = os.environ.get("CI") == "true"
 _LOG_DIRS: list[Path] = []
@@ -110,6 +115,26 @@ def gateway_api_crds() -> Path:
     if not (folder / "gateway.networking.k8s.io_httproutes.yaml").is_file():
         _unavailable(f"Gateway API CRDs not in {folder}; run `make k8s-binaries`")
     return folder
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    """The control plane with one real node (kubelet, containerd, runc, CNI bridge, kube-proxy),
+    CoreDNS, Traefik as the Gateway API implementation and kvrail's image loaded: root only.
+    About 16 s to start warm; the tests leave it idle (nothing but CoreDNS and Traefik)."""
+    if os.geteuid() != 0:
+        _unavailable("the real node needs root (network namespaces, mounts, cgroups)")
+    tools = [t for t in NODE_TOOLS if shutil.which(t) is None]
+    if tools:
+        _unavailable(f"the real node needs {tools}: run `make node-deps`")
+    _require_binaries(
+        (*APISERVER_BINARIES, "kube-controller-manager", "kube-scheduler", *NODE_BINARIES, "helm")
+    )
+    root = tmp_path_factory.mktemp("real-cluster")
+    _LOG_DIRS.append(root)
+    cache = Path(os.environ.get("KVRAIL_CACHE") or Path.home() / ".cache/kvrail")
+    with real_cluster_of(root, k8s_bin_dir(), cache) as cluster:
+        yield cluster
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:

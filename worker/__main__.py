@@ -31,7 +31,7 @@ from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
-from kvrail.worker import metrics
+from kvrail.worker import health, metrics
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.roles.context import WorkerContext
@@ -139,6 +139,7 @@ class Worker:
                 await role.start()
             record = _with(record, is_ready=True)
             await _update(registration, record)
+            health.set_ready(True)
             log.info(
                 "worker ready worker=%s role=%s incarnation=%d agent=%s fingerprint=%s "
                 "blocks=%d block_bytes=%d device=%s transport=%s",
@@ -161,6 +162,7 @@ class Worker:
                 )  # fmt: skip
                 await _update(registration, record)
             log.info("worker draining worker=%s", self.worker_id)
+            health.set_ready(False)
             await _update(registration, _with(record, is_ready=False))
             for role in roles:
                 await role.drain(settings.drain_timeout_s)
@@ -216,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
     if settings.http_port is not None:
-        metrics.serve(settings.http_port)
+        health.serve(settings.http_port)
     if settings.torch_num_threads is not None:
         torch.set_num_threads(settings.torch_num_threads)
     role: WorkerRole = "colocated" if args.role == "both" else args.role

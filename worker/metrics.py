@@ -1,9 +1,10 @@
 """A worker's Prometheus metrics (names from `kvrail.metrics`), served on `http_port` when the
-settings set one. Labels are identifiers only: stage, transport, reason."""
+settings set one (`kvrail.worker.health`). Labels are identifiers only: stage, transport,
+reason."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from kvrail import metrics
 
@@ -52,8 +53,3 @@ WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=
 KV_CACHE_UTILIZATION = Gauge(
     metrics.KV_CACHE_UTILIZATION, "Fraction of KV blocks held by requests", registry=REGISTRY
 )
-
-
-def serve(port: int, addr: str = "0.0.0.0") -> None:
-    """Serve /metrics from a daemon thread."""
-    start_http_server(port, addr=addr, registry=REGISTRY)

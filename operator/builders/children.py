@@ -12,6 +12,7 @@ from kvrail.operator.builders.deployment import build_deployment
 from kvrail.operator.builders.httproute import build_httproute
 from kvrail.operator.builders.networkpolicy import build_network_policy, network_policy_name
 from kvrail.operator.builders.pdb import build_pdb
+from kvrail.operator.builders.secret import build_infrastructure_secret, infrastructure_secret_name
 from kvrail.operator.builders.service import build_router_service, build_worker_service
 from kvrail.operator.builders.statefulset import build_statefulset
 
@@ -29,14 +30,18 @@ class ChildRef(NamedTuple):
 def build_children(
     pool: InferencePool, ctx: BuildContext, replicas: Mapping[Role, int] | None = None
 ) -> list[dict[str, Any]]:
-    """All desired children: config and the workers' NetworkPolicy first (no worker runs
-    unprotected), then Services, workloads, budgets and the route.
+    """All desired children: config, the operator's access to its servers (when the pool uses
+    them) and the workers' NetworkPolicy first (no worker runs unprotected or without its
+    credentials), then Services, workloads, budgets and the route.
 
     `replicas` overrides the worker StatefulSets' sizes (see
     `kvrail.operator.autoscale.replicas`)."""
     sizes = replicas or {}
     roles = [r for r in ROLES if pool.role(r) is not None]
     out: list[dict[str, Any]] = [build_configmap(pool)]
+    secret = build_infrastructure_secret(pool, ctx)
+    if secret is not None:
+        out.append(secret)
     if ctx.network_policies:
         out.append(build_network_policy(pool))
     out += [build_worker_service(pool, r) for r in roles]
@@ -58,13 +63,14 @@ def ref(manifest: dict[str, Any]) -> ChildRef:
 def stale_children(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     """Children the pool may have had but must not have now (e.g. prefill after a switch to
     colocated mode, the HTTPRoute after the gateway is removed, the NetworkPolicy after the
-    operator's were turned off); the handler deletes them."""
-    every = _every_possible(pool)
+    operator's were turned off, the infrastructure Secret once the pool names its own servers);
+    the handler deletes them."""
+    every = _every_possible(pool, ctx)
     wanted = {ref(m) for m in build_children(pool, ctx)}
     return [r for r in every if r not in wanted]
 
 
-def _every_possible(pool: InferencePool) -> list[ChildRef]:
+def _every_possible(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     name = pool.metadata.name
     out = []
     for role in ROLES:
@@ -76,4 +82,6 @@ def _every_possible(pool: InferencePool) -> list[ChildRef]:
         ]
     out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
     out.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(pool)))
+    if ctx.share_access:
+        out.append(ChildRef("v1", "Secret", infrastructure_secret_name(pool)))
     return out

@@ -11,7 +11,9 @@ from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env, setting
 from kvrail.operator.builders.meta import (
     CONFIG_HASH_ANNOTATION,
+    ROUTER_LIVE_PATH,
     ROUTER_PORT,
+    ROUTER_READY_PATH,
     child_name,
     config_name,
     labels,
@@ -51,7 +53,7 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
         "env": env,
         "securityContext": container_security_context([]),
         "volumeMounts": mounts,
-        **probes(slow_start=False),
+        **probes(slow_start=True, ready_path=ROUTER_READY_PATH, live_path=ROUTER_LIVE_PATH),
     }
     resources = {k: dict(v) for k, v in router.resources.model_dump().items() if v}
     if resources:

@@ -15,6 +15,14 @@ from kvrail.crd.spec import EndpointSpec, RoleSpec
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.meta import ROUTER_PORT, WORKER_PORT, model_hash
 from kvrail.operator.builders.placement import ucx_tls
+from kvrail.operator.builders.secret import (
+    Service,
+    ca_key,
+    infrastructure_secret_name,
+    password_key,
+    shared_access,
+    username_key,
+)
 
 SECRETS_DIR = "/var/run/secrets/kvrail"
 CACHE_DIR = "/var/cache/kvrail"
@@ -45,7 +53,9 @@ def identity_env(pool: InferencePool) -> list[dict[str, Any]]:
 def infrastructure(
     pool: InferencePool, ctx: BuildContext
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
-    """(env, volumes, volumeMounts) for etcd and NATS: endpoints and credential files."""
+    """(env, volumes, volumeMounts) for etcd and NATS: endpoints and credential files, from the
+    pool's own Secrets for a server it names, else from `<pool>-infrastructure` (the operator's
+    access to its default servers, `builders.secret`) when the operator has any."""
     infra = pool.spec.infrastructure
     endpoints = infra.etcd.endpoints if infra.etcd else list(ctx.etcd_endpoints)
     env = [
@@ -54,49 +64,75 @@ def infrastructure(
     ]
     volumes: list[dict[str, Any]] = []
     mounts: list[dict[str, Any]] = []
-    for service, user_field, spec in (
+    shared = shared_access(pool, ctx)
+    shared_secret = infrastructure_secret_name(pool)
+    servers: tuple[tuple[Service, str, EndpointSpec | None], ...] = (
         ("etcd", "etcd_username", infra.etcd),
         ("nats", "nats_user", infra.nats),
-    ):
-        if spec is None:
-            continue
-        _credentials(service, user_field, spec, env, volumes, mounts)
+    )
+    for service, user_field, spec in servers:
+        files = _Files(service, user_field, env, volumes, mounts)
+        if spec is not None:
+            if spec.credentials_secret:
+                files.credentials(spec.credentials_secret, "username", "password")
+            if spec.ca_secret:
+                files.ca(spec.ca_secret, "ca.crt")
+        elif service in shared:
+            access = shared[service]
+            if access.username is not None or access.password is not None:
+                files.credentials(
+                    shared_secret,
+                    username_key(service) if access.username is not None else None,
+                    password_key(service) if access.password is not None else None,
+                )
+            if access.ca_pem is not None:
+                files.ca(shared_secret, ca_key(service))
     return env, volumes, mounts
 
 
-def _credentials(
-    service: str,
-    user_field: str,
-    spec: EndpointSpec,
-    env: list[dict[str, Any]],
-    volumes: list[dict[str, Any]],
-    mounts: list[dict[str, Any]],
-) -> None:
-    if spec.credentials_secret:
-        volume = f"{service}-credentials"
-        secret = spec.credentials_secret
-        env.append(
-            {
-                "name": f"KVRAIL_{user_field.upper()}",
-                "valueFrom": {"secretKeyRef": {"name": secret, "key": "username"}},
-            }
-        )
-        env.append(setting(f"{service}_password_file", f"{SECRETS_DIR}/{volume}/password"))
-        volumes.append(_secret_volume(volume, secret, "password"))
-        mounts.append(_mount(volume))
-    if spec.ca_secret:
-        volume = f"{service}-ca"
-        env.append(setting(f"{service}_ca_file", f"{SECRETS_DIR}/{volume}/ca.crt"))
-        volumes.append(_secret_volume(volume, spec.ca_secret, "ca.crt"))
-        mounts.append(_mount(volume))
+class _Files:
+    """Adds one server's credential env, volumes and mounts (paths are the same whichever
+    Secret they come from)."""
+
+    def __init__(
+        self,
+        service: Service,
+        user_field: str,
+        env: list[dict[str, Any]],
+        volumes: list[dict[str, Any]],
+        mounts: list[dict[str, Any]],
+    ) -> None:
+        self.service, self.user_field = service, user_field
+        self.env, self.volumes, self.mounts = env, volumes, mounts
+
+    def credentials(self, secret: str, user_item: str | None, password_item: str | None) -> None:
+        if user_item is not None:
+            self.env.append(
+                {
+                    "name": f"KVRAIL_{self.user_field.upper()}",
+                    "valueFrom": {"secretKeyRef": {"name": secret, "key": user_item}},
+                }
+            )
+        if password_item is not None:
+            volume = f"{self.service}-credentials"
+            path = f"{SECRETS_DIR}/{volume}/password"
+            self.env.append(setting(f"{self.service}_password_file", path))
+            self.volumes.append(_secret_volume(volume, secret, password_item, "password"))
+            self.mounts.append(_mount(volume))
+
+    def ca(self, secret: str, item: str) -> None:
+        volume = f"{self.service}-ca"
+        self.env.append(setting(f"{self.service}_ca_file", f"{SECRETS_DIR}/{volume}/ca.crt"))
+        self.volumes.append(_secret_volume(volume, secret, item, "ca.crt"))
+        self.mounts.append(_mount(volume))
 
 
-def _secret_volume(volume: str, secret: str, key: str) -> dict[str, Any]:
+def _secret_volume(volume: str, secret: str, key: str, path: str) -> dict[str, Any]:
     return {
         "name": volume,
         "secret": {
             "secretName": secret,
-            "items": [{"key": key, "path": key}],
+            "items": [{"key": key, "path": path}],
             "defaultMode": 0o440,
         },
     }

@@ -16,9 +16,14 @@ ROLE_LABEL = "kvrail.dev/role"
 MODEL_HASH_LABEL = "kvrail.dev/model-hash"
 CONFIG_HASH_ANNOTATION = "kvrail.dev/config-hash"
 WORKER_PORT = 8080
-"""Health and metrics port of a worker (`/readyz`, `/livez`, `/metrics`)."""
+"""Health and metrics port of a worker (`/readyz`, `/livez`, `/metrics`: `kvrail.worker.health`)."""
+WORKER_READY_PATH = "/readyz"
+WORKER_LIVE_PATH = "/livez"
 ROUTER_PORT = 8000
-"""OpenAI API, health and metrics port of the router."""
+"""OpenAI API, health and metrics port of the router (`kvrail.router.app`)."""
+ROUTER_READY_PATH = "/ready"
+"""200 once the router knows a ready decode worker, 503 before."""
+ROUTER_LIVE_PATH = "/health"
 
 
 def child_name(pool: InferencePool, component: Component) -> str:

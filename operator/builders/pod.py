@@ -54,14 +54,17 @@ def http_probe(path: str, port: str, period_s: int, failures: int) -> dict[str, 
     }
 
 
-def probes(slow_start: bool) -> dict[str, Any]:
-    """Readiness and liveness; workers load a model first, so a startup probe allows 10 min."""
+def probes(slow_start: bool, ready_path: str, live_path: str) -> dict[str, Any]:
+    """Readiness and liveness, and with `slow_start` a startup probe that allows 10 min before
+    liveness counts: workers load (and at first start convert) a model, the router its
+    tokenizer (converted from the GGUF file on an empty cache: half a minute on a busy core).
+    The paths are the component's own (`meta.WORKER_*_PATH`, `meta.ROUTER_*_PATH`)."""
     out = {
-        "readinessProbe": http_probe("/readyz", "http", 5, 3),
-        "livenessProbe": http_probe("/livez", "http", 10, 3),
+        "readinessProbe": http_probe(ready_path, "http", 5, 3),
+        "livenessProbe": http_probe(live_path, "http", 10, 3),
     }
     if slow_start:
-        out["startupProbe"] = http_probe("/livez", "http", 10, 60)
+        out["startupProbe"] = http_probe(live_path, "http", 10, 60)
     return out
 
 

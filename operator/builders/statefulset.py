@@ -21,7 +21,9 @@ from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import worker_env
 from kvrail.operator.builders.meta import (
     MODEL_HASH_LABEL,
+    WORKER_LIVE_PATH,
     WORKER_PORT,
+    WORKER_READY_PATH,
     child_name,
     labels,
     model_hash,
@@ -59,7 +61,7 @@ def worker_container(
         "resources": placement.resources(pool, spec),
         "securityContext": container_security_context(placement.capabilities(pool)),
         "volumeMounts": [*volumes.scratch_mounts, *volumes.secret_mounts, *volumes.model_mounts],
-        **probes(slow_start=True),
+        **probes(slow_start=True, ready_path=WORKER_READY_PATH, live_path=WORKER_LIVE_PATH),
     }
 
 

@@ -132,6 +132,9 @@ capabilities:
 {{- if and (index .Values.operator "metricsPort") (eq (int (index .Values.operator "metricsPort")) 8080) -}}
 {{- fail "operator.metricsPort must not be 8080, the operator's health port" -}}
 {{- end -}}
+{{- if and .Values.gateway.enabled (not .Values.gateway.className) -}}
+{{- fail "gateway.className is required when gateway.enabled is true (your Gateway API implementation's GatewayClass)" -}}
+{{- end -}}
 {{- if and .Values.operator.enabled (not .Values.operator.serviceAccount.create) (not .Values.operator.serviceAccount.name) -}}
 {{- fail "operator.serviceAccount.name is required when operator.serviceAccount.create is false" -}}
 {{- end -}}

@@ -1,7 +1,10 @@
 {{/*
 A generated credentials Secret for etcd or NATS (keys username and password), unless
 <component>.auth.existingSecret names one. The password is random at install and kept on upgrade
-(read back with lookup); `helm template` cannot look up, so it renders a fresh one.
+(read back with lookup); `helm template` cannot look up, so it renders a fresh one. With
+persistence on, the Secret outlives `helm uninstall` (resource-policy keep) like the server's
+PersistentVolumeClaim: its data is protected by that password, which a reinstall must reuse.
+Without persistence nothing outlives the release.
 */}}
 {{- define "kvrail.generatedCredentials" -}}
 {{- $block := index .ctx.Values .component -}}
@@ -15,8 +18,10 @@ metadata:
   namespace: {{ .ctx.Release.Namespace }}
   labels:
     {{- include "kvrail.labels" (dict "ctx" .ctx "component" .component) | nindent 4 }}
+  {{- if $block.persistence.enabled }}
   annotations:
     helm.sh/resource-policy: keep
+  {{- end }}
 type: Opaque
 data:
   username: {{ .username | b64enc }}

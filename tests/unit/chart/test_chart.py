@@ -186,18 +186,25 @@ def test_rbac_is_cluster_wide_only_without_watch_namespaces(helm_binary: Path) -
         ("ClusterRole", ""), ("ClusterRoleBinding", ""),
         ("Role", "a"), ("Role", "b"), ("RoleBinding", "a"), ("RoleBinding", "b"),
     ]  # fmt: skip
-    text = template(helm_binary, "--show-only", "templates/rbac/clusterrole.yaml")
-    granted = {
-        (r, v)
-        for doc in docs(text)
-        if doc["kind"] == "ClusterRole"
-        for rule in doc["rules"]
-        for r in rule["resources"]
-        for v in rule["verbs"]
-    }
-    assert not {v for r, v in granted if r in {"secrets", "pods", "nodes"}}
-    assert all(v != "*" and r != "*" for r, v in granted)
-    assert ("inferencepools/status", "patch") in granted
+
+    def granted(*values: str) -> set[tuple[str, str]]:
+        text = template(helm_binary, "--show-only", "templates/rbac/clusterrole.yaml", *values)
+        return {
+            (r, v)
+            for doc in docs(text)
+            if doc["kind"] == "ClusterRole"
+            for rule in doc["rules"]
+            for r in rule["resources"]
+            for v in rule["verbs"]
+        }
+
+    rules = granted()
+    assert not {v for r, v in rules if r in {"pods", "nodes"}}
+    # Secrets: written (a pool's <pool>-infrastructure), never read; none without shareAccess.
+    assert {v for r, v in rules if r == "secrets"} == {"create", "patch", "delete"}
+    assert not {v for r, v in granted("--set", "operator.shareAccess=false") if r == "secrets"}
+    assert all(v != "*" and r != "*" for r, v in rules)
+    assert ("inferencepools/status", "patch") in rules
 
 
 @pytest.mark.helm

@@ -11,6 +11,9 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
 - networkpolicies: each pool's workers' policy is a child like any other (create, patch), and
   delete removes it where KVRAIL_OPERATOR_NETWORK_POLICIES is false (networkPolicies.enabled);
   the rule stays when they are off, so turning them off cleans up what the operator made.
+- secrets, only with operator.shareAccess, and only written, never read: <pool>-infrastructure
+  carries the operator's own etcd and NATS access (from its mounted files) to a pool that names
+  no servers of its own; delete removes it once the pool names its own.
 */}}
 {{- define "kvrail.operator.poolRules" -}}
 - apiGroups: [kvrail.dev]
@@ -28,6 +31,11 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
 - apiGroups: [""]
   resources: [configmaps]
   verbs: [create, patch]
+{{- if .Values.operator.shareAccess }}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, patch, delete]
+{{- end }}
 - apiGroups: [""]
   resources: [services]
   verbs: [create, patch, delete]
