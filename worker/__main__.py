@@ -186,6 +186,7 @@ class Worker:
             await msg.respond(reply.encode())
 
         debug_sub = await nc.subscribe(self.keys.debug(self.worker_id), cb=answer_debug)
+        deregistered = False
         await kv_events.start()
         try:
             await asyncio.wait_for(peers.ready.wait(), timeout=30.0)
@@ -222,6 +223,7 @@ class Worker:
                 )  # fmt: skip
                 await _update(registration, record)
             if self.failed is not None:
+                deregistered = True
                 await _fail_fast(registration, roles)
             else:
                 log.info("worker draining worker=%s", self.worker_id)
@@ -235,7 +237,8 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await peers_task
             try:
-                await registration.close()
+                if not deregistered:  # a failed worker deregistered first thing
+                    await registration.close()
             except aetcd.exceptions.ClientError as err:  # the lease expired already
                 log.warning("deregistration failed worker=%s error=%s", self.worker_id, err)
             if self.failed is None:

@@ -6,8 +6,10 @@ store, builds its model shard (reading only its shard of each weight) and its KV
 the KV shard as its own NIXL agent (served to rank 0 on the transfer socket by a thread), says
 `Ready` with that agent's metadata, and then runs rank 0's commands until `Stop`
 (`kvrail.worker.engine.rank_loop`). It dies with rank 0: when the lifeline pipe closes (rank 0's
-process is gone, however it died) it exits at once, even from inside a collective. Logs hold ids
-and sizes only.
+process is gone, however it died) it exits at once, even from inside a collective. It ignores
+SIGTERM and SIGINT: rank 0 alone decides when it stops (a terminal's Ctrl-C or a signal to the
+whole process group reaches the ranks too, and must not fail a worker that drains cleanly). Logs
+hold ids and sizes only.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import datetime
 import logging
 import os
 import pickle
+import signal
 import sys
 import threading
 from multiprocessing.connection import Connection
@@ -105,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfers", type=int, required=True)
     parser.add_argument("--lifeline", type=int, required=True)
     args = parser.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     threading.Thread(target=_watch_lifeline, args=(args.lifeline,), daemon=True).start()
     commands, transfers = Connection(args.commands), Connection(args.transfers)
     spec: RankSpec = commands.recv()

@@ -89,6 +89,11 @@ def tp_engine() -> Iterator[Any]:
         built.engine.model.group.close()
 
 
+def _step_until(engine: Any, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        engine.step()
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -137,8 +142,7 @@ def test_a_killed_rank_fails_the_next_step_and_nothing_outlives_the_engine(
     os.kill(built.ranks.pids[0], signal.SIGKILL)
     deadline = time.monotonic() + 30
     with pytest.raises((RankLostError, RuntimeError)):
-        while time.monotonic() < deadline:
-            engine.step()
+        _step_until(engine, deadline)
     assert time.monotonic() < deadline, "steps kept running without their rank"
     while not lost and time.monotonic() < deadline:
         time.sleep(0.05)
