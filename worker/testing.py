@@ -131,12 +131,13 @@ def make_engine(
     return LLMEngine(model, config, fingerprint, eos_token_id=eos)
 
 
-def write_random_model(path: Any, seed: int = 0, **overrides: Any) -> Any:
+def write_random_model(path: Any, seed: int = 0, dtype: Any = None, **overrides: Any) -> Any:
     """A model directory as a worker loads one (config.json, model.safetensors, tokenizer files):
-    a random-weight Llama (transformers' own initialisation, seeded) with SmolLM2's tokenizer, so
-    its vocabulary (`vocab_size`, default 49155: not a multiple of 2 or 4, so tensor-parallel
-    vocabulary shards are padded) covers the tokenizer's. `overrides` go to the config (defaults:
-    4 layers, hidden 64, 8 heads, 4 KV heads). Returns `path`."""
+    a random-weight Llama (transformers' own initialisation, seeded, in `dtype`: float32 unless
+    given) with SmolLM2's tokenizer, so its vocabulary (`vocab_size`, default 49155: not a
+    multiple of 2 or 4, so tensor-parallel vocabulary shards are padded) covers the tokenizer's.
+    `overrides` go to the config (defaults: 4 layers, hidden 64, 8 heads, 4 KV heads). Returns
+    `path`."""
     from pathlib import Path
 
     import torch
@@ -158,7 +159,12 @@ def write_random_model(path: Any, seed: int = 0, **overrides: Any) -> Any:
     values.update(overrides)
     config = LlamaConfig(**values)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).eval()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)

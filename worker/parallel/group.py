@@ -9,9 +9,9 @@ A group of size 1 runs no collective at all and initialises nothing.
 
 Guarantees: a collective whose peer died raises (gloo at once: the peer's socket closes; NCCL
 within `timeout_s`, or sooner when `abort()` is called from another thread), it never returns a
-partial result. `seconds` adds up the wall time spent in collectives when `timed` (benchmarks:
-on CPU the collectives are synchronous, so this is their share of a step; on a GPU it measures
-only the host's enqueueing).
+partial result. `seconds` adds up the wall time spent in collectives when `timed`, per collective
+in `seconds_by_op` (benchmarks: on CPU the collectives are synchronous, so this is their share of
+a step, waits for the slower rank included; on a GPU it measures only the host's enqueueing).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class TpGroup:
         self._pg = process_group
         self.timed = False
         self.seconds = 0.0
+        self.seconds_by_op: dict[str, float] = {}
         self.num_collectives = 0
 
     @classmethod
@@ -79,7 +80,7 @@ class TpGroup:
         return self.rank == 0
 
     @contextlib.contextmanager
-    def _timing(self) -> Iterator[None]:
+    def _timing(self, op: str) -> Iterator[None]:
         self.num_collectives += 1
         if not self.timed:
             yield
@@ -88,7 +89,9 @@ class TpGroup:
         try:
             yield
         finally:
-            self.seconds += time.perf_counter() - started
+            elapsed = time.perf_counter() - started
+            self.seconds += elapsed
+            self.seconds_by_op[op] = self.seconds_by_op.get(op, 0.0) + elapsed
 
     def _group(self) -> object:
         if self._pg is None:
@@ -100,7 +103,7 @@ class TpGroup:
         if self.size == 1:
             return x
         self._group()
-        with self._timing():
+        with self._timing("all_reduce"):
             dist.all_reduce(x, group=self._pg)  # type: ignore[arg-type]
         return x
 
@@ -112,7 +115,7 @@ class TpGroup:
         self._group()
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_first else None
-        with self._timing():
+        with self._timing("gather"):
             dist.gather(x, parts, dst=0, group=self._pg)  # type: ignore[arg-type]
         return torch.cat(parts, dim=-1) if parts is not None else None
 
@@ -121,7 +124,7 @@ class TpGroup:
         if self.size == 1:
             return x
         self._group()
-        with self._timing():
+        with self._timing("broadcast"):
             dist.broadcast(x, src=0, group=self._pg)  # type: ignore[arg-type]
         return x
 
