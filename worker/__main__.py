@@ -132,7 +132,8 @@ class Worker:
             loop = asyncio.get_running_loop()
 
             def on_lost(rank: int, code: int | None) -> None:  # on the rank's watcher thread
-                loop.call_soon_threadsafe(self.fail, f"rank_{rank}_lost_exit_{code}")
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the worker ended
+                    loop.call_soon_threadsafe(self.fail, f"rank_{rank}_lost_exit_{code}")
 
             built.ranks.on_lost(on_lost)
         fingerprint = engine.fingerprint.digest
@@ -243,9 +244,11 @@ class Worker:
                 log.warning("deregistration failed worker=%s error=%s", self.worker_id, err)
             if self.failed is None:
                 await service.close()
-            else:  # the engine thread may be stuck in a collective: bounded
-                with contextlib.suppress(TimeoutError):
+            else:  # bounded: the engine thread may be stuck in a collective, or fail on its ranks
+                try:
                     await asyncio.wait_for(service.close(1.0), _FAILED_TEARDOWN_S)
+                except Exception as err:  # the worker exits 1 either way
+                    log.warning("engine close failed worker=%s error=%r", self.worker_id, err)
             await kv_events.close()
             await nc.drain()
             await etcd.close()

@@ -69,6 +69,7 @@ class RankSet:
         self.store = store
         self._ranks = ranks
         self._lock = threading.Lock()
+        self._send_lock = threading.Lock()  # one command at a time on every socket
         self._closing = False
         self.lost: tuple[int, int | None] | None = None
         self._on_lost: list[OnLost] = []
@@ -156,12 +157,13 @@ class RankSet:
         """`RankPeers.send`: to every rank, in order; RankLostError once a rank is gone."""
         self._check_lost()
         payload = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
-        for r in self._ranks:
-            try:
-                r.commands.send_bytes(payload)
-            except OSError as err:
-                self._lose(r.rank, r.proc.poll())
-                raise RankLostError(f"rank {r.rank} is gone") from err
+        with self._send_lock:
+            for r in self._ranks:
+                try:
+                    r.commands.send_bytes(payload)
+                except OSError as err:
+                    self._lose(r.rank, r.proc.poll())
+                    raise RankLostError(f"rank {r.rank} is gone") from err
 
     def _check_lost(self) -> None:
         if self.lost is not None:
@@ -192,11 +194,12 @@ class RankSet:
                 return
             self._closing = True
         payload = pickle.dumps(Stop())
-        for r in self._ranks:
-            try:
-                r.commands.send_bytes(payload)
-            except OSError:
-                pass
+        with self._send_lock:
+            for r in self._ranks:
+                try:
+                    r.commands.send_bytes(payload)
+                except OSError:
+                    pass
         deadline = time.monotonic() + _STOP_GRACE_S
         for r in self._ranks:
             try:

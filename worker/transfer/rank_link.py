@@ -21,6 +21,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from kvrail.errors import TransferError
 from kvrail.worker.transfer.kv_connector import KvConnector
 
@@ -33,6 +35,8 @@ _METHODS = ("add_peer", "remove_peer", "write", "block_checksums", "transport_to
 def serve_transfers(conn: Connection, connector: KvConnector, stopping: threading.Event) -> None:
     """Run rank 0's calls on `connector` until `stopping` or the link closes (a thread of the
     rank process; the connector's only caller)."""
+    if connector.region.tensor.is_cuda:  # the current device is per thread; kernels use it
+        torch.cuda.set_device(connector.region.tensor.device)
     while not stopping.is_set():
         try:
             if conn.poll(_POLL_S):
