@@ -22,6 +22,7 @@ import signal
 import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NatsClient
@@ -48,6 +49,17 @@ def prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
     return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))
 
 
+def gpus(first: int) -> dict[str, str]:
+    """On a machine with 4 GPUs or more (the multi-GPU run), each two-rank worker its own pair:
+    the decode worker's ranks on GPUs 2 and 3, so shards cross GPUs. Elsewhere nothing: on CPU
+    all run there; with 2 or 3 GPUs both two-rank workers share GPUs 0 and 1."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 4:
+        return {"CUDA_VISIBLE_DEVICES": f"{first},{first + 1}"}
+    return {}
+
+
 @pytest.fixture(scope="module")
 def pool(
     etcd_server: EtcdServer, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
@@ -63,11 +75,12 @@ def pool(
         "KVRAIL_KV_LOAD_FAILURE_POLICY": "recompute",
         "KVRAIL_NUM_KV_BLOCKS": "96",
         "KVRAIL_MAX_MODEL_LEN": "1024",
+        "KVRAIL_DTYPE": "float32",  # exact comparisons on GPUs too (auto is bfloat16 there)
     })  # fmt: skip
     try:
-        p.start("prefill-0", "prefill", KVRAIL_FAULT_DELAY_KV_WRITES_S="2", **TP)
-        p.start("decode-0", "decode", **TP)
-        p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated")
+        p.start("prefill-0", "prefill", KVRAIL_FAULT_DELAY_KV_WRITES_S="2", **TP, **gpus(0))
+        p.start("decode-0", "decode", **TP, **gpus(2))
+        p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated", **gpus(0))
         for worker_id in p.procs:
             p.wait_ready(worker_id)
         yield p
@@ -122,11 +135,12 @@ def rank_pids(pool: LocalPool, worker_id: str) -> list[int]:
 
 
 def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped yet, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 async def wait_gone(pool: LocalPool, worker_id: str, timeout_s: float) -> float:

@@ -3,7 +3,9 @@ the one-device engine's, token for token in float32, on a prompt set with mixed 
 prefill, prefix-cache hits and async scheduling, for TP=2 and TP=4 on a random-weight model
 (8 heads, 2 KV heads: split at TP=2, replicated at TP=4) and TP=3 on the real SmolLM2 (9 heads,
 3 KV heads). Every engine ends empty. Killing one rank with SIGKILL fails the next step with an
-error, never a hang, and nothing the engine started outlives it."""
+error, never a hang, and nothing the engine started outlives it. Under the `gpu` marker the same
+on CUDA (NCCL between GPUs, CUDA graphs with the collectives inside, async scheduling), where the
+machine has the GPUs."""
 
 from __future__ import annotations
 
@@ -72,9 +74,9 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tp_engine() -> Iterator[Any]:
     started: list[BuiltEngine] = []
 
-    def build(source: str, size: int, **overrides: Any) -> BuiltEngine:
+    def build(source: str, size: int, device_type: str = "cpu", **overrides: Any) -> BuiltEngine:
         built = build_engine(
-            source, config(**overrides), dtype=torch.float32, device_type="cpu",
+            source, config(**overrides), dtype=torch.float32, device_type=device_type,
             tensor_parallel_size=size, torch_num_threads=1,
         )  # fmt: skip
         started.append(built)
@@ -95,11 +97,12 @@ def _step_until(engine: Any, deadline: float) -> None:
 
 
 def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped yet, does not)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.parametrize("size", [2, 4])
@@ -129,10 +132,31 @@ def test_smollm2_on_three_ranks_decodes_exactly_like_one_device(tp_engine: Any) 
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
 
 
-def test_a_killed_rank_fails_the_next_step_and_nothing_outlives_the_engine(
-    random_model: Path, tp_engine: Any
+def needs_gpus(n: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 4])
+def test_on_gpus_a_split_model_with_graphs_and_async_decodes_like_one_gpu(
+    random_model: Path, tp_engine: Any, size: int
 ) -> None:
-    built = tp_engine(str(random_model), 2)
+    needs_gpus(size)
+    expected = generate(tp_engine(str(random_model), 1, "cuda"), PROMPTS, 12)
+    split = tp_engine(str(random_model), size, "cuda")  # CUDA: graphs and async by default
+    assert split.engine.runner.decode_graphs is not None and split.engine.async_scheduling
+    got = generate(split, PROMPTS, 12)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_killed_rank_fails_the_next_step_and_nothing_outlives_the_engine(
+    random_model: Path, tp_engine: Any, device_type: str
+) -> None:
+    if device_type == "cuda":
+        needs_gpus(2)
+    built = tp_engine(str(random_model), 2, device_type)
     assert built.ranks is not None
     lost: list[tuple[int, int | None]] = []
     built.ranks.on_lost(lambda rank, code: lost.append((rank, code)))
@@ -149,3 +173,41 @@ def test_a_killed_rank_fails_the_next_step_and_nothing_outlives_the_engine(
     assert lost == [(1, -signal.SIGKILL)]
     with pytest.raises(RankLostError, match="rank 1 is gone"):
         built.ranks.send(object())  # type: ignore[arg-type]
+
+
+RANK_0 = """
+import sys, time, torch
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.ranks.build import build_engine
+built = build_engine(sys.argv[1], EngineConfig(num_blocks=16, block_size=4, max_model_len=64),
+                     dtype=torch.float32, device_type="cpu", tensor_parallel_size=2,
+                     torch_num_threads=1)
+print(*built.ranks.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_die_with_rank_0_however_it_dies(random_model: Path, tmp_path: Path) -> None:
+    """kill -9 of rank 0 alone (not its process group): its ranks exit at once (the lifeline)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK_0)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-P", str(script), str(random_model)], stdout=subprocess.PIPE,
+        cwd=tmp_path, text=True,
+    )  # fmt: skip
+    try:
+        assert rank0.stdout is not None
+        (pid,) = map(int, rank0.stdout.readline().split())
+        assert _alive(pid)
+        rank0.kill()
+        rank0.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "a rank outlived its rank 0"
+    finally:
+        rank0.kill()
+        rank0.wait(10)
