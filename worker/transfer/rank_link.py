@@ -34,18 +34,21 @@ _METHODS = ("add_peer", "remove_peer", "write", "block_checksums", "transport_to
 
 def serve_transfers(conn: Connection, connector: KvConnector, stopping: threading.Event) -> None:
     """Run rank 0's calls on `connector` until `stopping` or the link closes (a thread of the
-    rank process; the connector's only caller)."""
+    rank process; the connector's only caller). Closes the link when it returns, so rank 0's
+    calls fail at once from then on."""
     if connector.region.tensor.is_cuda:  # the current device is per thread; kernels use it
         torch.cuda.set_device(connector.region.tensor.device)
-    while not stopping.is_set():
-        try:
+    try:
+        while not stopping.is_set():
             if conn.poll(_POLL_S):
                 call_id, method, args = conn.recv()
                 conn.send((call_id, *_run(connector, method, args)))
             for note in connector.notifications():
                 conn.send((None, "note", note))
-        except (EOFError, OSError):
-            return
+    except (EOFError, OSError):
+        return
+    finally:
+        conn.close()
 
 
 def _run(connector: KvConnector, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:

@@ -59,6 +59,11 @@ class ShardedConnector:
         self._keys = itertools.count()
 
     @property
+    def num_partial_writes(self) -> int:
+        """Received writes held back: some of their shards have not arrived (yet, or ever)."""
+        return self._assembler.num_pending
+
+    @property
     def region(self) -> KVCache:
         return self.local.region
 
