@@ -5,7 +5,8 @@ with SmolLM2's tokenizer) on CPU: `prefill-0` and `decode-0` on two ranks each (
 agent per rank, checksums on, kvLoadFailurePolicy recompute; the prefill worker waits 2 s before
 each KV write, so a rank can die between a job's compute and its write) and `colo-0`, colocated
 on one device: the baseline. A remote prefill from the two-rank prefill worker into the two-rank
-decode worker decodes exactly like the colocated worker, and every block is free afterwards.
+decode worker decodes exactly like the colocated worker, and every block is free afterwards, as
+after a cancel between the prefill's compute and its write.
 Then the fault tests, in file order: a prefill rank is killed with SIGKILL mid-job (its worker
 fails as a whole, its lease goes at once, the decode worker recomputes), then a decode rank
 mid-request (the request ends with an error event, the worker's lease goes, it exits 1);
@@ -31,7 +32,7 @@ from kvrail.bus import connect
 from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, TokenEvent
+from kvrail.messages import Cancel, GenerateRequest, TokenEvent
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool
 from kvrail.worker.testing import write_random_model
@@ -97,9 +98,9 @@ async def nc(pool: LocalPool) -> NatsClient:
 
 async def generate(
     nc: NatsClient, worker_id: str, token_ids: tuple[int, ...], *, max_tokens: int = 8,
-    deadline_s: float = 60.0, started: asyncio.Event | None = None,
+    deadline_s: float = 60.0, started: asyncio.Event | None = None, request_id: str = "",
 ) -> list[TokenEvent]:  # fmt: skip
-    request_id = f"req-{uuid.uuid4().hex[:10]}"
+    request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
     subject = f"test.stream.{request_id}"
     sub = await nc.subscribe(subject)
     request = GenerateRequest(
@@ -176,6 +177,23 @@ async def test_a_remote_prefill_between_two_rank_workers_decodes_like_a_colocate
     assert local[0].prefill_mode == "local"
     assert tokens_of(local) == tokens_of(await generate(nc, "colo-0", short))
     await pool.assert_all_blocks_free(nc)
+
+
+async def test_a_cancel_during_a_remote_prefill_frees_every_block_on_both_workers(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    request_id = "cancel-tp"
+    request = asyncio.create_task(
+        generate(nc, "decode-0", prompt(LONG_PROMPT, seed=4), max_tokens=200, request_id=request_id)
+    )
+    deadline = time.monotonic() + 20
+    while (await pool.block_counts(nc, "prefill-0")).num_retained < 1:  # computed, not written
+        assert time.monotonic() < deadline, "the prefill worker never computed the job"
+        await asyncio.sleep(0.01)
+    await nc.publish(KEYS.cancel, Cancel(request_id=request_id).encode())
+    events = await asyncio.wait_for(request, 30)
+    assert events[-1].error == "cancelled"
+    await pool.assert_all_blocks_free(nc, timeout_s=15.0)
 
 
 async def test_a_prefill_rank_killed_mid_job_fails_its_worker_and_the_decode_side_recomputes(
