@@ -32,7 +32,7 @@ from kvrail.bus import connect
 from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import Cancel, GenerateRequest, TokenEvent
+from kvrail.messages import Cancel, GenerateRequest, TokenEvent, TokenEventBatch
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool
 from kvrail.worker.testing import write_random_model
@@ -114,8 +114,9 @@ async def generate(
         stop_at = time.monotonic() + deadline_s + 5
         while not events or not events[-1].is_last:
             msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
-            events.append(decode(msg.data, TokenEvent))
-            if started is not None:
+            events += [e for e in decode(msg.data, TokenEventBatch).events
+                       if e.request_id == request_id]  # fmt: skip
+            if started is not None and events:
                 started.set()
     finally:
         await sub.unsubscribe()
