@@ -34,3 +34,8 @@ class TransferError(KvrailError):
 
 class DeadlineExceededError(KvrailError):
     """A request or job ran past its deadline."""
+
+
+class RankLostError(KvrailError):
+    """A tensor-parallel rank of this worker is gone (its process died or its channel broke).
+    The worker cannot run another step: it fails as a whole."""

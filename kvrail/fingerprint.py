@@ -22,7 +22,15 @@ class ModelFingerprint:
 
     `weights_id` identifies the weights (for example the sha256 of the GGUF file or of the
     safetensors index); `tokenizer_id` the tokenizer files. The KV shape fields make a block's size
-    computable by arithmetic: `2 * num_layers * num_kv_heads * head_dim * block_size * itemsize`.
+    computable by arithmetic: `2 * num_layers * num_kv_heads * head_dim * block_size * itemsize`
+    (per rank: see `kv_bytes_per_block`).
+
+    The tensor-parallel layout is `tensor_parallel_size` T with `num_kv_heads` K: rank r of a
+    worker holds KV heads `[r * K/T, (r + 1) * K/T)` when T divides K, else (T a multiple of K)
+    the one head `r // (T/K)`, replicated. So two workers with equal fingerprints hold the same
+    heads on the same ranks, and a KV transfer moves rank i's shard to rank i. Workers of
+    different T never pair, even where a decode worker could re-shard what it receives: the
+    digest differs, so neither the router nor a prefill worker ever matches them.
     """
 
     weights_id: str
@@ -60,10 +68,11 @@ class ModelFingerprint:
                 raise ValueError(
                     f"fingerprint {name} must be at least 1, got {getattr(self, name)}"
                 )
-        if self.num_kv_heads % self.tensor_parallel_size:
+        heads, ranks = self.num_kv_heads, self.tensor_parallel_size
+        if (heads % ranks) if heads >= ranks else (ranks % heads):
             raise ValueError(
-                f"num_kv_heads={self.num_kv_heads} is not divisible by "
-                f"tensor_parallel_size={self.tensor_parallel_size}"
+                f"num_kv_heads={heads} and tensor_parallel_size={ranks}: neither is divisible "
+                "by the other, so the KV heads do not split (or replicate) over the ranks"
             )
 
     def canonical(self) -> bytes:
@@ -84,7 +93,7 @@ class ModelFingerprint:
 
     def kv_bytes_per_block(self, itemsize: int) -> int:
         """Bytes of one block across all layers, K and V, on one tensor-parallel rank."""
-        heads = self.num_kv_heads // self.tensor_parallel_size
+        heads = max(self.num_kv_heads // self.tensor_parallel_size, 1)
         return 2 * self.num_layers * heads * self.head_dim * self.block_size * itemsize
 
     def is_compatible(self, other: ModelFingerprint) -> bool:

@@ -181,6 +181,13 @@ class WorkerRecord(Message):
     num_running: int = 0
     num_waiting: int = 0
     kv_utilization: float = 0.0
+    # Tensor parallelism (optional on the wire: absent means one device). The worker's KV pool is
+    # sharded over `tensor_parallel_size` ranks by KV heads, each rank's shard its own NIXL agent
+    # and region: rank 0's is `nixl_metadata_b64`, ranks 1..N-1's are listed here in rank order
+    # (each framed with its region's address, block count and block bytes, like rank 0's).
+    # `block_bytes` is one rank's block.
+    tensor_parallel_size: int = 1
+    rank_nixl_metadata_b64: tuple[str, ...] = ()
     # What serves behind this record (optional on the wire: a worker that predates the field is
     # kvrail's own). `vllm`: a `vllm serve` process whose kvrail agent registered it; `address`
     # is then its OpenAI API's base URL and the router speaks vLLM's protocol to it over HTTP.

@@ -91,9 +91,15 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
     ),
     (
         "gpus unequal to tensor parallel",
-        (("spec.decode.gpus", 2),),
+        (*COLOCATED, ("spec.decode.gpus", 2), ("spec.decode.parallelism", {"tensor": 4})),
         ".spec.decode.parallelism.tensor",
         "gpus",
+    ),
+    (
+        "kvrail's engine on more than eight gpus",
+        (*COLOCATED, ("spec.decode.gpus", 16)),
+        ".spec.decode.gpus",
+        "at most 8",
     ),
     (
         "batched tokens below sequences",
@@ -103,12 +109,8 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
     ),
     (
         "prefill and decode tensor parallel differ",
-        (
-            ("spec.prefill.gpus", 2),
-            ("spec.prefill.parallelism", {"tensor": 2}),
-            ("spec.decode.gpus", 1),
-        ),
-        ".spec.prefill.parallelism.tensor",
+        (("spec.prefill.gpus", 2), ("spec.decode.gpus", 1)),
+        ".spec.prefill.gpus",
         "fingerprint",
     ),
     (
@@ -215,6 +217,9 @@ ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
             ("spec.decode.parallelism", {"tensor": 8}),
         ),
     ),
+    ("gpus alone set tensor parallelism", (("spec.prefill.gpus", 4), ("spec.decode.gpus", 4))),
+    ("a cpu prefill pool with a one-gpu decode pool", (("spec.decode.gpus", 1),)),
+    ("vllm on sixteen gpus", (*VLLM, ("spec.prefill.gpus", 16), ("spec.decode.gpus", 16))),
     (
         "rdma required with a device resource",
         (("spec.topology.rdma", "required"), ("spec.topology.rdmaResource", "rdma/hca")),

@@ -6,6 +6,13 @@ the NIXL agent over the engine's one KV tensor, registers the worker in etcd und
 publishes KV events and answers KV state queries (see `kv_events.py`) and runs its role. SIGTERM
 (or SIGINT): stop taking work, finish what is in flight, deregister and exit 0. Logs hold ids and
 sizes only, never token ids, text or KV bytes.
+
+With `KVRAIL_TENSOR_PARALLEL_SIZE` N > 1 this process is rank 0 of N (`kvrail.worker.ranks`):
+it refuses at once, with exit code 2 and the reason, a model that does not split over N ranks
+(or N GPUs it does not have); it starts ranks 1..N-1, and its record lists every rank's KV
+region. When a rank dies the worker fails as a whole, never hangs: its lease is revoked at once
+(no router or peer sends it more work), the requests in flight end with an error event, the
+other ranks are stopped, and it exits 1.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 import aetcd
@@ -33,22 +41,27 @@ from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.worker import health, metrics
 from kvrail.worker.engine.config import EngineConfig
-from kvrail.worker.engine.engine import LLMEngine
+from kvrail.worker.ranks.build import BuiltEngine, check_split
+from kvrail.worker.ranks.build import build_engine as build_sharded_engine
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.decode import DecodeRole
 from kvrail.worker.roles.kv_events import KvEventPublisher
 from kvrail.worker.roles.peers import PeerTable
 from kvrail.worker.roles.prefill import PrefillRole
 from kvrail.worker.service import EngineService
+from kvrail.worker.transfer.connector import Connector
 from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.rdma import rdma_devices, rdma_problem
+from kvrail.worker.transfer.sharded import ShardedConnector
 
 log = logging.getLogger("kvrail.worker")
 
 _LOAD_REFRESH_S = 1.0
+_FAILED_TEARDOWN_S = 10.0  # a failed worker's bounded teardown before it exits anyway
+EXIT_FAILED = 1
 
 
-def build_engine(settings: Settings) -> LLMEngine:
+def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngine:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if settings.dtype == "auto":
@@ -62,7 +75,20 @@ def build_engine(settings: Settings) -> LLMEngine:
         max_num_mixed_prefill_tokens=settings.max_num_mixed_prefill_tokens,
         zero_kv_on_release=settings.zero_kv_on_release,
     )  # fmt: skip
-    return LLMEngine.from_source(settings.model, config, dtype=dtype, device=device)
+    return build_sharded_engine(
+        settings.model, config, dtype=dtype, device_type=device,
+        tensor_parallel_size=settings.tensor_parallel_size, agent_name=agent_name,
+        torch_num_threads=settings.torch_num_threads, log_level=settings.log_level,
+    )  # fmt: skip
+
+
+def make_connector(agent_name: str, built: BuiltEngine) -> Connector:
+    """Rank 0's NIXL agent over its KV region, with every other rank's when there are some."""
+    local = KvConnector(agent_name, built.engine.kv_cache)
+    if built.ranks is None:
+        return local
+    readies = built.ranks.readies
+    return ShardedConnector(local, built.ranks.transfer_clients(), [r.metadata for r in readies])
 
 
 class Worker:
@@ -74,13 +100,45 @@ class Worker:
         self.agent_name = f"{worker_id}-{self.incarnation}"
         self.keys = PoolKeys(settings.namespace, settings.pool)
         self.stopping = asyncio.Event()
+        self.failed: str | None = None
+        """Why the worker failed as a whole (a tensor-parallel rank died), or None."""
+
+    def fail(self, reason: str) -> None:
+        """Fail the whole worker (on the event loop): stop at once, without draining. A
+        watchdog ends the process should the teardown itself hang (an engine thread stuck in a
+        collective that no abort reaches): the lease then expires on its own."""
+        if self.failed is None:
+            self.failed = reason
+            log.error("worker failed worker=%s reason=%s", self.worker_id, reason)
+            watchdog = threading.Timer(3 * _FAILED_TEARDOWN_S, _hard_exit, (self.worker_id,))
+            watchdog.daemon = True
+            watchdog.start()
+        self.stopping.set()
 
     async def run(self) -> None:
         settings = self.settings
-        engine = await asyncio.to_thread(build_engine, settings)
+        built = await asyncio.to_thread(build_engine, settings, self.agent_name)
+        try:
+            await self._run(built)
+        finally:
+            if built.ranks is not None:
+                await asyncio.to_thread(built.ranks.close)
+                built.engine.model.group.close()
+
+    async def _run(self, built: BuiltEngine) -> None:
+        settings = self.settings
+        engine = built.engine
+        if built.ranks is not None:
+            loop = asyncio.get_running_loop()
+
+            def on_lost(rank: int, code: int | None) -> None:  # on the rank's watcher thread
+                with contextlib.suppress(RuntimeError):  # the loop is closed: the worker ended
+                    loop.call_soon_threadsafe(self.fail, f"rank_{rank}_lost_exit_{code}")
+
+            built.ranks.on_lost(on_lost)
         fingerprint = engine.fingerprint.digest
         region = engine.kv_cache
-        connector = KvConnector(self.agent_name, region)
+        connector = make_connector(self.agent_name, built)
         nc = await connect(settings, f"kvrail-{self.role}-{self.worker_id}")
         kv_events = KvEventPublisher(nc, self.keys, self.worker_id, self.incarnation)
         service = EngineService(
@@ -96,6 +154,10 @@ class Worker:
             incarnation=self.incarnation, role=self.role, fingerprint=fingerprint,
             address=settings.pod_ip or "", nixl_agent_name=self.agent_name,
             nixl_metadata_b64=base64.b64encode(connector.metadata()).decode(),
+            tensor_parallel_size=engine.model.group.size,
+            rank_nixl_metadata_b64=tuple(
+                base64.b64encode(m).decode() for m in connector.rank_metadata()
+            ),
             num_blocks=counts.num_blocks, block_bytes=region.block_bytes,
             block_size=engine.config.block_size, max_model_len=engine.max_request_tokens,
             transport=connector.transport, is_ready=False,
@@ -125,6 +187,7 @@ class Worker:
             await msg.respond(reply.encode())
 
         debug_sub = await nc.subscribe(self.keys.debug(self.worker_id), cb=answer_debug)
+        deregistered = False
         await kv_events.start()
         try:
             await asyncio.wait_for(peers.ready.wait(), timeout=30.0)
@@ -161,11 +224,15 @@ class Worker:
                     kv_utilization=utilization,
                 )  # fmt: skip
                 await _update(registration, record)
-            log.info("worker draining worker=%s", self.worker_id)
             health.set_ready(False)
-            await _update(registration, _with(record, is_ready=False))
-            for role in roles:
-                await role.drain(settings.drain_timeout_s)
+            if self.failed is not None:
+                deregistered = True
+                await _fail_fast(registration, roles)
+            else:
+                log.info("worker draining worker=%s", self.worker_id)
+                await _update(registration, _with(record, is_ready=False))
+                for role in roles:
+                    await role.drain(settings.drain_timeout_s)
         finally:
             with contextlib.suppress(Exception):
                 await debug_sub.unsubscribe()
@@ -173,15 +240,41 @@ class Worker:
             with contextlib.suppress(asyncio.CancelledError):
                 await peers_task
             try:
-                await registration.close()
+                if not deregistered:  # a failed worker deregistered first thing
+                    await registration.close()
             except aetcd.exceptions.ClientError as err:  # the lease expired already
                 log.warning("deregistration failed worker=%s error=%s", self.worker_id, err)
-            await service.close()
+            if self.failed is None:
+                await service.close()
+            else:  # bounded: the engine thread may be stuck in a collective, or fail on its ranks
+                try:
+                    await asyncio.wait_for(service.close(1.0), _FAILED_TEARDOWN_S)
+                except Exception as err:  # the worker exits 1 either way
+                    log.warning("engine close failed worker=%s error=%r", self.worker_id, err)
             await kv_events.close()
             await nc.drain()
             await etcd.close()
             connector.close()
         log.info("worker stopped worker=%s", self.worker_id)
+
+
+def _hard_exit(worker_id: str) -> None:
+    log.error("worker teardown hung; exiting now worker=%s", worker_id)
+    logging.shutdown()
+    os._exit(EXIT_FAILED)
+
+
+async def _fail_fast(registration: Registration, roles: list[DecodeRole | PrefillRole]) -> None:
+    """A failed worker: revoke the lease at once, then end every request in flight (bounded)."""
+    try:
+        await registration.close()
+    except aetcd.exceptions.ClientError as err:
+        log.warning("deregistration failed worker=%s error=%s", registration.record.worker_id, err)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(
+            asyncio.gather(*(role.drain(0.0) for role in roles), return_exceptions=True),
+            _FAILED_TEARDOWN_S,
+        )
 
 
 async def _update(registration: Registration, record: WorkerRecord) -> None:
@@ -211,6 +304,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         worker_id = check_label("worker id", args.worker_id or settings.pod_name or "")
+        if settings.tensor_parallel_size > 1:  # refuse a model that cannot split before anything
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+            check_split(settings.model, settings.tensor_parallel_size, device)
     except (ConfigError, ValueError) as err:
         print(f"kvrail worker: {err}", file=sys.stderr)
         return 2
@@ -232,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         runner.run(run())
-    return 0
+    return EXIT_FAILED if worker.failed is not None else 0
 
 
 if __name__ == "__main__":

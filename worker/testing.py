@@ -129,3 +129,46 @@ def make_engine(
     fingerprint = make_fingerprint(model, config, f"test-weights-{seed}", "test-tokenizer")
     eos = getattr(hf_config, "eos_token_id", None)
     return LLMEngine(model, config, fingerprint, eos_token_id=eos)
+
+
+def write_random_model(path: Any, seed: int = 0, dtype: Any = None, **overrides: Any) -> Any:
+    """A model directory as a worker loads one (config.json, model.safetensors, tokenizer files):
+    a random-weight Llama (transformers' own initialisation, seeded, in `dtype`: float32 unless
+    given) with SmolLM2's tokenizer, so its vocabulary (`vocab_size`, default 49155: not a
+    multiple of 2 or 4, so tensor-parallel vocabulary shards are padded) covers the tokenizer's.
+    `overrides` go to the config (defaults: 4 layers, hidden 64, 8 heads, 4 KV heads). Returns
+    `path`."""
+    from pathlib import Path
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from kvrail.model_files import resolve
+    from kvrail.worker.models.loader import prepare
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(prepare(resolve("smollm2")))
+    values: dict[str, Any] = {
+        "vocab_size": 49155, "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+    }  # fmt: skip
+    values.update(overrides)
+    config = LlamaConfig(**values)
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        model = LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -7,8 +7,8 @@ rules spanning fields are CEL, enforced by the API server at `kubectl apply` and
 tests by `kvrail.testing.cel`.
 
 What the model fingerprint covers (dtype, KV dtype, block size) lives once, in `spec.model`, so
-prefill and decode cannot disagree on it; the tensor-parallel size, also in the fingerprint, is set
-per pool and a CEL rule requires the two to match.
+prefill and decode cannot disagree on it; the tensor-parallel size (a role's `gpus`), also in the
+fingerprint, is set per pool and a CEL rule requires the two to match.
 """
 
 from __future__ import annotations
@@ -44,6 +44,16 @@ VLLM_KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
 """The values of vLLM's own `kv_load_failure_policy` (a vLLM pool cannot `reroute`)."""
 VLLM_KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 """kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
+
+
+MAX_KVRAIL_GPUS: Final = 8
+"""Tensor-parallel ranks of kvrail's engine: one node's NVLink domain
+(`kvrail.worker.parallel.layout.MAX_TENSOR_PARALLEL_SIZE`)."""
+
+
+def _tp(role: str) -> str:
+    """CEL for a role's tensor-parallel size."""
+    return f"({role}.gpus == 0 ? 1 : {role}.gpus)"
 
 
 def _cel_list(values: Iterable[str]) -> str:
@@ -105,10 +115,16 @@ _SPEC_RULES = rules(
         "FieldValueForbidden",
     ),
     rule(
-        "!has(self.prefill) || self.prefill.parallelism.tensor == self.decode.parallelism.tensor",
-        "prefill and decode must use the same parallelism.tensor: it is part of the model "
-        "fingerprint, and workers with different fingerprints never pair",
-        ".prefill.parallelism.tensor",
+        f"!has(self.prefill) || {_tp('self.prefill')} == {_tp('self.decode')}",
+        "prefill and decode must use the same tensor-parallel size (gpus, 1 on CPU): it is part "
+        "of the model fingerprint, and workers with different fingerprints never pair",
+        ".prefill.gpus",
+    ),
+    rule(  # prefill.gpus equals decode.gpus (the rule above), so this bounds both
+        f"self.engine.kind != 'kvrail' || self.decode.gpus <= {MAX_KVRAIL_GPUS}",
+        f"kvrail's engine runs a replica's GPUs as tensor-parallel ranks of one pod on one "
+        f"node: gpus must be at most {MAX_KVRAIL_GPUS}",
+        ".decode.gpus",
     ),
     rule(
         "self.disaggregation.mode == 'colocated' || "

@@ -82,8 +82,9 @@ class EngineSpec(CrdModel):
 class Parallelism(CrdModel):
     """How one replica spreads the model over its GPUs."""
 
-    tensor: int = Field(1, ge=1, le=64)
-    """Tensor-parallel size (GPUs per replica). Part of the fingerprint. Default 1."""
+    tensor: int | None = Field(None, ge=1, le=64)
+    """Tensor-parallel size: one rank per GPU of the replica, so it is `gpus` (1 on a CPU pool),
+    which is also its default; when set it must equal that. Part of the model fingerprint."""
 
 
 class ResourceRequirements(CrdModel):
@@ -133,9 +134,10 @@ class RoleSpec(CrdModel):
                 ".replicas",
             ),
             rule(
-                "self.gpus == 0 ? self.parallelism.tensor == 1 "
-                ": self.gpus == self.parallelism.tensor",
-                "parallelism.tensor must equal gpus (and be 1 on a CPU pool)",
+                "!has(self.parallelism.tensor) || "
+                "self.parallelism.tensor == (self.gpus == 0 ? 1 : self.gpus)",
+                "parallelism.tensor must equal gpus (and be 1 on a CPU pool): each GPU of a "
+                "replica runs one tensor-parallel rank",
                 ".parallelism.tensor",
             ),
             rule(
@@ -152,7 +154,11 @@ class RoleSpec(CrdModel):
     max_replicas: int | None = Field(None, ge=0, le=1024)
     """Upper bound for the planner; required when autoscaling. Optional."""
     gpus: int = Field(0, ge=0, le=64)
-    """GPUs per replica; 0 (default) runs on CPU. Must equal `parallelism.tensor` when set."""
+    """GPUs per replica; 0 (default) runs on CPU. N GPUs make one pod on one node whose model is
+    split over N tensor-parallel ranks, one process per GPU (TP=N; at most 8 with kvrail's
+    engine). The model must split over N ranks (N divides its attention heads, its KV heads or
+    a multiple of them, and its MLP size): a worker refuses to start otherwise, saying which
+    sizes work. Prefill and decode must use the same N."""
     gpu_resource: str = Field("nvidia.com/gpu", min_length=1, max_length=253)
     """The device-plugin resource that counts GPUs. Default `nvidia.com/gpu`."""
     resources: ResourceRequirements = sub(ResourceRequirements)
@@ -172,6 +178,11 @@ class RoleSpec(CrdModel):
     `engine` container running vLLM)."""
     termination_grace_period_seconds: int = Field(60, ge=0, le=3600)
     """Time a worker gets to drain (finish in-flight transfers) before it is killed. Default 60."""
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The replica's tensor-parallel size: `gpus`, or 1 on a CPU pool."""
+        return self.parallelism.tensor or max(self.gpus, 1)
 
 
 class DisaggregationSpec(CrdModel):

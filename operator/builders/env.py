@@ -151,7 +151,7 @@ def model_env(pool: InferencePool) -> list[dict[str, Any]]:
         setting("kv_dtype", model.dtype if model.kv_dtype == "auto" else model.kv_dtype),
         setting("block_size", model.block_size),
         setting("max_model_len", model.max_model_len),
-        setting("tensor_parallel_size", pool.spec.decode.parallelism.tensor),
+        setting("tensor_parallel_size", pool.spec.decode.tensor_parallel_size),
         setting("model_hash", model_hash(pool)),
     ]
     if model.revision:

@@ -94,6 +94,6 @@ def model_hash(pool: InferencePool) -> str:
         {
             "model": spec.model.model_dump(mode="json", exclude={"volume_claim", "served_name"}),
             "engine": spec.engine.kind,
-            "tensor": spec.decode.parallelism.tensor,
+            "tensor": spec.decode.tensor_parallel_size,
         }
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -143,9 +144,10 @@ def test_a_completion_that_does_not_match_its_reservation_is_refused(
 def test_a_corrupted_block_is_caught_by_its_checksum() -> None:
     region = KVCache(torch.randn(4, 256), 4)
     sums = block_checksums(region, [1, 2])
-    validate(_done(block_checksums=sums), RES, 50.0, region)
+    landed = partial(block_checksums, region)
+    validate(_done(block_checksums=sums), RES, 50.0, landed)
     region.tensor[2, 17] += 1.0
     with pytest.raises(EnvelopeError, match="1 of 2 blocks differ"):
-        validate(_done(block_checksums=sums), RES, 50.0, region)
+        validate(_done(block_checksums=sums), RES, 50.0, landed)
     with pytest.raises(EnvelopeError, match="no checksum"):
-        validate(_done(), RES, 50.0, region)
+        validate(_done(), RES, 50.0, landed)

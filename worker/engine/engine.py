@@ -15,6 +15,14 @@ land in the blocks of the requests it was queued for, which stay valid on the de
 host frees them meanwhile (device work is ordered); the one writer outside that order, a remote
 KV transfer, gets blocks only through `reserve_remote`, which first waits for the step in
 flight.
+
+Tensor parallelism: the model is rank 0's shard and `peers` are the worker's other ranks
+(`RankPeers`, driven by rank 0). The scheduler, the block manager and the sampler stay here, once;
+each step's inputs go to every rank, which runs the same step on the same block tables over its
+own KV shard (`kv_cache` here is rank 0's), and the sampled tokens come back to every rank by a
+broadcast queued right after sampling, so async scheduling and CUDA graphs work as without it.
+A rank lost mid-step makes `step()` raise (`RankLostError`, or the collective's own error); the
+engine is unusable after that and the worker fails as a whole.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
+from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
@@ -45,6 +54,7 @@ from kvrail.worker.engine.stop import StopChecker
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.models.loader import LoadedModel
+from kvrail.worker.parallel.group import TpGroup
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +97,7 @@ def make_fingerprint(
     shape = model.shape
     dtype = _DTYPE_NAMES[next(model.parameters()).dtype]
     return ModelFingerprint(
+        tensor_parallel_size=model.group.size,
         weights_id=weights_id,
         tokenizer_id=tokenizer_id,
         dtype=dtype,
@@ -108,8 +119,17 @@ class LLMEngine:
         fingerprint: ModelFingerprint,
         tokenizer: Any = None,
         eos_token_id: int | None = None,
+        peers: RankPeers | None = None,
     ) -> None:
         param = next(model.parameters())
+        if fingerprint.tensor_parallel_size != model.group.size:
+            raise ConfigError(
+                f"fingerprint tensor_parallel_size={fingerprint.tensor_parallel_size} but the "
+                f"model runs on {model.group.size} ranks"
+            )
+        if (peers.size if peers is not None else 1) != model.group.size:
+            raise ConfigError("a tensor-parallel engine needs exactly its group's other ranks")
+        self.peers = peers
         self.device = param.device
         self.model = model.eval()
         shape = model.shape
@@ -126,7 +146,7 @@ class LLMEngine:
             config.num_blocks,
             shape.num_layers,
             config.block_size,
-            shape.num_kv_heads,
+            model.layout.num_local_kv_heads,
             shape.head_dim,
             param.dtype,
             self.device,
@@ -140,8 +160,10 @@ class LLMEngine:
         if self.device.type == "cuda" and config.enable_cuda_graphs:
             max_blocks = -(-config.max_model_len // config.block_size)
             graphs = DecodeGraphs(model, self.kv_cache, config.max_num_seqs, max_blocks)
+            if peers is not None:  # the graphs hold collectives: every rank captures together
+                peers.send(CaptureGraphs(config.max_num_seqs, max_blocks))
             graphs.capture()
-        self.runner = ModelRunner(model, self.kv_cache, self.device, graphs)
+        self.runner = ModelRunner(model, self.kv_cache, self.device, graphs, peers)
         self.sampler = Sampler(eos_token_id)
         self.async_scheduling = (
             config.async_scheduling
@@ -151,11 +173,12 @@ class LLMEngine:
         self._in_flight: _Launched | None = None
         self._num_generate_calls = 0
         logger.info(
-            "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s",
+            "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s tensor_parallel=%d",
             fingerprint.short,
             config.num_blocks,
             self.kv_cache.nbytes,
             self.device,
+            model.group.size,
         )
 
     @property
@@ -188,15 +211,23 @@ class LLMEngine:
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        group: TpGroup | None = None,
+        peers: RankPeers | None = None,
     ) -> LLMEngine:
         """An engine over already loaded weights and tokenizer (see `from_source`). The
         fingerprint's weights and tokenizer ids are the source's weights id (a GGUF file carries
-        its tokenizer)."""
-        model = LlamaForCausalLM(loaded.config)
+        its tokenizer). With tensor parallelism: rank 0's `group` and the other ranks, `peers`
+        (`kvrail.worker.ranks` starts them), and the model holds rank 0's shard. Without a
+        tokenizer, the end-of-sequence token is the model config's."""
+        model = LlamaForCausalLM(loaded.config, group)
         model.load_weights(loaded.state_dict)
         model.to(device=device, dtype=dtype)
         fingerprint = make_fingerprint(model, config, loaded.weights_id, loaded.weights_id)
-        return cls(model, config, fingerprint, loaded.tokenizer, loaded.tokenizer.eos_token_id)
+        tokenizer = loaded.tokenizer
+        eos = getattr(tokenizer if tokenizer is not None else loaded.config, "eos_token_id", None)
+        if isinstance(eos, list):  # a config may list several; the tokenizer's is the first
+            eos = eos[0] if eos else None
+        return cls(model, config, fingerprint, tokenizer, eos, peers)
 
     def add_request(
         self,
@@ -282,8 +313,10 @@ class LLMEngine:
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """Zero released blocks (every layer, K and V). On a GPU the fill is queued on the
         stream, after every kernel that used the blocks and before any later write."""
-        index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
-        self.kv_cache.tensor.index_fill_(0, index, 0)
+        ids = np.asarray(block_ids, dtype=np.int64)
+        if self.peers is not None:
+            self.peers.send(ZeroBlocks(ids))
+        self.kv_cache.tensor.index_fill_(0, to_device(ids, self.device), 0)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
@@ -326,6 +359,7 @@ class LLMEngine:
             if requests
             else logits.new_empty(0, dtype=torch.int64)
         )
+        tokens = self.runner.share_tokens(tokens)  # every rank feeds them to the next step
         sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
         if self.device.type != "cuda":
             return _Launched(out, requests, sampled, tokens, None)

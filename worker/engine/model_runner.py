@@ -6,6 +6,12 @@ Preparation walks the requests once in Python and computes every per-token value
 a step's host work grows with its requests only by that walk. Inputs reach the device through
 asynchronous copies (`staging`), and a decode whose token the previous step sampled takes it from
 that step's tensor on the device: preparing and queueing a step never waits for the one running.
+
+Preparing (`prepare_step`, host arrays only) and running (`ModelRunner.run`) are apart, so that
+with tensor parallelism rank 0 prepares a step once and every rank runs the very same
+`StepInputs`: rank 0 hands them to the other ranks (`RankPeers`) before running them itself. The
+LM head's vocabulary shards are gathered on rank 0, which samples; the sampled tokens are then
+broadcast (`share_tokens`) so every rank can feed them to the next step on its own device.
 """
 
 from __future__ import annotations
@@ -18,29 +24,16 @@ import numpy as np
 import torch
 
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
+from kvrail.worker.engine.rank_commands import RankPeers
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvrail.worker.engine.staging import feed_tokens, to_device
+from kvrail.worker.engine.step_inputs import PreparedInputs, StepInputs
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, fresh_runs
 from kvrail.worker.models.llama import LlamaForCausalLM
 
-
-@dataclass(frozen=True, slots=True)
-class PreparedInputs:
-    """Host-side inputs of one kind (decode or prefill), before packing: numpy arrays over the
-    T tokens of S requests. Block tables are padded with the null block 0 (at least 1 wide)."""
-
-    input_ids: np.ndarray  # int64 [T]
-    positions: np.ndarray  # int64 [T]
-    slot_mapping: np.ndarray  # int64 [T]
-    block_tables: np.ndarray  # int32 [S, max blocks]
-    seq_lens: np.ndarray  # int32 [S]
-    query_start_loc: np.ndarray  # int32 [S + 1]
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.shape[0])
+__all__ = ["ModelRunner", "PreparedInputs", "SampledOnDevice", "StepInputs", "prepare_step"]
 
 
 def _prepare(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInputs:
@@ -102,19 +95,65 @@ def device_fed_rows(
     return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
 
 
+def prepare_step(
+    out: SchedulerOutput,
+    block_size: int,
+    previous: SampledOnDevice | None,
+    max_graph_batch_size: int,
+) -> tuple[StepInputs, list[Request]]:
+    """A scheduled step's inputs (host arrays) and the requests its sampled rows belong to, in
+    row order. `max_graph_batch_size`: the largest captured decode graph (0: none)."""
+    dec = prepare_decode(out.decodes, block_size)
+    fed = device_fed_rows(out.decodes, previous)
+    use_graph = not out.prefills and 0 < len(out.decodes) <= max_graph_batch_size
+    pre = prepare_prefill([] if use_graph else out.prefills, block_size)
+    rows: list[int] = []
+    requests: list[Request] = []
+    for i, item in enumerate(out.decodes):
+        if item.samples:
+            rows.append(i)
+            requests.append(item.request)
+    query_start_loc = pre.query_start_loc.tolist()
+    for j, item in enumerate(out.prefills):
+        if item.samples:
+            rows.append(dec.num_tokens + query_start_loc[j + 1] - 1)
+            requests.append(item.request)
+    prefix = rows == list(range(len(rows)))  # every decode samples: a view, no index tensor
+    step = StepInputs(
+        decode=dec, prefill=pre, fed=fed,
+        logit_rows=None if prefix else np.array(rows, dtype=np.int64), num_sampled=len(rows),
+        prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
+        prefill_fresh_runs=fresh_runs(
+            [s.num_new_tokens for s in out.prefills],
+            [s.num_computed_tokens for s in out.prefills],
+        ),
+        prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
+        use_graph=use_graph,
+    )  # fmt: skip
+    return step, requests
+
+
 class ModelRunner:
+    """Runs steps on one rank's model shard and KV shard. With `peers` (rank 0 of several), a
+    step is handed to the other ranks before it runs here; see the module docstring."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         device: torch.device,
         decode_graphs: DecodeGraphs | None = None,
+        peers: RankPeers | None = None,
     ) -> None:
         self.model = model
+        self.group = model.group
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
         self.decode_graphs = decode_graphs
+        self.peers = peers
+        if self.group.size > 1 and self.group.is_first and peers is None:
+            raise ValueError("rank 0 of a tensor-parallel group needs its peers")
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return to_device(values, self.device)
@@ -123,60 +162,67 @@ class ModelRunner:
     def execute(
         self, out: SchedulerOutput, previous: SampledOnDevice | None = None
     ) -> tuple[torch.Tensor, list[Request]]:
-        """Queue one step. Returns logits [n, vocab] and the n requests that sample a token.
-        `previous`: the tokens of the step before, for the decodes fed from the device."""
-        dec = prepare_decode(out.decodes, self.block_size)
-        fed = device_fed_rows(out.decodes, previous)
-        sampled = previous.tokens if previous is not None else None
+        """Queue one step (rank 0). Returns logits [n, vocab] and the n requests that sample a
+        token. `previous`: the tokens of the step before, for the decodes fed from the device."""
         graphs = self.decode_graphs
-        if graphs is not None and not out.prefills and len(out.decodes) <= graphs.max_batch_size:
-            hidden = graphs.run(
+        step, requests = prepare_step(
+            out, self.block_size, previous, graphs.max_batch_size if graphs is not None else 0
+        )
+        if self.peers is not None:
+            self.peers.send(step)
+        logits = self.run(step, previous.tokens if previous is not None else None)
+        assert logits is not None, "rank 0 gets the logits"
+        return logits, requests
+
+    @torch.inference_mode()
+    def run(self, step: StepInputs, sampled: torch.Tensor | None) -> torch.Tensor | None:
+        """Run one step on this rank; `sampled`: the previous step's tokens on this device (for
+        `step.fed`). Returns the logits of the sampled rows [n, vocab] on rank 0, None on the
+        others (their vocabulary shards went to rank 0)."""
+        dec, pre = step.decode, step.prefill
+        fed = step.fed
+        if step.use_graph:
+            assert self.decode_graphs is not None, "rank 0 decided on a graph this rank lacks"
+            hidden = self.decode_graphs.run(
                 dec.input_ids, dec.positions, dec.slot_mapping, dec.block_tables, dec.seq_lens,
                 (fed, sampled) if sampled is not None else None,
             )  # fmt: skip
-            return self._logits(hidden, out, 0, [])
-        pre = prepare_prefill(out.prefills, self.block_size)
-        metadata = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate((dec.slot_mapping, pre.slot_mapping))),
-            num_decode_tokens=dec.num_tokens,
-            decode_block_tables=self._tensor(dec.block_tables),
-            decode_seq_lens=self._tensor(dec.seq_lens),
-            prefill_block_tables=self._tensor(pre.block_tables),
-            prefill_query_start_loc=self._tensor(pre.query_start_loc),
-            prefill_seq_lens=self._tensor(pre.seq_lens),
-            prefill_max_query_len=max((s.num_new_tokens for s in out.prefills), default=0),
-            prefill_fresh_runs=fresh_runs(
-                [s.num_new_tokens for s in out.prefills],
-                [s.num_computed_tokens for s in out.prefills],
-            ),
-            prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
-        )
-        input_ids = self._tensor(np.concatenate((dec.input_ids, pre.input_ids)))
-        if sampled is not None:
-            feed_tokens(input_ids, fed, sampled)  # decode rows come first
-        positions = self._tensor(np.concatenate((dec.positions, pre.positions)))
-        hidden = self.model(input_ids, positions, metadata, self.kv_cache)
-        return self._logits(hidden, out, dec.num_tokens, pre.query_start_loc.tolist())
+        else:
+            metadata = AttentionMetadata(
+                slot_mapping=self._tensor(np.concatenate((dec.slot_mapping, pre.slot_mapping))),
+                num_decode_tokens=dec.num_tokens,
+                decode_block_tables=self._tensor(dec.block_tables),
+                decode_seq_lens=self._tensor(dec.seq_lens),
+                prefill_block_tables=self._tensor(pre.block_tables),
+                prefill_query_start_loc=self._tensor(pre.query_start_loc),
+                prefill_seq_lens=self._tensor(pre.seq_lens),
+                prefill_max_query_len=step.prefill_max_query_len,
+                prefill_fresh_runs=step.prefill_fresh_runs,
+                prefill_has_prefix=step.prefill_has_prefix,
+            )
+            input_ids = self._tensor(np.concatenate((dec.input_ids, pre.input_ids)))
+            if sampled is not None:
+                feed_tokens(input_ids, fed, sampled)  # decode rows come first
+            positions = self._tensor(np.concatenate((dec.positions, pre.positions)))
+            hidden = self.model(input_ids, positions, metadata, self.kv_cache)
+        if step.logit_rows is None:
+            rows = hidden[: step.num_sampled]
+        else:
+            rows = hidden[self._tensor(step.logit_rows)]
+        return self._gather_logits(self.model.compute_logits(rows))
 
-    def _logits(
-        self,
-        hidden: torch.Tensor,
-        out: SchedulerOutput,
-        num_decode_tokens: int,
-        query_start_loc: list[int],
-    ) -> tuple[torch.Tensor, list[Request]]:
-        rows: list[int] = []
-        requests: list[Request] = []
-        for i, item in enumerate(out.decodes):
-            if item.samples:
-                rows.append(i)
-                requests.append(item.request)
-        for j, item in enumerate(out.prefills):
-            if item.samples:
-                rows.append(num_decode_tokens + query_start_loc[j + 1] - 1)
-                requests.append(item.request)
-        if rows == list(range(len(rows))):  # every decode samples: a view, no index tensor
-            return self.model.compute_logits(hidden[: len(rows)]), requests
-        index = self._tensor(np.array(rows, dtype=np.int64))
-        logits = self.model.compute_logits(hidden[index])
-        return logits, requests
+    def _gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
+        if self.group.size == 1:
+            return local
+        vocab = self.model.shape.vocab_size
+        if local.shape[0] == 0:  # nothing samples: no collective (every rank knows it)
+            return local.new_empty((0, vocab)) if self.group.is_first else None
+        full = self.group.gather_to_first(local)
+        return None if full is None else full[:, :vocab]
+
+    def share_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Rank 0's sampled tokens [n] on every rank (rank 0 passes them, the others a buffer
+        of the step's `num_sampled` int64 entries); no collective when n is 0."""
+        if self.group.size == 1 or tokens.shape[0] == 0:
+            return tokens
+        return self.group.broadcast_from_first(tokens)

@@ -9,10 +9,18 @@ write, SiLU * up; on CPU their references run the same op sequence the unfused m
 outputs are unchanged bit for bit. The forward pass takes packed tokens (no padding) with their
 positions and the step's `AttentionMetadata`, and returns hidden states; `compute_logits` runs
 the LM head only on the rows that are sampled.
+
+Tensor parallelism: built with a `TpGroup` of several ranks, the model holds this rank's shard
+(`kvrail.worker.parallel.layout`): its query and KV heads in QKV, its MLP columns in gate/up,
+the matching input columns of O and down (row-parallel, one all-reduce each), its vocabulary rows
+of the embedding and the LM head. `load_weights` cuts the shard out of full transformers-named
+weights (tensors, or lazy safetensors slices so a rank reads only its shard), and
+`compute_logits` returns this rank's vocabulary shard (the model runner gathers them).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,9 +31,12 @@ from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
-from kvrail.worker.layers.linear import GatedLinear, Linear
+from kvrail.worker.layers.linear import GatedLinear, Linear, RowParallelLinear
 from kvrail.worker.layers.rms_norm import RMSNorm
 from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
+from kvrail.worker.layers.vocab_embedding import VocabParallelEmbedding
+from kvrail.worker.parallel.group import TpGroup
+from kvrail.worker.parallel.layout import TpLayout
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -93,22 +104,30 @@ class LlamaShape:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, shape: LlamaShape, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        shape: LlamaShape,
+        layer_idx: int,
+        rotary: RotaryEmbedding,
+        layout: TpLayout,
+        group: TpGroup,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = shape.num_heads, shape.num_kv_heads
+        self.num_heads, self.num_kv_heads = layout.num_local_heads, layout.num_local_kv_heads
         self.head_dim = shape.head_dim
-        self.q_size = shape.num_heads * shape.head_dim
-        self.kv_size = shape.num_kv_heads * shape.head_dim
+        self.q_size = self.num_heads * shape.head_dim
+        self.kv_size = self.num_kv_heads * shape.head_dim
         self.scale = shape.head_dim**-0.5
         self.rotary = [rotary]  # shared, not a submodule of every layer
         h = shape.hidden_size
         self.input_layernorm = RMSNorm(h, shape.rms_norm_eps)
         self.qkv_proj = Linear(h, self.q_size + 2 * self.kv_size, bias=shape.qkv_bias)
-        self.o_proj = Linear(self.q_size, h, bias=shape.o_bias)
+        self.o_proj = RowParallelLinear(self.q_size, h, group, bias=shape.o_bias)
         self.post_attention_layernorm = RMSNorm(h, shape.rms_norm_eps)
-        self.gate_up_proj = GatedLinear(h, shape.intermediate_size, bias=shape.mlp_bias)
-        self.down_proj = Linear(shape.intermediate_size, h, bias=shape.mlp_bias)
+        inter = layout.local_intermediate_size
+        self.gate_up_proj = GatedLinear(h, inter, bias=shape.mlp_bias)
+        self.down_proj = RowParallelLinear(inter, h, group, bias=shape.mlp_bias)
 
     def forward(
         self,
@@ -144,18 +163,26 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, group: TpGroup | None = None) -> None:
         super().__init__()
         self.shape = shape = LlamaShape.from_config(config)
+        self.group = group = group or TpGroup.single()
+        self.layout = layout = TpLayout(
+            group.rank, group.size, shape.num_heads, shape.num_kv_heads,
+            shape.intermediate_size, shape.vocab_size,
+        )  # fmt: skip
         self.rotary = RotaryEmbedding(
             shape.head_dim, shape.max_position, shape.rope_theta, dict(shape.rope_scaling)
         )
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        vocab_rows = layout.padded_vocab_per_rank
+        self.embed_tokens = VocabParallelEmbedding(
+            vocab_rows, shape.hidden_size, layout.vocab_start, group
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(shape, i, self.rotary) for i in range(shape.num_layers)
+            DecoderLayer(shape, i, self.rotary, layout, group) for i in range(shape.num_layers)
         )
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps)
-        self.lm_head = Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        self.lm_head = Linear(shape.hidden_size, vocab_rows, bias=False)
         if shape.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -175,6 +202,8 @@ class LlamaForCausalLM(nn.Module):
         return normed[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of this rank's vocabulary shard [n, padded_vocab_per_rank] (all of them, [n,
+        vocab], without tensor parallelism)."""
         logits: torch.Tensor = self.lm_head(hidden)
         return logits
 
@@ -194,42 +223,74 @@ class LlamaForCausalLM(nn.Module):
                 param.copy_(values.to(param.dtype))
 
     @torch.no_grad()
-    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy transformers-named weights in; raise ConfigError on unknown or missing ones."""
+    def load_weights(self, state_dict: Mapping[str, Any]) -> None:
+        """Copy this rank's shard of transformers-named weights in; raise ConfigError on unknown,
+        missing or wrongly sized ones. Values are tensors or lazy slices (anything with `shape`
+        or `get_shape()` that slices like a tensor, as safetensors' `get_slice` returns)."""
         params = dict(self.named_parameters())
         filled: dict[str, int] = {}
         for hf_name, tensor in state_dict.items():
             if hf_name == "lm_head.weight" and self.shape.tie_word_embeddings:
                 continue
-            target, offset = self._map_name(hf_name)
+            shape = _shape_of(tensor)
+            target, offset, rows, cols, split = self._map_name(hf_name, shape)
             if target not in params:
                 raise ConfigError(f"weight {hf_name!r} has no parameter in this model")
             param = params[target]
-            rows = tensor.shape[0]
-            param[offset : offset + rows].copy_(tensor.to(param.dtype))
-            filled[target] = filled.get(target, 0) + rows
+            if split is not None and shape[split[0]] != split[1]:  # cut only whole weights
+                raise ConfigError(f"weight {hf_name!r} has the wrong size for {target}")
+            shard = tensor[rows] if cols is None else tensor[rows, cols]
+            if offset + shard.shape[0] > param.shape[0] or shard.shape[1:] != param.shape[1:]:
+                raise ConfigError(f"weight {hf_name!r} has the wrong size for {target}")
+            param[offset : offset + shard.shape[0]].copy_(shard.to(param.dtype))
+            filled[target] = filled.get(target, 0) + shard.shape[0]
+            if target in ("embed_tokens.weight", "lm_head.weight"):
+                param[shard.shape[0] :].zero_()  # the last rank's padding rows
+                filled[target] = param.shape[0]
         missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
         if missing:
             raise ConfigError(f"weights missing or of the wrong size for {missing[:5]}")
 
-    def _map_name(self, hf_name: str) -> tuple[str, int]:
+    def _map_name(
+        self, hf_name: str, shape: tuple[int, ...]
+    ) -> tuple[str, int, slice, slice | None, tuple[int, int] | None]:
+        """(parameter, first row in it, rows of the full weight, columns or None, and for a
+        split weight (dimension, its full size)) of this rank's shard of the transformers weight
+        `hf_name` of `shape`."""
         name = hf_name.removeprefix("model.")
+        everything = slice(0, shape[0])
+        layout, head, full = self.layout, self.shape.head_dim, self.shape
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            rows = slice(layout.vocab_start, layout.vocab_end)
+            return name, 0, rows, None, (0, full.vocab_size)
         parts = name.split(".")
         if len(parts) != 5 or parts[0] != "layers":
-            return name, 0
+            return name, 0, everything, None, None
         prefix, module, leaf = ".".join(parts[:2]), parts[3], parts[4]
-        head, q_size = self.shape.head_dim, self.shape.num_heads * self.shape.head_dim
-        kv_size = self.shape.num_kv_heads * head
-        offsets = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", q_size),
-            "v_proj": ("qkv_proj", q_size + kv_size),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", self.shape.intermediate_size),
-            "down_proj": ("down_proj", 0),
-            "o_proj": ("o_proj", 0),
+        q_local = layout.num_local_heads * head
+        kv_local = layout.num_local_kv_heads * head
+        inter = layout.local_intermediate_size
+        heads = slice(layout.head_start * head, layout.head_start * head + q_local)
+        kv_heads = slice(layout.kv_head_start * head, layout.kv_head_start * head + kv_local)
+        columns = slice(layout.intermediate_start, layout.intermediate_start + inter)
+        q_size, kv_size = full.num_heads * head, full.num_kv_heads * head
+        column_parallel = {
+            "q_proj": ("qkv_proj", 0, heads, q_size),
+            "k_proj": ("qkv_proj", q_local, kv_heads, kv_size),
+            "v_proj": ("qkv_proj", q_local + kv_local, kv_heads, kv_size),
+            "gate_proj": ("gate_up_proj", 0, columns, full.intermediate_size),
+            "up_proj": ("gate_up_proj", inter, columns, full.intermediate_size),
         }
-        if module not in offsets:
-            return f"{prefix}.{module}.{leaf}", 0
-        target, offset = offsets[module]
-        return f"{prefix}.{target}.{leaf}", offset
+        row_parallel = {"o_proj": (heads, q_size), "down_proj": (columns, full.intermediate_size)}
+        if module in column_parallel:
+            target, offset, rows, size = column_parallel[module]
+            return f"{prefix}.{target}.{leaf}", offset, rows, None, (0, size)
+        if module in row_parallel and leaf == "weight":
+            cols, size = row_parallel[module]
+            return f"{prefix}.{module}.{leaf}", 0, everything, cols, (1, size)
+        return f"{prefix}.{module}.{leaf}", 0, everything, None, None  # replicated
+
+
+def _shape_of(tensor: Any) -> tuple[int, ...]:
+    get_shape = getattr(tensor, "get_shape", None)
+    return tuple(get_shape() if get_shape is not None else tensor.shape)

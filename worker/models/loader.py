@@ -7,6 +7,10 @@ either nothing or a complete entry, never a half-written one; concurrent writers
 (the loser discards its copy). A safetensors directory source is read in place. Nothing is ever
 downloaded: the hub is switched off for every call here.
 
+A tensor-parallel rank loads lazily (`load(..., lazy=True)`): the state dict then maps each name
+to a safetensors slice, so the rank reads only its shard of each weight from the file, never the
+whole model (what a 70B model on 8 GPUs needs: each rank's process holds 1/8 of it).
+
 CLI: `python -P -m kvrail.worker.models.loader [SOURCE]` prepares SOURCE and prints the path.
 """
 
@@ -16,6 +20,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,10 +44,11 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class LoadedModel:
     """What a worker needs to build its model: the config, weights by transformers name (on CPU,
-    in the stored dtype) and the tokenizer. `weights_id` identifies the source weights."""
+    in the stored dtype; or lazy slices, see `load`) and the tokenizer (None when not loaded).
+    `weights_id` identifies the source weights."""
 
     config: Any
-    state_dict: dict[str, torch.Tensor]
+    state_dict: Mapping[str, Any]
     tokenizer: Any
     weights_id: str
     path: Path
@@ -102,8 +108,12 @@ def _convert_gguf(source: ModelSource, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load(source: ModelSource | str = DEFAULT_MODEL) -> LoadedModel:
-    """Prepare `source` if needed and load its config, state dict and tokenizer (all on CPU)."""
+def load(
+    source: ModelSource | str = DEFAULT_MODEL, *, lazy: bool = False, tokenizer: bool = True
+) -> LoadedModel:
+    """Prepare `source` if needed and load its config, state dict and tokenizer (all on CPU).
+    `lazy`: the state dict holds safetensors slices (`LazyWeights`), read when sliced.
+    `tokenizer=False` skips the tokenizer (a rank other than 0 never needs one)."""
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -114,12 +124,37 @@ def load(source: ModelSource | str = DEFAULT_MODEL) -> LoadedModel:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(f"no safetensors weights in {path}")
-    state_dict: dict[str, torch.Tensor] = {}
-    for f in files:
-        state_dict.update(load_file(f))
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    logger.info("model loaded name=%s tensors=%d", source.name, len(state_dict))
-    return LoadedModel(config, state_dict, tokenizer, source.weights_id(), path)
+    state_dict: Mapping[str, Any]
+    if lazy:
+        state_dict = LazyWeights(files)
+    else:
+        loaded: dict[str, torch.Tensor] = {}
+        for f in files:
+            loaded.update(load_file(f))
+        state_dict = loaded
+    tok = AutoTokenizer.from_pretrained(path) if tokenizer else None
+    logger.info("model loaded name=%s tensors=%d lazy=%s", source.name, len(state_dict), lazy)
+    return LoadedModel(config, state_dict, tok, source.weights_id(), path)
+
+
+class LazyWeights(Mapping[str, Any]):
+    """Weights by name over safetensors files, as slices (`safe_open(...).get_slice`): indexing
+    one (`w[a:b]`, `w[:, a:b]`) reads only those rows and columns from the file."""
+
+    def __init__(self, files: list[Path]) -> None:
+        from safetensors import safe_open
+
+        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118
+
+    def __getitem__(self, name: str) -> Any:
+        return self._where[name].get_slice(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
 
 
 def load_transformers_model(source: ModelSource | str = DEFAULT_MODEL, dtype: Any = None) -> Any:

@@ -11,7 +11,7 @@ from kvrail.keys import PoolKeys
 from kvrail.settings import Settings
 from kvrail.worker.roles.peers import PeerTable
 from kvrail.worker.service import EngineService
-from kvrail.worker.transfer.kv_connector import KvConnector
+from kvrail.worker.transfer.connector import Connector
 
 
 @dataclass(frozen=True)
@@ -30,5 +30,5 @@ class WorkerContext:
     nc: NatsClient
     prefill_queue: PrefillQueue
     service: EngineService
-    connector: KvConnector
+    connector: Connector
     peers: PeerTable

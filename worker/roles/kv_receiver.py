@@ -32,6 +32,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.codec import MessageError, decode
+from kvrail.errors import TransferError
 from kvrail.messages import (
     GenerateRequest,
     PrefillDone,
@@ -50,7 +51,7 @@ from kvrail.worker.roles.quarantine import Quarantine
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
 from kvrail.worker.service import Update
-from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, validate
+from kvrail.worker.transfer.envelope import Reservation, validate
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +91,7 @@ class KvReceiver:
         self.nc = ctx.nc
         self.prefill_queue = ctx.prefill_queue
         self.service = ctx.service
+        self.connector = ctx.connector
         self.region = ctx.connector.region
         self._notifications = ctx.connector.notifications
         self.peers = ctx.peers
@@ -278,7 +280,7 @@ class KvReceiver:
             job.request_id, self.fingerprint, self.incarnation, job.dest_block_ids,
             len(request.token_ids), request.deadline_unix_s,
         )  # fmt: skip
-        region = self.region if job.with_checksums else None
+        checksums = self.connector.block_checksums if job.with_checksums else None
         fault = self.settings.fault_corrupt_kv_transfers
         if fault and random.random() < fault and done.block_ids:
             # Fault injection (tests): a block corrupted in flight, as the checksum sees it.
@@ -287,11 +289,12 @@ class KvReceiver:
             self.region.block_bytes_view(done.block_ids[0])[0] ^= 0xFF
         started = time.monotonic()
         try:
-            await asyncio.to_thread(validate, done, reservation, time.time(), region)
-        except EnvelopeError as err:
+            await asyncio.to_thread(validate, done, reservation, time.time(), checksums)
+        except TransferError as err:  # an EnvelopeError, or a rank's checksums out of reach
             log.warning(
                 "completion refused request_id=%s reason=%s blocks=%d",
-                request.request_id, err.reason, len(job.dest_block_ids),
+                request.request_id, getattr(err, "reason", "checksums_unavailable"),
+                len(job.dest_block_ids),
             )  # fmt: skip
             return False
         stages.validation_s = time.monotonic() - started

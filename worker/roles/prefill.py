@@ -58,7 +58,6 @@ from kvrail.messages import (
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
-from kvrail.worker.transfer.envelope import block_checksums
 from kvrail.worker.transfer.faults import TransportFaults
 
 log = logging.getLogger(__name__)
@@ -157,7 +156,10 @@ class PrefillRole:
 
     def _add_peer(self, record: WorkerRecord) -> None:  # on the NIXL thread
         try:
-            self.connector.add_peer(base64.b64decode(record.nixl_metadata_b64, validate=True))
+            self.connector.add_peer(
+                base64.b64decode(record.nixl_metadata_b64, validate=True),
+                [base64.b64decode(m, validate=True) for m in record.rank_nixl_metadata_b64],
+            )
         except (TransferError, binascii.Error, ValueError) as err:
             log.warning("cannot load a decode worker's agent worker=%s error=%s",
                         record.worker_id, err)  # fmt: skip
@@ -279,7 +281,7 @@ class PrefillRole:
                 raise _Refused("block_count")
             self._check(job)  # the destination may have gone while we computed
             sums = (
-                await asyncio.to_thread(block_checksums, self.connector.region, src)
+                await asyncio.to_thread(self.connector.block_checksums, src)
                 if job.with_checksums
                 else ()
             )
@@ -289,7 +291,7 @@ class PrefillRole:
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
                 first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
                 prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation,
-                block_checksums=sums, transfer_bytes=len(src) * self.connector.region.block_bytes,
+                block_checksums=sums, transfer_bytes=len(src) * self.connector.block_bytes,
                 transport=self.connector.transport_to(job.dest_agent_name),
                 queue_wait_s=queue_wait_s,
                 prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,

@@ -3,13 +3,14 @@
 Wrong text with HTTP 200 after a bad or stale transfer is the failure users of other systems
 report most; here nothing becomes runnable until the completion matches the reservation exactly:
 the request, the fingerprint, the decode worker's incarnation, the very blocks reserved, the
-prompt length, and (when asked for; always in tests) a checksum of every block's bytes.
+prompt length, and (when asked for; always in tests) a checksum of every block's bytes, of
+every shard when the workers are tensor-parallel (`Connector.block_checksums`).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvrail.errors import TransferError
@@ -51,11 +52,12 @@ def validate(
     done: PrefillDone,
     reservation: Reservation,
     now_unix_s: float,
-    region: KVCache | None = None,
+    checksums: Callable[[Sequence[int]], Sequence[str]] | None = None,
 ) -> None:
-    """Raise EnvelopeError unless `done` completes `reservation`. Pass `region` to verify the
-    checksums the prefill worker sent against the bytes that landed; a completion without
-    checksums is refused then."""
+    """Raise EnvelopeError unless `done` completes `reservation`. Pass `checksums` (the
+    checksums of blocks as they are here now, every shard, e.g. `Connector.block_checksums`) to
+    verify the ones the prefill worker sent against the bytes that landed; a completion without
+    a checksum for every block and shard is refused then."""
     r = reservation
     if done.request_id != r.request_id:
         raise EnvelopeError("wrong_request", "completion is for another request")
@@ -71,12 +73,11 @@ def validate(
         raise EnvelopeError("blocks", "written blocks differ from the reserved blocks")
     if done.num_prompt_tokens != r.num_prompt_tokens:
         raise EnvelopeError("tokens", "prefill covered a different number of prompt tokens")
-    if region is None:
+    if checksums is None:
         return
-    if len(done.block_checksums) != len(r.block_ids):
+    landed = tuple(checksums(r.block_ids))
+    if len(done.block_checksums) != len(landed):
         raise EnvelopeError("checksum", "completion carries no checksum for every block")
-    landed = block_checksums(region, r.block_ids)
-    bad = [b for b, want, got in zip(r.block_ids, done.block_checksums, landed, strict=True)
-           if want != got]  # fmt: skip
+    bad = sum(want != got for want, got in zip(done.block_checksums, landed, strict=True))
     if bad:
-        raise EnvelopeError("checksum", f"{len(bad)} of {len(r.block_ids)} blocks differ")
+        raise EnvelopeError("checksum", f"{bad} of {len(landed)} blocks differ")

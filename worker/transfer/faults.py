@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from kvrail.errors import TransferError
 from kvrail.settings import Settings
 from kvrail.worker.transfer.blocks import TransferStats
-from kvrail.worker.transfer.kv_connector import KvConnector
+from kvrail.worker.transfer.connector import Connector
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class TransportFaults:
 
     def write(
         self,
-        nixl: KvConnector,
+        nixl: Connector,
         request_id: str,
         peer: str,
         src_block_ids: Sequence[int],

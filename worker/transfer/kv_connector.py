@@ -33,6 +33,7 @@ from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.transfer.blocks import TransferStats, coalesce
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
+from kvrail.worker.transfer.envelope import block_checksums
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,17 @@ class KvConnector:
         self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
         self._peers: dict[str, _Peer] = {}
 
+    @property
+    def block_bytes(self) -> int:
+        return self.region.block_bytes
+
+    def block_checksums(self, block_ids: Sequence[int]) -> tuple[str, ...]:
+        """The checksums of these blocks of the region (`envelope.block_checksums`)."""
+        return block_checksums(self.region, block_ids)
+
+    def rank_metadata(self) -> tuple[bytes, ...]:
+        return ()
+
     def metadata(self) -> bytes:
         """NIXL agent metadata framed with the region's address and geometry."""
         header = {
@@ -135,9 +147,14 @@ class KvConnector:
             raise TransferError(f"unknown or removed peer {peer}")
         return "cuda-ipc" if remote.ipc is not None else self.transport
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, rank_metadata: Sequence[bytes] = ()) -> str:
         """Load a peer from its `metadata()`; returns its agent name. Refuses a peer whose
-        blocks differ in size or memory kind (it cannot share our fingerprint)."""
+        blocks differ in size or memory kind, or one of several ranks (`rank_metadata`): it
+        cannot share our fingerprint."""
+        if rank_metadata:
+            raise TransferError(
+                f"peer runs {len(rank_metadata) + 1} tensor-parallel ranks, this worker one"
+            )
         header, agent_metadata = _unframe(metadata)
         try:
             name, base = str(header["agent"]), int(header["base"])  # type: ignore[call-overload]

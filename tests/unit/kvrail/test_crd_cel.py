@@ -29,7 +29,7 @@ def test_rules_accept_consistent_spec(case: str, changes: tuple[Change, ...]) ->
 
 def test_defaults_fill_nested_objects_like_the_api_server() -> None:
     defaulted = apply_defaults(openapi_schema(), pool_manifest())
-    assert defaulted["spec"]["decode"]["parallelism"] == {"tensor": 1}
+    assert defaulted["spec"]["decode"]["parallelism"] == {}  # tensor defaults to gpus
     assert defaulted["spec"]["topology"]["rdma"] == "preferred"
     assert defaulted["spec"]["autoscaling"]["enabled"] is False
     assert "minReplicas" not in defaulted["spec"]["decode"]

@@ -64,7 +64,7 @@ def test_object_defaults_are_complete_and_pass_their_own_rules() -> None:
     # nested defaults first: a bare {} fails any rule reading a field ("no such key").
     schema = openapi_schema()
     spec = schema["properties"]["spec"]
-    assert spec["properties"]["decode"]["default"]["parallelism"] == {"tensor": 1}
+    assert spec["properties"]["decode"]["default"]["parallelism"] == {}
     assert spec["properties"]["decode"]["default"]["maxNumSeqs"] == 256
     assert "default" not in spec["properties"]["prefill"]
     assert "default" not in spec, "no default spec: the defaults alone are not a valid pool"

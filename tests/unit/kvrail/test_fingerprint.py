@@ -64,3 +64,16 @@ def test_kv_bytes_per_block_matches_the_llama3_8b_shape() -> None:
 def test_invalid_fingerprints_are_refused(overrides: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make(**overrides)
+
+
+def test_kv_heads_fewer_than_ranks_are_replicated_one_per_rank() -> None:
+    replicated = make(num_kv_heads=2, tensor_parallel_size=8)
+    assert replicated.kv_bytes_per_block(itemsize=2) == 2 * 32 * 1 * 128 * 16 * 2
+
+
+@pytest.mark.parametrize("tp_a,tp_b", [(1, 2), (2, 4), (1, 8)])
+def test_workers_of_different_tensor_parallel_layouts_never_pair(tp_a: int, tp_b: int) -> None:
+    """The rule: pairing needs equal digests, and T is in the digest; no re-sharding."""
+    a, b = make(tensor_parallel_size=tp_a), make(tensor_parallel_size=tp_b)
+    assert not a.is_compatible(b) and not b.is_compatible(a)
+    assert a.is_compatible(make(tensor_parallel_size=tp_a))

@@ -198,3 +198,29 @@ def test_workers_drain_within_the_grace_period_leaving_time_to_deregister(
     sts = build_statefulset(decode, "decode", CTX)
     assert pod(sts)["terminationGracePeriodSeconds"] == grace_s
     assert env(sts)["KVRAIL_DRAIN_TIMEOUT_S"] == str(drain_s)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_gpus_make_one_pod_with_that_many_gpus_running_that_many_tensor_parallel_ranks(
+    role: str,
+) -> None:
+    """`gpus: 4` alone is TP=4 for kvrail's engine: each replica is one pod (one node) asking for
+    four GPUs, whose worker runs four ranks; the model hash (a pod label) is the one of an
+    explicit `parallelism.tensor: 4`, so stating it or not rolls no pod."""
+    pool = pool_with(("spec.prefill.gpus", 4), ("spec.decode.gpus", 4))
+    sts = build_statefulset(pool, role, CTX)  # type: ignore[arg-type]
+    (worker,) = [c for c in pod(sts)["containers"] if c["name"] == "worker"]
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 4
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert env(sts)["KVRAIL_TENSOR_PARALLEL_SIZE"] == "4"
+    explicit = pool_with(
+        ("spec.prefill.gpus", 4), ("spec.prefill.parallelism", {"tensor": 4}),
+        ("spec.decode.gpus", 4), ("spec.decode.parallelism", {"tensor": 4}),
+    )  # fmt: skip
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    explicit_sts = build_statefulset(explicit, role, CTX)  # type: ignore[arg-type]
+    assert explicit_sts["spec"]["template"]["metadata"]["labels"] == labels
+
+
+def test_a_cpu_pool_runs_one_rank() -> None:
+    assert env(build_statefulset(pool_with(), "decode", CTX))["KVRAIL_TENSOR_PARALLEL_SIZE"] == "1"

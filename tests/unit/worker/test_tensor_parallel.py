@@ -1,0 +1,213 @@
+"""Tensor parallelism on CPU (gloo), real rank processes: the split engine's greedy output equals
+the one-device engine's, token for token in float32, on a prompt set with mixed lengths, chunked
+prefill, prefix-cache hits and async scheduling, for TP=2 and TP=4 on a random-weight model
+(8 heads, 2 KV heads: split at TP=2, replicated at TP=4) and TP=3 on the real SmolLM2 (9 heads,
+3 KV heads). Every engine ends empty. Killing one rank with SIGKILL fails the next step with an
+error, never a hang, and nothing the engine started outlives it. Under the `gpu` marker the same
+on CUDA (NCCL between GPUs, CUDA graphs with the collectives inside, async scheduling), where the
+machine has the GPUs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvrail.errors import RankLostError
+from kvrail.sampling import SamplingParams
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.ranks.build import BuiltEngine, build_engine
+from kvrail.worker.testing import assert_engine_empty, write_random_model
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SHARED = [101 + 37 * i % 30_000 for i in range(41)]  # a shared prefix: cache hits at block 4
+PROMPTS = [
+    [11, 12, 13],
+    [200 + 7 * i % 40_000 for i in range(70)],  # chunked over three steps (32-token budget)
+    [*SHARED, 5, 6, 7],
+    [*SHARED, 9, 9],
+    [4242 + i for i in range(17)],
+]
+
+
+def config(**overrides: Any) -> EngineConfig:
+    values: dict[str, Any] = {
+        "num_blocks": 96, "block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 512,
+    }  # fmt: skip
+    values.update(overrides)
+    return EngineConfig(**values)
+
+
+def generate(built: BuiltEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    engine = built.engine
+    first = engine.generate(prompts[:2], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    # the rest afterwards: SHARED's blocks are in the prefix cache by then
+    rest = engine.generate(prompts[2:], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    assert_engine_empty(engine)
+    return first + rest
+
+
+def first_divergence(a: list[list[int]], b: list[list[int]]) -> str:
+    for p, (x, y) in enumerate(zip(a, b, strict=True)):
+        for i, (s, t) in enumerate(zip(x, y, strict=True)):
+            if s != t:
+                return f"prompt {p}, token {i}: {s} vs {t}"
+    return "none"
+
+
+@pytest.fixture(scope="module")
+def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_random_model(
+        tmp_path_factory.mktemp("model") / "tp", seed=7,
+        num_attention_heads=8, num_key_value_heads=2, hidden_size=64, intermediate_size=96,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def tp_engine() -> Iterator[Any]:
+    started: list[BuiltEngine] = []
+
+    def build(source: str, size: int, device_type: str = "cpu", **overrides: Any) -> BuiltEngine:
+        built = build_engine(
+            source, config(**overrides), dtype=torch.float32, device_type=device_type,
+            tensor_parallel_size=size, torch_num_threads=1,
+        )  # fmt: skip
+        started.append(built)
+        return built
+
+    yield build
+    for built in started:
+        if built.ranks is not None:
+            built.ranks.close()
+            for pid in built.ranks.pids:
+                assert not _alive(pid), f"rank process {pid} outlived its engine"
+        built.engine.model.group.close()
+
+
+def _step_until(engine: Any, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        engine.step()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, exited but not reaped yet, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_split_random_model_decodes_exactly_like_one_device(
+    random_model: Path, tp_engine: Any, size: int
+) -> None:
+    expected = generate(tp_engine(str(random_model), 1), PROMPTS, 12)
+    split = tp_engine(str(random_model), size, async_scheduling=True)
+    assert split.engine.kv_cache.tensor.shape[4] == 1  # one KV head per rank (replicated at 4)
+    got = generate(split, PROMPTS, 12)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+def test_smollm2_on_three_ranks_decodes_exactly_like_one_device(tp_engine: Any) -> None:
+    from kvrail.worker.models.loader import load
+
+    tokenizer = load("smollm2").tokenizer
+    texts = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:",
+             " ".join(f"Paragraph {i}: the river flows past {i * 7 % 13} villages." for i in
+                      range(8))]  # fmt: skip
+    prompts = [tokenizer(t).input_ids for t in texts]
+    prompts.append([*prompts[3], *tokenizer(" Which river?").input_ids])  # a prefix-cache hit
+    expected = generate(tp_engine("smollm2", 1, block_size=16, max_num_batched_tokens=64), prompts,
+                        16)  # fmt: skip
+    split = tp_engine("smollm2", 3, block_size=16, max_num_batched_tokens=64)
+    got = generate(split, prompts, 16)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+def needs_gpus(n: int) -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("size", [2, 4])
+def test_on_gpus_a_split_model_with_graphs_and_async_decodes_like_one_gpu(
+    random_model: Path, tp_engine: Any, size: int
+) -> None:
+    needs_gpus(size)
+    expected = generate(tp_engine(str(random_model), 1, "cuda"), PROMPTS, 12)
+    split = tp_engine(str(random_model), size, "cuda")  # CUDA: graphs and async by default
+    assert split.engine.runner.decode_graphs is not None and split.engine.async_scheduling
+    got = generate(split, PROMPTS, 12)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+@pytest.mark.parametrize("device_type", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_killed_rank_fails_the_next_step_and_nothing_outlives_the_engine(
+    random_model: Path, tp_engine: Any, device_type: str
+) -> None:
+    if device_type == "cuda":
+        needs_gpus(2)
+    built = tp_engine(str(random_model), 2, device_type)
+    assert built.ranks is not None
+    lost: list[tuple[int, int | None]] = []
+    built.ranks.on_lost(lambda rank, code: lost.append((rank, code)))
+    engine = built.engine
+    engine.add_request("long", PROMPTS[1], SamplingParams(max_tokens=300, ignore_eos=True))
+    engine.step()
+    os.kill(built.ranks.pids[0], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with pytest.raises((RankLostError, RuntimeError)):
+        _step_until(engine, deadline)
+    assert time.monotonic() < deadline, "steps kept running without their rank"
+    while not lost and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert lost == [(1, -signal.SIGKILL)]
+    with pytest.raises(RankLostError, match="rank 1 is gone"):
+        built.ranks.send(object())  # type: ignore[arg-type]
+
+
+RANK_0 = """
+import sys, time, torch
+from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.ranks.build import build_engine
+built = build_engine(sys.argv[1], EngineConfig(num_blocks=16, block_size=4, max_model_len=64),
+                     dtype=torch.float32, device_type="cpu", tensor_parallel_size=2,
+                     torch_num_threads=1)
+print(*built.ranks.pids, flush=True)
+time.sleep(600)
+"""
+
+
+def test_ranks_die_with_rank_0_however_it_dies(random_model: Path, tmp_path: Path) -> None:
+    """kill -9 of rank 0 alone (not its process group): its ranks exit at once (the lifeline)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank0.py"
+    script.write_text(RANK_0)
+    rank0 = subprocess.Popen(
+        [sys.executable, "-P", str(script), str(random_model)], stdout=subprocess.PIPE,
+        cwd=tmp_path, text=True,
+    )  # fmt: skip
+    try:
+        assert rank0.stdout is not None
+        (pid,) = map(int, rank0.stdout.readline().split())
+        assert _alive(pid)
+        rank0.kill()
+        rank0.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), "a rank outlived its rank 0"
+    finally:
+        rank0.kill()
+        rank0.wait(10)
