@@ -29,7 +29,9 @@ MIN_SPLIT_TOKENS = 32
 WAVES = 2  # aim for about this many programs per SM before splitting stops
 
 
-@triton.jit
+# The table width varies from step to step in eager steps: not specialized on, so it never
+# compiles another variant while serving (see kvrail.worker.engine.cuda_graph).
+@triton.jit(do_not_specialize=["stride_bt", "num_splits"])
 def _decode_kernel(
     query,
     k_cache,

@@ -17,7 +17,9 @@ import triton.language as tl
 from kvrail.kernels.decode_attention import check_paged_inputs
 
 
-@triton.jit
+# The table width varies from step to step in eager steps: not specialized on, so it never
+# compiles another variant while serving (see kvrail.worker.engine.cuda_graph).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     query,
     k_cache,

@@ -5,6 +5,7 @@
 # kernels bench/engine | tar -x -C .old`). Usage, from the repository root:
 #   bash bench/serving/h200.sh service-step   # EngineService at 32/128/256 running, old and new
 #   bash bench/serving/h200.sh serving        # bench/serving/run.py, Llama-3-8B shape
+#   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -23,6 +24,28 @@ case "${1:?what to run}" in
     source bench/sweep/device-setup.sh || exit 1
     python3 -P bench/serving/run.py --device cuda --shape llama3-8b --concurrency 1,32,256 --routers 4 \
       --steps 48 --work /tmp/serving --out "$OUT/serving_h200.json" 2>&1 | tee "$OUT/serving_h200.log" | tail -n 40
-    cp /tmp/serving/logs/*.log "$OUT/" 2>/dev/null || true
+    cp /tmp/serving/logs/worker-0.0.log "$OUT/" 2>/dev/null || true
+    ;;
+  profile)  # the stack alone at 256 streams, long enough to sample 8 s of its window
+    source bench/sweep/device-setup.sh || exit 1
+    rm -rf /tmp/profile
+    python3 -P bench/serving/run.py --device cuda --shape llama3-8b --concurrency 256 --routers 4 \
+      --steps 300 --modes stack --work /tmp/profile --out "$OUT/profile_stack.json" \
+      > "$OUT/profile_run.log" 2>&1 &
+    bench=$!
+    for _ in $(seq 1200); do  # inside the window: every stream (and the 2 warm-ups) has a token
+      n=$(grep -cs "first token" /tmp/profile/logs/worker-0.0.log); [ "${n:-0}" -ge 258 ] && break
+      sleep 0.5
+    done
+    sleep 1
+    worker=$(pgrep -f "kvrail.worker --role" | head -n 1)
+    router=$(pgrep -f "kvrail.router" | head -n 1)
+    cat /proc/sys/kernel/yama/ptrace_scope 2>/dev/null
+    /tmp/site/bin/py-spy record --pid "$worker" --duration 8 --rate 200 --format raw --threads \
+      --output "$OUT/worker.txt" > "$OUT/pyspy_worker.log" 2>&1 &
+    /tmp/site/bin/py-spy record --pid "$router" --duration 8 --rate 200 --format raw \
+      --output "$OUT/router.txt" > "$OUT/pyspy_router.log" 2>&1
+    wait
+    cp /tmp/profile/logs/worker-0.0.log "$OUT/" 2>/dev/null || true
     ;;
 esac

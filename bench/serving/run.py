@@ -210,7 +210,10 @@ async def stream_one(http: httpx.AsyncClient, body: dict[str, Any], out: Stream)
         async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
             reply.raise_for_status()
             async for line in reply.aiter_lines():
-                if line.startswith('data: {"id"') and '"content":"' in line:
+                # a token's chunk: not the role chunk sent at once (`"content":""`), which
+                # counted as each stream's first token and put the prefills inside the window
+                token = '"content":"' in line and '"content":""' not in line
+                if token and line.startswith('data: {"id"'):
                     out.chunks.append(time.perf_counter())
     except httpx.HTTPError as err:
         out.error = type(err).__name__

@@ -10,11 +10,19 @@ sampled take it from the device (`staging.feed_tokens`) after the copies. The de
 sizes its split-K grid from the table width, which is static per graph. The model's forward has
 no host synchronisation on CUDA (the Triton launchers only read shapes), which is what makes it
 capturable. Steps with prefill tokens, or more decodes than the largest graph, run eagerly.
+
+Before capturing, `warm_eager_kernels` runs the eager forward once over each kind of step the
+graphs do not cover (a chunk after a cached prefix, fresh and prefixed chunks together, decodes
+of one and of every request beside them, short and full block tables), writing no KV: the Triton
+kernels those steps launch are compiled at start. Otherwise the first request with a prefix
+cache hit waited about 2 s on the H200 for the paged prefill kernel to compile, and every
+request queued behind it.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import torch
@@ -90,6 +98,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every batch size, largest first so smaller graphs reuse its memory pool."""
+        max_blocks = self.block_tables.shape[1]
+        warm_eager_kernels(self.model, self.kv_cache, self.max_batch_size, max_blocks)
         pool = None
         for bs in reversed(self.batch_sizes):
             self._forward(bs)  # warm-up: compiles the kernels for this shape
@@ -100,7 +110,9 @@ class DecodeGraphs:
             pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
-        logger.info("decode graphs captured batch_sizes=%d max=%d", len(self.graphs), bs)
+        logger.info(
+            "decode graphs captured batch_sizes=%d max=%d", len(self.graphs), self.max_batch_size
+        )
 
     def run(
         self,
@@ -156,3 +168,59 @@ class _Staging:
         )
         self.copied = torch.cuda.Event()
         self.copied.record()
+
+
+@torch.inference_mode()
+def warm_eager_kernels(
+    model: LlamaForCausalLM, kv_cache: KVCache, max_num_seqs: int, max_blocks_per_seq: int
+) -> None:
+    """One eager forward per combination of decode rows (none, one or `max_num_seqs`, over one
+    block or the widest table) and prefill chunks (after a one-block prefix, alone or beside a
+    fresh chunk, of 16 and 64 tokens: both of the paged kernel's tile sizes). Every slot is -1
+    and every table names the null block 0: nothing is written, nothing allocated is read."""
+    device = kv_cache.tensor.device
+    block_size = kv_cache.block_size
+    decodes = {(0, 1), (1, 1), (1, max_blocks_per_seq), (max_num_seqs, 1)}
+    decodes.add((max_num_seqs, max_blocks_per_seq))
+    prefills = [(q, fresh) for q in (16, 64) for fresh in (False, True)]
+    started = time.perf_counter()
+
+    def ints(values: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    for num_decodes, width in sorted(decodes):
+        for query_len, with_fresh in prefills:
+            context = query_len + block_size  # a prefix of one block
+            lens = [context, query_len] if with_fresh else [context]
+            queries = [query_len] * len(lens)
+            num_tokens = num_decodes + sum(queries)
+            table_width = max(width, -(-context // block_size))
+            metadata = AttentionMetadata(
+                slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
+                num_decode_tokens=num_decodes,
+                decode_block_tables=torch.zeros(
+                    num_decodes, width, dtype=torch.int32, device=device
+                ),
+                decode_seq_lens=ints([width * block_size] * num_decodes),
+                prefill_block_tables=torch.zeros(
+                    len(lens), table_width, dtype=torch.int32, device=device
+                ),
+                prefill_query_start_loc=ints([0, query_len, 2 * query_len][: len(lens) + 1]),
+                prefill_seq_lens=ints(lens),
+                prefill_max_query_len=query_len,
+                prefill_fresh_runs=((query_len, query_len, 1),) if with_fresh else (),
+                prefill_has_prefix=True,
+            )
+            positions = [0] * num_decodes + list(range(block_size, context))
+            if with_fresh:
+                positions += list(range(query_len))
+            model(
+                torch.zeros(num_tokens, dtype=torch.int64, device=device),
+                ints(positions, torch.int64),
+                metadata,
+                kv_cache,
+            )
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    logger.info("eager kernels warmed steps=%d seconds=%.1f", len(decodes) * len(prefills),
+                time.perf_counter() - started)  # fmt: skip

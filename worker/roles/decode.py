@@ -201,32 +201,39 @@ class DecodeRole:
         deadline: float,
         submitted: float | None,
     ) -> None:
-        while True:
-            remaining = deadline - time.monotonic() + 1.0  # the service aborts at the deadline
-            try:
-                if updates.empty():
-                    async with asyncio.timeout(max(remaining, 0.0)):
-                        update = await updates.get()
-                else:
-                    update = updates.get_nowait()
-            except TimeoutError as err:
-                raise RequestFailed("deadline") from err
-            if submitted is not None and stream.seq == 0:
-                stream.stages.prefill_compute_s = time.monotonic() - submitted
-                stream.num_cached_tokens = update.num_cached_tokens
-            if stream.seq == 0:
-                timed = stream.stages.timed()
-                for stage, seconds in timed.items():
-                    metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
-                log.info(
-                    "first token request_id=%s mode=%s prompt_tokens=%d cached_tokens=%d %s",
-                    stream.request.request_id, stream.mode, len(stream.request.token_ids),
-                    stream.num_cached_tokens,
-                    " ".join(f"{k}={v:.4f}" for k, v in sorted(timed.items())),
-                )  # fmt: skip
-            await stream.send(update)
-            if update.is_last:
-                return
+        # The service aborts at the deadline; this is the backstop should no update come. One
+        # timer for the whole stream: one per update (a Timeout and a timer handle for every
+        # request every step) cost the loop 1.8 ms a step at 256 requests in the H200 profile.
+        remaining = deadline - time.monotonic() + 1.0
+        try:
+            async with asyncio.timeout(max(remaining, 0.0)):
+                await _forward(updates, stream, submitted)
+        except TimeoutError as err:
+            raise RequestFailed("deadline") from err
+
+
+async def _forward(
+    updates: asyncio.Queue[Update], stream: _Stream, submitted: float | None
+) -> None:
+    """Publish a request's updates as they come, until its last."""
+    while True:
+        update = updates.get_nowait() if not updates.empty() else await updates.get()
+        if submitted is not None and stream.seq == 0:
+            stream.stages.prefill_compute_s = time.monotonic() - submitted
+            stream.num_cached_tokens = update.num_cached_tokens
+        if stream.seq == 0:
+            timed = stream.stages.timed()
+            for stage, seconds in timed.items():
+                metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
+            log.info(
+                "first token request_id=%s mode=%s prompt_tokens=%d cached_tokens=%d %s",
+                stream.request.request_id, stream.mode, len(stream.request.token_ids),
+                stream.num_cached_tokens,
+                " ".join(f"{k}={v:.4f}" for k, v in sorted(timed.items())),
+            )  # fmt: skip
+        await stream.send(update)
+        if update.is_last:
+            return
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
