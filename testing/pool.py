@@ -12,6 +12,7 @@ import asyncio
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 from nats.aio.client import Client as NatsClient
@@ -20,8 +21,9 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import BlockCounts, WorkerRecord
+from kvrail.messages import BlockCounts, GenerateRequest, TokenEvent, TokenEventBatch, WorkerRecord
 from kvrail.registry import Registry, etcd_client
+from kvrail.sampling import SamplingParams
 from kvrail.settings import load_settings
 
 READY_TIMEOUT_S = 240.0
@@ -129,3 +131,51 @@ class LocalPool:
         held = await self.blocks_held(nc, timeout_s)
         if held:
             raise AssertionError(f"workers still hold blocks: {held}")
+
+
+async def generate(
+    nc: NatsClient,
+    worker_id: str,
+    token_ids: tuple[int, ...],
+    *,
+    keys: PoolKeys,
+    max_tokens: int = 8,
+    deadline_s: float = 30.0,
+    request_id: str | None = None,
+    wait: bool = True,
+    started: asyncio.Event | None = None,
+) -> list[TokenEvent]:
+    """Send one request to a decode worker as the router would (greedy, no EOS); with `wait`,
+    collect its events until the last, checking they come in order (`started` is set at the
+    first)."""
+    request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
+    subject = f"test.stream.{request_id}"
+    sub = await nc.subscribe(subject)
+    request = GenerateRequest(
+        request_id=request_id, token_ids=token_ids, stream_subject=subject,
+        deadline_unix_s=time.time() + deadline_s,
+        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+    )  # fmt: skip
+    await nc.publish(keys.decode_requests(worker_id), request.encode())
+    events: list[TokenEvent] = []
+    if not wait:
+        await sub.unsubscribe()
+        return events
+    try:
+        stop_at = time.monotonic() + deadline_s + 5
+        while not events or not events[-1].is_last:
+            msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
+            events += [e for e in decode(msg.data, TokenEventBatch).events
+                       if e.request_id == request_id]  # fmt: skip
+            if started is not None and events:
+                started.set()
+    finally:
+        await sub.unsubscribe()
+    assert [e.seq for e in events] == list(range(len(events)))
+    return events
+
+
+def tokens_of(events: list[TokenEvent]) -> list[int]:
+    """The generated tokens of a request that ended without an error."""
+    assert events[-1].error is None, events[-1].error
+    return [t for e in events for t in e.token_ids]

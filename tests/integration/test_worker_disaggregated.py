@@ -13,6 +13,7 @@ restarted (a new incarnation, with the `fail` policy), then `prefill-0` is kille
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import time
 import urllib.request
@@ -32,15 +33,14 @@ from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import (
     Cancel,
-    GenerateRequest,
     KvEvent,
     PrefillJob,
     TokenEvent,
-    TokenEventBatch,
     WorkerRecord,
 )
 from kvrail.sampling import SamplingParams
-from kvrail.testing.pool import LocalPool
+from kvrail.testing.pool import LocalPool, tokens_of
+from kvrail.testing.pool import generate as pool_generate
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"
 KEYS = PoolKeys("default", POOL)
@@ -88,48 +88,7 @@ def pool(
         p.stop()
 
 
-async def generate(
-    nc: NatsClient,
-    worker_id: str,
-    token_ids: tuple[int, ...],
-    *,
-    max_tokens: int = 8,
-    deadline_s: float = 30.0,
-    request_id: str | None = None,
-    wait: bool = True,
-    started: asyncio.Event | None = None,
-) -> list[TokenEvent]:
-    """Send one request as the router would; with `wait`, collect its events until the last
-    (`started` is set at the first)."""
-    request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
-    subject = f"test.stream.{request_id}"
-    sub = await nc.subscribe(subject)
-    request = GenerateRequest(
-        request_id=request_id, token_ids=token_ids, stream_subject=subject,
-        deadline_unix_s=time.time() + deadline_s,
-        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-    )  # fmt: skip
-    await nc.publish(KEYS.decode_requests(worker_id), request.encode())
-    events: list[TokenEvent] = []
-    if not wait:
-        return events
-    try:
-        stop_at = time.monotonic() + deadline_s + 5
-        while not events or not events[-1].is_last:
-            msg = await sub.next_msg(timeout=max(stop_at - time.monotonic(), 0.01))
-            events += [e for e in decode(msg.data, TokenEventBatch).events
-                       if e.request_id == request_id]  # fmt: skip
-            if started is not None and events:
-                started.set()
-    finally:
-        await sub.unsubscribe()
-    assert [e.seq for e in events] == list(range(len(events)))
-    return events
-
-
-def tokens_of(events: list[TokenEvent]) -> list[int]:
-    assert events[-1].error is None, events[-1].error
-    return [t for e in events for t in e.token_ids]
+generate = functools.partial(pool_generate, keys=KEYS)
 
 
 async def assert_all_blocks_free(nc: NatsClient, pool: Pool, timeout_s: float = 30.0) -> None:
