@@ -167,7 +167,7 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         index = _on(device, with_min_p, np.int64)
         min_p = _on(device, [params[j].min_p for j in with_min_p], np.float32)
         scaled[index] = apply_min_p(scaled[index], min_p)
-    probs = scaled.softmax(dim=-1)
+    probs = _distribution(scaled, logits)
     drawn = torch.empty(len(params), dtype=torch.int64, device=device)
     unseeded = [j for j, p in enumerate(params) if p.seed is None]
     if unseeded:
@@ -191,3 +191,16 @@ def _generator(request: Request, device: torch.device) -> torch.Generator | None
         request.generator = torch.Generator(device=device).manual_seed(seed)
     generator: torch.Generator = request.generator
     return generator
+
+
+def _distribution(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """Softmax of each row of `scaled` (`logits` over the temperature, masked). A row with no
+    distribution (its scaled logits overflowed, as under a temperature or a repetition penalty
+    near 0, or none is finite) becomes certain of its greedy token, the limit of a temperature
+    going to 0, instead of failing every request of the step in `torch.multinomial`. On the
+    device, without a host synchronisation."""
+    probs = scaled.masked_fill(scaled.isnan(), float("-inf")).softmax(dim=-1)
+    bad = (~torch.isfinite(probs).all(dim=-1) | ~(probs.sum(dim=-1) > 0)).unsqueeze(-1)
+    greedy = logits.float().masked_fill(logits.isnan(), float("-inf")).argmax(dim=-1, keepdim=True)
+    probs = torch.where(bad, torch.zeros_like(probs), probs)
+    return probs.scatter(-1, greedy, torch.where(bad, 1.0, probs.gather(-1, greedy)))

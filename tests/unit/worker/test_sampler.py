@@ -148,3 +148,23 @@ def test_min_p_drops_tokens_far_below_the_best() -> None:
     probs = torch.tensor([[0.6, 0.3, 0.08, 0.02]])
     kept = torch.isfinite(apply_min_p(probs.log(), torch.tensor([0.1]))).tolist()[0]
     assert kept == [True, True, True, False]  # 0.02 < 0.1 * 0.6 <= 0.08
+
+
+def test_a_row_whose_logits_overflow_takes_its_best_token_and_spares_the_others() -> None:
+    """Temperatures and repetition penalties near 0 are valid input whose scaled logits overflow
+    float32; the fuzzer found that such a row made `torch.multinomial` fail the whole step."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0]] * 5)
+    requests = [
+        make_request(2, temperature=5e-324),  # 0 in float32: every logit divided by 0
+        make_request(2, temperature=1e-45, seed=4),  # a float32 subnormal: logits overflow
+        make_request(prompt_token_ids=[2, 2], temperature=0.7, repetition_penalty=1e-300, seed=5),
+        make_request(2, temperature=1.0, seed=7),
+        make_request(2),
+    ]
+    requests[2].output_token_ids.append(3)  # penalized: 2.0 / 1e-300 overflows to inf
+    tokens = sample(logits, requests)
+    assert tokens[:2] == [1, 1]
+    assert tokens[2] == 3  # the overflowed logit is the largest
+    assert 0 <= tokens[3] < 4 and tokens[4] == 1
+    alone = sample(logits[3:4], [make_request(2, temperature=1.0, seed=7)])
+    assert tokens[3] == alone[0]  # the healthy row drew as it would have alone
