@@ -3,6 +3,7 @@
 # overlay keeps one copy of each layer's files; KVRAIL_BUILDAH_DRIVER=vfs where overlay fails.
 IMAGE_CACHE=${KVRAIL_IMAGE_CACHE:-$HOME/.cache/kvrail/image}
 mkdir -p "$IMAGE_CACHE"
+HACK_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)  # absolute: callers may cd later
 bah() {
   buildah --storage-driver "${KVRAIL_BUILDAH_DRIVER:-overlay}" \
     --root "$IMAGE_CACHE/storage" --runroot "$IMAGE_CACHE/run" "$@"
@@ -17,5 +18,5 @@ ctr_import() {
   if ctr -a "$sock" -n k8s.io images ls -q | grep -qx "$ref"; then return 0; fi
   storage="containers-storage:[${KVRAIL_BUILDAH_DRIVER:-overlay}@$IMAGE_CACHE/storage+$IMAGE_CACHE/run]"
   skopeo copy -q --dest-oci-accept-uncompressed-layers "$storage$ref" "oci:$IMAGE_CACHE/oci:$ref"
-  python3 "$(dirname "${BASH_SOURCE[0]}")/oci_import.py" "$IMAGE_CACHE/oci" "$ref" "$sock"
+  python3 "$HACK_DIR/oci_import.py" "$IMAGE_CACHE/oci" "$ref" "$sock"
 }

@@ -11,6 +11,7 @@
 # paths), so we build it from a throw-away wrapper module that points every staging module at the
 # published k8s.io/X v0.<minor>.<patch>. See docs/testing.md.
 set -euo pipefail
+HACK_DIR=$(cd "$(dirname "$0")" && pwd)  # absolute: the builds below cd into their wrappers
 export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-buildvcs=false
 K8S_VERSION=${K8S_VERSION:-v1.36.3}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
@@ -118,7 +119,7 @@ build_helm() {
 
 case "${1:-all}" in
   all) build_kubernetes; build_etcd; build_kwok; kwok_stages; gateway_api; build_helm
-       "$(dirname "$0")/node-binaries.sh" >/dev/null ;;
+       "$HACK_DIR/node-binaries.sh" >/dev/null ;;
   kubernetes|etcd|kwok|helm) "build_$1" ;;
   kwok_stages|gateway_api) "$1" ;;
   *) echo "usage: $0 [all|kubernetes|etcd|kwok|helm|kwok_stages|gateway_api]" >&2; exit 2 ;;
