@@ -23,7 +23,6 @@ import pytest
 import yaml
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from nats.js.errors import NotFoundError
 
 from kvrail.bus import PrefillQueue, connect
 from kvrail.crd.pool import GROUP, PLURAL, VERSION
@@ -36,6 +35,7 @@ from kvrail.operator.testing import mutate
 from kvrail.registry import etcd_client
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
+from kvrail.testing.cluster_checks import pool_traces
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 from kvrail.testing.operator_process import (
     OPERATOR_NAMESPACE,
@@ -179,20 +179,6 @@ async def put_pool_data(servers: Settings, keys: PoolKeys) -> None:
         await queue.publish(job)
     finally:
         await nc.close()
-
-
-async def pool_data(servers: Settings, keys: PoolKeys) -> tuple[int, int | None]:
-    """(keys under the pool's prefix, jobs in its stream or None when the stream is gone)."""
-    async with etcd_client(servers) as etcd:
-        num_keys = len(list(await etcd.get_prefix(keys.pool_prefix.encode())))
-    nc = await connect(servers, "e2e")
-    try:
-        backlog: int | None = await PrefillQueue(nc.jetstream(), keys).backlog()
-    except NotFoundError:
-        backlog = None
-    finally:
-        await nc.close()
-    return num_keys, backlog
 
 
 @pytest.fixture(scope="module")
@@ -363,7 +349,7 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
     assert env.servers is not None
     keys = PoolKeys(ns, name)
     asyncio.run(put_pool_data(env.servers, keys))
-    assert asyncio.run(pool_data(env.servers, keys)) == (2, 1)
+    assert asyncio.run(pool_traces(env.servers, keys.namespace, keys.pool)) == (2, 1)
     env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
 
     def gone() -> bool:
@@ -371,7 +357,7 @@ def test_cpu_pool_lifecycle_children_ready_scale_model_change_and_delete(env: En
 
     wait_for("nothing left of the pool", gone, DEADLINE_S)
     wait_for("the pool object removed", lambda: not pool_exists(env, ns, name), DEADLINE_S)
-    assert asyncio.run(pool_data(env.servers, keys)) == (0, None)
+    assert asyncio.run(pool_traces(env.servers, keys.namespace, keys.pool)) == (0, None)
     assert event_reasons(env, ns, name).count("CleanedUp") == 1
 
 

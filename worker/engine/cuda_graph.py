@@ -192,8 +192,7 @@ def warm_eager_kernels(
         for query_len, with_fresh in prefills:
             context = query_len + block_size  # a prefix of one block
             lens = [context, query_len] if with_fresh else [context]
-            queries = [query_len] * len(lens)
-            num_tokens = num_decodes + sum(queries)
+            num_tokens = num_decodes + query_len * len(lens)
             table_width = max(width, -(-context // block_size))
             metadata = AttentionMetadata(
                 slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device),
