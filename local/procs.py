@@ -13,10 +13,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import random
 import signal
 import socket
 import ssl
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -33,11 +35,45 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child, between
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for a bind to port 0 or an outgoing connection."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+# free_port() hands out ports below the kernel's ephemeral range. A port the kernel picked for a
+# bind to port 0 is free only until the child binds it; meanwhile any process's outgoing
+# connection or its own bind to port 0 (vLLM's internal ZMQ sockets did, in CI) may take it. The
+# kernel never picks a port below the range, so only another explicit choice can collide: a
+# random start per process, a step per call and a bind check make that rare.
+_PORTS_LOW = 20000
+_ports_high = min(_ephemeral_low(), 30000)
+if _ports_high - _PORTS_LOW < 1000:
+    _PORTS_LOW = 1024  # a machine whose ephemeral range starts low: use what lies below it
+_port_lock = threading.Lock()
+_port_next = _PORTS_LOW + random.SystemRandom().randrange(max(_ports_high - _PORTS_LOW, 1))
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that is free now and that the kernel never assigns on its own.
+
+    Successive calls in one process never repeat a port until the whole window was used.
+    """
+    global _port_next
+    size = _ports_high - _PORTS_LOW
+    with _port_lock:
+        for _ in range(size):
+            port = _port_next
+            _port_next = _PORTS_LOW + (_port_next - _PORTS_LOW + 1) % size
+            with socket.socket() as s:
+                try:  # the wildcard address: a port taken on any local address is refused
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+            return port
+    raise OSError(f"no free TCP port on 127.0.0.1 in {_PORTS_LOW}-{_ports_high - 1}")
 
 
 class ProcessFailed(RuntimeError):

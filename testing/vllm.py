@@ -165,7 +165,11 @@ class VllmServer:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     def is_serving(self) -> bool:
-        """`/health` answers 200 and `/v1/models` lists the served name."""
+        """`/health` answers 200 and `/v1/models` lists the served name. ProcessFailed once a
+        thread of the server died: vLLM then runs on but never serves (its NIXL handshake
+        listener, whose port was taken, left the engine waiting for 490 s in CI)."""
+        if "Exception in thread" in self.process.log_text():
+            raise ProcessFailed(f"a thread of {self.process.name} died\n{self.process.tail()}")
         if not http_ok(f"{self.url}/health"):
             return False
         try:

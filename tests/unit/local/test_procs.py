@@ -52,3 +52,18 @@ def test_port_in_use_tells_a_taken_port_from_a_free_one() -> None:
         s.listen()
         assert port_in_use("127.0.0.1", s.getsockname()[1])
     assert not port_in_use("127.0.0.1", free_port())
+
+
+def test_free_port_lies_below_the_kernels_ephemeral_range_and_skips_taken_ports() -> None:
+    """The kernel never gives these ports to a bind to port 0 or an outgoing connection."""
+    import socket
+
+    from kvrail.local import procs
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(1024 <= port < low for port in ports)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", procs._port_next))
+        assert free_port() != taken.getsockname()[1]
