@@ -10,13 +10,16 @@ Shapes (T tokens, S sequences, Hq query heads, Hkv KV heads, D head dim, B block
 
 Attention is causal over positions: query i of a sequence with q_len queries and seq_len context
 sits at position seq_len - q_len + i and sees keys 0..that position. Grouped-query attention maps
-query head h to KV head h // (Hq // Hkv). Scores and softmax are computed in float32. No function
+query head h to KV head h // (Hq // Hkv). Scores and softmax are computed in float32, from a cache
+of any float dtype, FP8 included (written by `write_kv` with a scale of 1). No function
 here mutates its inputs except the destination cache of `write_kv` and `scatter_blocks`.
 """
 
 from __future__ import annotations
 
 import torch
+
+FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
 def write_kv(
@@ -31,8 +34,17 @@ def write_kv(
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     blocks, offsets = slots // block_size, slots % block_size
-    k_cache[blocks, offsets] = key[valid].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[valid].to(v_cache.dtype)
+    k_cache[blocks, offsets] = to_cache_dtype(key[valid], k_cache.dtype)
+    v_cache[blocks, offsets] = to_cache_dtype(value[valid], v_cache.dtype)
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rounded to a cache's dtype; into FP8 (a scale of 1), values beyond its largest finite
+    value saturate there (a plain cast may give NaN) and NaN stays NaN."""
+    if dtype in FP8_DTYPES:
+        limit = torch.finfo(dtype).max
+        x = x.float().clamp(-limit, limit)
+    return x.to(dtype)
 
 
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:

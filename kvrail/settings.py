@@ -74,7 +74,9 @@ class Settings(BaseModel):
     model_hash: str | None = Field(None, description="the operator's hash of spec.model")
     served_model_name: str | None = None
     dtype: DType | Literal["auto"] = "auto"
-    kv_dtype: KvDType = "auto"
+    kv_dtype: KvDType = Field(
+        "auto", description="KV cache dtype (auto: dtype's); FP8 or another float on CPU only"
+    )
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=16)
     tensor_parallel_size: int = Field(1, ge=1, le=64)

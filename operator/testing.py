@@ -174,6 +174,12 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "--kv-cache-dtype",
     ),
     (
+        "kvrail with an fp8 kv cache on gpus",
+        (("spec.model.kvDtype", "float8_e4m3fn"), ("spec.decode.gpus", 1)),
+        ".spec.model.kvDtype",
+        "CUDA kernels",
+    ),
+    (
         "vllm zeroing released kv",
         (*VLLM, ("spec.security.zeroKvOnRelease", True)),
         ".spec.security.zeroKvOnRelease",
@@ -247,6 +253,16 @@ ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
             ("spec.engine.extraArgs", ["--gpu-memory-utilization", "0.85"]),
             ("spec.model.kvDtype", "float8_e4m3fn"),
             ("spec.disaggregation.kvLoadFailurePolicy", "fail"),
+        ),
+    ),
+    ("kvrail with an fp8 kv cache on cpu", (("spec.model.kvDtype", "float8_e5m2"),)),
+    (
+        "kvrail with a kv dtype equal to the weights' on gpus",
+        (
+            ("spec.model.dtype", "bfloat16"),
+            ("spec.model.kvDtype", "bfloat16"),
+            ("spec.prefill.gpus", 1),
+            ("spec.decode.gpus", 1),
         ),
     ),
     ("vllm with a kv dtype equal to the weights'", (*VLLM, ("spec.model.kvDtype", "float32"))),

@@ -40,7 +40,7 @@ from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.worker import health, metrics
-from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.config import DTYPES, EngineConfig, kv_cache_dtype
 from kvrail.worker.ranks.build import BuiltEngine, check_split
 from kvrail.worker.ranks.build import build_engine as build_sharded_engine
 from kvrail.worker.roles.context import WorkerContext
@@ -63,17 +63,17 @@ EXIT_FAILED = 1
 
 def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngine:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
     if settings.dtype == "auto":
         dtype = torch.bfloat16 if device == "cuda" else torch.float32
     else:
-        dtype = names[settings.dtype]
+        dtype = DTYPES[settings.dtype]
+    kv_cache_dtype(settings.kv_dtype, dtype, device)  # refused here, before the model loads
     config = EngineConfig(
         num_blocks=settings.num_kv_blocks, block_size=settings.block_size,
         max_model_len=settings.max_model_len or 0, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_mixed_prefill_tokens=settings.max_num_mixed_prefill_tokens,
-        zero_kv_on_release=settings.zero_kv_on_release,
+        zero_kv_on_release=settings.zero_kv_on_release, kv_dtype=settings.kv_dtype,
     )  # fmt: skip
     return build_sharded_engine(
         settings.model, config, dtype=dtype, device_type=device,

@@ -81,6 +81,11 @@ class KVCache:
         start, end = self.block_byte_range(block_id)
         return self.tensor.view(-1).view(torch.uint8)[start:end]
 
+    def zero_blocks(self, block_ids: torch.Tensor) -> None:
+        """Zero the given blocks' bytes (every layer, K and V): 0.0 in every float dtype. On a
+        GPU the fill is queued on the current stream."""
+        self.tensor.view(torch.uint8).index_fill_(0, block_ids, 0)  # no FP8 fill in torch
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(k_cache, v_cache) views of one layer, each [num_blocks, block_size, Hkv, D]."""
         self._layout()

@@ -127,6 +127,15 @@ _SPEC_RULES = rules(
         ".decode.gpus",
     ),
     rule(
+        "self.engine.kind != 'kvrail' || self.model.kvDtype == 'auto' || "
+        "self.model.kvDtype == self.model.dtype || "
+        "(self.decode.gpus == 0 && (!has(self.prefill) || self.prefill.gpus == 0))",
+        "kvrail's CUDA kernels read the KV cache in the weights' dtype only: set model.kvDtype "
+        "to auto on a GPU pool (another KV dtype, FP8 included, runs on CPU pools only, in the "
+        "float32 reference path)",
+        ".model.kvDtype",
+    ),
+    rule(
         "self.disaggregation.mode == 'colocated' || "
         "self.disaggregation.minRemotePrefillTokens < self.model.maxModelLen",
         "disaggregation.minRemotePrefillTokens must be below model.maxModelLen, "

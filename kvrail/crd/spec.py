@@ -34,7 +34,9 @@ class ModelSpec(CrdModel):
     dtype: DType = "bfloat16"
     """Compute dtype of the weights and activations: float32, float16 or bfloat16 (default)."""
     kv_dtype: KvDType = "auto"
-    """Dtype of the KV cache; `auto` (default) uses `dtype`. Part of the fingerprint."""
+    """Dtype of the KV cache; `auto` (default) uses `dtype`. Part of the fingerprint. kvrail's
+    engine keeps any of these on CPU pools (FP8 with a scale of 1) and only `dtype` on GPU pools;
+    vLLM's, `dtype` or FP8."""
     block_size: Literal[8, 16, 32, 64, 128] = 16
     """Tokens per KV block: 8, 16 (default), 32, 64 or 128. Part of the fingerprint."""
     max_model_len: int = Field(4096, ge=16, le=1_048_576)

@@ -1,10 +1,48 @@
-"""Engine configuration, checked when built."""
+"""Engine configuration, checked when built, and the dtypes an engine computes and caches in."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Final
+
+import torch
 
 from kvrail.errors import ConfigError
+
+DTYPES: Final = {
+    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+}  # fmt: skip
+"""Every dtype by the name settings, the CRD and the fingerprint give it."""
+MODEL_DTYPES: Final = ("float32", "float16", "bfloat16")
+"""What weights and activations compute in; the KV cache may also be FP8 (`DTYPES`)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    for name, value in DTYPES.items():
+        if value == dtype:
+            return name
+    raise ConfigError(f"kvrail has no name for dtype {dtype}")
+
+
+def kv_cache_dtype(kv_dtype: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """The KV cache's dtype for setting `kv_dtype` ("auto": the model's). On a CPU any of
+    `DTYPES`: the torch reference kernels write K and V rounded to it (FP8 saturating at its
+    largest finite value, with a scale of 1) and compute attention in float32. On CUDA only the
+    model's own dtype: the Triton kernels read nothing else yet, and another dtype is refused
+    rather than run as the model's."""
+    if kv_dtype == "auto":
+        return model_dtype
+    if kv_dtype not in DTYPES:
+        raise ConfigError(f"kv_dtype {kv_dtype!r} is not auto or one of {sorted(DTYPES)}")
+    dtype = DTYPES[kv_dtype]
+    if device_type == "cuda" and dtype != model_dtype:
+        raise ConfigError(
+            f"kv_dtype {kv_dtype} with {dtype_name(model_dtype)} weights on CUDA: kvrail's CUDA "
+            "kernels read a KV cache in the weights' dtype only (set kv_dtype auto); another KV "
+            "dtype, FP8 included, runs on CPU only, in the float32 reference path"
+        )
+    return dtype
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +63,7 @@ class EngineConfig:
     `async_scheduling` queues each step on the device before the previous one has finished
     (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
     and it would only delay each token by a step).
+    `kv_dtype` is the KV cache's dtype by name, "auto" for the model's (see `kv_cache_dtype`).
     """
 
     num_blocks: int
@@ -38,8 +77,12 @@ class EngineConfig:
     enable_cuda_graphs: bool = True
     zero_kv_on_release: bool = False
     async_scheduling: bool | None = None
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
+            raise ConfigError(f"engine kv_dtype {self.kv_dtype!r} is not auto or one of "
+                              f"{sorted(DTYPES)}")  # fmt: skip
         for name in ("num_blocks", "block_size", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"engine {name} must be at least 1, got {getattr(self, name)}")

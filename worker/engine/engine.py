@@ -41,7 +41,7 @@ from kvrail.hashing import root_hash
 from kvrail.model_files import ModelSource
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
-from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
 from kvrail.worker.engine.cuda_graph import DecodeGraphs
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
@@ -57,8 +57,6 @@ from kvrail.worker.models.loader import LoadedModel
 from kvrail.worker.parallel.group import TpGroup
 
 logger = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,13 +93,13 @@ def make_fingerprint(
     model: LlamaForCausalLM, config: EngineConfig, weights_id: str, tokenizer_id: str
 ) -> ModelFingerprint:
     shape = model.shape
-    dtype = _DTYPE_NAMES[next(model.parameters()).dtype]
+    param = next(model.parameters())
     return ModelFingerprint(
         tensor_parallel_size=model.group.size,
         weights_id=weights_id,
         tokenizer_id=tokenizer_id,
-        dtype=dtype,
-        kv_dtype=dtype,
+        dtype=dtype_name(param.dtype),
+        kv_dtype=dtype_name(kv_cache_dtype(config.kv_dtype, param.dtype, param.device.type)),
         block_size=config.block_size,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
@@ -129,6 +127,12 @@ class LLMEngine:
             )
         if (peers.size if peers is not None else 1) != model.group.size:
             raise ConfigError("a tensor-parallel engine needs exactly its group's other ranks")
+        kv_dtype = kv_cache_dtype(config.kv_dtype, param.dtype, param.device.type)
+        if fingerprint.kv_dtype != dtype_name(kv_dtype):
+            raise ConfigError(
+                f"fingerprint kv_dtype={fingerprint.kv_dtype} but the engine caches KV in "
+                f"{dtype_name(kv_dtype)}"
+            )
         self.peers = peers
         self.device = param.device
         self.model = model.eval()
@@ -148,7 +152,7 @@ class LLMEngine:
             config.block_size,
             model.layout.num_local_kv_heads,
             shape.head_dim,
-            param.dtype,
+            kv_dtype,
             self.device,
         )
         self.scheduler = Scheduler(
@@ -316,7 +320,7 @@ class LLMEngine:
         ids = np.asarray(block_ids, dtype=np.int64)
         if self.peers is not None:
             self.peers.send(ZeroBlocks(ids))
-        self.kv_cache.tensor.index_fill_(0, to_device(ids, self.device), 0)
+        self.kv_cache.zero_blocks(to_device(ids, self.device))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)

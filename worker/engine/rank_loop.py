@@ -42,7 +42,7 @@ def serve(next_command: Callable[[], RankCommand], runner: ModelRunner) -> int:
             num_steps += 1
         elif isinstance(command, ZeroBlocks):
             index = to_device(np.asarray(command.block_ids, dtype=np.int64), runner.device)
-            runner.kv_cache.tensor.index_fill_(0, index, 0)
+            runner.kv_cache.zero_blocks(index)
         elif isinstance(command, CaptureGraphs):
             graphs = DecodeGraphs(
                 runner.model, runner.kv_cache, command.max_num_seqs, command.max_blocks_per_seq

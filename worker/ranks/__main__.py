@@ -28,6 +28,7 @@ import torch
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from kvrail.errors import KvrailError
+from kvrail.worker.engine.config import DTYPES, kv_cache_dtype
 from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import RankCommand
 from kvrail.worker.engine.rank_loop import serve
@@ -42,7 +43,6 @@ from kvrail.worker.transfer.rank_link import serve_transfers
 log = logging.getLogger("kvrail.worker.rank")
 
 EXIT_RANK_0_GONE = 70
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def _watch_lifeline(fd: int) -> None:
@@ -54,7 +54,7 @@ def _watch_lifeline(fd: int) -> None:
 
 def run(spec: RankSpec, commands: Connection, transfers: Connection) -> int:
     device = torch.device("cuda", spec.rank) if spec.device_type == "cuda" else torch.device("cpu")
-    dtype = _DTYPES[spec.dtype]
+    dtype = DTYPES[spec.dtype]
     store = TCPStore(
         "127.0.0.1", spec.store_port, spec.size, is_master=False,
         timeout=datetime.timedelta(seconds=spec.collective_timeout_s),
@@ -68,7 +68,7 @@ def run(spec: RankSpec, commands: Connection, transfers: Connection) -> int:
     shape = model.shape
     kv_cache = KVCache.allocate(
         spec.num_blocks, shape.num_layers, spec.block_size, model.layout.num_local_kv_heads,
-        shape.head_dim, dtype, device,
+        shape.head_dim, kv_cache_dtype(spec.kv_dtype, dtype, device.type), device,
     )  # fmt: skip
     connector = KvConnector(spec.agent_name, kv_cache) if spec.agent_name else None
     stopping = threading.Event()

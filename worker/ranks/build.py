@@ -16,7 +16,7 @@ import torch
 
 from kvrail.errors import ConfigError
 from kvrail.model_files import resolve
-from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.config import EngineConfig, dtype_name
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.models.llama import LlamaShape
 from kvrail.worker.models.loader import load, prepare
@@ -26,8 +26,6 @@ from kvrail.worker.ranks.launch import RankSet
 from kvrail.worker.ranks.spec import RankSpec
 
 log = logging.getLogger(__name__)
-
-_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +69,8 @@ def build_engine(
                            None)  # fmt: skip
     check_split(source, tensor_parallel_size, device_type)
     template = RankSpec(
-        rank=1, size=tensor_parallel_size, source=source, dtype=_DTYPE_NAMES[dtype],
+        rank=1, size=tensor_parallel_size, source=source, dtype=dtype_name(dtype),
+        kv_dtype=config.kv_dtype,
         device_type=device_type, num_blocks=config.num_blocks, block_size=config.block_size,
         store_port=0, agent_name=agent_name, torch_num_threads=torch_num_threads,
         collective_timeout_s=collective_timeout_s, log_level=log_level,

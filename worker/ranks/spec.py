@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_DTYPES = ("auto", *DTYPES, "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -12,8 +13,9 @@ class RankSpec:
     """Rank `rank` of `size`: load `source` (a packaged model name, a .gguf file or a model
     directory, as `kvrail.model_files.resolve` takes it) in `dtype` on a `device_type` device
     (CUDA: device `rank` of the pod's GPUs), allocate `num_blocks` KV blocks of `block_size`
-    tokens for its KV heads, join the group through rank 0's store on `store_port` (loopback),
-    and register its KV shard as NIXL agent `agent_name` (None: no KV transfer, engine tests)."""
+    tokens in `kv_dtype` (`EngineConfig.kv_dtype`) for its KV heads, join the group through rank
+    0's store on `store_port` (loopback), and register its KV shard as NIXL agent `agent_name`
+    (None: no KV transfer, engine tests)."""
 
     rank: int
     size: int
@@ -27,12 +29,15 @@ class RankSpec:
     torch_num_threads: int | None = None
     collective_timeout_s: float = 120.0
     log_level: str = "INFO"
+    kv_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.size:
             raise ValueError(f"rank {self.rank} is not one of 1..{self.size - 1}")
         if self.dtype not in DTYPES or self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"no rank runs {self.dtype} on {self.device_type}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"no rank caches KV in {self.kv_dtype}")
 
 
 @dataclass(frozen=True, slots=True)

@@ -116,6 +116,19 @@ def test_a_split_random_model_decodes_exactly_like_one_device(
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
 
 
+def test_ranks_cache_kv_in_the_engines_kv_dtype(random_model: Path, tp_engine: Any) -> None:
+    """Every rank allocates its KV shard in the engine's FP8 dtype (a quarter of float32's
+    bytes) and the split engine decodes as the one-device FP8 engine does."""
+    expected = generate(tp_engine(str(random_model), 1, kv_dtype="float8_e4m3fn"), PROMPTS, 12)
+    split = tp_engine(str(random_model), 2, kv_dtype="float8_e4m3fn")
+    assert split.engine.kv_cache.tensor.dtype == torch.float8_e4m3fn
+    assert split.engine.fingerprint.kv_dtype == "float8_e4m3fn"
+    assert split.ranks is not None
+    assert [r.kv_bytes for r in split.ranks.readies] == [split.engine.kv_cache.nbytes]
+    got = generate(split, PROMPTS, 12)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
 def test_smollm2_on_three_ranks_decodes_exactly_like_one_device(tp_engine: Any) -> None:
     from kvrail.worker.models.loader import load
 

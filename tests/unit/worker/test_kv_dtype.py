@@ -1,0 +1,123 @@
+"""The KV cache's own dtype (`kv_dtype`): FP8 and the other float types on CPU, through the torch
+reference kernels; refused on CUDA, whose Triton kernels read the weights' dtype only.
+
+FP8 accuracy is measured, not asserted here (bench/engine/kv_dtype_accuracy.py).
+These tests pin what must hold exactly: the bytes written are the saturating rounding of K and V,
+attention reads back exactly those values, the fingerprint (so pairing and block hashes) follows
+the KV dtype, blocks move between engines as bytes, and freed blocks are zeroed in any dtype."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrail.errors import ConfigError
+from kvrail.kernels import reference
+from kvrail.sampling import SamplingParams
+from kvrail.worker.engine.config import EngineConfig, kv_cache_dtype
+from kvrail.worker.ranks.spec import RankSpec
+from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+PROMPTS = [list(range(5, 40)), [20, 21, 22], list(range(30, 90))]
+
+
+def test_kv_cache_dtype_is_the_models_unless_set_and_refused_on_cuda_unless_the_models() -> None:
+    assert kv_cache_dtype("auto", torch.bfloat16, "cuda") is torch.bfloat16
+    assert kv_cache_dtype("bfloat16", torch.bfloat16, "cuda") is torch.bfloat16
+    assert kv_cache_dtype("float8_e4m3fn", torch.float32, "cpu") is torch.float8_e4m3fn
+    assert kv_cache_dtype("float16", torch.float32, "cpu") is torch.float16
+    with pytest.raises(ConfigError, match="CUDA kernels read a KV cache in the weights' dtype"):
+        kv_cache_dtype("float8_e4m3fn", torch.bfloat16, "cuda")
+    with pytest.raises(ConfigError, match="not auto or one of"):
+        kv_cache_dtype("int8", torch.float32, "cpu")
+    with pytest.raises(ConfigError, match="kv_dtype 'fp8' is not auto"):
+        EngineConfig(num_blocks=4, kv_dtype="fp8")
+    with pytest.raises(ValueError, match="caches KV in fp8"):
+        RankSpec(1, 2, "smollm2", "float32", "cpu", 4, 4, 1, kv_dtype="fp8")
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_writing_fp8_rounds_and_saturates_and_attention_reads_exactly_those_values(
+    dtype: torch.dtype,
+) -> None:
+    torch.manual_seed(0)
+    limit = torch.finfo(dtype).max
+    key = torch.randn(6, 2, 8) * 3
+    key[0, 0, 0], key[1, 1, 1] = 10 * limit, -10 * limit  # beyond the format: saturate
+    key[2, 0, 3] = float("nan")
+    value = torch.randn(6, 2, 8)
+    caches = [torch.zeros(4, 4, 2, 8, dtype=dtype) for _ in range(2)]
+    slots = torch.tensor([0, 1, 2, 5, 6, 13])
+    reference.write_kv(key, value, caches[0], caches[1], slots)
+    written = caches[0].float().reshape(-1, 2, 8)[slots]
+    assert written[0, 0, 0] == limit and written[1, 1, 1] == -limit
+    assert torch.isnan(written[2, 0, 3])
+    finite = ~torch.isnan(key) & (key.abs() < limit)
+    assert torch.equal(written[finite], key.to(dtype).float()[finite])  # round to nearest
+
+    # Attention over the FP8 cache equals attention over a float32 cache holding its values.
+    key[2, 0, 3] = 0.0
+    reference.write_kv(key, value, caches[0], caches[1], slots)
+    wide = [c.float() for c in caches]
+    query = torch.randn(2, 4, 8)
+    tables = torch.tensor([[0, 1], [1, 3]])
+    seq_lens = torch.tensor([6, 7])
+    got = reference.paged_decode_attention(query, *caches, tables, seq_lens, 0.35)
+    expected = reference.paged_decode_attention(query, *wide, tables, seq_lens, 0.35)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("kv_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_an_engine_caches_kv_in_its_kv_dtype_and_its_fingerprint_says_so(kv_dtype: str) -> None:
+    base = make_engine(tiny_llama_config())
+    engine = make_engine(tiny_llama_config(), kv_dtype=kv_dtype, zero_kv_on_release=True)
+    itemsize = torch.empty((), dtype=engine.kv_cache.tensor.dtype).element_size()
+    assert str(engine.kv_cache.tensor.dtype) == f"torch.{kv_dtype}"
+    assert engine.kv_cache.nbytes * 4 == base.kv_cache.nbytes * itemsize  # base: float32
+    assert engine.fingerprint.dtype == "float32" and engine.fingerprint.kv_dtype == kv_dtype
+    assert engine.fingerprint.digest != base.fingerprint.digest  # never pair, never share hashes
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    assert [len(o) for o in outputs] == [12, 12, 12]
+    assert not engine.kv_cache.tensor.view(torch.uint8).any()  # released blocks were zeroed
+    assert_engine_empty(engine)
+
+
+def test_a_fingerprint_unlike_the_engines_kv_dtype_is_refused() -> None:
+    from kvrail.worker.engine.engine import LLMEngine
+    from kvrail.worker.models.llama import LlamaForCausalLM
+
+    engine = make_engine(tiny_llama_config())
+    model = LlamaForCausalLM(tiny_llama_config())
+    model.init_random(0)
+    config = EngineConfig(num_blocks=16, block_size=4, kv_dtype="float8_e4m3fn")
+    with pytest.raises(ConfigError, match="fingerprint kv_dtype=float32 but the engine caches"):
+        LLMEngine(model, config, engine.fingerprint)
+
+
+def test_fp8_blocks_moved_between_engines_decode_like_the_colocated_fp8_engine() -> None:
+    """The handoff moves a block's bytes: the decode engine continues exactly as one engine with
+    the same FP8 cache would (the colocated baseline), not as a float32 one."""
+    prompt = list(range(5, 44))  # 9 full 4-token blocks and a partial one
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    colocated = make_engine(tiny_llama_config(), kv_dtype="float8_e4m3fn")
+    expected = colocated.generate([prompt], params)[0]
+    prefill = make_engine(tiny_llama_config(), kv_dtype="float8_e4m3fn")
+    decode = make_engine(tiny_llama_config(), kv_dtype="float8_e4m3fn", num_blocks=40)
+    reservation = decode.reserve_remote("r", prompt, params)
+    assert reservation is not None and reservation.num_cached_tokens == 0
+    job = prefill.add_request("r", prompt, SamplingParams(max_tokens=1), retain_blocks=True)
+    while prefill.has_unfinished_requests():
+        prefill.step()
+    src = torch.tensor(prefill.retained_block_ids("r"))
+    packed = reference.gather_blocks(prefill.kv_cache.tensor, src)
+    assert packed.dtype == torch.float8_e4m3fn
+    reference.scatter_blocks(packed, decode.kv_cache.tensor, torch.tensor(reservation.block_ids))
+    prefill.release("r")
+    decode.install_remote("r", job.output_token_ids[0])
+    request = decode.scheduler.requests["r"]
+    while decode.has_unfinished_requests():
+        decode.step()
+    assert request.output_token_ids == expected
+    for engine in (colocated, prefill, decode):
+        assert_engine_empty(engine)
