@@ -170,6 +170,8 @@ def vllm_fingerprint(settings: Settings, served_name: str, block_size: int, max_
         "max_model_len": max_len,
         "tensor_parallel_size": settings.tensor_parallel_size,
     }
+    if settings.quantization != "auto":  # added later: the digests of earlier pools stay
+        payload["quantization"] = settings.quantization
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
 
 

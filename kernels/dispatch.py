@@ -13,6 +13,7 @@ from torch.nn import functional
 
 from kvrail.kernels import reference
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,10 +37,19 @@ def write_kv(
         reference.write_kv(key, value, k_cache, v_cache, slot_mapping)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
     (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
-    rows, and other devices, go to torch (cuBLAS)."""
+    rows, and other devices, go to torch (cuBLAS). An FP8 weight (with its `weight_scale` per
+    row, and a checkpoint's static `input_scale` or None) runs the CPU reference only."""
+    if weight.dtype == FP8_WEIGHT_DTYPE:
+        return _fp8_linear(x, weight, bias, weight_scale, input_scale)
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.linear(x, weight, bias)
@@ -47,16 +57,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return functional.linear(x, weight, bias)
 
 
-def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def gated_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None = None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
     """silu(gate) * up, where gate and up are the halves of x @ weight.T + bias (a SwiGLU MLP's
     fused gate/up projection). Where `linear` would take the skinny kernel, that kernel applies
     SiLU * up in its epilogue (one launch, bit for bit the same); elsewhere `linear`, then
     `silu_and_mul`."""
+    if weight.dtype == FP8_WEIGHT_DTYPE:
+        return silu_and_mul(_fp8_linear(x, weight, bias, weight_scale, input_scale))
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.gated_linear(x, weight, bias)
         return out
     return silu_and_mul(functional.linear(x, weight, bias))
+
+
+def _fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    if x.is_cuda:  # the engine refuses FP8 weights on CUDA when it is built; never run slowly
+        raise NotImplementedError("kvrail has no FP8 GEMM kernel for CUDA yet")
+    if weight_scale is None:
+        raise ValueError("an FP8 weight needs its weight_scale")
+    return reference.fp8_linear(x, weight, weight_scale, bias, input_scale)
 
 
 def _skinny(x: torch.Tensor) -> ModuleType | None:

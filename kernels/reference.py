@@ -47,6 +47,40 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
+_MIN_SCALE = 1e-12  # an all-zero row or token: its values stay 0
+
+
+def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight [out, in] as e4m3 values with one float32 scale per row [out]: the row's
+    largest magnitude over 448, so that the row's largest value maps to the format's largest."""
+    wf = weight.float()
+    scale = (wf.abs().amax(dim=1) / _FP8_MAX).clamp(min=_MIN_SCALE)
+    return to_cache_dtype(wf / scale[:, None], FP8_WEIGHT_DTYPE), scale
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [.., in] @ (weight [out, in] in e4m3 * weight_scale [out]).T + bias, as an FP8 GEMM
+    computes it: x is quantized to e4m3 too, with `input_scale` (a checkpoint's static scale)
+    or else a dynamic scale per token (its largest magnitude over 448); the two FP8 operands
+    are multiplied and summed in float32, scaled, cast back to x's dtype, and the bias added."""
+    xf = x.float()
+    if input_scale is None:
+        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp(min=_MIN_SCALE)
+    else:
+        x_scale = input_scale.float().reshape(())
+    xq = to_cache_dtype(xf / x_scale, FP8_WEIGHT_DTYPE)
+    out = ((xq.float() @ weight.float().T) * (x_scale * weight_scale)).to(x.dtype)
+    return out if bias is None else out + bias
+
+
 def _gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     block_size = cache.shape[1]
     num_blocks = -(-seq_len // block_size)

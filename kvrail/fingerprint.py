@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 FINGERPRINT_VERSION = 1
 _DTYPES = frozenset({"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"})
 _LAYOUTS = frozenset({"NHD", "HND"})
+_QUANTIZATIONS = frozenset({"none", "fp8"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +22,11 @@ class ModelFingerprint:
     """Everything that decides the bytes of a KV block and the tokens that index it.
 
     `weights_id` identifies the weights (for example the sha256 of the GGUF file or of the
-    safetensors index); `tokenizer_id` the tokenizer files. The KV shape fields make a block's size
-    computable by arithmetic: `2 * num_layers * num_kv_heads * head_dim * block_size * itemsize`
-    (per rank: see `kv_bytes_per_block`).
+    safetensors index); `tokenizer_id` the tokenizer files; `quantization` what the weights
+    run in (`none`, or `fp8`: quantized at load or stored so, which `weights_id` tells apart).
+    The KV shape fields make a block's size computable by arithmetic:
+    `2 * num_layers * num_kv_heads * head_dim * block_size * itemsize` (per rank: see
+    `kv_bytes_per_block`).
 
     The tensor-parallel layout is `tensor_parallel_size` T with `num_kv_heads` K: rank r of a
     worker holds KV heads `[r * K/T, (r + 1) * K/T)` when T divides K, else (T a multiple of K)
@@ -45,10 +48,16 @@ class ModelFingerprint:
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     tensor_parallel_size: int = 1
+    quantization: str = "none"
 
     def __post_init__(self) -> None:
         if not self.weights_id or not self.tokenizer_id:
             raise ValueError("fingerprint needs a weights_id and a tokenizer_id")
+        if self.quantization not in _QUANTIZATIONS:
+            raise ValueError(
+                f"fingerprint quantization={self.quantization!r} is not one of "
+                f"{sorted(_QUANTIZATIONS)}"
+            )
         for name in ("dtype", "kv_dtype"):
             value = getattr(self, name)
             if value not in _DTYPES:
@@ -79,6 +88,8 @@ class ModelFingerprint:
         """The exact bytes hashed: sorted-key JSON with the version, stable across Python runs."""
         payload = {"version": FINGERPRINT_VERSION, **asdict(self)}
         payload["rope_scaling"] = [list(kv) for kv in self.rope_scaling]
+        if self.quantization == "none":  # added later: unquantized digests stay as they were
+            del payload["quantization"]
         return json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
 
     @property

@@ -26,6 +26,7 @@ from kvrail.crd.spec import (
     RdmaMode,
     RouterPolicy,
     TransferBackend,
+    WeightQuantization,
 )
 from kvrail.errors import ConfigError
 from kvrail.messages import WorkerRole
@@ -76,6 +77,9 @@ class Settings(BaseModel):
     dtype: DType | Literal["auto"] = "auto"
     kv_dtype: KvDType = Field(
         "auto", description="KV cache dtype (auto: dtype's); FP8 or another float on CPU only"
+    )
+    quantization: WeightQuantization = Field(
+        "auto", description="weights: auto (the checkpoint's), none or fp8 (CPU only for now)"
     )
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=16)

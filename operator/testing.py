@@ -180,6 +180,18 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "CUDA kernels",
     ),
     (
+        "kvrail with fp8 weights on gpus",
+        (("spec.model.quantization", "fp8"), ("spec.prefill.gpus", 2), ("spec.decode.gpus", 2)),
+        ".spec.model.quantization",
+        "FP8 GEMM",
+    ),
+    (
+        "vllm told not to quantize",
+        (*VLLM, ("spec.model.quantization", "none")),
+        ".spec.model.quantization",
+        "as stored",
+    ),
+    (
         "vllm zeroing released kv",
         (*VLLM, ("spec.security.zeroKvOnRelease", True)),
         ".spec.security.zeroKvOnRelease",
@@ -255,7 +267,11 @@ ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
             ("spec.disaggregation.kvLoadFailurePolicy", "fail"),
         ),
     ),
-    ("kvrail with an fp8 kv cache on cpu", (("spec.model.kvDtype", "float8_e5m2"),)),
+    (
+        "kvrail with fp8 weights and kv cache on cpu",
+        (("spec.model.kvDtype", "float8_e5m2"), ("spec.model.quantization", "fp8")),
+    ),
+    ("vllm with fp8 weights", (*VLLM, ("spec.model.quantization", "fp8"))),
     (
         "kvrail with a kv dtype equal to the weights' on gpus",
         (

@@ -79,6 +79,7 @@ def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngi
         settings.model, config, dtype=dtype, device_type=device,
         tensor_parallel_size=settings.tensor_parallel_size, agent_name=agent_name,
         torch_num_threads=settings.torch_num_threads, log_level=settings.log_level,
+        quantization=settings.quantization,
     )  # fmt: skip
 
 

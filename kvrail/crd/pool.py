@@ -95,6 +95,12 @@ _VLLM_RULES = (
         ".model.kvDtype",
     ),
     _vllm_rule(
+        "self.model.quantization != 'none'",
+        "engine.kind vllm runs a checkpoint's weights as stored (quantization auto) or in fp8: "
+        "it cannot run an FP8 checkpoint unquantized, so none is not offered",
+        ".model.quantization",
+    ),
+    _vllm_rule(
         "!self.security.zeroKvOnRelease",
         "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",
         ".security.zeroKvOnRelease",
@@ -134,6 +140,13 @@ _SPEC_RULES = rules(
         "to auto on a GPU pool (another KV dtype, FP8 included, runs on CPU pools only, in the "
         "float32 reference path)",
         ".model.kvDtype",
+    ),
+    rule(
+        "self.engine.kind != 'kvrail' || self.model.quantization != 'fp8' || "
+        "(self.decode.gpus == 0 && (!has(self.prefill) || self.prefill.gpus == 0))",
+        "kvrail's engine has no FP8 GEMM kernel for CUDA yet: FP8 weights run on CPU pools "
+        "only (the float32 reference path); set model.quantization to auto on a GPU pool",
+        ".model.quantization",
     ),
     rule(
         "self.disaggregation.mode == 'colocated' || "

@@ -12,6 +12,7 @@ from kvrail.crd.base import CrdModel, Quantity, rule, rules, sub
 
 DType = Literal["float32", "float16", "bfloat16"]
 KvDType = Literal["auto", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+WeightQuantization = Literal["auto", "none", "fp8"]
 # Enums shared with kvrail.settings, which the operator fills from these fields.
 DisaggregationMode = Literal["disaggregated", "colocated"]
 KvLoadFailurePolicy = Literal["recompute", "fail", "reroute"]
@@ -37,6 +38,11 @@ class ModelSpec(CrdModel):
     """Dtype of the KV cache; `auto` (default) uses `dtype`. Part of the fingerprint. kvrail's
     engine keeps any of these on CPU pools (FP8 with a scale of 1) and only `dtype` on GPU pools;
     vLLM's, `dtype` or FP8."""
+    quantization: WeightQuantization = "auto"
+    """Weights: `auto` (default: the checkpoint's own, FP8 for an FP8 checkpoint), `none` or
+    `fp8` (e4m3, a scale per output row; a float checkpoint is quantized at load). Part of the
+    fingerprint. kvrail's engine runs FP8 weights on CPU pools only for now; vLLM's with
+    `--quantization fp8`."""
     block_size: Literal[8, 16, 32, 64, 128] = 16
     """Tokens per KV block: 8, 16 (default), 32, 64 or 128. Part of the fingerprint."""
     max_model_len: int = Field(4096, ge=16, le=1_048_576)

@@ -90,6 +90,10 @@ class ServeConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     tensor_parallel_size: int = 1
+    quantization: str = "auto"
+    """`auto`: the checkpoint's own (vLLM reads it); `fp8`: `--quantization fp8` (a float
+    checkpoint quantized online). vLLM has no way to run an FP8 checkpoint unquantized, so
+    `none` is refused."""
     kv_load_failure_policy: str = "recompute"
     kv_buffer_device: KvBufferDevice = "cuda"
     extra_args: tuple[str, ...] = ()
@@ -109,6 +113,11 @@ class ServeConfig:
                 f", not {self.kv_load_failure_policy!r}"
             )
         kv_cache_dtype(self.dtype, self.kv_dtype)
+        if self.quantization not in ("auto", "fp8"):
+            raise ValueError(
+                f"vLLM runs a checkpoint's weights as stored (quantization auto) or in fp8, not "
+                f"{self.quantization!r}"
+            )
         for name in ("block_size", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
                      "tensor_parallel_size", "port", "side_channel_port"):  # fmt: skip
             if getattr(self, name) < 1:
@@ -158,6 +167,8 @@ def serve_flags(cfg: ServeConfig) -> list[str]:
     cache_dtype = kv_cache_dtype(cfg.dtype, cfg.kv_dtype)
     if cache_dtype is not None:
         flags += ["--kv-cache-dtype", cache_dtype]
+    if cfg.quantization == "fp8":
+        flags += ["--quantization", "fp8"]
     transfer = kv_transfer_config(cfg)
     if transfer is not None:
         flags += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]

@@ -149,6 +149,7 @@ def model_env(pool: InferencePool) -> list[dict[str, Any]]:
         setting("model", model.source),
         setting("dtype", model.dtype),
         setting("kv_dtype", model.dtype if model.kv_dtype == "auto" else model.kv_dtype),
+        setting("quantization", model.quantization),
         setting("block_size", model.block_size),
         setting("max_model_len", model.max_model_len),
         setting("tensor_parallel_size", pool.spec.decode.tensor_parallel_size),

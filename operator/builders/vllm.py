@@ -83,6 +83,7 @@ def serve_config(pool: InferencePool, role: Role, spec: RoleSpec) -> ServeConfig
         role=process_role(pool, role),
         dtype=model.dtype,
         kv_dtype=model.kv_dtype,
+        quantization=model.quantization,
         block_size=model.block_size,
         max_model_len=model.max_model_len,
         max_num_seqs=spec.max_num_seqs,

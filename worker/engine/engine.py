@@ -54,6 +54,7 @@ from kvrail.worker.engine.stop import StopChecker
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.models.llama import LlamaForCausalLM
 from kvrail.worker.models.loader import LoadedModel
+from kvrail.worker.models.quant import check_device, resolve_quantization
 from kvrail.worker.parallel.group import TpGroup
 
 logger = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ def make_fingerprint(
         tokenizer_id=tokenizer_id,
         dtype=dtype_name(param.dtype),
         kv_dtype=dtype_name(kv_cache_dtype(config.kv_dtype, param.dtype, param.device.type)),
+        quantization=model.quantization,
         block_size=config.block_size,
         num_layers=shape.num_layers,
         num_kv_heads=shape.num_kv_heads,
@@ -201,11 +203,14 @@ class LLMEngine:
         *,
         dtype: torch.dtype = torch.float32,
         device: str = "cpu",
+        quantization: str = "auto",
     ) -> LLMEngine:
         """Load a model source (cached conversion) and build an engine."""
         from kvrail.worker.models.loader import load
 
-        return cls.from_loaded(load(source), config, dtype=dtype, device=device)
+        return cls.from_loaded(
+            load(source), config, dtype=dtype, device=device, quantization=quantization
+        )
 
     @classmethod
     def from_loaded(
@@ -217,15 +222,20 @@ class LLMEngine:
         device: str = "cpu",
         group: TpGroup | None = None,
         peers: RankPeers | None = None,
+        quantization: str = "auto",
     ) -> LLMEngine:
         """An engine over already loaded weights and tokenizer (see `from_source`). The
         fingerprint's weights and tokenizer ids are the source's weights id (a GGUF file carries
         its tokenizer). With tensor parallelism: rank 0's `group` and the other ranks, `peers`
         (`kvrail.worker.ranks` starts them), and the model holds rank 0's shard. Without a
-        tokenizer, the end-of-sequence token is the model config's."""
-        model = LlamaForCausalLM(loaded.config, group)
-        model.load_weights(loaded.state_dict)
-        model.to(device=device, dtype=dtype)
+        tokenizer, the end-of-sequence token is the model config's. `quantization`: see
+        `kvrail.worker.models.quant`."""
+        quantization = resolve_quantization(quantization, loaded.config)
+        check_device(quantization, torch.device(device).type)
+        model = LlamaForCausalLM.build(
+            loaded.config, loaded.state_dict, dtype=dtype, device=device,
+            quantization=quantization, group=group,
+        )  # fmt: skip
         fingerprint = make_fingerprint(model, config, loaded.weights_id, loaded.weights_id)
         tokenizer = loaded.tokenizer
         eos = getattr(tokenizer if tokenizer is not None else loaded.config, "eos_token_id", None)

@@ -4,6 +4,10 @@ decode-sized batches on a GPU with programmatic dependent launch, torch otherwis
 Subclasses of `nn.Linear`, so parameter names, initialisation and loading are torch's. With
 tensor parallelism (`kvrail.worker.parallel.layout`) a column-parallel projection is a plain
 `Linear` over this rank's output rows; `RowParallelLinear` adds the all-reduce.
+
+FP8 weights (`Projection.to_fp8_`): the weight is e4m3 with a float32 scale per output row
+(`weight_scale`), and from a checkpoint quantized with static activation scales, one
+`input_scale`; `LlamaForCausalLM.load_weights` fills them (see `kvrail.worker.models.quant`).
 """
 
 from __future__ import annotations
@@ -12,15 +16,47 @@ import torch
 from torch import nn
 
 from kvrail.kernels import dispatch
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
 from kvrail.worker.parallel.group import TpGroup
 
 
-class Linear(nn.Linear):
+class Projection(nn.Linear):
+    """What the three projections share: the weight, or its FP8 form and scales."""
+
+    weight_scale: torch.Tensor | None
+    input_scale: torch.Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.register_buffer("weight_scale", None)
+        self.register_buffer("input_scale", None)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.weight.dtype == FP8_WEIGHT_DTYPE
+
+    @torch.no_grad()
+    def to_fp8_(self) -> None:
+        """Make the weight e4m3 storage (zeros) with unit scales, for `load_weights` to fill. A
+        later `Module.to(dtype=...)` would cast it back: call this after the model's dtype is
+        set, and move the model with `to(device)` only."""
+        weight = self.weight
+        self.weight = nn.Parameter(
+            torch.zeros(weight.shape, dtype=FP8_WEIGHT_DTYPE, device=weight.device),
+            requires_grad=False,
+        )
+        self.weight_scale = torch.ones(weight.shape[0], dtype=torch.float32, device=weight.device)
+
+    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return dispatch.linear(x, self.weight, bias, self.weight_scale, self.input_scale)
+
+
+class Linear(Projection):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.linear(x, self.weight, self.bias)
+        return self._project(x, self.bias)
 
 
-class GatedLinear(nn.Linear):
+class GatedLinear(Projection):
     """A SwiGLU MLP's gate and up projections as one weight [2 * intermediate, hidden] (gate rows
     first); the output is the activation silu(gate) * up [.., intermediate], which decode batches
     get from one kernel (`kvrail.kernels.dispatch.gated_linear`)."""
@@ -29,10 +65,10 @@ class GatedLinear(nn.Linear):
         super().__init__(in_features, 2 * intermediate, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dispatch.gated_linear(x, self.weight, self.bias)
+        return dispatch.gated_linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Projection):
     """The row-parallel half of a Megatron pair (attention's O, the MLP's down projection): this
     rank's weight columns [out, in / size] over its slice of the input, summed over the group
     by one all-reduce, then the bias (replicated, added once). With a group of one it is
@@ -44,6 +80,6 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.size == 1:
-            return dispatch.linear(x, self.weight, self.bias)
-        out = self.group.all_reduce(dispatch.linear(x, self.weight, None))
+            return self._project(x, self.bias)
+        out = self.group.all_reduce(self._project(x, None))
         return out if self.bias is None else out + self.bias

@@ -16,6 +16,10 @@ the matching input columns of O and down (row-parallel, one all-reduce each), it
 of the embedding and the LM head. `load_weights` cuts the shard out of full transformers-named
 weights (tensors, or lazy safetensors slices so a rank reads only its shard), and
 `compute_logits` returns this rank's vocabulary shard (the model runner gathers them).
+
+FP8 weights (`kvrail.worker.models.quant`): `build` makes every decoder projection FP8 before
+`load_weights` fills it, from a float checkpoint by quantizing each row of this rank's shard,
+from an FP8 one as stored (with `weight_scale`, and `input_scale` where static).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from torch import nn
 
 from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, quantize_fp8_rows
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
-from kvrail.worker.layers.linear import GatedLinear, Linear, RowParallelLinear
+from kvrail.worker.layers.linear import GatedLinear, Linear, Projection, RowParallelLinear
 from kvrail.worker.layers.rms_norm import RMSNorm
 from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
 from kvrail.worker.layers.vocab_embedding import VocabParallelEmbedding
+from kvrail.worker.models.quant import Quantization
 from kvrail.worker.parallel.group import TpGroup
 from kvrail.worker.parallel.layout import TpLayout
 
@@ -163,6 +169,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    @classmethod
+    def build(
+        cls,
+        config: Any,
+        state_dict: Mapping[str, Any],
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        quantization: Quantization = "none",
+        group: TpGroup | None = None,
+    ) -> LlamaForCausalLM:
+        """The model in `dtype` on `device` with this rank's shard of `state_dict` loaded, its
+        projections in FP8 with `quantization` fp8 (in that order: a cast to `dtype` after
+        would turn the FP8 weights back)."""
+        model = cls(config, group).to(dtype=dtype)
+        if quantization == "fp8":
+            for module in model.projections():
+                module.to_fp8_()
+        model.load_weights(state_dict)
+        return model.to(device=device).eval()
+
     def __init__(self, config: Any, group: TpGroup | None = None) -> None:
         super().__init__()
         self.shape = shape = LlamaShape.from_config(config)
@@ -222,15 +249,30 @@ class LlamaForCausalLM(nn.Module):
                 values = torch.randn(param.shape, generator=generator, device=device) * std
                 param.copy_(values.to(param.dtype))
 
+    @property
+    def quantization(self) -> Quantization:
+        return "fp8" if any(m.is_fp8 for m in self.projections()) else "none"
+
+    def projections(self) -> list[Projection]:
+        """The decoder layers' projections (QKV, O, gate/up, down): what FP8 quantizes."""
+        return [m for layer in self.layers for m in layer.modules() if isinstance(m, Projection)]
+
     @torch.no_grad()
     def load_weights(self, state_dict: Mapping[str, Any]) -> None:
         """Copy this rank's shard of transformers-named weights in; raise ConfigError on unknown,
         missing or wrongly sized ones. Values are tensors or lazy slices (anything with `shape`
-        or `get_shape()` that slices like a tensor, as safetensors' `get_slice` returns)."""
+        or `get_shape()` that slices like a tensor, as safetensors' `get_slice` returns). Into
+        an FP8 projection, a float weight is quantized row by row and an FP8 one copied with
+        its `weight_scale` (and `input_scale`) entries."""
         params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
         filled: dict[str, int] = {}
+        static: dict[str, int] = {}  # FP8 projections with input scales: parts received
         for hf_name, tensor in state_dict.items():
             if hf_name == "lm_head.weight" and self.shape.tie_word_embeddings:
+                continue
+            if hf_name.endswith((".weight_scale", ".input_scale")):
+                self._load_scale(hf_name, tensor, modules, filled, static)
                 continue
             shape = _shape_of(tensor)
             target, offset, rows, cols, split = self._map_name(hf_name, shape)
@@ -242,14 +284,88 @@ class LlamaForCausalLM(nn.Module):
             shard = tensor[rows] if cols is None else tensor[rows, cols]
             if offset + shard.shape[0] > param.shape[0] or shard.shape[1:] != param.shape[1:]:
                 raise ConfigError(f"weight {hf_name!r} has the wrong size for {target}")
-            param[offset : offset + shard.shape[0]].copy_(shard.to(param.dtype))
+            end = offset + shard.shape[0]
+            if (shard.dtype == FP8_WEIGHT_DTYPE) != (param.dtype == FP8_WEIGHT_DTYPE):
+                if param.dtype != FP8_WEIGHT_DTYPE:
+                    raise ConfigError(f"weight {hf_name!r} is FP8 but {target} is not")
+                module = modules[target.removesuffix(".weight")]
+                assert isinstance(module, Projection) and module.weight_scale is not None
+                values, scales = quantize_fp8_rows(shard)
+                param[offset:end].copy_(values)
+                module.weight_scale[offset:end] = scales
+                scale_name = target.removesuffix("weight") + "weight_scale"
+                filled[scale_name] = filled.get(scale_name, 0) + shard.shape[0]
+            else:
+                param[offset:end].copy_(shard.to(param.dtype))
             filled[target] = filled.get(target, 0) + shard.shape[0]
             if target in ("embed_tokens.weight", "lm_head.weight"):
                 param[shard.shape[0] :].zero_()  # the last rank's padding rows
                 filled[target] = param.shape[0]
-        missing = [n for n, p in params.items() if filled.get(n, 0) != p.shape[0]]
+        expected = {n: p.shape[0] for n, p in params.items()}
+        fp8 = [(n, m) for n, m in modules.items() if isinstance(m, Projection) and m.is_fp8]
+        expected.update((f"{n}.weight_scale", m.out_features) for n, m in fp8)
+        missing = [n for n, rows in expected.items() if filled.get(n, 0) != rows]
         if missing:
             raise ConfigError(f"weights missing or of the wrong size for {missing[:5]}")
+        if static and len(static) != len(fp8):
+            unscaled = sorted({n for n, _ in fp8} - set(static))
+            raise ConfigError(f"input_scale missing for {unscaled[:5]} (static activations)")
+
+    def _load_scale(
+        self,
+        hf_name: str,
+        tensor: Any,
+        modules: Mapping[str, nn.Module],
+        filled: dict[str, int],
+        static: dict[str, int],
+    ) -> None:
+        """One FP8 checkpoint scale: a `weight_scale` (one value, or one per row of the
+        transformers weight) into this rank's rows of the projection's per-row scales, or an
+        `input_scale` (one value), the largest of a fused projection's parts."""
+        name, leaf = hf_name.rsplit(".", 1)
+        values = torch.as_tensor(tensor[...] if hasattr(tensor, "get_shape") else tensor)
+        values = values.float().reshape(-1)
+        weight_name = f"{name}.weight"
+        full_rows = self._full_rows(weight_name)
+        if leaf == "input_scale":
+            target = self._map_name(weight_name, (full_rows, 1))[0].removesuffix(".weight")
+            module = modules.get(target)
+            if not isinstance(module, Projection) or not module.is_fp8 or values.numel() != 1:
+                raise ConfigError(f"{hf_name!r} is not one FP8 projection's input scale")
+            scale = values.reshape(())
+            previous = module.input_scale
+            module.input_scale = scale if previous is None else torch.maximum(previous, scale)
+            static[target] = static.get(target, 0) + 1
+            return
+        if values.numel() == 1:
+            values = values.expand(full_rows)
+        target, offset, rows, _, _ = self._map_name(weight_name, (values.numel(), 1))
+        module = modules.get(target.removesuffix(".weight"))
+        if not isinstance(module, Projection) or not module.is_fp8 or module.weight_scale is None:
+            raise ConfigError(f"{hf_name!r} scales no FP8 projection of this model")
+        if values.numel() != full_rows:
+            raise ConfigError(f"{hf_name!r} has {values.numel()} scales for {full_rows} rows")
+        shard = values[rows]
+        module.weight_scale[offset : offset + shard.shape[0]] = shard
+        scale_name = f"{target.removesuffix('.weight')}.weight_scale"
+        filled[scale_name] = filled.get(scale_name, 0) + shard.shape[0]
+
+    def _full_rows(self, hf_name: str) -> int:
+        """Rows of the full (unsharded) transformers projection weight `hf_name`."""
+        shape, head = self.shape, self.shape.head_dim
+        rows = {
+            "q_proj": shape.num_heads * head,
+            "k_proj": shape.num_kv_heads * head,
+            "v_proj": shape.num_kv_heads * head,
+            "gate_proj": shape.intermediate_size,
+            "up_proj": shape.intermediate_size,
+            "o_proj": shape.hidden_size,
+            "down_proj": shape.hidden_size,
+        }
+        module = hf_name.split(".")[-2]
+        if module not in rows:
+            raise ConfigError(f"{hf_name!r} is no projection of a decoder layer")
+        return rows[module]
 
     def _map_name(
         self, hf_name: str, shape: tuple[int, ...]

@@ -61,9 +61,10 @@ def run(spec: RankSpec, commands: Connection, transfers: Connection) -> int:
     )  # fmt: skip
     group = TpGroup.join(spec.rank, spec.size, store, device, spec.collective_timeout_s)
     loaded = load(spec.source, lazy=True, tokenizer=False)
-    model = LlamaForCausalLM(loaded.config, group)
-    model.load_weights(loaded.state_dict)
-    model.to(device=device, dtype=dtype).eval()
+    model = LlamaForCausalLM.build(
+        loaded.config, loaded.state_dict, dtype=dtype, device=device,
+        quantization=spec.quantization, group=group,
+    )  # fmt: skip
     del loaded
     shape = model.shape
     kv_cache = KVCache.allocate(

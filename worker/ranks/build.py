@@ -20,6 +20,7 @@ from kvrail.worker.engine.config import EngineConfig, dtype_name
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.models.llama import LlamaShape
 from kvrail.worker.models.loader import load, prepare
+from kvrail.worker.models.quant import Quantization, check_device, resolve_quantization
 from kvrail.worker.parallel.group import COLLECTIVE_TIMEOUT_S, TpGroup
 from kvrail.worker.parallel.layout import check_tensor_parallel_size
 from kvrail.worker.ranks.launch import RankSet
@@ -35,11 +36,17 @@ class BuiltEngine:
     """Ranks 1..N-1 (None on one device)."""
 
 
-def check_split(source: str, tp_size: int, device_type: str) -> None:
-    """Raise ConfigError unless `source`'s model splits over `tp_size` ranks of this machine."""
+def check_split(
+    source: str, tp_size: int, device_type: str, quantization: str = "auto"
+) -> Quantization:
+    """Raise ConfigError unless `source`'s model splits over `tp_size` ranks of this machine
+    and runs in `quantization` there; returns the quantization resolved."""
     from transformers import AutoConfig
 
-    shape = LlamaShape.from_config(AutoConfig.from_pretrained(prepare(resolve(source))))
+    config = AutoConfig.from_pretrained(prepare(resolve(source)))
+    resolved = resolve_quantization(quantization, config)
+    check_device(resolved, device_type)
+    shape = LlamaShape.from_config(config)
     check_tensor_parallel_size(
         tp_size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size
     )
@@ -48,6 +55,7 @@ def check_split(source: str, tp_size: int, device_type: str) -> None:
             f"tensor_parallel_size={tp_size} needs {tp_size} GPUs, this pod has "
             f"{torch.cuda.device_count()}"
         )
+    return resolved
 
 
 def build_engine(
@@ -61,16 +69,20 @@ def build_engine(
     torch_num_threads: int | None = None,
     log_level: str = "INFO",
     collective_timeout_s: float = COLLECTIVE_TIMEOUT_S,
+    quantization: str = "auto",
 ) -> BuiltEngine:
     """The engine (rank 0's shard) and its other ranks. `agent_name`: rank 0's NIXL agent; the
-    ranks register theirs as `launch.rank_agent_name(agent_name, rank)` (None: no agents)."""
+    ranks register theirs as `launch.rank_agent_name(agent_name, rank)` (None: no agents).
+    `quantization`: see `kvrail.worker.models.quant`."""
     if tensor_parallel_size == 1:
-        return BuiltEngine(LLMEngine.from_source(source, config, dtype=dtype, device=device_type),
-                           None)  # fmt: skip
-    check_split(source, tensor_parallel_size, device_type)
+        engine = LLMEngine.from_source(
+            source, config, dtype=dtype, device=device_type, quantization=quantization
+        )
+        return BuiltEngine(engine, None)
+    quantization = check_split(source, tensor_parallel_size, device_type, quantization)
     template = RankSpec(
         rank=1, size=tensor_parallel_size, source=source, dtype=dtype_name(dtype),
-        kv_dtype=config.kv_dtype,
+        kv_dtype=config.kv_dtype, quantization=quantization,
         device_type=device_type, num_blocks=config.num_blocks, block_size=config.block_size,
         store_port=0, agent_name=agent_name, torch_num_threads=torch_num_threads,
         collective_timeout_s=collective_timeout_s, log_level=log_level,
@@ -83,8 +95,9 @@ def build_engine(
         ranks.attach(group)
         loaded = load(source, lazy=True)
         engine = LLMEngine.from_loaded(
-            loaded, config, dtype=dtype, device=str(device), group=group, peers=ranks
-        )
+            loaded, config, dtype=dtype, device=str(device), group=group, peers=ranks,
+            quantization=quantization,
+        )  # fmt: skip
         ranks.wait_ready()
     except BaseException:
         ranks.close()

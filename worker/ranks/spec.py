@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvrail.worker.models.quant import Quantization
+
 DTYPES = ("float32", "float16", "bfloat16")
 KV_DTYPES = ("auto", *DTYPES, "float8_e4m3fn", "float8_e5m2")
 
@@ -30,6 +32,8 @@ class RankSpec:
     collective_timeout_s: float = 120.0
     log_level: str = "INFO"
     kv_dtype: str = "auto"
+    quantization: Quantization = "none"
+    """What rank 0 resolved (`none` or `fp8`), never `auto`: every rank runs the same."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.rank < self.size:
@@ -38,6 +42,8 @@ class RankSpec:
             raise ValueError(f"no rank runs {self.dtype} on {self.device_type}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"no rank caches KV in {self.kv_dtype}")
+        if self.quantization not in ("none", "fp8"):
+            raise ValueError(f"no rank runs weights in {self.quantization}")
 
 
 @dataclass(frozen=True, slots=True)

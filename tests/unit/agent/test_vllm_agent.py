@@ -142,8 +142,9 @@ def test_fingerprint_is_shared_by_roles_and_differs_with_the_layout() -> None:
         vllm_fingerprint(settings(dtype="bfloat16"), NAME, 128, 2048),
         vllm_fingerprint(settings(model_hash="abc"), NAME, 128, 2048),
         vllm_fingerprint(settings(tensor_parallel_size=2), NAME, 128, 2048),
+        vllm_fingerprint(settings(quantization="fp8"), NAME, 128, 2048),
     }
-    assert prefill not in others and len(others) == 6
+    assert prefill not in others and len(others) == 7
 
 
 def test_build_record_takes_vllms_values_over_the_settings() -> None:

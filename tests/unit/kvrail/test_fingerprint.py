@@ -30,6 +30,7 @@ def make(**overrides: Any) -> ModelFingerprint:
         ("rope_theta", 500000.0),
         ("rope_scaling", (("rope_type", "llama3"), ("factor", "8.0"))),
         ("tensor_parallel_size", 2),
+        ("quantization", "fp8"),
     ],
 )
 def test_every_field_changes_the_digest(field: str, value: object) -> None:
@@ -59,6 +60,7 @@ def test_kv_bytes_per_block_matches_the_llama3_8b_shape() -> None:
         ({"block_size": 0}, "block_size"),
         ({"weights_id": ""}, "weights_id"),
         ({"num_kv_heads": 8, "tensor_parallel_size": 3}, "divisible"),
+        ({"quantization": "int4"}, "quantization"),
     ],
 )
 def test_invalid_fingerprints_are_refused(overrides: dict[str, Any], message: str) -> None:

@@ -190,3 +190,10 @@ def test_source_without_a_name_is_refused() -> None:
 def test_non_positive_sizes_are_refused(name: str) -> None:
     with pytest.raises(ValueError, match=name):
         config(**{name: 0})
+
+
+def test_fp8_weights_are_vllms_online_quantization_and_auto_leaves_the_checkpoints_own() -> None:
+    assert flag(serve_argv(config(quantization="fp8")), "--quantization") == "fp8"
+    assert flag(serve_argv(config()), "--quantization") is None  # vLLM reads the checkpoint's
+    with pytest.raises(ValueError, match="as stored"):
+        config(quantization="none")

@@ -1,7 +1,7 @@
 """The KV cache's own dtype (`kv_dtype`): FP8 and the other float types on CPU, through the torch
 reference kernels; refused on CUDA, whose Triton kernels read the weights' dtype only.
 
-FP8 accuracy is measured, not asserted here (bench/engine/kv_dtype_accuracy.py).
+FP8 accuracy is measured, not asserted here (bench/engine/fp8_accuracy.py).
 These tests pin what must hold exactly: the bytes written are the saturating rounding of K and V,
 attention reads back exactly those values, the fingerprint (so pairing and block hashes) follows
 the KV dtype, blocks move between engines as bytes, and freed blocks are zeroed in any dtype."""

@@ -74,10 +74,13 @@ def random_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tp_engine() -> Iterator[Any]:
     started: list[BuiltEngine] = []
 
-    def build(source: str, size: int, device_type: str = "cpu", **overrides: Any) -> BuiltEngine:
+    def build(
+        source: str, size: int, device_type: str = "cpu", quantization: str = "auto",
+        **overrides: Any,
+    ) -> BuiltEngine:  # fmt: skip
         built = build_engine(
             source, config(**overrides), dtype=torch.float32, device_type=device_type,
-            tensor_parallel_size=size, torch_num_threads=1,
+            tensor_parallel_size=size, torch_num_threads=1, quantization=quantization,
         )  # fmt: skip
         started.append(built)
         return built
@@ -127,6 +130,15 @@ def test_ranks_cache_kv_in_the_engines_kv_dtype(random_model: Path, tp_engine: A
     assert [r.kv_bytes for r in split.ranks.readies] == [split.engine.kv_cache.nbytes]
     got = generate(split, PROMPTS, 12)
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+def test_every_rank_runs_fp8_weights(random_model: Path, tp_engine: Any) -> None:
+    """The ranks quantize their own shards (a row-parallel projection's scales are its shard's
+    rows, so the tokens may differ from one device's: not compared)."""
+    split = tp_engine(str(random_model), 2, quantization="fp8")
+    assert split.engine.fingerprint.quantization == "fp8"
+    assert split.engine.model.layers[0].o_proj.weight.dtype == torch.float8_e4m3fn
+    assert [len(o) for o in generate(split, PROMPTS, 6)] == [6] * len(PROMPTS)
 
 
 def test_smollm2_on_three_ranks_decodes_exactly_like_one_device(tp_engine: Any) -> None:

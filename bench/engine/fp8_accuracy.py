@@ -1,19 +1,21 @@
-"""What the KV cache's dtype costs in accuracy: the real SmolLM2-135M-Instruct on CPU (float32
-weights and compute), its KV cache in float32 (the baseline), bfloat16, float8_e4m3fn and
-float8_e5m2 (a scale of 1, saturating; the torch reference path).
+"""What FP8 costs in accuracy: the real SmolLM2-135M-Instruct on CPU (float32 compute, the torch
+reference path), its weights as they are or in FP8 (e4m3, a scale per output row, quantized at
+load, dynamic per-token activation scales) and its KV cache in float32, bfloat16,
+float8_e4m3fn or float8_e5m2 (a scale of 1, saturating). The baseline is float32 throughout.
 
 - Perplexity of `data/kv_dtype_text.txt` (its first `--tokens`), teacher-forced: token k is
   predicted by a request for the text's first k tokens, whose prefix comes from the prefix
   cache, so every prediction attends over K and V read back from the cache in its dtype (a whole
   prompt computed in one step would attend over its fresh, unrounded K and V and hide the
   cache's rounding).
-- Greedy agreement with the float32 cache over a prompt set (chat-templated, 64 tokens each):
-  how many outputs are equal, and the first diverging token of each that is not.
+- Greedy agreement with the baseline over a prompt set (chat-templated, 64 tokens each): how
+  many outputs are equal, and the first diverging token of each that is not.
 
-Reported, not asserted: tests pin the exact behaviour (tests/unit/worker/test_kv_dtype.py).
+Reported, not asserted: tests pin the exact behaviour (tests/unit/worker/test_kv_dtype.py,
+tests/unit/worker/test_fp8_weights.py).
 
-Run: .venv/bin/python -P bench/engine/kv_dtype_accuracy.py --threads 2 \
-         | tee bench/engine/kv_dtype_accuracy.txt
+Run: .venv/bin/python -P bench/engine/fp8_accuracy.py --threads 2 \
+         | tee bench/engine/fp8_accuracy.txt
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ from pathlib import Path
 
 import torch
 
-KV_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
+CONFIGS = (  # (weights, KV cache)
+    ("none", "float32"),
+    ("none", "bfloat16"),
+    ("none", "float8_e4m3fn"),
+    ("none", "float8_e5m2"),
+    ("fp8", "float32"),
+    ("fp8", "float8_e4m3fn"),
+)
 TEXT = Path(__file__).parent / "data" / "kv_dtype_text.txt"
 PROMPTS = [
     "What is the capital of France?",
@@ -77,13 +86,14 @@ def main() -> int:
           f"torch {torch.__version__}, {args.threads} threads")  # fmt: skip
     print(f"# text: {TEXT.name}, {len(text)} tokens, scored from token {args.context_start}; "
           f"{len(chats)} chat prompts x {args.max_tokens} greedy tokens")  # fmt: skip
-    print(f"{'kv_dtype':>14} {'KV bytes/token':>15} {'perplexity':>11} {'vs float32':>11} "
-          f"{'equal outputs':>14}  first divergences (prompt:token)  seconds")  # fmt: skip
+    print(f"{'weights':>7} {'kv_dtype':>14} {'KV bytes/token':>15} {'perplexity':>11} "
+          f"{'vs base':>8} {'equal outputs':>14}  seconds  "
+          "first divergences (prompt:token)")  # fmt: skip
     baseline_ppl: float | None = None
     baseline_out: list[list[int]] | None = None
-    for kv_dtype in KV_DTYPES:
+    for quantization, kv_dtype in CONFIGS:
         started = time.perf_counter()
-        engine = _engine(loaded, kv_dtype, len(text))
+        engine = _engine(loaded, quantization, kv_dtype, len(text))
         ppl = _perplexity(engine, text, args.context_start)
         outputs = _greedy(engine, chats, args.max_tokens)
         baseline_ppl = baseline_ppl or ppl
@@ -95,13 +105,13 @@ def main() -> int:
         ]
         equal = sum(a == b for a, b in zip(baseline_out, outputs, strict=True))
         per_token = engine.kv_cache.block_bytes // engine.config.block_size
-        print(f"{kv_dtype:>14} {per_token:>15,} {ppl:>11.4f} {ppl / baseline_ppl - 1:>+10.2%} "
-              f"{equal:>7}/{len(chats):<6}  {' '.join(divergences) or '-':<33} "
-              f"{time.perf_counter() - started:7.1f}")  # fmt: skip
+        print(f"{quantization:>7} {kv_dtype:>14} {per_token:>15,} {ppl:>11.4f} "
+              f"{ppl / baseline_ppl - 1:>+8.2%} {equal:>7}/{len(chats):<6} "
+              f"{time.perf_counter() - started:8.1f}  {' '.join(divergences) or '-'}")  # fmt: skip
     return 0
 
 
-def _engine(loaded: object, kv_dtype: str, text_tokens: int) -> object:
+def _engine(loaded: object, quantization: str, kv_dtype: str, text_tokens: int) -> object:
     from kvrail.worker.engine.config import EngineConfig
     from kvrail.worker.engine.engine import LLMEngine
 
@@ -110,7 +120,7 @@ def _engine(loaded: object, kv_dtype: str, text_tokens: int) -> object:
         num_blocks=text_tokens // block_size + 64, block_size=block_size, max_model_len=2048,
         max_num_batched_tokens=2048, kv_dtype=kv_dtype,
     )  # fmt: skip
-    return LLMEngine.from_loaded(loaded, config)  # type: ignore[arg-type]
+    return LLMEngine.from_loaded(loaded, config, quantization=quantization)  # type: ignore[arg-type]
 
 
 def _perplexity(engine: object, text: list[int], start: int) -> float:

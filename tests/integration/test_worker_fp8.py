@@ -1,11 +1,11 @@
-"""An FP8 KV cache across a disaggregated pool: real worker processes, etcd, NATS and NIXL.
+"""FP8 in a pool: real worker processes, etcd, NATS and NIXL (SmolLM2 on CPU, float32 compute).
 
-Four workers of one pool (SmolLM2 on CPU, float32 weights): `prefill-0`, `decode-0` and `colo-0`
-(colocated, the baseline) with `kv_dtype` float8_e4m3fn, and `decode-wide` with the default KV
-dtype (the weights' float32). The FP8 blocks move over NIXL as they are: a quarter of float32's
-bytes, and the decode worker continues exactly as the colocated FP8 worker does. The float32-KV
-decode worker has another fingerprint, so no FP8 prefill worker ever prefills for it: it
-prefills locally.
+Five workers of one pool: `prefill-0`, `decode-0` and `colo-0` (colocated, the baseline) with
+`kv_dtype` float8_e4m3fn, `decode-wide` with the default KV dtype (the weights' float32), and
+`colo-fp8` (colocated) with FP8 weights. The FP8 blocks move over NIXL as they are: a quarter
+of float32's bytes, and the decode worker continues exactly as the colocated FP8 worker does.
+The float32-KV decode worker has another fingerprint, so no FP8 prefill worker ever prefills for
+it: it prefills locally. The FP8-weight worker serves, under a fingerprint of its own.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def pool(
         p.start("decode-0", "decode")
         p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated")
         p.start("decode-wide", "decode", KVRAIL_KV_DTYPE="auto")
+        p.start("colo-fp8", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated",
+                KVRAIL_KV_DTYPE="auto", KVRAIL_QUANTIZATION="fp8")  # fmt: skip
         for worker_id in p.procs:
             p.wait_ready(worker_id)
         yield p, metrics_port
@@ -97,6 +99,20 @@ async def test_a_decode_worker_with_another_kv_dtype_never_pairs_with_the_fp8_pr
     assert records["decode-wide"].fingerprint != records["decode-0"].fingerprint
     assert records["prefill-0"].fingerprint == records["decode-0"].fingerprint
     events = await generate(nc, "decode-wide", PROMPT)
+    assert events[0].prefill_mode == "local"
+    assert len(tokens_of(events)) == 8
+    await workers.assert_all_blocks_free(nc)
+
+
+async def test_a_worker_with_fp8_weights_serves_under_its_own_fingerprint(
+    pool: tuple[LocalPool, int], nc: NatsClient
+) -> None:
+    workers, _ = pool
+    records = await workers.records()
+    assert records["colo-fp8"].fingerprint not in {
+        records[w].fingerprint for w in ("decode-0", "decode-wide")
+    }
+    events = await generate(nc, "colo-fp8", PROMPT)
     assert events[0].prefill_mode == "local"
     assert len(tokens_of(events)) == 8
     await workers.assert_all_blocks_free(nc)
