@@ -3,7 +3,7 @@
 kvrail up            the local one-machine stack (what `make run` starts)
 kvrail status        pools, workers and prefill queues, from etcd and NATS
 kvrail model prepare convert the default model once and cache it (fast warm loads)
-kvrail config        print the resolved settings
+kvrail config        print the resolved settings (--options: every setting and its values)
 kvrail version
 
 `status` and `config` find a running local stack (`kvrail up`) on their own: with no etcd or
@@ -27,7 +27,7 @@ import nats.errors
 from kvrail import __version__
 from kvrail.errors import KvrailError
 from kvrail.local.procs import ProcessFailed
-from kvrail.settings import Settings, load_settings
+from kvrail.settings import Settings, describe_settings, load_settings
 
 log = logging.getLogger("kvrail")
 
@@ -45,7 +45,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     model.add_argument("action", choices=["prepare"])
     status = sub.add_parser("status", help="pools, workers and prefill queues")
     status.add_argument("--all-pools", action="store_true", help="every pool, not only mine")
-    sub.add_parser("config", help="print the resolved settings")
+    config = sub.add_parser("config", help="print the resolved settings")
+    config.add_argument(
+        "--options", action="store_true", help="every setting: default, values, meaning"
+    )
     sub.add_parser("version")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -60,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _prepare_model(settings)
         if args.command == "status":
             print(asyncio.run(_status(_local(settings), args.all_pools)), end="")
+            return 0
+        if args.command == "config" and args.options:
+            print(describe_settings(), end="")
             return 0
         if args.command == "config":
             print(_local(settings).model_dump_json(indent=2))

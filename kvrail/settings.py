@@ -293,3 +293,23 @@ def _read_file(path: Path) -> dict[str, Any]:
 
 def _known_env() -> str:
     return ", ".join(ENV_PREFIX + name.upper() for name in Settings.model_fields)
+
+
+def describe_settings() -> str:
+    """Every setting, one a line: its variable, default, the values it takes where they are a
+    fixed set, and what it means (`kvrail config --options`)."""
+    import typing
+
+    lines = []
+    for name, field in Settings.model_fields.items():
+        default = "(computed)" if field.default_factory is not None else repr(field.default)
+        choices = [
+            str(value)
+            for arg in (field.annotation, *typing.get_args(field.annotation))
+            if typing.get_origin(arg) is Literal
+            for value in typing.get_args(arg)
+        ]
+        values = f" [{' | '.join(choices)}]" if choices else ""
+        meaning = f"  {field.description}" if field.description else ""
+        lines.append(f"{ENV_PREFIX}{name.upper()}={default}{values}{meaning}")
+    return "\n".join(lines) + "\n"

@@ -80,3 +80,28 @@ def test_the_kernels_pdl_switch_is_a_setting_not_an_unknown_variable() -> None:
     """kvrail.kernels reads KVRAIL_PDL itself; the settings must accept it, not refuse to start."""
     assert load_settings(environ={"KVRAIL_PDL": "0"}).pdl is False
     assert load_settings(environ={}).pdl is True
+
+
+def test_describe_settings_lists_every_setting_with_its_values() -> None:
+    from kvrail.settings import Settings, describe_settings
+
+    lines = describe_settings().splitlines()
+    assert [line.split("=", 1)[0] for line in lines] == [
+        f"KVRAIL_{name.upper()}" for name in Settings.model_fields
+    ]
+    by_name = {line.split("=", 1)[0]: line for line in lines}
+    assert (
+        "[auto | float32 | float16 | bfloat16 | float8_e4m3fn | float8_e5m2]"
+        in by_name["KVRAIL_KV_DTYPE"]
+    )
+    assert by_name["KVRAIL_QUANTIZATION"].startswith(
+        "KVRAIL_QUANTIZATION='auto' [auto | none | fp8]"
+    )
+
+
+def test_kvrail_config_options_prints_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvrail.cli.main import main
+    from kvrail.settings import describe_settings
+
+    assert main(["config", "--options"]) == 0
+    assert capsys.readouterr().out == describe_settings()
