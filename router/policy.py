@@ -9,9 +9,12 @@
 Why these terms and weights:
 - Blocks to prefill: the work a cached prefix saves, and what time to first token grows with.
 - Load: `num_running`/`num_waiting` are the worker's own counts but reach us through etcd about a
-  second late; `in_flight` is this router's requests on the worker, known at once. Their maximum
-  sees a burst we just sent before etcd does, without counting our requests twice once etcd has
-  them (a sum would).
+  second late; `in_flight` is this router's requests on the worker, known at once. With
+  `in_flight_at_report`, what of ours the worker's last report may have counted, the load is the
+  others' requests as of that report plus ours now: a burst we just sent counts at once, and a
+  request of ours that just ended stops counting at once (the worker's report would keep it for
+  up to a second, enough to send a repeated prompt away from the worker that caches it).
+  Without it, the maximum of the two, which never counts our requests twice (a sum would).
 - `load_weight_blocks = 32`: one more request on a worker weighs as much as prefilling 32 blocks
   (512 tokens at the default 16-token blocks), about the context of one typical chat request.
   NVIDIA Dynamo's router charges the decode blocks of every active request against the prefill
@@ -64,11 +67,17 @@ class Candidate:
     in_flight: int
     """This router's requests on the worker that have not finished (current)."""
     kv_utilization: float
+    in_flight_at_report: int | None = None
+    """This router's requests the worker's record may count (`WorkerView`), or None: unknown."""
 
     @property
     def load(self) -> int:
-        """Requests on the worker: its own last report, or ours if we know of more."""
-        return max(self.num_running + self.num_waiting, self.in_flight)
+        """Requests on the worker: the others' as of its last report plus ours now; without
+        `in_flight_at_report`, its own last report, or ours if we know of more."""
+        reported = self.num_running + self.num_waiting
+        if self.in_flight_at_report is None:
+            return max(reported, self.in_flight)
+        return max(reported - self.in_flight_at_report, 0) + self.in_flight
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aetcd
 
@@ -30,6 +31,8 @@ class RecordFollower(KvEventFollower):
     _resync_interval_s: float
     _clock: int
     _stamps: dict[str, int]
+    _ours: Callable[[str], int] | None
+    _ours_at_report: dict[str, int]
 
     # Registry -----------------------------------------------------------------------------------
     async def _follow_registry(self) -> None:
@@ -91,6 +94,7 @@ class RecordFollower(KvEventFollower):
         self._stamps[worker_id] = self._clock
         old = self._records.get(worker_id)
         if record is None:
+            self._ours_at_report.pop(worker_id, None)
             if old is None:
                 return
             del self._records[worker_id]
@@ -99,6 +103,8 @@ class RecordFollower(KvEventFollower):
             log.info("worker left worker=%s incarnation=%d", worker_id, old.incarnation)
             self._notify()
             return
+        if self._ours is not None:  # every report, an unchanged one too: it is a newer count
+            self._ours_at_report[worker_id] = self._ours(worker_id)
         if record == old:
             return
         self._records[worker_id] = record

@@ -88,6 +88,8 @@ class WorkerView(RecordFollower):
         self._resync_interval_s = resync_interval_s
         self._rng = rng if rng is not None else random.Random()
         self._records: dict[str, WorkerRecord] = {}
+        self._ours: Callable[[str], int] | None = None
+        self._ours_at_report: dict[str, int] = {}
         # A logical clock: the stamp of each worker's latest applied change (removals included),
         # so a registry read never overwrites a change the watch delivered after the read began.
         self._clock = 0
@@ -122,6 +124,12 @@ class WorkerView(RecordFollower):
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
 
+    def track_load(self, ours: Callable[[str], int]) -> None:
+        """Have candidates weigh a worker's load as the others' requests at its last report
+        plus this router's now: `ours(worker_id)`, read as each report arrives, is how many of
+        this router's requests that report may count (`Candidate.in_flight_at_report`)."""
+        self._ours = ours
+
     # Queries ------------------------------------------------------------------------------------
     def records(self) -> dict[str, WorkerRecord]:
         """Every live record, by worker id (a copy)."""
@@ -148,7 +156,9 @@ class WorkerView(RecordFollower):
         given), with the leading blocks of the prompt `hashes` it caches and this router's
         `in_flight` on it."""
         matched = self.index.match_all(hashes)
-        return _candidates(self.decode_workers(), matched, in_flight, fingerprint, engines)
+        return _candidates(
+            self.decode_workers(), matched, in_flight, self._at_report(), fingerprint, engines
+        )
 
     def prefill_candidates(
         self,
@@ -158,7 +168,12 @@ class WorkerView(RecordFollower):
     ) -> list[Candidate]:
         """A `Candidate` per ready prefill worker (of `fingerprint` and `engines`, when given),
         for a choice by load (no cached blocks)."""
-        return _candidates(self.prefill_workers(), {}, in_flight, fingerprint, engines)
+        return _candidates(
+            self.prefill_workers(), {}, in_flight, self._at_report(), fingerprint, engines
+        )
+
+    def _at_report(self) -> Mapping[str, int] | None:
+        return self._ours_at_report if self._ours is not None else None
 
     def has_state(self, worker_id: str) -> bool:
         """Whether the index holds the state of the worker's registered incarnation."""
@@ -200,6 +215,7 @@ def _candidates(
     records: Sequence[WorkerRecord],
     matched: Mapping[str, int],
     in_flight: Mapping[str, int] | None,
+    at_report: Mapping[str, int] | None,
     fingerprint: str | None,
     engines: Collection[str] | None,
 ) -> list[Candidate]:
@@ -212,6 +228,7 @@ def _candidates(
             num_waiting=r.num_waiting,
             in_flight=counts.get(r.worker_id, 0),
             kv_utilization=r.kv_utilization,
+            in_flight_at_report=None if at_report is None else at_report.get(r.worker_id, 0),
         )
         for r in records
         if (fingerprint is None or r.fingerprint == fingerprint)

@@ -22,7 +22,9 @@ guarantees over HTTP.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -40,6 +42,10 @@ from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.streams.vllm_stream import VllmStream
 
 __all__ = ["CancelReason", "DispatchError", "Dispatcher", "EventStream", "Job", "TokenStream"]
+
+REPORT_LAG_S = 0.1
+"""How long after one of this router's requests ended a worker's record may still count it:
+the record was written before the end, and etcd delivered it after (milliseconds, usually)."""
 
 
 @dataclass(slots=True)
@@ -65,9 +71,12 @@ class Dispatcher:
     vllm: VllmOptions | None = None
     """How to reach vLLM servers; None: vLLM workers are never chosen."""
     inbox: EventInbox = field(init=False)
+    _ended: dict[str, collections.deque[float]] = field(init=False, default_factory=dict)
+    """When this router's requests on each worker ended, the last `REPORT_LAG_S` of them."""
 
     def __post_init__(self) -> None:
         self.inbox = EventInbox(self.nc)
+        self.view.track_load(self.ours_in_report)
 
     @property
     def engines(self) -> tuple[Engine, ...]:
@@ -98,6 +107,29 @@ class Dispatcher:
             self.in_flight[worker_id] = left
         else:
             self.in_flight.pop(worker_id, None)
+        if delta < 0:
+            ended = self._ended.setdefault(worker_id, collections.deque())
+            ended.extend([time.monotonic()] * -delta)
+            self._forget_ended(worker_id)
+
+    def ours_in_report(self, worker_id: str) -> int:
+        """How many of this router's requests a record of `worker_id` arriving now may count:
+        those in flight, and those that ended within `REPORT_LAG_S` (a record the worker wrote
+        before one ended can arrive after it)."""
+        return self.in_flight.get(worker_id, 0) + self._forget_ended(worker_id)
+
+    def _forget_ended(self, worker_id: str) -> int:
+        """Drop the ends older than `REPORT_LAG_S`; the number left."""
+        ended = self._ended.get(worker_id)
+        if ended is None:
+            return 0
+        horizon = time.monotonic() - REPORT_LAG_S
+        while ended and ended[0] < horizon:
+            ended.popleft()
+        if not ended:
+            del self._ended[worker_id]
+            return 0
+        return len(ended)
 
     @contextlib.asynccontextmanager
     async def open(self, job: Job) -> AsyncIterator[EventStream]:

@@ -139,10 +139,9 @@ def test_streamed_chat_equals_the_whole_answer_and_ends_with_usage(pool: LocalPo
         max_tokens=20,
         temperature=0,
     )
-    # A worker's record counts a request until its next load refresh (every second), and
-    # kv-aware weighs one running request as 32 blocks, far above this prompt's two cached ones:
-    # right after `whole`, the router may send the same prompt to the other decode worker.
-    time.sleep(1.5)
+    # At once: the worker's record may still count `whole` (it refreshes about every second),
+    # and kv-aware weighs a running request as 32 blocks, far above this prompt's two cached
+    # ones, but the router knows `whole` ended and counts only others' requests from the record.
     stream = c.chat.completions.create(
         model=MODEL, messages=QUESTION, max_tokens=20, temperature=0,
         stream=True, stream_options={"include_usage": True},

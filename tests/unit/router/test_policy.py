@@ -179,3 +179,30 @@ def test_round_robin_visits_each_of_n_stable_candidates_once_per_n_calls(
         random.Random(order_seed).shuffle(shuffled)  # the caller's order does not matter
         picks = [chooser.choose(shuffled, 8).worker_id for _ in range(len(cs))]
         assert sorted(picks) == sorted(c.worker_id for c in cs)
+
+
+@pytest.mark.parametrize(
+    ("reported", "at_report", "ours", "load"),
+    [
+        (1, 1, 0, 0),  # our request ended after the report: it stops counting at once
+        (0, 0, 3, 3),  # a burst we just sent counts before any report has it
+        (5, 2, 1, 4),  # the others' 3 as of the report, plus our 1 now
+        (1, 3, 2, 2),  # a report older than some of ours never counts less than ours
+    ],
+)
+def test_load_is_the_others_requests_at_the_report_plus_ours_now(
+    reported: int, at_report: int, ours: int, load: int
+) -> None:
+    candidate = Candidate("w", 0, reported, 0, ours, 0.0, in_flight_at_report=at_report)
+    assert candidate.load == load
+    assert cand("w", running=reported, in_flight=ours).load == max(reported, ours)  # unknown
+
+
+def test_kv_aware_keeps_a_repeated_prompt_where_it_is_cached_once_our_request_ended() -> None:
+    """The worker's record still counts the request that just ended on it (it refreshes about
+    every second); this router knows it ended, and the 2 cached blocks win."""
+    cached = Candidate("cached", 2, 1, 0, 0, 0.0, in_flight_at_report=1)
+    other = Candidate("other", 0, 0, 0, 0, 0.0, in_flight_at_report=0)
+    assert Chooser("kv-aware").choose([other, cached], num_prompt_blocks=3).worker_id == "cached"
+    stale = Candidate("cached", 2, 1, 0, 0, 0.0)  # without what the report counted of ours
+    assert Chooser("kv-aware").choose([other, stale], num_prompt_blocks=3).worker_id == "other"
