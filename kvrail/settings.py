@@ -13,7 +13,7 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -298,16 +298,14 @@ def _known_env() -> str:
 def describe_settings() -> str:
     """Every setting, one a line: its variable, default, the values it takes where they are a
     fixed set, and what it means (`kvrail config --options`)."""
-    import typing
-
     lines = []
     for name, field in Settings.model_fields.items():
         default = "(computed)" if field.default_factory is not None else repr(field.default)
         choices = [
             str(value)
-            for arg in (field.annotation, *typing.get_args(field.annotation))
-            if typing.get_origin(arg) is Literal
-            for value in typing.get_args(arg)
+            for arg in (field.annotation, *get_args(field.annotation))
+            if get_origin(arg) is Literal
+            for value in get_args(arg)
         ]
         values = f" [{' | '.join(choices)}]" if choices else ""
         meaning = f"  {field.description}" if field.description else ""

@@ -14,8 +14,6 @@ DTYPES: Final = {
     "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
 }  # fmt: skip
 """Every dtype by the name settings, the CRD and the fingerprint give it."""
-MODEL_DTYPES: Final = ("float32", "float16", "bfloat16")
-"""What weights and activations compute in; the KV cache may also be FP8 (`DTYPES`)."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

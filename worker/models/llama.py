@@ -267,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         modules = dict(self.named_modules())
         filled: dict[str, int] = {}
-        static: dict[str, int] = {}  # FP8 projections with input scales: parts received
+        static: set[str] = set()  # the FP8 projections that got an input scale
         for hf_name, tensor in state_dict.items():
             if hf_name == "lm_head.weight" and self.shape.tie_word_embeddings:
                 continue
@@ -293,7 +293,7 @@ class LlamaForCausalLM(nn.Module):
                 values, scales = quantize_fp8_rows(shard)
                 param[offset:end].copy_(values)
                 module.weight_scale[offset:end] = scales
-                scale_name = target.removesuffix("weight") + "weight_scale"
+                scale_name = f"{target.removesuffix('.weight')}.weight_scale"
                 filled[scale_name] = filled.get(scale_name, 0) + shard.shape[0]
             else:
                 param[offset:end].copy_(shard.to(param.dtype))
@@ -308,17 +308,13 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ConfigError(f"weights missing or of the wrong size for {missing[:5]}")
         if static and len(static) != len(fp8):
-            unscaled = sorted({n for n, _ in fp8} - set(static))
+            unscaled = sorted({n for n, _ in fp8} - static)
             raise ConfigError(f"input_scale missing for {unscaled[:5]} (static activations)")
 
     def _load_scale(
-        self,
-        hf_name: str,
-        tensor: Any,
-        modules: Mapping[str, nn.Module],
-        filled: dict[str, int],
-        static: dict[str, int],
-    ) -> None:
+        self, hf_name: str, tensor: Any, modules: Mapping[str, nn.Module], filled: dict[str, int],
+        static: set[str],
+    ) -> None:  # fmt: skip
         """One FP8 checkpoint scale: a `weight_scale` (one value, or one per row of the
         transformers weight) into this rank's rows of the projection's per-row scales, or an
         `input_scale` (one value), the largest of a fused projection's parts."""
@@ -326,46 +322,31 @@ class LlamaForCausalLM(nn.Module):
         values = torch.as_tensor(tensor[...] if hasattr(tensor, "get_shape") else tensor)
         values = values.float().reshape(-1)
         weight_name = f"{name}.weight"
-        full_rows = self._full_rows(weight_name)
+        target, _, _, _, split = self._map_name(weight_name, (1, 1))
+        module_name = target.removesuffix(".weight")
+        module = modules.get(module_name)
+        if not isinstance(module, Projection) or module.weight_scale is None:
+            raise ConfigError(f"{hf_name!r} scales no projection of this model that is FP8")
         if leaf == "input_scale":
-            target = self._map_name(weight_name, (full_rows, 1))[0].removesuffix(".weight")
-            module = modules.get(target)
-            if not isinstance(module, Projection) or not module.is_fp8 or values.numel() != 1:
+            if values.numel() != 1:
                 raise ConfigError(f"{hf_name!r} is not one FP8 projection's input scale")
             scale = values.reshape(())
             previous = module.input_scale
             module.input_scale = scale if previous is None else torch.maximum(previous, scale)
-            static[target] = static.get(target, 0) + 1
+            static.add(module_name)
             return
+        # Rows of the whole transformers weight: a column-parallel part's split size, else
+        # (row-parallel: its columns are split, never its rows) the projection's own.
+        full_rows = split[1] if split is not None and split[0] == 0 else module.out_features
         if values.numel() == 1:
             values = values.expand(full_rows)
-        target, offset, rows, _, _ = self._map_name(weight_name, (values.numel(), 1))
-        module = modules.get(target.removesuffix(".weight"))
-        if not isinstance(module, Projection) or not module.is_fp8 or module.weight_scale is None:
-            raise ConfigError(f"{hf_name!r} scales no FP8 projection of this model")
         if values.numel() != full_rows:
             raise ConfigError(f"{hf_name!r} has {values.numel()} scales for {full_rows} rows")
+        _, offset, rows, _, _ = self._map_name(weight_name, (full_rows, 1))
         shard = values[rows]
         module.weight_scale[offset : offset + shard.shape[0]] = shard
-        scale_name = f"{target.removesuffix('.weight')}.weight_scale"
+        scale_name = f"{module_name}.weight_scale"
         filled[scale_name] = filled.get(scale_name, 0) + shard.shape[0]
-
-    def _full_rows(self, hf_name: str) -> int:
-        """Rows of the full (unsharded) transformers projection weight `hf_name`."""
-        shape, head = self.shape, self.shape.head_dim
-        rows = {
-            "q_proj": shape.num_heads * head,
-            "k_proj": shape.num_kv_heads * head,
-            "v_proj": shape.num_kv_heads * head,
-            "gate_proj": shape.intermediate_size,
-            "up_proj": shape.intermediate_size,
-            "o_proj": shape.hidden_size,
-            "down_proj": shape.hidden_size,
-        }
-        module = hf_name.split(".")[-2]
-        if module not in rows:
-            raise ConfigError(f"{hf_name!r} is no projection of a decoder layer")
-        return rows[module]
 
     def _map_name(
         self, hf_name: str, shape: tuple[int, ...]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
+from kvrail.crd.spec import KvDType
 from kvrail.worker.models.quant import Quantization
 
 DTYPES = ("float32", "float16", "bfloat16")
-KV_DTYPES = ("auto", *DTYPES, "float8_e4m3fn", "float8_e5m2")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +41,9 @@ class RankSpec:
             raise ValueError(f"rank {self.rank} is not one of 1..{self.size - 1}")
         if self.dtype not in DTYPES or self.device_type not in ("cpu", "cuda"):
             raise ValueError(f"no rank runs {self.dtype} on {self.device_type}")
-        if self.kv_dtype not in KV_DTYPES:
+        if self.kv_dtype not in typing.get_args(KvDType):
             raise ValueError(f"no rank caches KV in {self.kv_dtype}")
-        if self.quantization not in ("none", "fp8"):
+        if self.quantization not in typing.get_args(Quantization):
             raise ValueError(f"no rank runs weights in {self.quantization}")
 
 
