@@ -1,8 +1,10 @@
-"""The OpenAI-compatible HTTP API: FastAPI over the dispatcher.
+"""The OpenAI-compatible HTTP API over the dispatcher (`RouterApp`).
 
 `/v1/chat/completions` and `/v1/completions` (streamed as server-sent events or not),
 `/v1/models` and `/v1/models/{model}`, `/health` (the process answers), `/ready` (a ready decode
-worker is known), `/metrics`. Every error has OpenAI's shape,
+worker is known), `/metrics`. The two generation endpoints are plain ASGI (`RouterApp.__call__`,
+`kvrail.router.api.asgi`): FastAPI's per-request machinery cost more than the rest of a short
+request; everything else is FastAPI. Every error has OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with the status the OpenAI API uses (400 bad
 input, 401 no valid key, 404 unknown model, 413 body too large, 429 over a tenant's limits with
 Retry-After, 503 no worker, 504 deadline); FastAPI's own 422 never reaches a client, and every
@@ -18,26 +20,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvrail.errors import KvrailError
 from kvrail.router import generate
+from kvrail.router.api import asgi, responses, schemas, streaming
 from kvrail.router.api import errors as api_errors
-from kvrail.router.api import responses, schemas
 from kvrail.router.api.errors import ApiError
 from kvrail.router.api.sampling import requested
 from kvrail.router.generate import RouterState, context_len
 from kvrail.router.tenants import Rejected, Tenant
 
-__all__ = ["RouterState", "create_app"]
+__all__ = ["RouterApp", "RouterState", "create_app"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -49,31 +54,38 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 }
 
 
-def create_app(state: RouterState) -> FastAPI:
-    app = FastAPI(title="kvrail router", version="1", docs_url=None, redoc_url=None)
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+def create_app(state: RouterState) -> RouterApp:
     state.created = state.created or int(time.time())
+    app = RouterApp(state)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(state, request, exc)
+        return error_response(state, endpoint_of(request), exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(state, request, api_errors.validation_error(exc.errors()))
+        invalid = api_errors.validation_error(exc.errors())
+        return error_response(state, endpoint_of(request), invalid)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(state, request, ApiError(exc.status_code, str(exc.detail), kind))
+        failure = ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
+        return error_response(state, endpoint_of(request), failure)
 
     @app.exception_handler(KvrailError)
     async def _kvrail(request: Request, exc: KvrailError) -> JSONResponse:
-        return error_response(state, request, api_errors.api_error_of(exc))
+        return error_response(state, endpoint_of(request), api_errors.api_error_of(exc))
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         log.error("unhandled error path=%s", request.url.path, exc_info=exc)
-        return error_response(state, request, ApiError(500, "internal error", "server_error"))
+        failure = ApiError(500, "internal error", "server_error")
+        return error_response(state, endpoint_of(request), failure)
 
     app.add_middleware(_BodyLimit, state=state)
 
@@ -103,57 +115,142 @@ def create_app(state: RouterState) -> FastAPI:
         _check_model(state, model_id)
         return responses.model_card(state.served_name, state.created)
 
-    @app.post(
-        "/v1/chat/completions", response_model=responses.ChatCompletion, responses=_ERROR_RESPONSES
-    )
-    async def chat_completions(
-        body: schemas.ChatCompletionRequest,
-        request: Request,
-        authorization: str | None = Header(None),
-    ) -> Response:
-        tenant = _authenticate(state, authorization)
-        _check_model(state, body.model)
-        messages = body.template_messages()
-        _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
-        prompt_ids = await _tokenize(
-            state, state.codec.chat_prompt, messages, state.allow_special_tokens
-        )
-        endpoint = endpoint_of(request)
-        return await generate.serve(
-            state, request, endpoint, "chat", tenant, prompt_ids, requested(body)
-        )
-
-    @app.post("/v1/completions", response_model=responses.Completion, responses=_ERROR_RESPONSES)
-    async def completions(
-        body: schemas.CompletionRequest,
-        request: Request,
-        authorization: str | None = Header(None),
-    ) -> Response:
-        tenant = _authenticate(state, authorization)
-        _check_model(state, body.model)
-        text, prompt_ids = body.prompt_text, body.prompt_ids
-        if text is not None:
-            _check_length(state, len(text.encode()), "prompt")
-            prompt_ids = await _tokenize(
-                state, state.codec.encode, text, state.allow_special_tokens
-            )
-        assert prompt_ids is not None
-        vocab = state.codec.vocab_size
-        if any(t < 0 or t >= vocab for t in prompt_ids):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
-        endpoint = endpoint_of(request)
-        return await generate.serve(
-            state, request, endpoint, "completion", tenant, prompt_ids, requested(body)
-        )
-
     return app
+
+
+# The generation endpoints ----------------------------------------------------------------------
+Served = JSONResponse | streaming.EventStream
+
+
+async def _chat(
+    state: RouterState, body: schemas.ChatCompletionRequest, authorization: str | None,
+    receive: Receive,
+) -> Served:  # fmt: skip
+    tenant = _authenticate(state, authorization)
+    _check_model(state, body.model)
+    messages = body.template_messages()
+    _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
+    prompt_ids = await _tokenize(
+        state, state.codec.chat_prompt, messages, state.allow_special_tokens
+    )
+    return await generate.serve(
+        state, receive, CHAT_PATH, "chat", tenant, prompt_ids, requested(body)
+    )
+
+
+async def _completion(
+    state: RouterState, body: schemas.CompletionRequest, authorization: str | None,
+    receive: Receive,
+) -> Served:  # fmt: skip
+    tenant = _authenticate(state, authorization)
+    _check_model(state, body.model)
+    text, prompt_ids = body.prompt_text, body.prompt_ids
+    if text is not None:
+        _check_length(state, len(text.encode()), "prompt")
+        prompt_ids = await _tokenize(state, state.codec.encode, text, state.allow_special_tokens)
+    assert prompt_ids is not None
+    vocab = state.codec.vocab_size
+    if any(t < 0 or t >= vocab for t in prompt_ids):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    return await generate.serve(
+        state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, requested(body)
+    )
+
+
+_GENERATION: dict[str, tuple[type[BaseModel], Callable[..., Awaitable[Served]]]] = {
+    CHAT_PATH: (schemas.ChatCompletionRequest, _chat),
+    COMPLETIONS_PATH: (schemas.CompletionRequest, _completion),
+}
+
+
+class RouterApp(FastAPI):
+    """The router's ASGI application: FastAPI, except for the two generation endpoints, which
+    `__call__` serves before FastAPI routes anything (`kvrail.router.api.asgi` says why and
+    what they keep of FastAPI's behaviour). `/openapi.json` still describes them
+    (`_documented_routes`)."""
+
+    def __init__(self, state: RouterState) -> None:
+        super().__init__(title="kvrail router", version="1", docs_url=None, redoc_url=None)
+        self.router_state = state
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        served = _GENERATION.get(scope["path"]) if scope["type"] == "http" else None
+        if served is None:
+            await super().__call__(scope, receive, send)
+            return
+        state, path = self.router_state, scope["path"]
+        if scope["method"] != "POST":
+            refused = ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
+            await error_response(state, path, refused)(scope, receive, send)
+            return
+        model, handler = served
+        response: Any
+        try:
+            too_big = _declared_too_big(scope)
+            if too_big is not None:
+                raise too_big
+            raw = await asgi.read_body(receive, MAX_BODY_BYTES)
+            try:
+                body = model.model_validate(
+                    asgi.json_body(raw, asgi.header(scope, b"content-type"))
+                )
+            except ValidationError as err:
+                raise api_errors.validation_error(err) from None
+            response = await handler(state, body, asgi.header(scope, b"authorization"), receive)
+        except asgi.ClientLeft:
+            return  # nothing to answer: the client is gone
+        except ApiError as exc:
+            response = error_response(state, path, exc)
+        except KvrailError as exc:
+            response = error_response(state, path, api_errors.api_error_of(exc))
+        except Exception as exc:
+            log.error("unhandled error path=%s", path, exc_info=exc)
+            response = error_response(state, path, ApiError(500, "internal error", "server_error"))
+        await response(scope, receive, send)
+
+    def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is None:
+            self.openapi_schema = get_openapi(
+                title=self.title, version=self.version,
+                routes=[*self.routes, *_documented_routes()],
+            )  # fmt: skip
+        return self.openapi_schema
+
+
+def _documented_routes() -> list[APIRoute]:
+    """The generation endpoints as FastAPI would declare them, for the OpenAPI document only
+    (`RouterApp.__call__` serves them; the functions below are never called)."""
+
+    async def chat_completions(
+        body: schemas.ChatCompletionRequest, authorization: str | None = Header(None)
+    ) -> None:
+        """Create a chat completion (OpenAI's API)."""
+
+    async def completions(
+        body: schemas.CompletionRequest, authorization: str | None = Header(None)
+    ) -> None:
+        """Create a completion (OpenAI's API)."""
+
+    return [
+        APIRoute(CHAT_PATH, chat_completions, methods=["POST"],
+                 response_model=responses.ChatCompletion, responses=_ERROR_RESPONSES),
+        APIRoute(COMPLETIONS_PATH, completions, methods=["POST"],
+                 response_model=responses.Completion, responses=_ERROR_RESPONSES),
+    ]  # fmt: skip
+
+
+def _declared_too_big(scope: Scope) -> ApiError | None:
+    """A 413 when the request's Content-Length is above `MAX_BODY_BYTES` (or not a number)."""
+    length = asgi.header(scope, b"content-length")
+    if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
+        return ApiError(413, f"request body above {MAX_BODY_BYTES} bytes")
+    return None
 
 
 class _BodyLimit:
     """Refuses a body above `MAX_BODY_BYTES` (by its Content-Length) with a 413, before any of
-    it is read. Plain ASGI, not Starlette's `BaseHTTPMiddleware`: that one hides a client's
-    disconnect from the endpoints behind it, so a non-streamed request whose client left would
-    run to its end."""
+    it is read, on the paths FastAPI serves. Plain ASGI, not Starlette's `BaseHTTPMiddleware`:
+    that one hides a client's disconnect from the endpoints behind it."""
 
     def __init__(self, app: ASGIApp, state: RouterState) -> None:
         self.app = app
@@ -161,10 +258,9 @@ class _BodyLimit:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
-            length = dict(scope["headers"]).get(b"content-length")
-            if length is not None and (not length.isdigit() or int(length) > MAX_BODY_BYTES):
-                too_big = ApiError(413, f"request body above {MAX_BODY_BYTES} bytes")
-                response = error_response(self.state, Request(scope), too_big)
+            too_big = _declared_too_big(scope)
+            if too_big is not None:
+                response = error_response(self.state, endpoint_of(Request(scope)), too_big)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -204,10 +300,9 @@ def _check_model(state: RouterState, model: str) -> None:
         )  # fmt: skip
 
 
-def error_response(state: RouterState, request: Request, exc: ApiError) -> JSONResponse:
-    """The error's response, counted under the request's endpoint; a client's error is logged
-    with its status, code and field (never the prompt)."""
-    endpoint = endpoint_of(request)
+def error_response(state: RouterState, endpoint: str, exc: ApiError) -> JSONResponse:
+    """The error's response, counted under `endpoint`; a client's error is logged with its
+    status, code and field (never the prompt)."""
     state.metrics.requests.labels(endpoint, str(exc.status)).inc()
     if exc.status < 500:
         log.info(

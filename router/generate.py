@@ -17,10 +17,10 @@ import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
+from starlette.types import Receive
 
-from kvrail.router.api import streaming
+from kvrail.router.api import asgi, streaming
 from kvrail.router.api.errors import ApiError
 from kvrail.router.api.sampling import Defaults, Requested
 from kvrail.router.api.streaming import Kind
@@ -82,13 +82,16 @@ def context_len(state: RouterState) -> int:
 
 async def serve(
     state: RouterState,
-    request: Request,
+    receive: Receive,
     endpoint: str,
     kind: Kind,
     tenant: Tenant,
     prompt_ids: Sequence[int],
     asked: Requested,
-) -> Response:
+) -> JSONResponse | streaming.EventStream:
+    """The response to one generation request (its body was read from `receive`; the client's
+    departure is read from it too). Raises ApiError, asgi.ClientLeft (not streamed, the client
+    left before the end; counted as 499)."""
     started = time.monotonic()
     param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
@@ -139,8 +142,11 @@ async def serve(
         return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
     try:
         text, finish, usage = await streaming.until_disconnect(
-            request, streaming.collect(pieces, reply)
+            receive, streaming.collect(pieces, reply)
         )
+    except asgi.ClientLeft:
+        state.metrics.requests.labels(endpoint, "499").inc()
+        raise
     finally:
         ticket.release(0)  # a no-op once the request released it with its real usage
     state.metrics.requests.labels(endpoint, "200").inc()

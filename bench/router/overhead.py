@@ -63,7 +63,7 @@ async def stand_in_worker(nc: NatsClient) -> None:
 
     async def on_request(msg: Msg) -> None:
         request = decode(msg.data, GenerateRequest)
-        n = request.max_tokens
+        n = request.sampling.max_tokens
         if not STAND_IN["per_token"]:
             tokens = (REPLY_TOKEN,) * n
             first = TokenEvent(

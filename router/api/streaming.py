@@ -20,15 +20,15 @@ import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal, TypeVar
 
-from fastapi import Request
-from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from kvrail.router.api import responses
+from kvrail.router.api import asgi, responses
 from kvrail.router.api.errors import ApiError
 
 Kind = Literal["chat", "completion"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,41 +108,34 @@ async def collect(
     return "".join(parts), finish, reply.usage(last)
 
 
-async def until_disconnect(request: Request, work: Awaitable[Any]) -> Any:
-    """Run `work`; cancel it (which cancels the request on the workers) if the client leaves."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        # Starlette offers no disconnect event outside a streaming response: poll.
-        while not await request.is_disconnected():  # noqa: ASYNC110
-            await asyncio.sleep(0.25)
-
-    watcher = asyncio.create_task(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await watcher
-    if task.cancelled():
-        raise asyncio.CancelledError
-    return task.result()
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await `work`; if the client leaves meanwhile it is cancelled (which cancels the request
+    on the workers) and `asgi.ClientLeft` is raised."""
+    async with asgi.ClientWatch(receive):
+        return await work
 
 
-class EventStream(StreamingResponse):
-    """Server-sent events whose body generator is closed however the response ends (a client
-    that disconnects before the first byte included), so the request is cancelled at once."""
+class EventStream:
+    """An ASGI response of server-sent events, written straight to `send`, one message per
+    event. The body generator is closed however the response ends; a client that disconnects
+    (before the first byte included) cancels it at once (`asgi.ClientWatch`), which cancels the
+    request."""
+
+    headers: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
     def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(body, media_type="text/event-stream")
         self._body = body
         self._on_close = on_close
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            async with asgi.ClientWatch(receive):
+                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                async for chunk in self._body:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asgi.ClientLeft:
+            pass  # counted as 499 by `sse`, cancelled on the workers by closing the body
         finally:
             await asyncio.shield(self._close())
 

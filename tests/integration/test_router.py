@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from random import Random
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import schemathesis
@@ -211,6 +212,14 @@ def test_bad_requests_get_openai_errors_and_leave_the_pool_intact(pool: LocalPoo
         )  # fmt: skip
     with pytest.raises(openai.AuthenticationError):
         client(pool, key="sk-wrong").models.list()
+    # What the generation endpoints refuse before they look at a prompt.
+    chat_url = url(pool, "/v1/chat/completions")
+    wrong_method = httpx.get(chat_url, timeout=10)
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    not_json = httpx.post(chat_url, content=b"{}", headers={"content-type": "text/plain"})
+    assert not_json.status_code == 400 and "JSON object" in not_json.json()["error"]["message"]
+    chunked = httpx.post(chat_url, content=iter([b" " * (1 << 20)] * 17), timeout=30)
+    assert chunked.status_code == 413  # no Content-Length: refused once 16 MiB were read
     # The pool still serves.
     assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
 

@@ -1,0 +1,117 @@
+"""The plain-ASGI pieces the generation endpoints stand on: body reading, FastAPI's body parsing
+rules, and the watch that cancels a request whose client left."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+
+from kvrail.router.api import asgi
+from kvrail.router.api.errors import ApiError
+
+Message = dict[str, Any]
+
+
+def receiver(
+    *messages: Message, then: asyncio.Event | None = None
+) -> Callable[[], Awaitable[Message]]:
+    """An ASGI `receive` that hands out `messages`, then waits for `then` (forever when None)
+    and answers `http.disconnect`."""
+    queue = list(messages)
+
+    async def receive() -> Message:
+        if queue:
+            return queue.pop(0)
+        await (then or asyncio.Event()).wait()
+        return {"type": "http.disconnect"}
+
+    return receive
+
+
+def test_the_body_is_read_whole_and_refused_past_the_limit_without_a_content_length() -> None:
+    async def main() -> None:
+        parts = [{"type": "http.request", "body": b"ab", "more_body": True},
+                 {"type": "http.request", "body": b"cd", "more_body": False}]  # fmt: skip
+        assert await asgi.read_body(receiver(*parts), limit=4) == b"abcd"
+        with pytest.raises(ApiError) as refused:
+            await asgi.read_body(receiver(*parts), limit=3)
+        assert refused.value.status == 413
+        with pytest.raises(asgi.ClientLeft):
+            await asgi.read_body(receiver(parts[0], then=_set()), limit=10)
+
+    asyncio.run(main())
+
+
+def test_the_body_is_parsed_as_fastapi_parses_it() -> None:
+    assert asgi.json_body(b'{"a": 1}', None) == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "application/json; charset=utf-8") == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "application/vnd.x+json") == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "text/plain") == b'{"a": 1}'  # validation refuses it
+    cases = [(b"", "the request body is missing"),
+             (b'{"a": ', "not valid JSON"),
+             (b"\xff\xfe{", "not valid JSON")]  # fmt: skip
+    for raw, fragment in cases:
+        with pytest.raises(ApiError) as refused:
+            asgi.json_body(raw, "application/json")
+        assert refused.value.status == 400 and fragment in refused.value.message, raw
+    nan = asgi.json_body(b'{"t": NaN}', None)  # Python's JSON, as FastAPI: the schema refuses it
+    assert json.dumps(nan) == '{"t": NaN}'
+
+
+def test_a_client_that_leaves_cancels_the_watched_work_and_nothing_else() -> None:
+    async def main() -> None:
+        left = asyncio.Event()
+        cleaned: list[str] = []
+
+        async def work() -> None:
+            try:
+                await asyncio.sleep(3600)
+            finally:
+                cleaned.append("work")
+
+        async def watched() -> None:
+            async with asgi.ClientWatch(receiver(then=left)):
+                await work()
+
+        task = asyncio.current_task()
+        assert task is not None
+        asyncio.get_running_loop().call_later(0.01, left.set)
+        with pytest.raises(asgi.ClientLeft):
+            await watched()
+        assert cleaned == ["work"] and task.cancelling() == 0
+        await asyncio.sleep(0)  # this task is not cancelled any more
+
+        # Work that ends first: the watch ends with it and cancels nothing later.
+        late = asyncio.Event()
+        async with asgi.ClientWatch(receiver(then=late)) as watch:
+            await asyncio.sleep(0.01)
+        late.set()
+        await asyncio.sleep(0.01)
+        assert not watch.left and task.cancelling() == 0
+
+    asyncio.run(main())
+
+
+def test_a_cancellation_from_elsewhere_passes_through_the_watch() -> None:
+    async def watched() -> None:
+        async with asgi.ClientWatch(receiver()):
+            await asyncio.sleep(3600)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(watched())
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+
+
+def _set() -> asyncio.Event:
+    event = asyncio.Event()
+    event.set()
+    return event
