@@ -129,14 +129,37 @@ def _info(cls: type[Any]) -> _ClassInfo:
     return info
 
 
+def encode_value(value: Any) -> Any:
+    """One field's value as the JSON codec writes it (a nested dataclass as an object)."""
+    if is_dataclass(value) and not isinstance(value, type):
+        return _encode_fields(value)
+    return value
+
+
+def field_checkers(cls: type[Any]) -> dict[str, Checker]:
+    """The checker of each field of dataclass `cls` (packed id arrays excepted): what `decode`
+    applies to a JSON value before it builds `cls`."""
+    return _info(cls).checkers
+
+
 M = TypeVar("M", bound=Message)
 D = TypeVar("D")
+
+
+BINARY_MAGIC = b"\x00kvrail"
+"""How a message in a binary form of its own starts (never valid JSON): a class that has one
+defines `decode_binary(data)`, and `decode` hands it what starts so (`TokenEventBatch`, which
+the router decodes for every token it streams)."""
 
 
 def decode(data: bytes, cls: type[M]) -> M:
     """Decode and validate one message of type `cls`; raises MessageError."""
     if len(data) > MAX_MESSAGE_BYTES:
         raise MessageError(f"message of {len(data)} bytes exceeds the limit")
+    binary = getattr(cls, "decode_binary", None)
+    if binary is not None and data[: len(BINARY_MAGIC)] == BINARY_MAGIC:
+        decoded: M = binary(data)
+        return decoded
     try:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:

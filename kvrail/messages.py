@@ -6,11 +6,15 @@ Every message crossing NATS or etcd is one of these dataclasses.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
+import struct
+import sys
 from array import array
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
+from kvrail import codec
 from kvrail.codec import Message
 from kvrail.sampling import SamplingParams
 
@@ -283,6 +287,15 @@ class TokenEventBatch(Message):
     A step of N running requests is one message per router instead of N: the worker's publish,
     the NATS server's routing and the router's wake-up are paid once per step. Each event keeps
     its request id, its `seq` and the worker it came from.
+
+    The only message with a binary form (`encode`; `decode` reads it, and the JSON form too):
+    `codec.BINARY_MAGIC`, the wire version (u8) and the number of events (u32), then per event a
+    header of five little-endian fields (u16 length of the request id, u16 length of the worker
+    id, u32 seq, u32 number of tokens, u32 length of the rest), the two ids in UTF-8, the token
+    ids as u32, and "the rest": empty, or a JSON object of the fields that differ from their
+    defaults (finish reason, error, prefill mode, cached tokens, stages: the first and the last
+    event), each checked as the JSON codec checks it. A batch of 256 one-token events encodes
+    and decodes several times faster than as JSON (`bench/router/codec.py`).
     """
 
     kind: ClassVar[str] = "token_events"
@@ -291,6 +304,92 @@ class TokenEventBatch(Message):
     def __post_init__(self) -> None:
         if not 0 < len(self.events) <= MAX_EVENTS_PER_BATCH:
             raise ValueError(f"a batch holds 1 to {MAX_EVENTS_PER_BATCH} events")
+
+    def encode(self) -> bytes:
+        parts = [_BATCH_HEAD.pack(codec.BINARY_MAGIC, codec.WIRE_VERSION, len(self.events))]
+        for event in self.events:
+            rid, wid = event.request_id.encode(), event.worker_id.encode()
+            rest = _event_rest(event)
+            try:
+                tokens = array("I", event.token_ids)
+            except OverflowError as err:
+                raise codec.MessageError("a token id is negative or above 2**32 - 1") from err
+            if _LITTLE_ENDIAN is False:
+                tokens.byteswap()
+            if len(rid) > _MAX_ID_BYTES or len(wid) > _MAX_ID_BYTES:
+                raise codec.MessageError(f"an id is longer than {_MAX_ID_BYTES} bytes")
+            head = _EVENT_HEAD.pack(len(rid), len(wid), event.seq, len(tokens), len(rest))
+            parts += (head, rid, wid, tokens.tobytes(), rest)
+        data = b"".join(parts)
+        if len(data) > codec.MAX_MESSAGE_BYTES:
+            raise codec.MessageError(f"{self.kind} message of {len(data)} bytes exceeds the limit")
+        return data
+
+    @classmethod
+    def decode_binary(cls, data: bytes) -> TokenEventBatch:
+        """The batch `encode` wrote; raises MessageError for anything else."""
+        try:
+            _magic, version, count = _BATCH_HEAD.unpack_from(data, 0)
+            if version != codec.WIRE_VERSION:
+                raise codec.MessageError(f"unsupported wire version (want {codec.WIRE_VERSION})")
+            if not 0 < count <= MAX_EVENTS_PER_BATCH:
+                raise codec.MessageError(f"a batch holds 1 to {MAX_EVENTS_PER_BATCH} events")
+            at, end = _BATCH_HEAD.size, len(data)
+            events = []
+            for _ in range(count):
+                rid_len, wid_len, seq, num_tokens, rest_len = _EVENT_HEAD.unpack_from(data, at)
+                at += _EVENT_HEAD.size
+                tokens_at = at + rid_len + wid_len
+                rest_at = tokens_at + 4 * num_tokens
+                after = rest_at + rest_len
+                if after > end or num_tokens > codec.MAX_TOKENS:
+                    raise codec.MessageError("token event batch is truncated")
+                tokens = array("I", data[tokens_at:rest_at])
+                if _LITTLE_ENDIAN is False:
+                    tokens.byteswap()
+                rest = _event_fields(data[rest_at:after]) if rest_len else {}
+                events.append(TokenEvent(
+                    data[at : at + rid_len].decode(), seq, tuple(tokens),
+                    worker_id=data[at + rid_len : tokens_at].decode(), **rest,
+                ))  # fmt: skip
+                at = after
+            if at != end:
+                raise codec.MessageError("token event batch has bytes after its last event")
+            return cls(tuple(events))
+        except (struct.error, UnicodeDecodeError, TypeError, ValueError) as err:
+            raise codec.MessageError(f"invalid token event batch: {type(err).__name__}") from err
+
+
+_BATCH_HEAD = struct.Struct(f"<{len(codec.BINARY_MAGIC)}sBI")
+_EVENT_HEAD = struct.Struct("<HHIII")
+_MAX_ID_BYTES = 65_535
+_LITTLE_ENDIAN = sys.byteorder == "little"
+# TokenEvent's fields carried in "the rest" of the binary form, with their defaults.
+_REST_DEFAULTS = {
+    "finish_reason": None, "error": None, "prefill_mode": "", "num_cached_tokens": 0,
+    "stages": None,
+}  # fmt: skip
+
+
+def _event_rest(event: TokenEvent) -> bytes:
+    rest = {}
+    for name, default in _REST_DEFAULTS.items():
+        value = getattr(event, name)
+        if value != default:
+            rest[name] = codec.encode_value(value)
+    return json.dumps(rest, separators=(",", ":")).encode() if rest else b""
+
+
+def _event_fields(raw: bytes) -> dict[str, Any]:
+    """The rest of one event, each field checked as the JSON codec checks it."""
+    try:
+        body = json.loads(raw)
+    except ValueError as err:
+        raise codec.MessageError("a token event's fields are not valid JSON") from err
+    if not isinstance(body, dict) or not body.keys() <= _REST_DEFAULTS.keys():
+        raise codec.MessageError("a token event's fields are not an object of known fields")
+    checkers = codec.field_checkers(TokenEvent)
+    return {name: checkers[name](value, name) for name, value in body.items()}
 
 
 @dataclass(frozen=True, slots=True)

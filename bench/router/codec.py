@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvrail.codec import decode
+from kvrail.codec import Message, decode
 from kvrail.messages import TokenEvent, TokenEventBatch
 
 REPEATS = 5
@@ -40,20 +40,31 @@ def main() -> None:
         tuple(TokenEvent(f"chatcmpl-{i:032d}", 7, (12345,), None, None, "decode-0")
               for i in range(256))
     )  # fmt: skip
-    batch_data = batch.encode()
-    assert decode(batch_data, TokenEventBatch) == batch
+    batch_data = batch.encode()  # the batch's binary form
+    json_data = Message.encode(batch)  # the JSON form every other message has
+    assert decode(batch_data, TokenEventBatch) == batch == decode(json_data, TokenEventBatch)
+    single = TokenEventBatch((event,))
+    single_data, single_json = single.encode(), Message.encode(single)
     rows = [
         ("encode one", per_call_us(event.encode)),
         ("decode one", per_call_us(lambda: decode(data, TokenEvent))),
-        ("encode, per event of 256", per_call_us(batch.encode, N // 256) / 256),
-        ("decode, per event of 256",
+        ("batch of 1, encode, binary", per_call_us(single.encode)),
+        ("batch of 1, encode, JSON", per_call_us(lambda: Message.encode(single))),
+        ("batch of 1, decode, binary", per_call_us(lambda: decode(single_data, TokenEventBatch))),
+        ("batch of 1, decode, JSON", per_call_us(lambda: decode(single_json, TokenEventBatch))),
+        ("per event of 256, encode, binary", per_call_us(batch.encode, N // 256) / 256),
+        ("per event of 256, encode, JSON",
+         per_call_us(lambda: Message.encode(batch), N // 256) / 256),
+        ("per event of 256, decode, binary",
          per_call_us(lambda: decode(batch_data, TokenEventBatch), N // 256) / 256),
+        ("per event of 256, decode, JSON",
+         per_call_us(lambda: decode(json_data, TokenEventBatch), N // 256) / 256),
     ]  # fmt: skip
     print(f"# {platform.processor() or platform.machine()}, Python {platform.python_version()}, "
           f"best of {REPEATS} runs; one TokenEvent of {len(data)} bytes, a batch of 256 of "
-          f"{len(batch_data)} bytes")  # fmt: skip
+          f"{len(batch_data)} bytes (binary) or {len(json_data)} (JSON)")  # fmt: skip
     for name, us in rows:
-        print(f"{name:28}{us:8.1f} us")
+        print(f"{name:34}{us:8.1f} us")
 
 
 if __name__ == "__main__":

@@ -3,17 +3,20 @@
     .venv/bin/python -P bench/router/overhead.py [--seconds 10] [--out bench/router/results.json]
 
 What runs: real etcd and NATS, the real router process (`python -P -m kvrail.router`, pinned to
-one core with `taskset`), and a stand-in decode worker in this process. The stand-in is on
-purpose: it registers like a decode worker and answers each `GenerateRequest` at once with its
-`max_tokens` tokens, so the time measured is the router's (HTTP, tokenization, routing, NATS,
-detokenization), not the model's. The baseline, measured in the same run, sends the same
-`GenerateRequest`s straight to the stand-in over NATS, as the router does: router latency minus
-baseline latency is the latency the router adds.
+one core with `taskset`), and a stand-in decode worker in this process (pinned, with the
+clients, etcd and NATS, to the other core). The clients speak HTTP/1.1 through `lean_http`, not
+httpx, whose own cost per request is larger than the router's (`lean_http` says by how much).
+The stand-in is on purpose: it registers like a decode worker and answers each
+`GenerateRequest` at once with its `max_tokens` tokens, so the time measured is the router's
+(HTTP, tokenization, routing, NATS, detokenization), not the model's. The baseline, measured
+in the same run, sends the same `GenerateRequest`s straight to the stand-in over NATS, as the
+router does: router latency minus baseline latency is the latency the router adds.
 
 Phases: (1) sequential requests, one at a time (latency: p50/p99 of router and baseline);
 (2) a closed loop with `--concurrency` clients for `--seconds` (throughput of one router core);
-(3) the same with streamed completions of `--stream-tokens` tokens, one token event each
-(tokens per second through the router, and its CPU time per token).
+(3) the same with streamed completions of `--stream-tokens` tokens, the stand-in sending them
+as a decode worker does, one token per request per step in one `TokenEventBatch` per step
+(requests and tokens per second through the router, and its CPU time per request and token).
 """
 
 from __future__ import annotations
@@ -40,10 +43,20 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, KvEvent, TokenEvent, TokenEventBatch, WorkerRecord
+from kvrail.messages import (
+    MAX_EVENTS_PER_BATCH,
+    GenerateRequest,
+    KvEvent,
+    TokenEvent,
+    TokenEventBatch,
+    WorkerRecord,
+)
 from kvrail.registry import Registry, etcd_client
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
+
+sys.path.insert(0, str(Path(__file__).parent))
+from lean_http import Connection
 
 POOL = "bench-router"
 KEYS = PoolKeys("default", POOL)
@@ -53,30 +66,65 @@ REPLY_TOKEN = 28_120  # " hello" in SmolLM2's vocabulary; any id works
 MESSAGES = [{"role": "user", "content": "What is the capital of France? Answer briefly."}]
 
 
-STAND_IN = {"per_token": False}  # phase 3 switches the stand-in to one event per token
+STAND_IN = {"stepped": False}  # phase 3 switches the stand-in to engine steps
 
 
-async def stand_in_worker(nc: NatsClient) -> None:
+class Steps:
+    """Phase 3's stand-in engine: every step, one `TokenEventBatch` per router with the next
+    token of each running request, as a decode worker publishes a step (here as fast as this
+    core allows, `step_s` apart)."""
+
+    def __init__(self, nc: NatsClient, step_s: float) -> None:
+        self.nc = nc
+        self.step_s = step_s
+        self.running: dict[str, tuple[str, int, int]] = {}  # id -> (subject, max_tokens, seq)
+        self.wake = asyncio.Event()
+        self.num_steps = 0
+        self.num_events = 0
+
+    def add(self, request: GenerateRequest) -> None:
+        self.running[request.request_id] = (request.stream_subject, request.sampling.max_tokens, 0)
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            if not self.running:
+                self.wake.clear()
+                await self.wake.wait()
+            batches: dict[str, list[TokenEvent]] = {}
+            for rid, (subject, n, seq) in list(self.running.items()):
+                last = seq == n - 1
+                batches.setdefault(subject, []).append(TokenEvent(
+                    rid, seq, (REPLY_TOKEN,), "length" if last else None, worker_id=WORKER,
+                    prefill_mode="local" if seq == 0 else "",
+                ))  # fmt: skip
+                if last:
+                    del self.running[rid]
+                else:
+                    self.running[rid] = (subject, n, seq + 1)
+            for subject, events in batches.items():
+                for at in range(0, len(events), MAX_EVENTS_PER_BATCH):
+                    chunk = tuple(events[at : at + MAX_EVENTS_PER_BATCH])
+                    await self.nc.publish(subject, TokenEventBatch(chunk).encode())
+                self.num_events += len(events)
+            self.num_steps += 1
+            await asyncio.sleep(self.step_s)
+
+
+async def stand_in_worker(nc: NatsClient, steps: Steps) -> None:
     """Answer every request at once with `max_tokens` tokens in one event, then finish; with
-    `STAND_IN["per_token"]`, in one event per token, as a decode worker sends them (at once
-    here, not one per engine step)."""
+    `STAND_IN["stepped"]`, hand it to `steps`, which sends one token per step."""
 
     async def on_request(msg: Msg) -> None:
         request = decode(msg.data, GenerateRequest)
-        n = request.sampling.max_tokens
-        if not STAND_IN["per_token"]:
-            tokens = (REPLY_TOKEN,) * n
-            first = TokenEvent(
-                request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
-            )
-            await nc.publish(request.stream_subject, TokenEventBatch((first,)).encode())
+        if STAND_IN["stepped"]:
+            steps.add(request)
             return
-        for seq in range(n):
-            event = TokenEvent(
-                request.request_id, seq, (REPLY_TOKEN,), "length" if seq == n - 1 else None,
-                worker_id=WORKER, prefill_mode="local" if seq == 0 else "",
-            )  # fmt: skip
-            await nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
+        tokens = (REPLY_TOKEN,) * request.sampling.max_tokens
+        first = TokenEvent(
+            request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
+        )
+        await nc.publish(request.stream_subject, TokenEventBatch((first,)).encode())
 
     async def on_state(msg: Msg) -> None:
         await msg.respond(KvEvent(WORKER, 1, 0, cleared=True).encode())
@@ -100,13 +148,17 @@ async def direct(nc: NatsClient, max_tokens: int) -> float:
     return time.perf_counter() - started
 
 
-async def via_router(http: httpx.AsyncClient, max_tokens: int) -> float:
+def chat_body(max_tokens: int, stream: bool = False) -> bytes:
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
+    return json.dumps({**body, "stream": True} if stream else body).encode()
+
+
+async def via_router(conn: Connection, max_tokens: int) -> float:
     started = time.perf_counter()
-    reply = await http.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
-    })  # fmt: skip
-    reply.raise_for_status()
-    assert reply.json()["usage"]["completion_tokens"] == max_tokens
+    status, body = await conn.post("/v1/chat/completions", chat_body(max_tokens))
+    if status != 200:
+        raise RuntimeError(f"router answered {status}: {body[:200]!r}")
+    assert json.loads(body)["usage"]["completion_tokens"] == max_tokens
     return time.perf_counter() - started
 
 
@@ -120,13 +172,15 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def closed_loop(http: httpx.AsyncClient, concurrency: int, seconds: float) -> dict[str, Any]:
+async def closed_loop(port: int, concurrency: int, seconds: float) -> dict[str, Any]:
     stop_at = time.perf_counter() + seconds
     latencies: list[float] = []
 
     async def client() -> None:
+        conn = await Connection.open("127.0.0.1", port)
         while time.perf_counter() < stop_at:
-            latencies.append(await via_router(http, 16))
+            latencies.append(await via_router(conn, 16))
+        await conn.close()
 
     started = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
@@ -135,16 +189,13 @@ async def closed_loop(http: httpx.AsyncClient, concurrency: int, seconds: float)
             "requests_per_s": len(latencies) / elapsed, **summary(latencies)}  # fmt: skip
 
 
-async def streamed(http: httpx.AsyncClient, max_tokens: int) -> int:
-    """One streamed chat completion; returns the content chunks received."""
-    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
+async def streamed(conn: Connection, max_tokens: int) -> int:
+    """One streamed chat completion; returns the chunks received that carry text (not the
+    first, which carries the role)."""
     chunks = 0
-    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
-        reply.raise_for_status()
-        async for line in reply.aiter_lines():
-            if line.startswith("data: {") and '"content"' in line:
-                chunks += 1
+    async for event in conn.post_events("/v1/chat/completions", chat_body(max_tokens, True)):
+        if event.startswith(b"data: {") and b'"content":"' in event:
+            chunks += b'"content":""' not in event
     return chunks
 
 
@@ -155,26 +206,34 @@ def cpu_seconds(pid: int) -> float:
 
 
 async def streaming_loop(
-    http: httpx.AsyncClient, pid: int, concurrency: int, seconds: float, max_tokens: int
+    port: int, pid: int, steps: Steps, concurrency: int, seconds: float, max_tokens: int
 ) -> dict[str, Any]:
-    """Phase 3: clients stream `max_tokens`-token completions, the stand-in sends one event per
-    token; tokens/s delivered, and the share of its core the router used meanwhile (near 1: the
-    router is the limit; well below: the clients or the stand-in are)."""
-    STAND_IN["per_token"] = True
+    """Phase 3: clients stream `max_tokens`-token completions, the stand-in sends a token per
+    request per step (`Steps`); requests and tokens per second delivered, and the share of its
+    core the router used meanwhile (near 1: the router is the limit; well below: the clients or
+    the stand-in are)."""
+    STAND_IN["stepped"] = True
     stop_at = time.perf_counter() + seconds
     counts: list[int] = []
 
     async def client() -> None:
+        conn = await Connection.open("127.0.0.1", port)
         while time.perf_counter() < stop_at:
-            counts.append(await streamed(http, max_tokens))
+            counts.append(await streamed(conn, max_tokens))
+        await conn.close()
 
+    steps_before = steps.num_steps
     cpu_before, started = cpu_seconds(pid), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
-    STAND_IN["per_token"] = False
+    STAND_IN["stepped"] = False
+    num_steps = steps.num_steps - steps_before
     return {"concurrency": concurrency, "max_tokens": max_tokens, "seconds": elapsed,
-            "requests": len(counts), "content_chunks": sum(counts),
-            "tokens_per_s": sum(counts) / elapsed, "router_core_share": cpu / elapsed,
+            "requests": len(counts), "requests_per_s": len(counts) / elapsed,
+            "content_chunks": sum(counts), "tokens_per_s": sum(counts) / elapsed,
+            "steps": num_steps, "events_per_step": sum(counts) / max(1, num_steps),
+            "router_core_share": cpu / elapsed,
+            "router_cpu_us_per_request": 1e6 * cpu / max(1, len(counts)),
             "router_cpu_us_per_token": 1e6 * cpu / max(1, sum(counts))}  # fmt: skip
 
 
@@ -192,7 +251,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                               fingerprint="bench-fingerprint", is_ready=True, block_size=16,
                               max_model_len=4096)  # fmt: skip
         registration = await Registry(etcd_c, KEYS).register(record)
-        await stand_in_worker(nc)
+        steps = Steps(nc, args.step_ms / 1000)
+        stepping = asyncio.create_task(steps.run())
+        await stand_in_worker(nc, steps)
         env = {**os.environ, "KVRAIL_POOL": POOL, "KVRAIL_ETCD_ENDPOINTS": etcd.endpoint,
                "KVRAIL_NATS_URL": nats.url, "KVRAIL_HTTP_PORT": str(port),
                "KVRAIL_LOG_LEVEL": "WARNING"}  # fmt: skip
@@ -201,22 +262,22 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         router = ManagedProcess("router", argv, work / "router.log", env=env).start()
         ready = f"http://127.0.0.1:{port}/ready"  # off the loop: the lease keeper runs on it
         await asyncio.to_thread(router.wait_ready, lambda: _get(ready), 120, 0.2)
-        limits = httpx.Limits(max_connections=args.concurrency * 2)
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", limits=limits,
-                                     timeout=30) as http:  # fmt: skip
-            for _ in range(50):  # warm up both paths
-                await via_router(http, 16)
-                await direct(nc, 16)
-            base, routed = [], []
-            for _ in range(args.requests):  # interleaved: both see the same machine noise
-                base.append(await direct(nc, 16))
-                routed.append(await via_router(http, 16))
-            loop = await closed_loop(http, args.concurrency, args.seconds)
-            pid = router.pid
-            assert pid is not None
-            stream = await streaming_loop(
-                http, pid, args.concurrency, args.seconds, args.stream_tokens
-            )
+        conn = await Connection.open("127.0.0.1", port)
+        for _ in range(50):  # warm up both paths
+            await via_router(conn, 16)
+            await direct(nc, 16)
+        base, routed = [], []
+        for _ in range(args.requests):  # interleaved: both see the same machine noise
+            base.append(await direct(nc, 16))
+            routed.append(await via_router(conn, 16))
+        await conn.close()
+        loop = await closed_loop(port, args.concurrency, args.seconds)
+        pid = router.pid
+        assert pid is not None
+        stream = await streaming_loop(
+            port, pid, steps, args.concurrency, args.seconds, args.stream_tokens
+        )
+        stepping.cancel()
         await registration.close()
         await nc.close()
         await etcd_c.close()
@@ -224,6 +285,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         machine = {
             "cpus": os.cpu_count(), "platform": platform.platform(),
             "python": platform.python_version(), "router_core": args.router_core,
+            "client_core": args.client_core,
         }  # fmt: skip
         sequential = {
             "baseline_nats_direct": b, "via_router": r,
@@ -254,9 +316,15 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--router-core", type=int, default=1, help="-1: do not pin")
-    parser.add_argument("--stream-tokens", type=int, default=64, help="phase 3's completions")
+    parser.add_argument("--client-core", type=int, default=0,
+                        help="this process, etcd and NATS (-1: do not pin)")  # fmt: skip
+    parser.add_argument("--stream-tokens", type=int, default=16, help="phase 3's completions")
+    parser.add_argument("--step-ms", type=float, default=0.0,
+                        help="phase 3: the stand-in's pause between steps")  # fmt: skip
     parser.add_argument("--out", type=Path, default=Path(__file__).with_name("results.json"))
     args = parser.parse_args()
+    if args.client_core >= 0:  # inherited by etcd and NATS, which this process starts
+        os.sched_setaffinity(0, {args.client_core})
     result = asyncio.run(main_async(args))
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))

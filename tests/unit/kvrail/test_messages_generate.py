@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import random
+import struct
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvrail.codec import MessageError, decode
+from kvrail.codec import BINARY_MAGIC, WIRE_VERSION, Message, MessageError, decode
 from kvrail.keys import PoolKeys
 from kvrail.messages import (
+    MAX_EVENTS_PER_BATCH,
     BlockCounts,
     FirstTokenStages,
     GenerateRequest,
@@ -160,8 +165,73 @@ def test_a_steps_events_travel_as_one_batch_and_a_bad_batch_is_refused() -> None
     ) + (TokenEvent(request_id="r-0", seq=4, finish_reason="length", worker_id="d-0"),)
     batch = TokenEventBatch(events)
     assert decode(batch.encode(), TokenEventBatch) == batch
-    body = json.loads(batch.encode())
+    body = json.loads(Message.encode(batch))  # the JSON form, which decoding still accepts
+    assert decode(json.dumps(body).encode(), TokenEventBatch) == batch
     for events_field, message in (([], "1 to"), ({}, "list"), ([{"seq": 1}], "lacks field")):
         body["events"] = events_field
         with pytest.raises(MessageError, match=message):
             decode(json.dumps(body).encode(), TokenEventBatch)
+
+
+_ids = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
+_events = st.builds(
+    TokenEvent,
+    request_id=_ids,
+    seq=st.integers(0, 2**32 - 1),
+    token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple),
+    finish_reason=st.sampled_from([None, "stop", "length", "abort"]),
+    error=st.sampled_from([None, "deadline", "worker_lost"]),
+    worker_id=_ids,
+    prefill_mode=st.sampled_from(["", "local", "remote", "recompute"]),
+    num_cached_tokens=st.integers(0, 10**6),
+    stages=st.none() | st.builds(FirstTokenStages, queue_wait_s=st.floats(0, 10)),
+)
+
+
+@given(st.lists(_events, min_size=1, max_size=8))
+def test_the_binary_batch_carries_every_field_of_every_event(events: list[TokenEvent]) -> None:
+    batch = TokenEventBatch(tuple(events))
+    data = batch.encode()
+    assert data.startswith(BINARY_MAGIC)
+    assert decode(data, TokenEventBatch) == batch == decode(Message.encode(batch), TokenEventBatch)
+
+
+def test_a_damaged_binary_batch_raises_message_error_and_nothing_else() -> None:
+    first = TokenEvent("r-0", 0, (5, 6), worker_id="d-0", prefill_mode="local",
+                       stages=FirstTokenStages(copy_s=0.25))  # fmt: skip
+    data = TokenEventBatch((first, TokenEvent("r-1", 3, (7,), "length", worker_id="d-0"))).encode()
+    for cut in range(len(data)):  # every truncation
+        with pytest.raises(MessageError):
+            decode(data[:cut], TokenEventBatch)
+    rng = random.Random(7)
+    for _ in range(2000):  # random damage: refused, or (a byte of an id or a token) another batch
+        damaged = bytearray(data)
+        damaged[rng.randrange(len(BINARY_MAGIC), len(data))] = rng.randrange(256)
+        try:
+            decode(bytes(damaged), TokenEventBatch)
+        except MessageError:
+            pass
+    head = len(BINARY_MAGIC)
+
+    def with_rest(rest: bytes) -> bytes:
+        event_head = struct.pack("<HHIII", 1, 1, 0, 0, len(rest))
+        return BINARY_MAGIC + struct.pack("<BI", WIRE_VERSION, 1) + event_head + b"rw" + rest
+
+    hostile = {
+        "version": data[:head] + bytes([WIRE_VERSION + 1]) + data[head + 1 :],
+        "no events": BINARY_MAGIC + struct.pack("<BI", WIRE_VERSION, 0),
+        "too many": BINARY_MAGIC + struct.pack("<BI", WIRE_VERSION, MAX_EVENTS_PER_BATCH + 1),
+        "trailing bytes": data + b"x",
+        "unknown field": with_rest(b'{"bogus": 1}'),
+        "wrong type": with_rest(b'{"num_cached_tokens": "many"}'),
+        "refused value": with_rest(b'{"num_cached_tokens": -1}'),
+        "not an object": with_rest(b"[1]"),
+        "not JSON": with_rest(b"{"),
+    }
+    for name, bad in hostile.items():
+        with pytest.raises(MessageError):
+            decode(bad, TokenEventBatch)
+        assert with_rest(b"") != bad, name
+    assert decode(with_rest(b""), TokenEventBatch).events[0].request_id == "r"
+    with pytest.raises(MessageError, match="2\\*\\*32"):
+        TokenEventBatch((TokenEvent("r", 0, (2**32,), worker_id="d"),)).encode()
