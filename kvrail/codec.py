@@ -2,7 +2,8 @@
 
 A message is a frozen dataclass deriving from `Message` (the types are in `kvrail.messages`),
 encoded as JSON with its integer arrays (token and block ids) packed as base64 of little-endian
-int64 values. `decode()` never trusts its input: a wrong version, a
+int64 values; a class may have a binary form of its own as well (`BINARY_MAGIC`; only
+`TokenEventBatch` does). `decode()` never trusts its input: a wrong version, a
 missing or mistyped field, a negative id or an oversized payload raises `MessageError` and
 nothing else, so a hostile job on the queue is rejected and counted without touching any
 request's blocks.
