@@ -28,7 +28,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -62,9 +62,12 @@ def create_app(state: RouterState) -> RouterApp:
     state.created = state.created or int(time.time())
     app = RouterApp(state)
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return error_response(state, endpoint_of(request), exc)
+    async def _failed(request: Request, exc: Exception) -> JSONResponse:
+        failure = _api_error_of(exc, request.url.path)
+        return error_response(state, endpoint_of(request), failure)
+
+    for kind in (ApiError, KvrailError, Exception):
+        app.add_exception_handler(kind, _failed)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -75,16 +78,6 @@ def create_app(state: RouterState) -> RouterApp:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         failure = ApiError(exc.status_code, str(exc.detail), kind, headers=exc.headers)
-        return error_response(state, endpoint_of(request), failure)
-
-    @app.exception_handler(KvrailError)
-    async def _kvrail(request: Request, exc: KvrailError) -> JSONResponse:
-        return error_response(state, endpoint_of(request), api_errors.api_error_of(exc))
-
-    @app.exception_handler(Exception)
-    async def _bug(request: Request, exc: Exception) -> JSONResponse:
-        log.error("unhandled error path=%s", request.url.path, exc_info=exc)
-        failure = ApiError(500, "internal error", "server_error")
         return error_response(state, endpoint_of(request), failure)
 
     app.add_middleware(_BodyLimit, state=state)
@@ -123,11 +116,8 @@ Served = JSONResponse | streaming.EventStream
 
 
 async def _chat(
-    state: RouterState, body: schemas.ChatCompletionRequest, authorization: str | None,
-    receive: Receive,
-) -> Served:  # fmt: skip
-    tenant = _authenticate(state, authorization)
-    _check_model(state, body.model)
+    state: RouterState, body: schemas.ChatCompletionRequest, tenant: Tenant, receive: Receive
+) -> Served:
     messages = body.template_messages()
     _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
     prompt_ids = await _tokenize(
@@ -139,11 +129,8 @@ async def _chat(
 
 
 async def _completion(
-    state: RouterState, body: schemas.CompletionRequest, authorization: str | None,
-    receive: Receive,
-) -> Served:  # fmt: skip
-    tenant = _authenticate(state, authorization)
-    _check_model(state, body.model)
+    state: RouterState, body: schemas.CompletionRequest, tenant: Tenant, receive: Receive
+) -> Served:
     text, prompt_ids = body.prompt_text, body.prompt_ids
     if text is not None:
         _check_length(state, len(text.encode()), "prompt")
@@ -157,7 +144,8 @@ async def _completion(
     )
 
 
-_GENERATION: dict[str, tuple[type[BaseModel], Callable[..., Awaitable[Served]]]] = {
+GenerationBody = type[schemas.ChatCompletionRequest] | type[schemas.CompletionRequest]
+_GENERATION: dict[str, tuple[GenerationBody, Callable[..., Awaitable[Served]]]] = {
     CHAT_PATH: (schemas.ChatCompletionRequest, _chat),
     COMPLETIONS_PATH: (schemas.CompletionRequest, _completion),
 }
@@ -196,16 +184,13 @@ class RouterApp(FastAPI):
                 )
             except ValidationError as err:
                 raise api_errors.validation_error(err) from None
-            response = await handler(state, body, asgi.header(scope, b"authorization"), receive)
+            tenant = _authenticate(state, asgi.header(scope, b"authorization"))
+            _check_model(state, body.model)
+            response = await handler(state, body, tenant, receive)
         except asgi.ClientLeft:
             return  # nothing to answer: the client is gone
-        except ApiError as exc:
-            response = error_response(state, path, exc)
-        except KvrailError as exc:
-            response = error_response(state, path, api_errors.api_error_of(exc))
         except Exception as exc:
-            log.error("unhandled error path=%s", path, exc_info=exc)
-            response = error_response(state, path, ApiError(500, "internal error", "server_error"))
+            response = error_response(state, path, _api_error_of(exc, path))
         await response(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
@@ -298,6 +283,17 @@ def _check_model(state: RouterState, model: str) -> None:
             404, f"model {model[:200]!r} is not served here (this pool serves "
             f"{state.served_name!r})", "not_found_error", param="model", code="model_not_found",
         )  # fmt: skip
+
+
+def _api_error_of(exc: Exception, path: str) -> ApiError:
+    """What an exception out of a request becomes: an ApiError as it is, a KvrailError by
+    `api_error_of`, anything else a logged 500."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, KvrailError):
+        return api_errors.api_error_of(exc)
+    log.error("unhandled error path=%s", path, exc_info=exc)
+    return ApiError(500, "internal error", "server_error")
 
 
 def error_response(state: RouterState, endpoint: str, exc: ApiError) -> JSONResponse:
