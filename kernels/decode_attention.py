@@ -8,7 +8,9 @@ program normalises and stores the output directly; with several, each writes its
 (max, sum, unnormalised acc) and `_reduce_kernel` merges the splits in a fixed order, so results
 are deterministic. The split count is chosen on the host from the batch and a static context
 bound (the block table's width), never from `seq_lens`, so a launch is CUDA-graph capturable;
-a slice's length is derived from the sequence's own length inside the kernel.
+a slice's length is derived from the sequence's own length inside the kernel. An FP8 cache is
+read as stored (half the bytes of bf16) and each tile converted to the query's dtype before the
+dots (`compute_dtype`).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -23,6 +25,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.reference import FP8_DTYPES
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
@@ -63,6 +66,7 @@ def _decode_kernel(
     BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
@@ -83,7 +87,8 @@ def _decode_kernel(
     q = tl.load(
         query + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
-    q = q.to(k_cache.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache.dtype.element_ty)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -103,6 +108,8 @@ def _decode_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:  # read in FP8, computed in the query's dtype
+            k = k.to(q.dtype)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -121,6 +128,8 @@ def _decode_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -195,6 +204,8 @@ def check_paged_inputs(
     if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
         raise ValueError(f"caches {tuple(k_cache.shape)} are not [num_blocks, bs, Hkv, {head_dim}]")
     num_kv_heads = k_cache.shape[2]
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
@@ -210,6 +221,13 @@ def check_paged_inputs(
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit innermost stride")
     return num_heads // num_kv_heads, head_dim
+
+
+def compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernels multiply in: the cache's, except that an FP8 cache is
+    read in FP8 and converted to the query's dtype (the scores of FP8 query and key would lose
+    the query's precision, and decode reads K and V, not Q, from memory)."""
+    return query.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
 
 
 @functools.cache
@@ -302,7 +320,8 @@ def paged_decode_attention(
         D_PAD=d_pad,
         BLOCK_N=block_n or tile,
         DIRECT=direct,
-        IEEE=k_cache.dtype == torch.float32,
+        IEEE=compute_dtype(query, k_cache) == torch.float32,
+        KV_FP8=k_cache.dtype in FP8_DTYPES,
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,

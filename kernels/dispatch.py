@@ -47,9 +47,9 @@ def linear(
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
     (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
     rows, and other devices, go to torch (cuBLAS). An FP8 weight (with its `weight_scale` per
-    row, and a checkpoint's static `input_scale` or None) runs the CPU reference only."""
+    row, and a checkpoint's static `input_scale` or None): see `_fp8_linear`."""
     if weight.dtype == FP8_WEIGHT_DTYPE:
-        return _fp8_linear(x, weight, bias, weight_scale, input_scale)
+        return _fp8_linear(x, weight, bias, weight_scale, input_scale, gated=False)
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.linear(x, weight, bias)
@@ -69,7 +69,7 @@ def gated_linear(
     SiLU * up in its epilogue (one launch, bit for bit the same); elsewhere `linear`, then
     `silu_and_mul`."""
     if weight.dtype == FP8_WEIGHT_DTYPE:
-        return silu_and_mul(_fp8_linear(x, weight, bias, weight_scale, input_scale))
+        return _fp8_linear(x, weight, bias, weight_scale, input_scale, gated=True)
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.gated_linear(x, weight, bias)
@@ -83,12 +83,24 @@ def _fp8_linear(
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
     input_scale: torch.Tensor | None,
+    gated: bool,
 ) -> torch.Tensor:
-    if x.is_cuda:  # the engine refuses FP8 weights on CUDA when it is built; never run slowly
-        raise NotImplementedError("kvrail has no FP8 GEMM kernel for CUDA yet")
+    """An e4m3 weight's projection (and with `gated`, SiLU * up of its halves). Decode-sized
+    batches on a GPU with PDL take the skinny kernel, which reads the weight in FP8 and keeps x
+    in its dtype (weight-only FP8: the weight's bytes are the step's cost, x is a few rows);
+    other CUDA batches quantize x per token and run an FP8 GEMM (`kvrail.kernels.fp8_gemm`);
+    a CPU runs the float32 reference, which quantizes x like the FP8 GEMM."""
     if weight_scale is None:
         raise ValueError("an FP8 weight needs its weight_scale")
-    return reference.fp8_linear(x, weight, weight_scale, bias, input_scale)
+    skinny = _skinny(x)
+    if skinny is not None:
+        out: torch.Tensor = (skinny.gated_linear if gated else skinny.linear)(
+            x, weight, bias, weight_scale=weight_scale
+        )
+        return out
+    impl = _triton("fp8_gemm") if x.is_cuda else reference
+    projected: torch.Tensor = impl.fp8_linear(x, weight, weight_scale, bias, input_scale)
+    return silu_and_mul(projected) if gated else projected
 
 
 def _skinny(x: torch.Tensor) -> ModuleType | None:

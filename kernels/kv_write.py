@@ -2,7 +2,8 @@
 
 Same contract as `kvrail.kernels.reference.write_kv`: key/value [T, Hkv, D], caches
 [num_blocks, block_size, Hkv, D] with any strides (innermost stride 1), slot_mapping [T] (negative
-slots are skipped). One program per token.
+slots are skipped). One program per token. Into an FP8 cache the values saturate at the
+format's largest finite value (`to_cache`), as the reference rounds them.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -12,6 +13,25 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from kvrail.kernels.reference import FP8_DTYPES
+
+
+def fp8_limit(cache: torch.Tensor) -> float:
+    """The saturation bound `to_cache` takes for a cache: its largest finite value when FP8,
+    else 0 (no clamp)."""
+    return float(torch.finfo(cache.dtype).max) if cache.dtype in FP8_DTYPES else 0.0
+
+
+@triton.jit
+def to_cache(x, cache, LIMIT: tl.constexpr):
+    """x rounded to `cache`'s element type; with LIMIT (an FP8 cache's largest finite value,
+    `fp8_limit`) clamped to +-LIMIT first in float32, so that large values saturate and NaN
+    stays NaN (comparisons with NaN are false)."""
+    if LIMIT > 0:
+        x = x.to(tl.float32)
+        x = tl.where(x > LIMIT, LIMIT, tl.where(x < -LIMIT, -LIMIT, x))
+    return x.to(cache.dtype.element_ty)
 
 
 @triton.jit
@@ -36,6 +56,7 @@ def _write_kv_kernel(
     head_dim,
     H_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    LIMIT: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping + t).to(tl.int64)
@@ -50,8 +71,8 @@ def _write_kv_kernel(
     v = tl.load(value + t * stride_vt + h * stride_vh + d, mask=mask)
     kc = k_cache + blk * stride_cb + off * stride_cs + h * stride_ch + d
     vc = v_cache + blk * stride_vcb + off * stride_vcs + h * stride_vch + d
-    tl.store(kc, k.to(k_cache.dtype.element_ty), mask=mask)
-    tl.store(vc, v.to(v_cache.dtype.element_ty), mask=mask)
+    tl.store(kc, to_cache(k, k_cache, LIMIT), mask=mask)
+    tl.store(vc, to_cache(v, v_cache, LIMIT), mask=mask)
 
 
 def write_kv(
@@ -70,6 +91,8 @@ def write_kv(
         )
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} is not [{num_tokens}]")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit innermost stride")
@@ -96,4 +119,5 @@ def write_kv(
         head_dim,
         H_PAD=triton.next_power_of_2(num_heads),
         D_PAD=triton.next_power_of_2(head_dim),
+        LIMIT=fp8_limit(k_cache),
     )

@@ -3,7 +3,8 @@
 Same contract as `kvrail.kernels.reference.paged_prefill_attention` (the context already holds the
 queries' own KV, so a chunk after a cached prefix or after earlier chunks is the same case). One
 program per (BLOCK_M-query tile, sequence, query head), online softmax in float32, key tiles only
-up to the tile's last position.
+up to the tile's last position. An FP8 cache is read as the decode kernel reads it
+(`kvrail.kernels.decode_attention.compute_dtype`).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrail.kernels.decode_attention import check_paged_inputs
+from kvrail.kernels.decode_attention import check_paged_inputs, compute_dtype
+from kvrail.kernels.reference import FP8_DTYPES
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
@@ -48,6 +50,7 @@ def _prefill_kernel(
     D_PAD: tl.constexpr,
     SKIP_FRESH: tl.constexpr,
     IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     tile = tl.program_id(0)
     s = tl.program_id(1)
@@ -70,7 +73,8 @@ def _prefill_kernel(
     q = tl.load(
         query + rows[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
-    q = q.to(k_cache.dtype.element_ty)
+    if not KV_FP8:
+        q = q.to(k_cache.dtype.element_ty)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -91,6 +95,8 @@ def _prefill_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:  # read in FP8, computed in the query's dtype
+            k = k.to(q.dtype)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -110,6 +116,8 @@ def _prefill_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if KV_FP8:
+            v = v.to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -174,6 +182,7 @@ def paged_prefill_attention(
         BLOCK_N=64 if head_dim <= 128 else 32,
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
         SKIP_FRESH=skip_fresh,
-        IEEE=k_cache.dtype == torch.float32,
+        IEEE=compute_dtype(query, k_cache) == torch.float32,
+        KV_FP8=k_cache.dtype in FP8_DTYPES,
     )
     return out

@@ -6,6 +6,7 @@ Same contract as `kvrail.kernels.reference.rotary_write_kv`: q [T, Hq, D], k/v [
 (negative slots are not written). Returns new contiguous rotated q and k; v is stored as is.
 One program per token handles all its heads. Rounding follows torch's op by op in the
 activation dtype (cos/sin cast first, each product rounded, then the sum), so bf16 matches.
+Into an FP8 cache K and V saturate as in `kvrail.kernels.kv_write.to_cache`.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvrail.kernels.kv_write import fp8_limit, to_cache
 from kvrail.kernels.launch import pdl
 
 
@@ -66,6 +68,7 @@ def _rotary_kv_kernel(
     D_PAD: tl.constexpr,
     HQ_PAD: tl.constexpr,
     HKV_PAD: tl.constexpr,
+    LIMIT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch
@@ -98,9 +101,9 @@ def _rotary_kv_kernel(
     blk = slot // block_size
     off = slot % block_size
     kc = k_cache + blk * stride_cb + off * stride_cs + hk * stride_ch + d[None, :]
-    tl.store(kc, kr.to(k_cache.dtype.element_ty), mask=write)
+    tl.store(kc, to_cache(kr, k_cache, LIMIT), mask=write)
     vc = v_cache + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d[None, :]
-    tl.store(vc, val.to(v_cache.dtype.element_ty), mask=write)
+    tl.store(vc, to_cache(val, v_cache, LIMIT), mask=write)
 
 
 def rotary_write_kv(
@@ -129,6 +132,8 @@ def rotary_write_kv(
     for name, t in (("q", q), ("k", k), ("v", v), ("cos", cos), ("sin", sin), ("cache", k_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have a unit innermost stride")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if v_cache.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("v_cache needs a unit innermost stride; cos and sin the same strides")
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -168,6 +173,7 @@ def rotary_write_kv(
         D_PAD=triton.next_power_of_2(head_dim),
         HQ_PAD=triton.next_power_of_2(num_heads),
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
+        LIMIT=fp8_limit(k_cache),
         PDL=on,
         launch_pdl=on,
     )

@@ -47,9 +47,11 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
 
 MAX_ROWS = 32  # x rows it is tuned for: at 48 and 64 cuBLAS was faster (skinny_gemm.txt)
 MAX_TILES = 8192  # semaphores per device: the N tiles of the widest split weight
+FP8_DOTS = ("e4m3", "float16", "x")  # SkinnyConfig.fp8_dot
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,12 +61,18 @@ class SkinnyConfig:
     splits: int
     num_warps: int
     num_stages: int
+    fp8_dot: str = "e4m3"
+    """FP8 weights only, what the tensor cores multiply: `e4m3` (x quantized to e4m3 per row
+    and K tile, with a float32 scale per row and tile applied to that tile's partial product),
+    `float16` (the weight converted to it, and x, saturating at float16's largest finite
+    value) or `x` (the weight converted to x's dtype)."""
 
 
 @triton.jit
 def _skinny_gemm_kernel(
     x,
     w,
+    w_scale,
     bias,
     y,
     partials,
@@ -78,6 +86,8 @@ def _skinny_gemm_kernel(
     k_per_split,
     HAS_BIAS: tl.constexpr,
     GATED: tl.constexpr,
+    FP8_W: tl.constexpr,
+    FP8_DOT: tl.constexpr,
     SPLITS: tl.constexpr,
     EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -114,9 +124,28 @@ def _skinny_gemm_kernel(
             xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if GATED:
                 ut = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
+        if FP8_W and FP8_DOT == "e4m3":
+            # this K tile of x in e4m3 over a scale per row: the tensor cores read the weight
+            # as stored, and each tile's product is scaled before it is summed
+            xf = xt.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(xf), 1) / 448.0, 1e-12)
+            xq = (xf / x_scale[:, None]).to(tl.float8e4nv)
+            acc += tl.dot(wt, tl.trans(xq)) * x_scale[None, :]
+            if GATED:
+                acc_u += tl.dot(ut, tl.trans(xq)) * x_scale[None, :]
+        else:
+            if FP8_W:  # e4m3 weights converted in registers (exact: e4m3 fits either type)
+                if FP8_DOT == "float16":
+                    xt = xt.to(tl.float32)
+                    xt = tl.where(xt > 65504.0, 65504.0, tl.where(xt < -65504.0, -65504.0, xt))
+                    xt = xt.to(tl.float16)
+                wt = wt.to(xt.dtype)
+                if GATED:
+                    ut = ut.to(xt.dtype)
+            acc = tl.dot(wt, tl.trans(xt), acc, input_precision=PRECISION)
+            if GATED:
+                acc_u = tl.dot(ut, tl.trans(xt), acc_u, input_precision=PRECISION)
         if GATED:
-            acc_u = tl.dot(ut, tl.trans(xt), acc_u, input_precision=PRECISION)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -125,7 +154,9 @@ def _skinny_gemm_kernel(
     out_mask = n_mask[:, None] & m_mask[None, :]
     y_ptrs = y + rm[None, :] * stride_ym + rn[:, None]
     if SPLITS == 1:
-        _store_tile(acc, acc_u, bias, y_ptrs, rn, n_mask, out_mask, N, HAS_BIAS, GATED)
+        _store_tile(
+            acc, acc_u, w_scale, bias, y_ptrs, rn, n_mask, out_mask, N, HAS_BIAS, GATED, FP8_W
+        )
     else:
         # partials [SPLITS, 1 or 2 (gate, up), M, N]
         offs = rm[None, :] * N + rn[:, None]
@@ -152,17 +183,46 @@ def _skinny_gemm_kernel(
                         other=0.0,
                         cache_modifier=".cg",
                     )
-            _store_tile(total, total_u, bias, y_ptrs, rn, n_mask, out_mask, N, HAS_BIAS, GATED)
+            _store_tile(
+                total,
+                total_u,
+                w_scale,
+                bias,
+                y_ptrs,
+                rn,
+                n_mask,
+                out_mask,
+                N,
+                HAS_BIAS,
+                GATED,
+                FP8_W,
+            )
             tl.store(semaphores + pid_n, 0)
 
 
 @triton.jit
 def _store_tile(
-    acc, acc_u, bias, y_ptrs, rn, n_mask, out_mask, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr
+    acc,
+    acc_u,
+    w_scale,
+    bias,
+    y_ptrs,
+    rn,
+    n_mask,
+    out_mask,
+    N,
+    HAS_BIAS: tl.constexpr,
+    GATED: tl.constexpr,
+    FP8_W: tl.constexpr,
 ):
-    """Add the bias, round once to y's dtype; when GATED, round gate and up to it as the
-    unfused projection would, then apply SiLU * up exactly as `silu_and_mul` does."""
+    """Scale by the weight rows' scales (FP8_W), add the bias, round once to y's dtype; when
+    GATED, round gate and up to it as the unfused projection would, then apply SiLU * up
+    exactly as `silu_and_mul` does."""
     dtype = y_ptrs.dtype.element_ty
+    if FP8_W:
+        acc *= tl.load(w_scale + rn, mask=n_mask, other=0.0)[:, None]
+        if GATED:
+            acc_u *= tl.load(w_scale + N + rn, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(bias + rn, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     if GATED:
@@ -194,18 +254,32 @@ def allocate_semaphores(device: torch.device | str) -> torch.Tensor:
     return found
 
 
-def pick_config(rows: int, n: int, k: int) -> SkinnyConfig:
+def pick_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfig:
     """The launch configuration for an [rows, k] x [n, k]^T product (rows <= MAX_ROWS): wide
     tiles for wide weights, then K split in halves until there are about 1.5 programs per SM of
     an H200 (192), each split still at least 4 tiles of K. This reproduces the fastest
     configuration of the sweep in bench/engine/skinny_gemm.txt for each Llama-3-8B projection at
-    32 rows (QKV 64 x 2 splits, output 32 x 2, gate/up 128 x 1, down 64 x 4)."""
-    block_k = 128
-    block_n = 128 if n >= 16384 else 64 if (n >= 6144 or k >= 8192) else 32
+    32 rows (QKV 64 x 2 splits, output 32 x 2, gate/up 128 x 1, down 64 x 4).
+
+    A one-byte (FP8) weight multiplied in e4m3 takes 128-row tiles and splits K down to 4 tiles
+    of 128 per split: at 32 rows this is the sweep's fastest for the output projection (8
+    splits), gate/up (1) and down (8), and for QKV 4 splits of 128 rows against the sweep's 64
+    rows x 4 (bench/engine/fp8_gemm.txt)."""
+    if weight_bytes == 1:
+        block_n, block_k, min_split_tiles = 128, 128, 4
+    else:
+        block_k, min_split_tiles = 128, 8
+        block_n = 128 if n >= 16384 else 64 if (n >= 6144 or k >= 8192) else 32
     tiles = triton.cdiv(n, block_n)
     splits = 1
-    while tiles * splits < 192 and k % (splits * 2 * block_k) == 0 and k >= splits * 8 * block_k:
+    while (
+        tiles * splits < 192
+        and k % (splits * 2 * block_k) == 0
+        and k >= splits * 2 * min_split_tiles * block_k
+    ):
         splits *= 2
+    if weight_bytes == 1:
+        return SkinnyConfig(block_n, block_k, splits, num_warps=4, num_stages=4)
     stages = 3 if splits > 1 and block_n > 32 else 4
     return SkinnyConfig(block_n, block_k, splits, num_warps=4, num_stages=stages)
 
@@ -215,9 +289,12 @@ def linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T + bias[N] -> [M, N] in x's dtype; M at most `MAX_ROWS`."""
-    return _launch(x, weight, bias, config, gated=False)
+    """x [M, K] @ weight[N, K].T + bias[N] -> [M, N] in x's dtype; M at most `MAX_ROWS`. An
+    e4m3 weight comes with its float32 `weight_scale` [N] (one per row): x stays in its dtype
+    and the product is (x @ weight.T) * weight_scale + bias."""
+    return _launch(x, weight, bias, config, weight_scale, gated=False)
 
 
 def gated_linear(
@@ -225,14 +302,16 @@ def gated_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
+    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SwiGLU's first half in one launch: with weight [2I, K] (gate rows, then up rows) and
     g, u = (x @ weight.T + bias).chunk(2, -1), returns silu(g) * u [M, I], bit for bit what
     `linear` followed by the `silu_and_mul` kernel gives. `config` is the one `linear` would
-    use for the whole weight (each program takes half its tile from each half)."""
+    use for the whole weight (each program takes half its tile from each half); an e4m3
+    weight's `weight_scale` [2I] as in `linear`."""
     if weight.dim() != 2 or weight.shape[0] % 2:
         raise ValueError(f"weight {tuple(weight.shape)} is not [2 * intermediate, K]")
-    return _launch(x, weight, bias, config, gated=True)
+    return _launch(x, weight, bias, config, weight_scale, gated=True)
 
 
 def _launch(
@@ -240,8 +319,20 @@ def _launch(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     config: SkinnyConfig | None,
+    weight_scale: torch.Tensor | None,
     gated: bool,
 ) -> torch.Tensor:
+    fp8 = weight.dtype == FP8_WEIGHT_DTYPE
+    if config is not None and config.fp8_dot not in FP8_DOTS:
+        raise ValueError(f"fp8_dot {config.fp8_dot!r} is not one of {', '.join(FP8_DOTS)}")
+    if fp8 != (weight_scale is not None):
+        raise ValueError("an e4m3 weight, and only one, comes with its weight_scale")
+    if weight_scale is not None and (
+        weight_scale.shape != (weight.shape[0],) or weight_scale.dtype != torch.float32
+    ):
+        raise ValueError(
+            f"weight_scale {tuple(weight_scale.shape)} is not float32 [{weight.shape[0]}]"
+        )
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     if x.shape[0] > MAX_ROWS:
@@ -255,7 +346,7 @@ def _launch(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y
-    cfg = config or pick_config(m, weight.shape[0], k)
+    cfg = config or pick_config(m, weight.shape[0], k, weight.element_size())
     block_n = cfg.block_n // 2 if gated else cfg.block_n
     if block_n < 16:
         raise ValueError(f"block_n {cfg.block_n} is too narrow (tiles of 16 rows at the least)")
@@ -274,6 +365,7 @@ def _launch(
     _skinny_gemm_kernel[(tiles, splits)](
         x,
         weight,
+        weight if weight_scale is None else weight_scale,
         weight if bias is None else bias,
         y,
         partials,
@@ -287,6 +379,8 @@ def _launch(
         k_per_split,
         HAS_BIAS=bias is not None,
         GATED=gated,
+        FP8_W=fp8,
+        FP8_DOT=cfg.fp8_dot,
         SPLITS=splits,
         EVEN=even,
         BLOCK_M=max(16, triton.next_power_of_2(m)),

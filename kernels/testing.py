@@ -23,6 +23,7 @@ KERNEL_MODULES = (
     "rotary_kv",
     "skinny_gemm",
     "argmax",
+    "fp8_gemm",
 )
 
 

@@ -174,16 +174,21 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "--kv-cache-dtype",
     ),
     (
-        "kvrail with an fp8 kv cache on gpus",
-        (("spec.model.kvDtype", "float8_e4m3fn"), ("spec.decode.gpus", 1)),
+        "kvrail with a float16 kv cache beside bfloat16 weights on gpus",
+        (("spec.model.kvDtype", "float16"), ("spec.decode.gpus", 1)),
         ".spec.model.kvDtype",
         "CUDA kernels",
     ),
     (
-        "kvrail with fp8 weights on gpus",
-        (("spec.model.quantization", "fp8"), ("spec.prefill.gpus", 2), ("spec.decode.gpus", 2)),
-        ".spec.model.quantization",
-        "FP8 GEMM",
+        "kvrail with fp8 weights and float16 activations on gpus",
+        (
+            ("spec.model.quantization", "fp8"),
+            ("spec.model.dtype", "float16"),
+            ("spec.prefill.gpus", 2),
+            ("spec.decode.gpus", 2),
+        ),
+        ".spec.model.dtype",
+        "bfloat16",
     ),
     (
         "vllm told not to quantize",
@@ -270,6 +275,25 @@ ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
     (
         "kvrail with fp8 weights and kv cache on cpu",
         (("spec.model.kvDtype", "float8_e5m2"), ("spec.model.quantization", "fp8")),
+    ),
+    (
+        "kvrail with fp8 weights and kv cache on gpus",
+        (
+            ("spec.model.dtype", "bfloat16"),
+            ("spec.model.kvDtype", "float8_e4m3fn"),
+            ("spec.model.quantization", "fp8"),
+            ("spec.prefill.gpus", 1),
+            ("spec.decode.gpus", 1),
+        ),
+    ),
+    (
+        "kvrail with float16 activations and an fp8 kv cache on gpus",
+        (
+            ("spec.model.dtype", "float16"),
+            ("spec.model.kvDtype", "float8_e5m2"),
+            ("spec.prefill.gpus", 1),
+            ("spec.decode.gpus", 1),
+        ),
     ),
     ("vllm with fp8 weights", (*VLLM, ("spec.model.quantization", "fp8"))),
     (

@@ -61,12 +61,17 @@ _FAILED_TEARDOWN_S = 10.0  # a failed worker's bounded teardown before it exits 
 EXIT_FAILED = 1
 
 
-def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngine:
+def _device_and_dtype(settings: Settings) -> tuple[str, torch.dtype]:
+    """The device type this worker computes on and its model dtype (auto: bfloat16 on a GPU,
+    float32 on CPU)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if settings.dtype == "auto":
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    else:
-        dtype = DTYPES[settings.dtype]
+        return device, torch.bfloat16 if device == "cuda" else torch.float32
+    return device, DTYPES[settings.dtype]
+
+
+def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngine:
+    device, dtype = _device_and_dtype(settings)
     kv_cache_dtype(settings.kv_dtype, dtype, device)  # refused here, before the model loads
     config = EngineConfig(
         num_blocks=settings.num_kv_blocks, block_size=settings.block_size,
@@ -306,8 +311,10 @@ def main(argv: list[str] | None = None) -> int:
         settings = load_settings()
         worker_id = check_label("worker id", args.worker_id or settings.pod_name or "")
         if settings.tensor_parallel_size > 1:  # refuse a model that cannot split before anything
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-            check_split(settings.model, settings.tensor_parallel_size, device)
+            device, dtype = _device_and_dtype(settings)
+            check_split(
+                settings.model, settings.tensor_parallel_size, device, dtype, settings.quantization
+            )
     except (ConfigError, ValueError) as err:
         print(f"kvrail worker: {err}", file=sys.stderr)
         return 2

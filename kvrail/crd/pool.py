@@ -42,6 +42,8 @@ MAX_POOL_NAME_LENGTH = 40
 Role = Literal["prefill", "decode"]
 VLLM_KV_LOAD_FAILURE_POLICIES: Final = ("recompute", "fail")
 """The values of vLLM's own `kv_load_failure_policy` (a vLLM pool cannot `reroute`)."""
+FP8_KV_DTYPES: Final = ("float8_e4m3fn", "float8_e5m2")
+"""The KV dtypes kvrail's CUDA kernels keep besides the weights' own."""
 VLLM_KV_CACHE_DTYPES: Final = {"float8_e4m3fn": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 """kvrail's KV dtypes that vLLM's `--kv-cache-dtype` can store other than the weights' dtype."""
 
@@ -135,18 +137,20 @@ _SPEC_RULES = rules(
     rule(
         "self.engine.kind != 'kvrail' || self.model.kvDtype == 'auto' || "
         "self.model.kvDtype == self.model.dtype || "
+        f"self.model.kvDtype in {_cel_list(FP8_KV_DTYPES)} || "
         "(self.decode.gpus == 0 && (!has(self.prefill) || self.prefill.gpus == 0))",
-        "kvrail's CUDA kernels read the KV cache in the weights' dtype only: set model.kvDtype "
-        "to auto on a GPU pool (another KV dtype, FP8 included, runs on CPU pools only, in the "
-        "float32 reference path)",
+        "kvrail's CUDA kernels read the KV cache in the weights' dtype (auto) or in FP8 "
+        f"({', '.join(FP8_KV_DTYPES)}): another KV dtype runs on CPU pools only, in the float32 "
+        "reference path",
         ".model.kvDtype",
     ),
     rule(
         "self.engine.kind != 'kvrail' || self.model.quantization != 'fp8' || "
+        "self.model.dtype == 'bfloat16' || "
         "(self.decode.gpus == 0 && (!has(self.prefill) || self.prefill.gpus == 0))",
-        "kvrail's engine has no FP8 GEMM kernel for CUDA yet: FP8 weights run on CPU pools "
-        "only (the float32 reference path); set model.quantization to auto on a GPU pool",
-        ".model.quantization",
+        "kvrail's FP8 weights on a GPU compute in bfloat16 (the FP8 GEMM's output type): set "
+        "model.dtype to bfloat16",
+        ".model.dtype",
     ),
     rule(
         "self.disaggregation.mode == 'colocated' || "

@@ -36,13 +36,15 @@ class ModelSpec(CrdModel):
     """Compute dtype of the weights and activations: float32, float16 or bfloat16 (default)."""
     kv_dtype: KvDType = "auto"
     """Dtype of the KV cache; `auto` (default) uses `dtype`. Part of the fingerprint. kvrail's
-    engine keeps any of these on CPU pools (FP8 with a scale of 1) and only `dtype` on GPU pools;
-    vLLM's, `dtype` or FP8."""
+    engine keeps any of these on CPU pools and `dtype` or FP8 (`float8_e4m3fn`, `float8_e5m2`,
+    with a scale of 1; GPUs of compute capability 8.9 or later) on GPU pools; vLLM's, `dtype` or
+    FP8."""
     quantization: WeightQuantization = "auto"
     """Weights: `auto` (default: the checkpoint's own, FP8 for an FP8 checkpoint), `none` or
     `fp8` (e4m3, a scale per output row; a float checkpoint is quantized at load). Part of the
-    fingerprint. kvrail's engine runs FP8 weights on CPU pools only for now; vLLM's with
-    `--quantization fp8`."""
+    fingerprint. kvrail's engine runs FP8 weights on GPUs of compute capability 8.9 or later
+    with `dtype` bfloat16, and on CPU pools (a float32 reference, slower than float32); vLLM's
+    with `--quantization fp8`."""
     block_size: Literal[8, 16, 32, 64, 128] = 16
     """Tokens per KV block: 8, 16 (default), 32, 64 or 128. Part of the fingerprint."""
     max_model_len: int = Field(4096, ge=16, le=1_048_576)

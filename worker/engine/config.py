@@ -8,6 +8,7 @@ from typing import Final
 import torch
 
 from kvrail.errors import ConfigError
+from kvrail.worker.models.quant import check_fp8_device
 
 DTYPES: Final = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -26,20 +27,23 @@ def dtype_name(dtype: torch.dtype) -> str:
 def kv_cache_dtype(kv_dtype: str, model_dtype: torch.dtype, device_type: str) -> torch.dtype:
     """The KV cache's dtype for setting `kv_dtype` ("auto": the model's). On a CPU any of
     `DTYPES`: the torch reference kernels write K and V rounded to it (FP8 saturating at its
-    largest finite value, with a scale of 1) and compute attention in float32. On CUDA only the
-    model's own dtype: the Triton kernels read nothing else yet, and another dtype is refused
-    rather than run as the model's."""
+    largest finite value, with a scale of 1) and compute attention in float32. On CUDA the
+    model's own dtype or FP8 (e4m3 or e5m2, on GPUs of compute capability 8.9 or later): the
+    Triton kernels write K and V saturated as the reference does, read them in FP8 and compute
+    in the model's dtype. Any other dtype is refused rather than run as another."""
     if kv_dtype == "auto":
         return model_dtype
     if kv_dtype not in DTYPES:
         raise ConfigError(f"kv_dtype {kv_dtype!r} is not auto or one of {sorted(DTYPES)}")
     dtype = DTYPES[kv_dtype]
     if device_type == "cuda" and dtype != model_dtype:
-        raise ConfigError(
-            f"kv_dtype {kv_dtype} with {dtype_name(model_dtype)} weights on CUDA: kvrail's CUDA "
-            "kernels read a KV cache in the weights' dtype only (set kv_dtype auto); another KV "
-            "dtype, FP8 included, runs on CPU only, in the float32 reference path"
-        )
+        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise ConfigError(
+                f"kv_dtype {kv_dtype} with {dtype_name(model_dtype)} weights on CUDA: kvrail's "
+                "CUDA kernels read a KV cache in the weights' dtype or in FP8 (float8_e4m3fn, "
+                "float8_e5m2); another float dtype runs on CPU only, in the reference path"
+            )
+        check_fp8_device(f"kv_dtype {kv_dtype}", device_type)
     return dtype
 
 

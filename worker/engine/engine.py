@@ -231,7 +231,7 @@ class LLMEngine:
         tokenizer, the end-of-sequence token is the model config's. `quantization`: see
         `kvrail.worker.models.quant`."""
         quantization = resolve_quantization(quantization, loaded.config)
-        check_device(quantization, torch.device(device).type)
+        check_device(quantization, torch.device(device).type, dtype)
         model = LlamaForCausalLM.build(
             loaded.config, loaded.state_dict, dtype=dtype, device=device,
             quantization=quantization, group=group,

@@ -12,14 +12,23 @@ tensor-parallel size, which is in the fingerprint too). An FP8 checkpoint in the
 stored: a per-tensor scale becomes the scale of each of its rows, and a fused projection (q, k
 and v; gate and up) takes the largest of its parts' input scales.
 
+On a GPU, FP8 weights need FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper)
+and bfloat16 activations (the FP8 GEMM's output type); the projections run in
+`kvrail.kernels.dispatch` (weight-only FP8 in the skinny kernel for decode-sized batches, FP8
+activations and weights on the tensor cores for larger ones). On CPU the torch reference
+computes them in float32, slower than float32 itself (it is the logic's reference, not a fast
+path).
+
 Refused, never run some other way: block-wise scales, checkpoints that leave a projection
-unquantized, other quantization methods, `none` for an FP8 checkpoint, and FP8 on CUDA (kvrail
-has no FP8 GEMM kernel yet; on CPU the torch reference computes it, slower than float32).
+unquantized, other quantization methods, `none` for an FP8 checkpoint, FP8 on a GPU older than
+8.9, and FP8 weights on CUDA with activations in another dtype than bfloat16.
 """
 
 from __future__ import annotations
 
 from typing import Any, Final, Literal
+
+import torch
 
 from kvrail.errors import ConfigError
 
@@ -68,10 +77,31 @@ def resolve_quantization(setting: str, config: Any) -> Quantization:
     return "fp8" if setting == "fp8" else "none"
 
 
-def check_device(quantization: Quantization, device_type: str) -> None:
-    """Refuse FP8 weights on CUDA, where kvrail has no FP8 GEMM kernel yet."""
-    if quantization == "fp8" and device_type == "cuda":
+FP8_CAPABILITY: Final = (8, 9)
+"""The first CUDA compute capability with FP8 tensor cores and conversions (Ada; Hopper is 9.0)."""
+
+
+def check_fp8_device(what: str, device_type: str) -> None:
+    """Refuse `what` (an FP8 mode, for the message) on a CUDA device without FP8 support."""
+    if device_type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) < FP8_CAPABILITY:
         raise ConfigError(
-            "FP8 weights on CUDA: kvrail has no FP8 GEMM kernel yet (quantization none on a "
-            "float checkpoint); FP8 weights run on CPU only, in the float32 reference path"
+            f"{what} on {torch.cuda.get_device_name()} (compute capability {major}.{minor}): "
+            f"kvrail's FP8 kernels need compute capability {FP8_CAPABILITY[0]}."
+            f"{FP8_CAPABILITY[1]} or later (Ada, Hopper)"
+        )
+
+
+def check_device(quantization: Quantization, device_type: str, dtype: torch.dtype) -> None:
+    """Refuse FP8 weights where kvrail has no FP8 kernels for them: a GPU older than 8.9, or
+    CUDA activations in another dtype than bfloat16."""
+    if quantization != "fp8" or device_type != "cuda":
+        return
+    check_fp8_device("FP8 weights", device_type)
+    if dtype != torch.bfloat16:
+        raise ConfigError(
+            f"FP8 weights on CUDA compute in bfloat16 (the FP8 GEMM's output type), not {dtype}: "
+            "set dtype to bfloat16 or auto"
         )

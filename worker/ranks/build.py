@@ -37,15 +37,15 @@ class BuiltEngine:
 
 
 def check_split(
-    source: str, tp_size: int, device_type: str, quantization: str = "auto"
+    source: str, tp_size: int, device_type: str, dtype: torch.dtype, quantization: str = "auto"
 ) -> Quantization:
     """Raise ConfigError unless `source`'s model splits over `tp_size` ranks of this machine
-    and runs in `quantization` there; returns the quantization resolved."""
+    and runs in `dtype` and `quantization` there; returns the quantization resolved."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(prepare(resolve(source)))
     resolved = resolve_quantization(quantization, config)
-    check_device(resolved, device_type)
+    check_device(resolved, device_type, dtype)
     shape = LlamaShape.from_config(config)
     check_tensor_parallel_size(
         tp_size, shape.num_heads, shape.num_kv_heads, shape.intermediate_size
@@ -79,7 +79,7 @@ def build_engine(
             source, config, dtype=dtype, device=device_type, quantization=quantization
         )
         return BuiltEngine(engine, None)
-    quantization = check_split(source, tensor_parallel_size, device_type, quantization)
+    quantization = check_split(source, tensor_parallel_size, device_type, dtype, quantization)
     template = RankSpec(
         rank=1, size=tensor_parallel_size, source=source, dtype=dtype_name(dtype),
         kv_dtype=config.kv_dtype, quantization=quantization,

@@ -217,16 +217,25 @@ def test_what_kvrail_cannot_run_is_refused_by_name(
         resolve_quantization(setting, config)
 
 
-def test_quantization_resolves_from_the_checkpoint_and_fp8_is_refused_on_cuda() -> None:
+def test_quantization_resolves_from_the_checkpoint_and_fp8_needs_an_fp8_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     config = tiny_llama_config()
     assert resolve_quantization("auto", config) == "none"
     assert resolve_quantization("fp8", config) == "fp8"
     config.quantization_config = {"quant_method": "fp8", "ignored_layers": ["lm_head"]}
     assert resolve_quantization("auto", config) == "fp8"
-    check_device("fp8", "cpu")
-    check_device("none", "cuda")
-    with pytest.raises(ConfigError, match="no FP8 GEMM kernel"):
-        check_device("fp8", "cuda")
+    check_device("fp8", "cpu", torch.float32)
+    check_device("none", "cuda", torch.float16)
+    # this machine has no GPU: the two device queries the refusal makes are answered for one
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    with pytest.raises(ConfigError, match=r"FP8 weights on NVIDIA A100 .*8\.9 or later"):
+        check_device("fp8", "cuda", torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    check_device("fp8", "cuda", torch.bfloat16)
+    with pytest.raises(ConfigError, match="compute in bfloat16"):
+        check_device("fp8", "cuda", torch.float16)
 
 
 def test_an_engine_from_an_fp8_checkpoint_directory_runs_fp8_with_auto(tmp_path: Path) -> None:

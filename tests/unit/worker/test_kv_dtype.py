@@ -1,5 +1,6 @@
 """The KV cache's own dtype (`kv_dtype`): FP8 and the other float types on CPU, through the torch
-reference kernels; refused on CUDA, whose Triton kernels read the weights' dtype only.
+reference kernels; on CUDA the weights' dtype or FP8 (the Triton kernels' FP8 paths are tested
+against these references on a GPU, tests/unit/kernels/test_fp8_kernels.py).
 
 FP8 accuracy is measured, not asserted here (bench/engine/fp8_accuracy.py).
 These tests pin what must hold exactly: the bytes written are the saturating rounding of K and V,
@@ -22,12 +23,25 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 PROMPTS = [list(range(5, 40)), [20, 21, 22], list(range(30, 90))]
 
 
-def test_kv_cache_dtype_is_the_models_unless_set_and_refused_on_cuda_unless_the_models() -> None:
+def gpu_of(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int], name: str) -> None:
+    """Stand in for a CUDA device of `capability` (this machine has none): only the two
+    queries the refusals make are answered."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: name)
+
+
+def test_kv_cache_dtype_is_the_models_or_fp8_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     assert kv_cache_dtype("auto", torch.bfloat16, "cuda") is torch.bfloat16
     assert kv_cache_dtype("bfloat16", torch.bfloat16, "cuda") is torch.bfloat16
     assert kv_cache_dtype("float8_e4m3fn", torch.float32, "cpu") is torch.float8_e4m3fn
     assert kv_cache_dtype("float16", torch.float32, "cpu") is torch.float16
     with pytest.raises(ConfigError, match="CUDA kernels read a KV cache in the weights' dtype"):
+        kv_cache_dtype("float16", torch.bfloat16, "cuda")
+    gpu_of(monkeypatch, (9, 0), "NVIDIA H200")
+    assert kv_cache_dtype("float8_e4m3fn", torch.bfloat16, "cuda") is torch.float8_e4m3fn
+    assert kv_cache_dtype("float8_e5m2", torch.float16, "cuda") is torch.float8_e5m2
+    gpu_of(monkeypatch, (8, 0), "NVIDIA A100")
+    with pytest.raises(ConfigError, match=r"kv_dtype float8_e4m3fn on NVIDIA A100 .*8\.9"):
         kv_cache_dtype("float8_e4m3fn", torch.bfloat16, "cuda")
     with pytest.raises(ConfigError, match="not auto or one of"):
         kv_cache_dtype("int8", torch.float32, "cpu")

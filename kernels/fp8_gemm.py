@@ -1,0 +1,126 @@
+"""FP8 projections of more rows than the skinny kernel takes (prefill): activations quantized to
+e4m3 per token by a Triton kernel, then one cuBLASLt FP8 GEMM (torch's `_scaled_mm`) with the
+tokens' scales and the weight rows' scales applied in its epilogue, output in bfloat16.
+
+Same contract as `kvrail.kernels.reference.fp8_linear`: x [.., K] in bfloat16, weight [N, K] in
+e4m3 with float32 `weight_scale` [N], a checkpoint's static `input_scale` (one float32 value) or
+None for a dynamic scale per token (its largest magnitude over 448, at least 1e-12). K and N must
+be multiples of 16 (cuBLASLt's FP8 alignment); the loader's projections always are for the models
+kvrail runs (Llama hidden and intermediate sizes).
+
+`quantize_rows` is one program per row: a pass for the row's largest magnitude, then a pass
+that divides, saturates at +-448 and stores e4m3 (`kvrail.kernels.kv_write.to_cache`).
+"""
+
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvrail.kernels.kv_write import to_cache
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
+
+_FP8_MAX = float(torch.finfo(FP8_WEIGHT_DTYPE).max)
+_MIN_SCALE = 1e-12
+_BLOCK = 1024
+
+
+@triton.jit
+def _quantize_rows_kernel(
+    x,
+    out,
+    scales,
+    static_scale,
+    K,
+    stride_x,
+    stride_o,
+    STATIC: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    src = x + row * stride_x
+    dst = out + row * stride_o
+    if STATIC:
+        scale = tl.load(static_scale).to(tl.float32)
+    else:
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            offs = k0 + tl.arange(0, BLOCK)
+            v = tl.load(src + offs, mask=offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(v))
+        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    tl.store(scales + row, scale)
+    for k0 in range(0, K, BLOCK):
+        offs = k0 + tl.arange(0, BLOCK)
+        mask = offs < K
+        v = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(dst + offs, to_cache(v / scale, dst, FP8_MAX), mask=mask)
+
+
+def quantize_rows(
+    x: torch.Tensor, input_scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): each row over its own scale (dynamic), or
+    over `input_scale` (static, every row's scale the same)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} is not [M, K] with a unit innermost stride")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"input_scale has {input_scale.numel()} values; a static scale has one")
+    m, k = x.shape
+    out = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
+    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](
+            x,
+            out,
+            scales,
+            scales if input_scale is None else input_scale,
+            k,
+            x.stride(0),
+            out.stride(0),
+            STATIC=input_scale is not None,
+            FP8_MAX=_FP8_MAX,
+            MIN_SCALE=_MIN_SCALE,
+            BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
+        )
+    return out, scales
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [.., K] @ (weight [N, K] e4m3 * weight_scale [N]).T + bias -> [.., N] in bfloat16."""
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {x.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k or k % 16 or n % 16:
+        raise ValueError(
+            f"x {tuple(x.shape)} and an FP8 weight {tuple(weight.shape)} do not chain in an FP8 "
+            "GEMM (K and N multiples of 16)"
+        )
+    if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
+        raise ValueError(f"weight_scale {tuple(weight_scale.shape)} is not float32 [{n}]")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, k)
+    if not rows.shape[0]:
+        return x.new_empty((*lead, n))
+    xq, x_scale = quantize_rows(rows.contiguous(), input_scale)
+    out = torch._scaled_mm(
+        xq,
+        weight.t(),
+        scale_a=x_scale[:, None],
+        scale_b=weight_scale[None, :],
+        out_dtype=torch.bfloat16,
+    )
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*lead, n)

@@ -1,0 +1,305 @@
+"""The FP8 paths of the Triton kernels against the torch references, on a GPU.
+
+FP8 KV cache: the KV write (plain and fused with rotary) stores exactly the reference's bytes
+(saturating, NaN kept), attention over an FP8 cache matches the reference reading the same bytes,
+and block copies move FP8 blocks unchanged. FP8 weights: per-token activation quantization, the
+FP8 GEMM of prefill-sized batches (activations and weights in e4m3) against the reference that
+quantizes the same way, and the skinny kernel's weight-only FP8 (x kept in bfloat16) against the
+product of x and the dequantized weight; an engine with FP8 weights and an FP8 cache replays its
+CUDA graphs token for token like its eager steps.
+
+These run only where CUDA is: Triton's CPU interpreter converts to and from FP8 wrongly (bfloat16
+values of magnitude 100 stored into e4m3 come back as +-448), so an interpreted run would test
+the interpreter, not the kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvrail.kernels import dispatch, reference
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs CUDA: Triton's interpreter does not convert FP8 faithfully",
+    ),
+]
+
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+BF16 = torch.bfloat16
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape: int, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to("cuda", BF16)
+
+
+def _caches(num_blocks: int, bs: int, hkv: int, d: int, dtype: torch.dtype, g: torch.Generator):
+    region = torch.randn(num_blocks, 2, 2, bs, hkv, d, generator=g).clamp(-8, 8)
+    region = region.to(dtype).to("cuda")
+    return region, region[:, 1, 0], region[:, 1, 1]
+
+
+def _tables(seq_lens: list[int], bs: int, num_blocks: int, g: torch.Generator) -> torch.Tensor:
+    width = max(-(-s // bs) for s in seq_lens) + 1
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    return perm[: len(seq_lens) * width].reshape(len(seq_lens), width).to("cuda", torch.int32)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_kv_write_stores_the_references_fp8_bytes_saturating_and_keeping_nan(dtype) -> None:
+    from kvrail.kernels import kv_write
+
+    g = _gen(1)
+    key = _randn(9, 2, 64, g=g, scale=300.0)  # beyond e4m3's 448 in places
+    value = _randn(9, 2, 64, g=g, scale=3.0)
+    key[0, 0, 0], key[1, 1, 5], value[2, 0, 7] = 1e5, -1e5, float("nan")
+    slots = torch.tensor([3, 17, -1, 0, 40, 41, 42, 5, 63], dtype=torch.int64, device="cuda")
+    _, k_cache, v_cache = _caches(16, 4, 2, 64, dtype, g)
+    ek, ev = k_cache.clone(), v_cache.clone()
+    kv_write.write_kv(key, value, k_cache, v_cache, slots)
+    reference.write_kv(key, value, ek, ev, slots)
+    assert torch.equal(_bytes(k_cache), _bytes(ek))
+    assert torch.equal(_bytes(v_cache), _bytes(ev))
+    assert k_cache.float().abs().max() == torch.finfo(dtype).max  # saturated, not inf or NaN
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
+    from kvrail.kernels import rotary_kv
+
+    g = _gen(2)
+    num_tokens, d = 7, 64
+    q, k, v = (
+        _randn(num_tokens, 4, d, g=g),
+        _randn(num_tokens, 2, d, g=g, scale=200.0),
+        _randn(num_tokens, 2, d, g=g),
+    )
+    positions = torch.tensor([0, 5, 9, 100, 3, 2, 1], device="cuda")
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(256).float(), inv)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).cuda()
+    sin = torch.cat((angles.sin(), angles.sin()), -1).cuda()
+    slots = torch.tensor([0, 1, 2, -1, 30, 31, 12], dtype=torch.int64, device="cuda")
+    _, k_cache, v_cache = _caches(8, 4, 2, d, dtype, g)
+    ek, ev = k_cache.clone(), v_cache.clone()
+    qr, kr = rotary_kv.rotary_write_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slots)
+    eq, ekr = reference.rotary_write_kv(positions, q, k, v, cos, sin, ek.clone(), ev.clone(), slots)
+    # the rotation is bf16 arithmetic (not bit-exact across the two); what is stored must be
+    # exactly the reference's rounding of the kernel's own rotated k, and of v
+    torch.testing.assert_close(qr, eq, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(kr, ekr, atol=2e-2 * 200, rtol=2e-2)
+    reference.write_kv(kr, v, ek, ev, slots)
+    assert torch.equal(_bytes(k_cache), _bytes(ek))
+    assert torch.equal(_bytes(v_cache), _bytes(ev))
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_splits) -> None:
+    from kvrail.kernels import decode_attention
+
+    g = _gen(3)
+    seq_lens = [1, 17, 200, 64, 129]
+    _, k_cache, v_cache = _caches(128, 16, 2, 128, dtype, g)
+    tables = _tables(seq_lens, 16, 128, g)
+    query = _randn(len(seq_lens), 8, 128, g=g)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    args = (query, k_cache, v_cache, tables, lens, 128**-0.5)
+    got = decode_attention.paged_decode_attention(*args, num_splits=num_splits)
+    torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
+def test_prefill_attention_over_an_fp8_cache_matches_the_reference(dtype) -> None:
+    from kvrail.kernels import prefill_attention
+
+    g = _gen(4)
+    seq_lens, q_lens = [40, 100, 9], [8, 70, 9]
+    _, k_cache, v_cache = _caches(64, 16, 2, 128, dtype, g)
+    tables = _tables(seq_lens, 16, 64, g)
+    query = _randn(sum(q_lens), 8, 128, g=g)
+    starts = torch.tensor([0, 8, 78, 87], dtype=torch.int32, device="cuda")
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
+    args = (query, k_cache, v_cache, tables, starts, lens, 128**-0.5)
+    got = prefill_attention.paged_prefill_attention(*args)
+    torch.testing.assert_close(got, reference.paged_prefill_attention(*args), atol=2e-2, rtol=2e-2)
+
+
+def test_block_copies_move_fp8_blocks_unchanged() -> None:
+    from kvrail.kernels import block_copy
+
+    g = _gen(5)
+    region, _, _ = _caches(20, 4, 2, 64, torch.float8_e4m3fn, g)
+    ids = torch.tensor([3, 7, 1], device="cuda")
+    packed = block_copy.gather_blocks(region, ids)
+    assert torch.equal(_bytes(packed), _bytes(region[ids]))
+    other = torch.zeros_like(region)
+    block_copy.scatter_blocks(packed, other, torch.tensor([0, 5, 9], device="cuda"))
+    assert torch.equal(_bytes(other[5]), _bytes(region[7]))
+    dst = torch.zeros_like(region)
+    block_copy.copy_blocks(region, dst, ids, torch.tensor([2, 4, 6], device="cuda"))
+    assert torch.equal(_bytes(dst[6]), _bytes(region[1]))
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_activation_quantization_matches_the_reference(static: bool) -> None:
+    from kvrail.kernels import fp8_gemm
+
+    g = _gen(6)
+    x = _randn(37, 4096 + 16, g=g, scale=4.0)
+    x[3] = 0.0  # an all-zero row: scale at its floor, values 0
+    scale = torch.tensor(0.05, device="cuda") if static else None
+    xq, scales = fp8_gemm.quantize_rows(x, scale)
+    xf = x.float()
+    expected_scale = (
+        scale.expand(37) if scale is not None else (xf.abs().amax(-1) / 448.0).clamp(min=1e-12)
+    )
+    torch.testing.assert_close(scales, expected_scale.float(), rtol=1e-6, atol=0)
+    expected = reference.to_cache_dtype(xf / expected_scale[:, None], torch.float8_e4m3fn)
+    # the kernel's float32 division may round a value across an e4m3 rounding boundary
+    mismatched = (_bytes(xq) != _bytes(expected)).float().mean().item()
+    assert mismatched < 1e-3
+    torch.testing.assert_close(xq.float(), expected.float(), atol=0, rtol=0.07)
+
+
+def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    weight = torch.randn(n, k, generator=g) * 0.02
+    values, scales = reference.quantize_fp8_rows(weight)
+    return values.cuda(), scales.cuda()
+
+
+@pytest.mark.parametrize(("m", "n", "k"), [(64, 6144, 4096), (300, 4096, 4096), (33, 512, 1024)])
+def test_fp8_gemm_matches_the_reference_that_quantizes_alike(m: int, n: int, k: int) -> None:
+    from kvrail.kernels import fp8_gemm
+
+    g = _gen(m)
+    x = _randn(m, k, g=g)
+    weight, scale = _fp8_weight(n, k, g)
+    got = fp8_gemm.fp8_linear(x, weight, scale, None)
+    expected = reference.fp8_linear(x, weight, scale, None)
+    assert got.dtype == BF16 and got.shape == (m, n)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-2)
+
+
+def test_fp8_gemm_takes_a_static_input_scale_and_refuses_other_dtypes() -> None:
+    from kvrail.kernels import fp8_gemm
+
+    g = _gen(7)
+    x = _randn(48, 512, g=g)
+    weight, scale = _fp8_weight(256, 512, g)
+    static = torch.tensor(0.01, device="cuda")
+    got = fp8_gemm.fp8_linear(x, weight, scale, None, static)
+    expected = reference.fp8_linear(x, weight, scale, None, static)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-3, rtol=2e-2)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        fp8_gemm.fp8_linear(x.half(), weight, scale, None)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fp8_gemm.fp8_linear(x[:, :500], weight[:, :500], scale, None)
+
+
+def _tile_quantized_product(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block_k: int
+) -> torch.Tensor:
+    """What the skinny kernel's e4m3 mode computes, in float32: x quantized to e4m3 per row and
+    K tile of `block_k` columns (a scale per row and tile), each tile's product scaled."""
+    out = torch.zeros(x.shape[0], weight.shape[0], device=x.device)
+    for k0 in range(0, x.shape[1], block_k):
+        xt = x[:, k0 : k0 + block_k].float()
+        xs = (xt.abs().amax(1, keepdim=True) / 448.0).clamp(min=1e-12)
+        xq = reference.to_cache_dtype(xt / xs, torch.float8_e4m3fn).float()
+        out += (xq @ weight[:, k0 : k0 + block_k].float().T) * xs
+    return out * scale
+
+
+@pytest.mark.parametrize("fp8_dot", ["e4m3", "float16", "x"])
+@pytest.mark.parametrize("m", [1, 7, 32])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (200, 336)])
+def test_skinny_fp8_weights_match_the_product_they_stand_for(
+    m: int, n: int, k: int, fp8_dot: str
+) -> None:
+    """e4m3: against the same tile-wise quantization of x in float32; float16 and x's dtype:
+    against x times the dequantized weight."""
+    import dataclasses
+
+    from kvrail.kernels import skinny_gemm
+
+    g = _gen(m + n)
+    x = _randn(m, k, g=g)
+    weight, scale = _fp8_weight(n, k, g)
+    config = dataclasses.replace(skinny_gemm.pick_config(m, n, k, 1), fp8_dot=fp8_dot)
+    got = skinny_gemm.linear(x, weight, None, config, scale).float()
+    if fp8_dot == "e4m3":
+        expected = _tile_quantized_product(x, weight, scale, config.block_k)
+    else:
+        expected = x.float() @ (weight.float() * scale[:, None]).T
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=2e-2)
+    exact = x.float() @ (weight.float() * scale[:, None]).T
+    assert float((got - exact).norm() / exact.norm()) < (0.05 if fp8_dot == "e4m3" else 0.01)
+
+
+@pytest.mark.parametrize("m", [1, 32])
+def test_skinny_fp8_gated_equals_the_projection_then_silu_and_mul(m: int) -> None:
+    from kvrail.kernels import silu_and_mul, skinny_gemm
+
+    g = _gen(8)
+    x = _randn(m, 4096, g=g)
+    weight, scale = _fp8_weight(2 * 1024, 4096, g)
+    fused = skinny_gemm.gated_linear(x, weight, weight_scale=scale)
+    unfused = silu_and_mul.silu_and_mul(skinny_gemm.linear(x, weight, weight_scale=scale))
+    assert torch.equal(fused, unfused)
+    with pytest.raises(ValueError, match="weight_scale"):
+        skinny_gemm.linear(x, weight)
+    bad = skinny_gemm.SkinnyConfig(64, 256, 1, 4, 3, fp8_dot="int8")
+    with pytest.raises(ValueError, match="fp8_dot"):
+        skinny_gemm.linear(x, weight, None, bad, scale)
+
+
+def test_dispatch_sends_decode_rows_to_the_skinny_kernel_and_prefill_rows_to_the_fp8_gemm() -> None:
+    from kvrail.kernels import fp8_gemm, skinny_gemm
+
+    g = _gen(9)
+    weight, scale = _fp8_weight(1024, 2048, g)
+    for m, expected in (
+        (8, lambda x: skinny_gemm.linear(x, weight, weight_scale=scale)),
+        (200, lambda x: fp8_gemm.fp8_linear(x, weight, scale, None)),
+    ):
+        x = _randn(m, 2048, g=g)
+        assert torch.equal(dispatch.linear(x, weight, None, scale), expected(x))
+
+
+def test_an_fp8_engine_replays_its_cuda_graphs_like_its_eager_steps() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from kvrail.sampling import SamplingParams
+    from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
+    from kvrail.worker.models.llama import LlamaForCausalLM
+    from kvrail.worker.testing import assert_engine_empty, make_engine_config, tiny_llama_config
+
+    hf = tiny_llama_config(hidden_size=64, intermediate_size=128, vocab_size=128)
+    torch.manual_seed(5)
+    state = AutoModelForCausalLM.from_config(hf).state_dict()
+
+    def run(graphs: bool) -> list[list[int]]:
+        model = LlamaForCausalLM.build(hf, state, dtype=BF16, device="cuda", quantization="fp8")
+        config = make_engine_config(
+            enable_cuda_graphs=graphs, max_num_seqs=20, kv_dtype="float8_e4m3fn", max_model_len=256
+        )
+        engine = LLMEngine(model, config, make_fingerprint(model, config, "w", "t"))
+        prompts = [list(range(5, 5 + n)) for n in (3, 40, 9, 30, 1)]
+        out = engine.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert_engine_empty(engine)
+        assert engine.fingerprint.quantization == "fp8"
+        return out
+
+    assert run(graphs=True) == run(graphs=False)
