@@ -86,10 +86,12 @@ def _fp8_linear(
     gated: bool,
 ) -> torch.Tensor:
     """An e4m3 weight's projection (and with `gated`, SiLU * up of its halves). Decode-sized
-    batches on a GPU with PDL take the skinny kernel, which reads the weight in FP8 and keeps x
-    in its dtype (weight-only FP8: the weight's bytes are the step's cost, x is a few rows);
-    other CUDA batches quantize x per token and run an FP8 GEMM (`kvrail.kernels.fp8_gemm`);
-    a CPU runs the float32 reference, which quantizes x like the FP8 GEMM."""
+    batches on a GPU with PDL take the skinny kernel, which quantizes x to e4m3 itself, per row
+    and 128-column K tile (a finer scale than per token, and finer than a checkpoint's static
+    `input_scale`, which it does not use), and multiplies on the FP8 tensor cores; other CUDA
+    batches quantize x per token (or with the static scale) and run cuBLASLt's FP8 GEMM
+    (`kvrail.kernels.fp8_gemm`); a CPU runs the float32 reference, which quantizes x like the
+    FP8 GEMM."""
     if weight_scale is None:
         raise ValueError("an FP8 weight needs its weight_scale")
     skinny = _skinny(x)

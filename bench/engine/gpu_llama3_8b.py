@@ -18,6 +18,12 @@ same-run baseline; each row gives both runs. (3) and (4) also split the wall clo
 the last request got its first token: the prefill phase (every prompt computed, with the
 decodes of requests already started) and the decode phase after it.
 
+With `--quantization fp8` and/or `--kv-dtype float8_e4m3fn` the engine measured runs FP8
+weights (quantized at load, a scale per row) and/or an FP8 KV cache; `--baseline bf16` makes the
+same-run baseline the bf16 engine (unquantized weights, bf16 cache) over the same weights, and
+the correctness part then prints, for the FP8 engine against the bf16 one, the logit error of a
+prefill step and of a decode step and the first greedy divergence per prompt.
+
 With `--baseline no-pdl` the same-run baseline is instead a second engine whose kernels launch
 without programmatic dependent launch (KVRAIL_PDL=0: cuBLAS for every projection and no overlap
 between kernels; kvrail.kernels.launch), both with async scheduling. With `--baseline
@@ -26,9 +32,10 @@ against the one `--max-batched-tokens` sets (default 8,192) for the first.
 
 Run on the H200:
   .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
-Flags: --baseline {sync,no-pdl,budget-8192}, --max-batched-tokens, --skip-transformers,
---skip-correctness, --kv-gib (KV pool size), --no-cuda-graphs, --smoke (a tiny config on CPU
-with short runs: checks this script end to end without a GPU).
+Flags: --baseline {sync,no-pdl,budget-8192,bf16}, --quantization, --kv-dtype,
+--max-batched-tokens, --skip-transformers, --skip-correctness, --correctness-only, --kv-gib (KV
+pool size), --no-cuda-graphs, --smoke (a tiny config on CPU with short runs: checks this script
+end to end without a GPU).
 """
 
 from __future__ import annotations
@@ -99,13 +106,31 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return torch.randint(3, high, (n, length), generator=g).tolist()
 
 
-def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides: Any) -> Any:
-    from kvrail.worker.engine.config import EngineConfig
+QUANTIZATION = "none"  # the measured engine's weights and KV dtype (--quantization, --kv-dtype)
+KV_DTYPE = "auto"
+
+
+def build_engine(
+    hf: Any,
+    config: Any,
+    kv_gib: float,
+    graphs: bool,
+    quantization: str | None = None,
+    dequantized: bool = False,
+    **overrides: Any,
+) -> Any:
+    """A kvrail engine over `hf`'s weights; `quantization` and the `kv_dtype` override default
+    to the measured engine's (QUANTIZATION, KV_DTYPE). With `dequantized` the decoder's
+    projection weights are first rounded as FP8 quantization rounds them (a scale per row) and
+    kept in the model's dtype: what FP8 weights compute, without FP8 kernels or activations."""
+    from kvrail.worker.engine.config import EngineConfig, kv_cache_dtype
     from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
     from kvrail.worker.kv_cache import KVCache
     from kvrail.worker.models.llama import LlamaForCausalLM
 
     dtype = next(hf.parameters()).dtype
+    quantization = quantization or QUANTIZATION
+    overrides.setdefault("kv_dtype", KV_DTYPE)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -113,7 +138,19 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
-    model.load_weights(hf.state_dict())
+    if quantization == "fp8":  # as LlamaForCausalLM.build does, on the GPU (the weights are)
+        for module in model.projections():
+            module.to_fp8_()
+    state = hf.state_dict()
+    if dequantized:
+        from kvrail.kernels.reference import quantize_fp8_rows
+
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        for key, value in list(state.items()):
+            if key.endswith(".weight") and key.split(".")[-2] in projections:
+                values, scales = quantize_fp8_rows(value)
+                state[key] = (values.float() * scales[:, None]).to(value.dtype)
+    model.load_weights(state)
     shape = model.shape
     num_blocks = KVCache.num_blocks_for_bytes(
         int(kv_gib * 2**30),
@@ -121,7 +158,7 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
         16,
         shape.num_kv_heads,
         shape.head_dim,
-        dtype,
+        kv_cache_dtype(overrides["kv_dtype"], dtype, DEVICE),
     )
     values: dict[str, Any] = {
         "num_blocks": num_blocks,
@@ -134,6 +171,10 @@ def build_engine(hf: Any, config: Any, kv_gib: float, graphs: bool, **overrides:
     values.update(overrides)
     engine_config = EngineConfig(**values)
     fingerprint = make_fingerprint(model, engine_config, "random-llama3-8b", "none")
+    print(
+        f"# engine: weights {fingerprint.quantization}, KV {fingerprint.kv_dtype}, "
+        f"{num_blocks} blocks"
+    )
     return LLMEngine(model, engine_config, fingerprint, eos_token_id=None)
 
 
@@ -190,6 +231,32 @@ def _no_pdl() -> Any:
         os.environ.pop("KVRAIL_PDL", None)
 
 
+def step_logits(engine: Any, prompt: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 logits of `prompt`'s prefill step (its last position) and of the decode step
+    after it, fed the bf16-greedy-independent token 11 so both engines decode the same input."""
+    from kvrail.sampling import SamplingParams
+
+    scheduler, runner = engine.scheduler, engine.runner
+    request_id = f"logits-{time.perf_counter()}"
+    engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))
+    out = scheduler.schedule()
+    prefill, _ = runner.execute(out)
+    scheduler.update_from_output(out, {request_id: 11})
+    out = scheduler.schedule()
+    decode, _ = runner.execute(out)
+    scheduler.update_from_output(out, {request_id: 12})
+    assert not engine.has_unfinished_requests()
+    return prefill[0].float(), decode[0].float()
+
+
+def logit_error(ours: torch.Tensor, base: torch.Tensor) -> str:
+    rel = float((ours - base).norm() / base.norm())
+    top = int(ours.argmax()) == int(base.argmax())
+    return (
+        f"relative L2 {rel:.4f}, max abs {float((ours - base).abs().max()):.4f}, top-1 equal {top}"
+    )
+
+
 def first_divergence(a: list[int], b: list[int]) -> str:
     for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
@@ -204,10 +271,16 @@ def main() -> int:
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--baseline", choices=("sync", "no-pdl", "budget-8192"), default="sync")
+    parser.add_argument(
+        "--baseline", choices=("sync", "no-pdl", "budget-8192", "bf16"), default="sync"
+    )
+    parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
+    parser.add_argument("--kv-dtype", default="auto", help="the measured engine's KV dtype")
+    parser.add_argument("--correctness-only", action="store_true", help="stop before timing")
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="step token budget")
     args = parser.parse_args()
-    global DEVICE
+    global DEVICE, QUANTIZATION, KV_DTYPE
+    QUANTIZATION, KV_DTYPE = args.quantization, args.kv_dtype
     if args.smoke:
         DEVICE = "cpu"
         LLAMA3_8B.update(SMOKE)
@@ -239,7 +312,40 @@ def main() -> int:
     budget = {"max_num_batched_tokens": args.max_batched_tokens}
     engine = warmed(build_engine(hf, config, args.kv_gib, graphs, **budget))
 
-    if not args.skip_correctness:
+    bf16_engine = None
+    if args.baseline == "bf16":
+        bf16_engine = warmed(
+            build_engine(hf, config, args.kv_gib, graphs, "none", kv_dtype="auto", **budget)
+        )
+    if not args.skip_correctness and bf16_engine is not None:
+        # the bf16 engine over FP8-rounded weights separates what the rounding of the weights
+        # changes (rounded vs bf16) from what the FP8 kernels, activations and cache add
+        rounded = build_engine(
+            hf, config, 4.0, graphs, "none", dequantized=True, kv_dtype="auto", **budget
+        )
+        for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
+            ours = step_logits(engine, prompt)
+            base = step_logits(bf16_engine, prompt)
+            same_weights = step_logits(rounded, prompt)
+            for j, step in enumerate(("prefill", "decode")):
+                print(
+                    f"logits prompt={i} len={len(prompt)} {step:7s} fp8 vs bf16: "
+                    f"{logit_error(ours[j], base[j])}; fp8 vs rounded weights in bf16: "
+                    f"{logit_error(ours[j], same_weights[j])}; rounded vs bf16: "
+                    f"{logit_error(same_weights[j], base[j])}"
+                )
+            params = SamplingParams(max_tokens=64, ignore_eos=True)
+            tokens = [e.generate([prompt], params)[0] for e in (engine, bf16_engine, rounded)]
+            print(
+                f"correctness prompt={i} len={len(prompt)} first divergence: fp8 vs bf16 "
+                f"{first_divergence(tokens[0], tokens[1])}, fp8 vs rounded weights in bf16 "
+                f"{first_divergence(tokens[0], tokens[2])}, rounded vs bf16 "
+                f"{first_divergence(tokens[2], tokens[1])}"
+            )
+        del rounded
+        gc.collect()
+        torch.cuda.empty_cache()
+    elif not args.skip_correctness:
         # Each engine sees the same prompts in the same order, so the same prefix-cache hits.
         eager = build_engine(hf, config, 8.0, graphs=False, **budget)
         synchronous = build_engine(hf, config, 8.0, graphs, **budget)
@@ -261,6 +367,8 @@ def main() -> int:
         gc.collect()
         torch.cuda.empty_cache()
 
+    if args.correctness_only:
+        return 0
     print("benchmark                     impl          value")
     if args.baseline == "sync":
         modes = {"kvrail": True, "kvrail sync": False}
@@ -270,6 +378,9 @@ def main() -> int:
         with _no_pdl():
             baseline = warmed(build_engine(hf, config, args.kv_gib, graphs, **budget))
         engines = {"kvrail": engine, "kvrail no-PDL": baseline}
+    elif args.baseline == "bf16":
+        modes = {"kvrail": True, "kvrail bf16": True}
+        engines = {"kvrail": engine, "kvrail bf16": bf16_engine}
     else:
         modes = {"kvrail": True, "kvrail b8192": True}
         baseline = warmed(
