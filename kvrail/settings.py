@@ -76,10 +76,14 @@ class Settings(BaseModel):
     served_model_name: str | None = None
     dtype: DType | Literal["auto"] = "auto"
     kv_dtype: KvDType = Field(
-        "auto", description="KV cache dtype (auto: dtype's); FP8 or another float on CPU only"
+        "auto",
+        description="KV cache dtype (auto: dtype's); FP8 also on GPUs of compute capability "
+        "8.9+, another float on CPU only",
     )
     quantization: WeightQuantization = Field(
-        "auto", description="weights: auto (the checkpoint's), none or fp8 (CPU only for now)"
+        "auto",
+        description="weights: auto (the checkpoint's), none or fp8 (on CPU, and with bfloat16 "
+        "on GPUs of compute capability 8.9+)",
     )
     block_size: int = Field(16, ge=1, le=1024)
     max_model_len: int | None = Field(None, ge=16)
