@@ -2,6 +2,7 @@
 
     python3 -P bench/engine/profile_gpu.py [--layers 32] [--batches 1 32] [--prefill]
                                            [--max-batched-tokens N]
+                                           [--quantization fp8] [--kv-dtype float8_e4m3fn]
 
 Builds the Llama-3-8B-shaped engine of gpu_llama3_8b.py (random bf16 weights), then for decode
 batches of 1 and 32 (or --batches): wall time per step, GPU time per step (CUDA events around
@@ -34,7 +35,10 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prefill", action="store_true", help="profile prefills, not decode steps")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--quantization", choices=("none", "fp8"), default="none")
+    p.add_argument("--kv-dtype", default="auto", help="e.g. float8_e4m3fn")
     args = p.parse_args()
+    base.QUANTIZATION, base.KV_DTYPE = args.quantization, args.kv_dtype
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
