@@ -21,10 +21,8 @@ import triton
 import triton.language as tl
 
 from kvrail.kernels.kv_write import to_cache
-from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
+from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, FP8_WEIGHT_DTYPE
 
-_FP8_MAX = float(torch.finfo(FP8_WEIGHT_DTYPE).max)
-_MIN_SCALE = 1e-12
 _BLOCK = 1024
 
 
@@ -84,8 +82,8 @@ def quantize_rows(
             x.stride(0),
             out.stride(0),
             STATIC=input_scale is not None,
-            FP8_MAX=_FP8_MAX,
-            MIN_SCALE=_MIN_SCALE,
+            FP8_MAX=FP8_MAX,
+            MIN_SCALE=FP8_MIN_SCALE,
             BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
         )
     return out, scales

@@ -48,15 +48,15 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8_WEIGHT_DTYPE).max  # 448
-_MIN_SCALE = 1e-12  # an all-zero row or token: its values stay 0
+FP8_MAX = float(torch.finfo(FP8_WEIGHT_DTYPE).max)  # 448
+FP8_MIN_SCALE = 1e-12  # an all-zero row or token: its values stay 0
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight [out, in] as e4m3 values with one float32 scale per row [out]: the row's
     largest magnitude over 448, so that the row's largest value maps to the format's largest."""
     wf = weight.float()
-    scale = (wf.abs().amax(dim=1) / _FP8_MAX).clamp(min=_MIN_SCALE)
+    scale = (wf.abs().amax(dim=1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     return to_cache_dtype(wf / scale[:, None], FP8_WEIGHT_DTYPE), scale
 
 
@@ -73,7 +73,7 @@ def fp8_linear(
     are multiplied and summed in float32, scaled, cast back to x's dtype, and the bias added."""
     xf = x.float()
     if input_scale is None:
-        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / _FP8_MAX).clamp(min=_MIN_SCALE)
+        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
     else:
         x_scale = input_scale.float().reshape(())
     xq = to_cache_dtype(xf / x_scale, FP8_WEIGHT_DTYPE)

@@ -299,8 +299,9 @@ def linear(
     weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T + bias[N] -> [M, N] in x's dtype; M at most `MAX_ROWS`. An
-    e4m3 weight comes with its float32 `weight_scale` [N] (one per row): x stays in its dtype
-    and the product is (x @ weight.T) * weight_scale + bias."""
+    e4m3 weight comes with its float32 `weight_scale` [N] (one per row), and the product is
+    (x @ weight.T) * weight_scale + bias with x multiplied as `config.fp8_dot` says (by default
+    quantized to e4m3 per row and K tile)."""
     return _launch(x, weight, bias, config, weight_scale, gated=False)
 
 

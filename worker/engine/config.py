@@ -8,6 +8,7 @@ from typing import Final
 import torch
 
 from kvrail.errors import ConfigError
+from kvrail.kernels.reference import FP8_DTYPES
 from kvrail.worker.models.quant import check_fp8_device
 
 DTYPES: Final = {
@@ -37,7 +38,7 @@ def kv_cache_dtype(kv_dtype: str, model_dtype: torch.dtype, device_type: str) ->
         raise ConfigError(f"kv_dtype {kv_dtype!r} is not auto or one of {sorted(DTYPES)}")
     dtype = DTYPES[kv_dtype]
     if device_type == "cuda" and dtype != model_dtype:
-        if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if dtype not in FP8_DTYPES:
             raise ConfigError(
                 f"kv_dtype {kv_dtype} with {dtype_name(model_dtype)} weights on CUDA: kvrail's "
                 "CUDA kernels read a KV cache in the weights' dtype or in FP8 (float8_e4m3fn, "
