@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import random
@@ -97,6 +98,8 @@ async def serve(settings: Settings) -> None:
         request_timeout_s=settings.request_timeout_s, defaults=defaults,
         allow_special_tokens=settings.allow_special_tokens_in_prompts,
     )  # fmt: skip
+    gc.collect()  # what was loaded stays: out of the collector's sight (see the worker's main)
+    gc.freeze()
     port = settings.http_port or DEFAULT_PORT
     server = uvicorn.Server(
         uvicorn.Config(

@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -124,6 +125,11 @@ class Worker:
     async def run(self) -> None:
         settings = self.settings
         built = await asyncio.to_thread(build_engine, settings, self.agent_name)
+        # The model, the KV pool's block objects and the modules stay for the process's life: out
+        # of the collector's sight, a full collection no longer walks them. Unfrozen, one took
+        # 0.57 s with SmolLM2 and 8,000 blocks on the development VM, a stall of every stream.
+        gc.collect()
+        gc.freeze()
         try:
             await self._run(built)
         finally:

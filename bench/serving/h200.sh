@@ -5,6 +5,7 @@
 # kernels bench/engine | tar -x -C .old`). Usage, from the repository root:
 #   bash bench/serving/h200.sh service-step   # EngineService at 32/128/256 running, old and new
 #   bash bench/serving/h200.sh serving        # bench/serving/run.py, Llama-3-8B shape
+#   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 set -uo pipefail
 source hack/device-env.sh || exit 1
@@ -25,6 +26,26 @@ case "${1:?what to run}" in
     python3 -P bench/serving/run.py --device cuda --shape llama3-8b --concurrency 1,32,256 --routers 4 \
       --steps 48 --work /tmp/serving --out "$OUT/serving_h200.json" 2>&1 | tee "$OUT/serving_h200.log" | tail -n 40
     cp /tmp/serving/logs/worker-0.0.log "$OUT/" 2>/dev/null || true
+    ;;
+  serving-ab)  # the stack of build/old (`git archive REV kvrail operator worker router kernels
+    # agent cli local testing | tar -x -C build/old`) then this tree's, on one random model
+    source bench/sweep/device-setup.sh || exit 1
+    rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
+    for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
+    for d in operator worker router kernels agent cli local testing; do
+      ln -s "$PWD/build/old/$d" "/tmp/view-old/kvrail/$d"
+    done
+    args=(--device cuda --shape llama3-8b --routers 4 --steps "${STEPS:-100}")
+    PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/serving/run.py "${args[@]}" \
+      --concurrency "${OLD_CONCURRENCY:-32,256}" --modes stack --work /tmp/s-old \
+      --out "$OUT/serving_before.json" > "$OUT/serving_before.log" 2>&1
+    tail -n 3 "$OUT/serving_before.log"
+    mkdir -p /tmp/s-new && ln -sfn /tmp/s-old/model-llama3-8b /tmp/s-new/model-llama3-8b
+    python3 -P bench/serving/run.py "${args[@]}" --concurrency "${NEW_CONCURRENCY:-1,32,256}" \
+      --work /tmp/s-new --out "$OUT/serving_after.json" > "$OUT/serving_after.log" 2>&1
+    tail -n 4 "$OUT/serving_after.log"
+    cp /tmp/s-old/logs/worker-0.0.log "$OUT/worker_before.log" 2>/dev/null || true
+    cp /tmp/s-new/logs/worker-0.0.log "$OUT/worker_after.log" 2>/dev/null || true
     ;;
   profile)  # the stack alone at 256 streams, long enough to sample 8 s of its window
     source bench/sweep/device-setup.sh || exit 1

@@ -281,6 +281,7 @@ async def stack_tokens_per_s(
         "ttft_p50_ms": 1000 * statistics.median(s.chunks[0] - s.sent for s in streams),
         "ttft_p99_ms": 1000 * _pct([s.chunks[0] - s.sent for s in streams], 0.99),
         "chunk_gap_p50_ms": 1000 * _pct(gaps, 0.5), "chunk_gap_p99_ms": 1000 * _pct(gaps, 0.99),
+        "chunk_gap_max_ms": 1000 * max(gaps, default=0.0),
         "cpu_us_per_token": cpu,
     }  # fmt: skip
 
