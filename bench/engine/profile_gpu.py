@@ -3,6 +3,7 @@
     python3 -P bench/engine/profile_gpu.py [--layers 32] [--batches 1 32] [--prefill]
                                            [--max-batched-tokens N]
                                            [--quantization fp8] [--kv-dtype float8_e4m3fn]
+                                           [--mixed 0 1 3]
 
 Builds the Llama-3-8B-shaped engine of gpu_llama3_8b.py (random bf16 weights), then for decode
 batches of 1 and 32 (or --batches): wall time per step, GPU time per step (CUDA events around
@@ -35,6 +36,9 @@ def main() -> int:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--prefill", action="store_true", help="profile prefills, not decode steps")
     p.add_argument("--max-batched-tokens", type=int, default=8192)
+    p.add_argument("--mixed", type=int, nargs="*", metavar="PROMPTS_PER_STEP",
+                   help="profile mixed steps: 64 decodes plus this many new 600-token prompts "
+                   "per step (e.g. --mixed 0 1 3; 0: decode only)")  # fmt: skip
     p.add_argument("--quantization", choices=("none", "fp8"), default="none")
     p.add_argument("--kv-dtype", default="auto", help="e.g. float8_e4m3fn")
     args = p.parse_args()
@@ -70,6 +74,8 @@ def main() -> int:
 
     if args.prefill:
         return _profile_prefills(engine)
+    if args.mixed is not None:
+        return _profile_mixed(engine, args.mixed)
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -127,6 +133,47 @@ def _profile_prefills(engine) -> int:  # type: ignore[no-untyped-def]
         print(
             events.table(sort_by="self_device_time_total", row_limit=22, max_name_column_width=60)
         )
+    return 0
+
+
+def _profile_mixed(engine, per_step: list[int]) -> int:  # type: ignore[no-untyped-def]
+    """A colocated worker's steps under chat load: 64 running decodes, and each step `k` new
+    600-token prompts prefilled in the same step (the eager mixed path when k > 0)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    decode = SamplingParams(max_tokens=4000, ignore_eos=True)
+    first = SamplingParams(max_tokens=2, ignore_eos=True)
+    running = [engine.add_request(f"d{i}", pr, decode) for i, pr in
+               enumerate(base.prompts(64, 600, 11))]  # fmt: skip
+    while not all(r.num_output_tokens for r in running):
+        engine.step()
+    seed = [100]
+
+    def steps(k: int, n: int) -> None:
+        for _ in range(n):
+            seed[0] += 1
+            for j, pr in enumerate(base.prompts(k, 600, seed[0])):
+                engine.add_request(f"m{seed[0]}-{j}", pr, first)
+            engine.step()
+
+    for k in per_step:
+        steps(k, 5)  # warm-up: compiles, allocator
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        steps(k, 20)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / 20
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            steps(k, 10)
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        gpu_total = sum(e.self_device_time_total for e in events) / 10 / 1e3
+        print(f"\n=== 64 decodes + {k} x 600-token prompts per step: wall {wall * 1e3:.2f} "
+              f"ms/step, GPU busy {gpu_total:.2f} ms/step")  # fmt: skip
+        print(
+            events.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60)
+        )
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
     return 0
 
 

@@ -65,7 +65,7 @@ def rows(result: dict[str, Any], sweep: str) -> list[dict[str, Any]]:
                 continue
             s = p["summary"]
             out.append({
-                "setup": setup["setup"], "rate": p["point"]["rate"],
+                "setup": setup["setup"], "rate": float(p["point"]["rate"]),  # "inf": a burst
                 "arrival": s["arrival_rate_per_s"], "done": s["num_completed"],
                 "errors": s["num_errors"], "req_s": s["requests_per_s"],
                 "tok_s": s["output_tokens_per_s"], "ttft": s["ttft_s"], "itl": s["itl_s"],
