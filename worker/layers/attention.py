@@ -4,8 +4,9 @@ The caller has already written every token's K and V into its slot (fused with r
 `kvrail.kernels.dispatch.rotary_write_kv`). Decode queries attend over their paged context with
 the split-K decode kernel. Prefill chunks that start at position 0 (no cached prefix, no earlier
 chunk: the common long-prompt case) run causal `scaled_dot_product_attention` on their own
-q/k/v, batched over runs of equal-length chunks (flash attention on Hopper); chunks after a
-paged prefix run the paged prefill kernel, which skips the others. Kernels come from
+q/k/v, batched over runs of equal-length chunks (on CUDA flash attention below 4,096 tokens and
+cuDNN's from there: see `_CUDNN_MIN_LEN`); chunks after a paged prefix run the paged prefill
+kernel, which skips the others. Kernels come from
 `kvrail.kernels.dispatch` (Triton on CUDA, torch references on CPU).
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import functional
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrail.kernels import dispatch
 
@@ -61,6 +63,16 @@ def fresh_runs(query_lens: list[int], num_computed: list[int]) -> tuple[tuple[in
     return tuple(runs)
 
 
+# Torch's first choice on Hopper, cuDNN's fused attention, builds a plan for every new shape: 62-82
+# ms on the H200 for each prompt length it has not seen, a stall of the whole step (every running
+# decode waits), where flash attention has no setup (0.4-0.5 ms a call). Serving sees a new length
+# with nearly every prompt, so shorter sequences never take cuDNN. From 4,096 tokens on, cuDNN is
+# faster (8,192: 0.95 against 1.76 ms a layer) and its setup a fraction of the prefill's own time.
+# bench/engine/sdpa_shapes.txt has the figures.
+_CUDNN_MIN_LEN = 4096
+_NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
 def causal_self_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float
 ) -> torch.Tensor:
@@ -71,9 +83,16 @@ def causal_self_attention(
     qs = q.view(num_seqs, length, num_heads, head_dim).transpose(1, 2)
     ks = k.reshape(num_seqs, length, k.shape[1], head_dim).transpose(1, 2)
     vs = v.reshape(num_seqs, length, v.shape[1], head_dim).transpose(1, 2)
-    out = functional.scaled_dot_product_attention(
-        qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != num_heads
-    )
+    gqa = ks.shape[1] != num_heads
+    if length >= _CUDNN_MIN_LEN or q.device.type != "cuda":
+        out = functional.scaled_dot_product_attention(
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    else:
+        with sdpa_kernel(list(_NO_CUDNN)):
+            out = functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            )
     return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 
