@@ -1,0 +1,88 @@
+"""The decode role's per-request stream (`_Stream`): the order of its events and what the first
+one carries. Its outbox is a list here: the events' way onto NATS (one batch per router per step)
+is the integration tests' (`tests/integration/test_worker_disaggregated.py`, `test_faults.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from kvrail.messages import GenerateRequest, TokenEvent
+from kvrail.sampling import SamplingParams
+from kvrail.worker.roles.decode import _Stream
+from kvrail.worker.service import Update
+
+
+class ListOutbox:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, TokenEvent]] = []
+
+    def add(self, subject: str, event: TokenEvent) -> None:
+        self.events.append((subject, event))
+
+
+def _stream(loop: asyncio.AbstractEventLoop) -> tuple[_Stream, ListOutbox]:
+    request = GenerateRequest("r-1", (1, 2, 3), "_INBOX.r1", 2e9, SamplingParams(max_tokens=4))
+    outbox = ListOutbox()
+    stream = _Stream(outbox, request, "decode-0", loop.create_future())  # type: ignore[arg-type]
+    return stream, outbox
+
+
+def _tokens(outbox: ListOutbox) -> list[tuple[int, tuple[int, ...], Any]]:
+    return [(e.seq, e.token_ids, e.finish_reason or e.error) for _, e in outbox.events]
+
+
+async def test_updates_before_start_are_held_then_published_in_order() -> None:
+    stream, outbox = _stream(asyncio.get_running_loop())
+    stream.mode = "remote"
+    stream.on_update(Update("r-1", (7,), num_cached_tokens=0))
+    stream.on_update(Update("r-1", (8,)))
+    assert outbox.events == []  # the task has not set the first event's fields yet
+    stream.num_cached_tokens = 16  # as after a remote prefill's install
+    stream.start()
+    stream.on_update(Update("r-1", (9,), finished=True, finish_reason="length"))
+    assert _tokens(outbox) == [(0, (7,), None), (1, (8,), None), (2, (9,), "length")]
+    first = outbox.events[0][1]
+    assert (first.prefill_mode, first.num_cached_tokens, first.worker_id) == (
+        "remote",
+        16,
+        "decode-0",
+    )
+    assert first.stages is not None
+    assert all(subject == "_INBOX.r1" for subject, _ in outbox.events)
+    assert outbox.events[1][1].stages is None and outbox.events[1][1].prefill_mode == ""
+    assert stream.done.done() and stream.done.result() is None
+
+
+async def test_a_local_prefill_times_its_compute_from_submit_to_the_first_update() -> None:
+    stream, outbox = _stream(asyncio.get_running_loop())
+    stream.mode = "local"
+    stream.submitted = 100.0
+    stream.first_update_at = 100.25  # the first update came before the task started the stream
+    stream.held = [Update("r-1", (7,), num_cached_tokens=32)]
+    stream.start()
+    first = outbox.events[0][1]
+    assert first.stages is not None and first.stages.prefill_compute_s == pytest.approx(0.25)
+    assert first.num_cached_tokens == 32
+
+
+async def test_nothing_follows_a_failure_and_a_failure_ends_the_stream_once() -> None:
+    stream, outbox = _stream(asyncio.get_running_loop())
+    stream.start()
+    stream.on_update(Update("r-1", (7,)))
+    stream.fail("cancelled")
+    stream.on_update(Update("r-1", (8,)))  # a step that raced with the abort
+    stream.fail("internal_error")
+    assert _tokens(outbox) == [(0, (7,), None), (1, (), "cancelled")]
+    assert stream.done.done()
+
+
+async def test_an_error_update_is_the_last_event() -> None:
+    stream, outbox = _stream(asyncio.get_running_loop())
+    stream.start()
+    stream.on_update(Update("r-1", (), error="deadline"))
+    stream.on_update(Update("r-1", (5,)))
+    assert _tokens(outbox) == [(0, (), "deadline")]
+    assert stream.done.done()
