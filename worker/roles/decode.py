@@ -90,7 +90,6 @@ class _Stream:
         except Exception as err:  # a bug: the request's task fails with it, the others go on
             if not self.done.done():
                 self.done.set_exception(err)
-            raise
 
     def _first_token(self, update: Update) -> None:
         if self.submitted is not None and self.first_update_at is not None:
@@ -233,9 +232,14 @@ class DecodeRole:
         except (KeyError, RuntimeError) as err:  # the service stopped, or a reservation vanished
             log.warning("request failed request_id=%s error=%s", request.request_id, err)
             stream.fail("internal_error")
+        except Exception:  # a bug (logged with the task): the client still gets an end
+            with contextlib.suppress(Exception):
+                stream.fail("internal_error")
+            raise
         except asyncio.CancelledError:
             # Cancelled by the client, or by a drain that ran out of time.
-            stream.fail("shutting_down" if self._draining else "cancelled")
+            with contextlib.suppress(Exception):  # the cancellation is what goes on
+                stream.fail("shutting_down" if self._draining else "cancelled")
             raise
         finally:
             if not self.receiver.is_quarantined(engine_id):

@@ -86,3 +86,15 @@ async def test_an_error_update_is_the_last_event() -> None:
     stream.on_update(Update("r-1", (5,)))
     assert _tokens(outbox) == [(0, (), "deadline")]
     assert stream.done.done()
+
+
+async def test_a_failing_publish_fails_only_its_own_request() -> None:
+    stream, outbox = _stream(asyncio.get_running_loop())
+    stream.start()
+
+    def broken(subject: str, event: TokenEvent) -> None:
+        raise ValueError("a bug")
+
+    outbox.add = broken  # type: ignore[method-assign]
+    stream.on_update(Update("r-1", (7,)))  # the service's callback returns: other requests go on
+    assert stream.done.done() and isinstance(stream.done.exception(), ValueError)
