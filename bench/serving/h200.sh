@@ -10,12 +10,17 @@
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
+old_view() {  # /tmp/view-old: the kvrail.* import view of the tree in $1, its component folders after
+  local src="$PWD/$1"
+  shift
+  rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
+  for f in "$src"/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
+  for d in "$@"; do ln -s "$src/$d" "/tmp/view-old/kvrail/$d"; done
+}
 case "${1:?what to run}" in
   service-step)
     if [ -d .old ]; then  # the old tree, through a view of its own layout
-      rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
-      for f in "$PWD"/.old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
-      for d in operator worker router kernels; do ln -s "$PWD/.old/$d" /tmp/view-old/kvrail/$d; done
+      old_view .old operator worker router kernels
       (cd .old && PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/engine/gpu_service_step.py \
          --sizes 32,128,256) | tee "$OUT/service_step_before.txt"
     fi
@@ -30,11 +35,7 @@ case "${1:?what to run}" in
   serving-ab)  # the stack of build/old (`git archive REV kvrail operator worker router kernels
     # agent cli local testing | tar -x -C build/old`) then this tree's, on one random model
     source bench/sweep/device-setup.sh || exit 1
-    rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
-    for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
-    for d in operator worker router kernels agent cli local testing; do
-      ln -s "$PWD/build/old/$d" "/tmp/view-old/kvrail/$d"
-    done
+    old_view build/old operator worker router kernels agent cli local testing
     args=(--device cuda --shape llama3-8b --routers 4 --steps "${STEPS:-100}")
     PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/serving/run.py "${args[@]}" \
       --concurrency "${OLD_CONCURRENCY:-32,256}" --modes stack --work /tmp/s-old \

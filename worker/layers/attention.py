@@ -12,6 +12,7 @@ kernel, which skips the others. Kernels come from
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -83,16 +84,11 @@ def causal_self_attention(
     qs = q.view(num_seqs, length, num_heads, head_dim).transpose(1, 2)
     ks = k.reshape(num_seqs, length, k.shape[1], head_dim).transpose(1, 2)
     vs = v.reshape(num_seqs, length, v.shape[1], head_dim).transpose(1, 2)
-    gqa = ks.shape[1] != num_heads
-    if length >= _CUDNN_MIN_LEN or q.device.type != "cuda":
+    short = q.device.type == "cuda" and length < _CUDNN_MIN_LEN
+    with sdpa_kernel(list(_NO_CUDNN)) if short else contextlib.nullcontext():
         out = functional.scaled_dot_product_attention(
-            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
+            qs, ks, vs, is_causal=True, scale=scale, enable_gqa=ks.shape[1] != num_heads
         )
-    else:
-        with sdpa_kernel(list(_NO_CUDNN)):
-            out = functional.scaled_dot_product_attention(
-                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa
-            )
     return out.transpose(1, 2).reshape(total, num_heads, head_dim)
 
 

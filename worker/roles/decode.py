@@ -51,7 +51,6 @@ class _Stream:
     outbox: TokenOutbox
     request: GenerateRequest
     worker_id: str
-    done: asyncio.Future[None]
     mode: PrefillMode = ""
     stages: StageTimes = field(default_factory=StageTimes)
     num_cached_tokens: int = 0
@@ -62,6 +61,9 @@ class _Stream:
     first_update_at: float | None = None
     held: list[Update] | None = field(default_factory=list)
     """Updates that came before `start` (None once started)."""
+    done: asyncio.Future[None] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
     def on_update(self, update: Update) -> None:
         if self.first_update_at is None:
@@ -171,8 +173,7 @@ class DecodeRole:
         except MessageError as err:
             log.warning("dropping an invalid generate request error=%s", err)
             return
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        stream = _Stream(self.outbox, request, self.worker_id, done)
+        stream = _Stream(self.outbox, request, self.worker_id)
         if request.request_id in self._cancelled:  # the cancel overtook the request
             log.info("request cancelled before it arrived request_id=%s", request.request_id)
             stream.fail("cancelled")

@@ -4,7 +4,6 @@ is the integration tests' (`tests/integration/test_worker_disaggregated.py`, `te
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pytest
@@ -23,10 +22,10 @@ class ListOutbox:
         self.events.append((subject, event))
 
 
-def _stream(loop: asyncio.AbstractEventLoop) -> tuple[_Stream, ListOutbox]:
+def _stream() -> tuple[_Stream, ListOutbox]:
     request = GenerateRequest("r-1", (1, 2, 3), "_INBOX.r1", 2e9, SamplingParams(max_tokens=4))
     outbox = ListOutbox()
-    stream = _Stream(outbox, request, "decode-0", loop.create_future())  # type: ignore[arg-type]
+    stream = _Stream(outbox, request, "decode-0")  # type: ignore[arg-type]
     return stream, outbox
 
 
@@ -35,7 +34,7 @@ def _tokens(outbox: ListOutbox) -> list[tuple[int, tuple[int, ...], Any]]:
 
 
 async def test_updates_before_start_are_held_then_published_in_order() -> None:
-    stream, outbox = _stream(asyncio.get_running_loop())
+    stream, outbox = _stream()
     stream.mode = "remote"
     stream.on_update(Update("r-1", (7,), num_cached_tokens=0))
     stream.on_update(Update("r-1", (8,)))
@@ -57,7 +56,7 @@ async def test_updates_before_start_are_held_then_published_in_order() -> None:
 
 
 async def test_a_local_prefill_times_its_compute_from_submit_to_the_first_update() -> None:
-    stream, outbox = _stream(asyncio.get_running_loop())
+    stream, outbox = _stream()
     stream.mode = "local"
     stream.submitted = 100.0
     stream.first_update_at = 100.25  # the first update came before the task started the stream
@@ -69,7 +68,7 @@ async def test_a_local_prefill_times_its_compute_from_submit_to_the_first_update
 
 
 async def test_nothing_follows_a_failure_and_a_failure_ends_the_stream_once() -> None:
-    stream, outbox = _stream(asyncio.get_running_loop())
+    stream, outbox = _stream()
     stream.start()
     stream.on_update(Update("r-1", (7,)))
     stream.fail("cancelled")
@@ -80,7 +79,7 @@ async def test_nothing_follows_a_failure_and_a_failure_ends_the_stream_once() ->
 
 
 async def test_an_error_update_is_the_last_event() -> None:
-    stream, outbox = _stream(asyncio.get_running_loop())
+    stream, outbox = _stream()
     stream.start()
     stream.on_update(Update("r-1", (), error="deadline"))
     stream.on_update(Update("r-1", (5,)))
@@ -89,7 +88,7 @@ async def test_an_error_update_is_the_last_event() -> None:
 
 
 async def test_a_failing_publish_fails_only_its_own_request() -> None:
-    stream, outbox = _stream(asyncio.get_running_loop())
+    stream, outbox = _stream()
     stream.start()
 
     def broken(subject: str, event: TokenEvent) -> None:
