@@ -203,6 +203,30 @@ def paged_prefill_attention(
     return out
 
 
+def tiled_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    short_tiles: torch.Tensor,
+    long_tiles: torch.Tensor,
+) -> torch.Tensor:
+    """Every chunk's rows as `paged_prefill_attention` computes them, over tile maps
+    (`kvrail.kernels.tile_map`) on CUDA; the reference computes every chunk and ignores them."""
+    if query.is_cuda:
+        out: torch.Tensor = _triton("prefill_attention").tiled_prefill_attention(
+            query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+            short_tiles, long_tiles,
+        )  # fmt: skip
+        return out
+    return reference.paged_prefill_attention(
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale
+    )
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     impl = _triton("block_copy") if kv_cache.is_cuda else reference
     out: torch.Tensor = impl.gather_blocks(kv_cache, block_ids)

@@ -5,6 +5,12 @@ queries' own KV, so a chunk after a cached prefix or after earlier chunks is the
 program per (BLOCK_M-query tile, sequence, query head), online softmax in float32, key tiles only
 up to the tile's last position. An FP8 cache is read as the decode kernel reads it
 (`kvrail.kernels.decode_attention.compute_dtype`).
+
+`tiled_prefill_attention` is the same kernel over a tile map (`kvrail.kernels.tile_map`): its grid
+is (KV head, map entry), not the step's chunk sizes, so one launch serves every step of a
+captured mixed CUDA graph, whatever its chunks. Decode tokens are one-token chunks there. A tile's
+rows are its tokens times the KV head's query heads, which share every K and V load; the two maps
+give short chunks (decodes among them) 16-row tiles and long ones 64-row tiles.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -17,11 +23,12 @@ import triton.language as tl
 
 from kvrail.kernels.decode_attention import check_paged_inputs, compute_dtype
 from kvrail.kernels.reference import FP8_DTYPES
+from kvrail.kernels.tile_map import LONG_BLOCK_M, SHORT_BLOCK_M, tile_rows
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
 # compiles another variant while serving (see kvrail.worker.engine.cuda_graph).
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_tm"])
 def _prefill_kernel(
     query,
     k_cache,
@@ -29,6 +36,7 @@ def _prefill_kernel(
     block_tables,
     query_start_loc,
     seq_lens,
+    tile_map,
     out,
     scale,
     stride_qt,
@@ -42,36 +50,58 @@ def _prefill_kernel(
     stride_vs,
     stride_vh,
     stride_bt,
+    stride_tm,
     block_size,
     group,
     head_dim,
+    tile_tokens,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
     SKIP_FRESH: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    TILE_MAP: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    s = tl.program_id(1)
-    hq = tl.program_id(2)
-    kvh = hq // group
+    m = tl.arange(0, BLOCK_M)
+    if TILE_MAP:
+        # (KV head, map entry): the map names the sequence (-1: none) and its tile; a tile's
+        # BLOCK_M rows are `tile_tokens` query tokens times the KV head's `group` query heads,
+        # which share every K and V load (a decode token fills `group` rows, not one of 16)
+        kvh = tl.program_id(0)
+        entry = tl.program_id(1)
+        s = tl.load(tile_map + entry)
+        if s < 0:
+            return
+        tile = tl.load(tile_map + stride_tm + entry)
+        tok = tile * tile_tokens + m // group
+        head = kvh * group + m % group
+        in_tile = m < tile_tokens * group
+    else:
+        tile = tl.program_id(0)
+        s = tl.program_id(1)
+        hq = tl.program_id(2)
+        kvh = hq // group
+        tok = tile * BLOCK_M + m
+        head = hq + m * 0
+        in_tile = m < BLOCK_M
     q_start = tl.load(query_start_loc + s)
     q_len = tl.load(query_start_loc + s + 1) - q_start
     seq_len = tl.load(seq_lens + s)
-    if tile * BLOCK_M >= q_len:
+    if tile * tile_tokens >= q_len:
         return
     if SKIP_FRESH and q_len == seq_len:
         return
-    m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < q_len
-    pos = seq_len - q_len + m
+    m_mask = in_tile & (tok < q_len)
+    pos = seq_len - q_len + tok
     d = tl.arange(0, D_PAD)
     d_mask = d < head_dim
-    rows = (q_start + m).to(tl.int64)
+    rows = (q_start + tok).to(tl.int64)
     q_mask = m_mask[:, None] & d_mask[None, :]
     q = tl.load(
-        query + rows[:, None] * stride_qt + hq * stride_qh + d[None, :], mask=q_mask, other=0.0
+        query + rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=q_mask,
+        other=0.0,
     )
     if not KV_FP8:
         q = q.to(k_cache.dtype.element_ty)
@@ -79,7 +109,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables + s.to(tl.int64) * stride_bt
-    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * BLOCK_M)
+    end = tl.minimum(seq_len, seq_len - q_len + (tile + 1) * tile_tokens)
     for start in range(0, end, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
         n_mask = n < seq_len
@@ -125,7 +155,7 @@ def _prefill_kernel(
         m_i = m_new
     result = acc / l_i[:, None]
     tl.store(
-        out + rows[:, None] * stride_ot + hq * stride_oh + d[None, :],
+        out + rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
         result.to(out.dtype.element_ty),
         mask=q_mask,
     )
@@ -153,8 +183,56 @@ def paged_prefill_attention(
         return out
     if max_query_len is None:
         max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
-    block_m = 64 if max_query_len >= 64 else 16
+    block_m = LONG_BLOCK_M if max_query_len >= LONG_BLOCK_M else SHORT_BLOCK_M
     grid = (triton.cdiv(max_query_len, block_m), num_seqs, query.shape[1])
+    _launch(grid, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, None, out,
+            scale, group, head_dim, block_m, block_m, skip_fresh)  # fmt: skip
+    return out
+
+
+def tiled_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    short_tiles: torch.Tensor,
+    long_tiles: torch.Tensor,
+) -> torch.Tensor:
+    """The rows of every tile in `short_tiles` and `long_tiles` ([2, n] int32, as
+    `kvrail.kernels.tile_map` fills them), as `paged_prefill_attention` computes them; rows no
+    tile covers (a captured graph's padding) are 0. No host synchronisation: the grids are the
+    maps' lengths."""
+    num_seqs = seq_lens.shape[0]
+    group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
+    out = torch.zeros_like(query)
+    for tiles, rows in zip((short_tiles, long_tiles), tile_rows(group), strict=True):
+        if tiles.shape[1]:
+            grid = (k_cache.shape[2], tiles.shape[1])
+            _launch(grid, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                    tiles, out, scale, group, head_dim, rows, rows // group, False)  # fmt: skip
+    return out
+
+
+def _launch(
+    grid: tuple[int, ...],
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    tiles: torch.Tensor | None,
+    out: torch.Tensor,
+    scale: float,
+    group: int,
+    head_dim: int,
+    block_m: int,
+    tile_tokens: int,
+    skip_fresh: bool,
+) -> None:
     _prefill_kernel[grid](
         query,
         k_cache,
@@ -162,6 +240,7 @@ def paged_prefill_attention(
         block_tables,
         query_start_loc,
         seq_lens,
+        seq_lens if tiles is None else tiles,  # not read without a map
         out,
         scale,
         query.stride(0),
@@ -175,14 +254,16 @@ def paged_prefill_attention(
         v_cache.stride(1),
         v_cache.stride(2),
         block_tables.stride(0),
+        0 if tiles is None else tiles.stride(0),
         k_cache.shape[1],
         group,
         head_dim,
+        tile_tokens,
         BLOCK_M=block_m,
         BLOCK_N=64 if head_dim <= 128 else 32,
         D_PAD=max(16, triton.next_power_of_2(head_dim)),
         SKIP_FRESH=skip_fresh,
         IEEE=compute_dtype(query, k_cache) == torch.float32,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
+        TILE_MAP=tiles is not None,
     )
-    return out

@@ -57,7 +57,9 @@ class EngineConfig:
     than it is computed over several steps. `max_model_len` bounds prompt + output tokens (0:
     the model's own limit, which the engine fills in; a request must also fit the KV pool, see
     `LLMEngine.max_request_tokens`).
-    `enable_cuda_graphs` replays captured graphs for decode-only steps (CUDA devices only).
+    `enable_cuda_graphs` replays captured graphs (CUDA devices only): for decode-only steps, and
+    for steps with prefill chunks of up to `max_mixed_graph_tokens` tokens in all (0: none; the
+    step budget bounds it too), see `kvrail.worker.engine.cuda_graph`.
     `zero_kv_on_release` zeroes every block whose last reference is dropped, at once (and keeps
     no finished request's blocks in the prefix cache).
     `max_num_mixed_prefill_tokens` (0: no limit of its own) bounds the prefill tokens of a step
@@ -78,6 +80,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_cuda_graphs: bool = True
+    max_mixed_graph_tokens: int = 1024
     zero_kv_on_release: bool = False
     async_scheduling: bool | None = None
     kv_dtype: str = "auto"
@@ -94,6 +97,10 @@ class EngineConfig:
         if self.num_blocks < 2:
             raise ConfigError(
                 f"engine num_blocks must be at least 2 (1 null), got {self.num_blocks}"
+            )
+        if self.max_mixed_graph_tokens < 0:
+            raise ConfigError(
+                f"engine max_mixed_graph_tokens must be >= 0, got {self.max_mixed_graph_tokens}"
             )
         if self.max_num_mixed_prefill_tokens < 0:
             raise ConfigError(

@@ -1,15 +1,25 @@
-"""CUDA graphs for decode-only steps.
+"""CUDA graphs for decode steps and for mixed (prefill, or prefill and decode) steps.
 
-A decode step of n requests replays the graph captured for the smallest captured batch size
->= n. Inputs live in static buffers; rows beyond n are padding that is harmless by construction:
-slot -1 (its KV is never written), context length 1 over the null block 0 (never allocated, so
-never written), position 0. Inputs are staged in pinned host buffers and copied without waiting
-for the device; two sets take turns, and a set is refilled only once the copies from it ran, so
-the engine can queue a replay while the previous one runs. Decodes whose token the previous step
-sampled take it from the device (`staging.feed_tokens`) after the copies. The decode kernel
-sizes its split-K grid from the table width, which is static per graph. The model's forward has
-no host synchronisation on CUDA (the Triton launchers only read shapes), which is what makes it
-capturable. Steps with prefill tokens, or more decodes than the largest graph, run eagerly.
+A decode step of n requests replays the decode graph captured for the smallest captured batch
+size >= n; a step with prefill tokens, T tokens in all (at most the engine's
+`max_mixed_graph_tokens`), replays the mixed graph of the smallest captured token count >= T.
+Eagerly, a step of 64 decodes and one 600-token prompt spent 35 ms on the H200 launching kernels
+that ran 17 ms, and every decode beside it waited; its graph costs the host a few copies and one
+launch.
+
+Inputs live in static buffers; padding is harmless by construction. Decode rows beyond n: slot
+-1 (its KV is never written), context length 1 over the null block 0 (never allocated, so never
+written), position 0. A mixed graph packs its decode tokens as one-token chunks before the
+prefill chunks and attends with the tiled paged kernel (`kvrail.kernels.tile_map`): its grid is
+fixed, and tile maps padded with -1 say which programs have work, so one graph serves any mix
+of chunks; tokens beyond T have slot -1 and no tile. Inputs are staged in pinned host buffers and
+copied without waiting for the device; two sets take turns, and a set is refilled only once the
+copies from it ran, so the engine can queue a replay while the previous one runs. Decodes whose
+token the previous step sampled take it from the device (`staging.feed_tokens`) after the copies.
+The decode kernel sizes its split-K grid from the table width, which is static per graph. The
+model's forward has no host synchronisation on CUDA (the Triton launchers only read shapes),
+which is what makes it capturable. Larger steps, and steps of more requests than
+`max_num_seqs`, run eagerly.
 
 Before capturing, `warm_eager_kernels` runs the eager forward once over each kind of step the
 graphs do not cover (a chunk after a cached prefix, fresh and prefixed chunks together, decodes
@@ -27,7 +37,9 @@ import time
 import numpy as np
 import torch
 
+from kvrail.kernels.tile_map import fill_tile_maps, tile_capacities
 from kvrail.worker.engine.staging import feed_tokens
+from kvrail.worker.engine.step_inputs import PreparedInputs
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata
 from kvrail.worker.models.llama import LlamaForCausalLM
@@ -42,13 +54,28 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return [*sizes, max_num_seqs]
 
 
-class DecodeGraphs:
+def mixed_token_sizes(max_tokens: int) -> list[int]:
+    """16, 32, 64, 128, 256, then multiples of 256, up to `max_tokens` (always included); none
+    for 0. Larger steps keep the GPU busy longer than the host takes to launch them eagerly (2,048
+    tokens of an 8B model: about 40 ms), and run eagerly, with SDPA for fresh chunks."""
+    if max_tokens == 0:
+        return []
+    top = max_tokens
+    sizes = [s for s in (16, 32, 64, 128) if s < top]
+    sizes += list(range(256, top, 256))
+    return [*sizes, top]
+
+
+class StepGraphs:
+    """The decode graphs and the mixed graphs of one model and KV cache, in one memory pool."""
+
     def __init__(
         self,
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         max_num_seqs: int,
         max_blocks_per_seq: int,
+        max_mixed_tokens: int,
     ) -> None:
         device = kv_cache.tensor.device
         if device.type != "cuda":
@@ -56,63 +83,99 @@ class DecodeGraphs:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
-        n = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.token_sizes = mixed_token_sizes(max_mixed_tokens)
+        self.max_num_seqs = max_num_seqs
+        self.group = model.layout.num_local_heads // model.layout.num_local_kv_heads
+        tokens = max(max_num_seqs, max_mixed_tokens)
+        self.short_capacity, self.long_capacity = tile_capacities(
+            max_mixed_tokens, max_num_seqs, self.group
+        )
+        self.inputs = _Inputs(tokens, max_num_seqs, max_blocks_per_seq,
+                              self.short_capacity + self.long_capacity, device)  # fmt: skip
         self._no_prefill = (
             torch.zeros((0, 1), dtype=torch.int32, device=device),
             torch.zeros(1, dtype=torch.int32, device=device),
             torch.zeros(0, dtype=torch.int32, device=device),
         )
-        self._staging = (_Staging(n, max_blocks_per_seq), _Staging(n, max_blocks_per_seq))
-        self._turn = 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self._no_decode = (
+            torch.zeros((0, 1), dtype=torch.int32, device=device),
+            torch.zeros(0, dtype=torch.int32, device=device),
+        )
+        self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def max_batch_size(self) -> int:
         return self.batch_sizes[-1]
 
-    def _metadata(self, bs: int) -> AttentionMetadata:
-        tables, start_loc, lens = self._no_prefill
+    @property
+    def max_mixed_tokens(self) -> int:
+        return self.token_sizes[-1] if self.token_sizes else 0
+
+    def _tiles(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The short and long tile maps of the mixed graph of `num_tokens` (views)."""
+        short, long = tile_capacities(num_tokens, self.max_num_seqs, self.group)
+        tiles = self.inputs.tiles
+        return tiles[:, :short], tiles[:, self.short_capacity : self.short_capacity + long]
+
+    def _metadata(self, kind: str, size: int) -> AttentionMetadata:
+        ins = self.inputs
+        if kind == "decode":
+            tables, start_loc, lens = self._no_prefill
+            return AttentionMetadata(
+                slot_mapping=ins.slot_mapping[:size],
+                num_decode_tokens=size,
+                decode_block_tables=ins.block_tables[:size],
+                decode_seq_lens=ins.seq_lens[:size],
+                prefill_block_tables=tables,
+                prefill_query_start_loc=start_loc,
+                prefill_seq_lens=lens,
+                prefill_max_query_len=0,
+            )
+        decode_tables, decode_lens = self._no_decode
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bs],
-            num_decode_tokens=bs,
-            decode_block_tables=self.block_tables[:bs],
-            decode_seq_lens=self.seq_lens[:bs],
-            prefill_block_tables=tables,
-            prefill_query_start_loc=start_loc,
-            prefill_seq_lens=lens,
-            prefill_max_query_len=0,
+            slot_mapping=ins.slot_mapping[:size],
+            num_decode_tokens=0,
+            decode_block_tables=decode_tables,
+            decode_seq_lens=decode_lens,
+            prefill_block_tables=ins.block_tables,
+            prefill_query_start_loc=ins.query_start_loc,
+            prefill_seq_lens=ins.seq_lens,
+            prefill_max_query_len=size,
+            prefill_has_prefix=True,
+            prefill_tiles=self._tiles(size),
         )
 
-    def _forward(self, bs: int) -> torch.Tensor:
+    def _forward(self, kind: str, size: int) -> torch.Tensor:
+        ins = self.inputs
         hidden: torch.Tensor = self.model(
-            self.input_ids[:bs], self.positions[:bs], self._metadata(bs), self.kv_cache
+            ins.input_ids[:size], ins.positions[:size], self._metadata(kind, size), self.kv_cache
         )
         return hidden
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every batch size, largest first so smaller graphs reuse its memory pool."""
-        max_blocks = self.block_tables.shape[1]
+        """Capture every graph, largest first so the smaller ones reuse its memory pool."""
+        max_blocks = self.inputs.block_tables.shape[1]
         warm_eager_kernels(self.model, self.kv_cache, self.max_batch_size, max_blocks)
+        started = time.perf_counter()
         pool = None
-        for bs in reversed(self.batch_sizes):
-            self._forward(bs)  # warm-up: compiles the kernels for this shape
+        keys = [("mixed", t) for t in reversed(self.token_sizes)]
+        keys += [("decode", b) for b in reversed(self.batch_sizes)]
+        for key in keys:
+            self._forward(*key)  # warm-up: compiles the kernels for this shape
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[bs] = self._forward(bs)
+                self.outputs[key] = self._forward(*key)
             pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info(
-            "decode graphs captured batch_sizes=%d max=%d", len(self.graphs), self.max_batch_size
-        )
+            "cuda graphs captured decode=%d max_batch=%d mixed=%d max_tokens=%d seconds=%.1f",
+            len(self.batch_sizes), self.max_batch_size, len(self.token_sizes),
+            self.max_mixed_tokens, time.perf_counter() - started,
+        )  # fmt: skip
 
     def run(
         self,
@@ -123,51 +186,146 @@ class DecodeGraphs:
         seq_lens: np.ndarray,
         fed: tuple[np.ndarray, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Queue a replay for n = len(input_ids) <= max_batch_size decodes; returns hidden
+        """Queue a decode replay for n = len(input_ids) <= max_batch_size decodes; returns hidden
         [n, H]. The inputs are host arrays as `model_runner.prepare_decode` makes them
         (block_tables [n, width]); `fed` = (rows, sampled) as `staging.feed_tokens` takes them."""
         n = len(input_ids)
         bs = next(s for s in self.batch_sizes if s >= n)
-        width = block_tables.shape[1]
+        staging = self.inputs.stage()
+        staging.fill_tokens(n, bs, input_ids, positions, slot_mapping)
+        staging.fill_sequences(n, bs, seq_lens, [block_tables])
+        self.inputs.copy(staging, bs, bs, block_tables.shape[1], with_tiles=False)
+        return self._replay(("decode", bs), n, fed)
+
+    def run_mixed(
+        self,
+        decode: PreparedInputs,
+        prefill: PreparedInputs,
+        fed: tuple[np.ndarray, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Queue a mixed replay for the decode tokens, then the prefill chunks, T tokens in all
+        (<= max_mixed_tokens) of at most max_num_seqs requests; returns hidden [T, H]."""
+        nd, n = decode.num_tokens, decode.num_tokens + prefill.num_tokens
+        size = next(t for t in self.token_sizes if t >= n)
+        num_seqs = nd + len(prefill.seq_lens)
+        staging = self.inputs.stage()
+        staging.fill_tokens(
+            n, size,
+            np.concatenate((decode.input_ids, prefill.input_ids)),
+            np.concatenate((decode.positions, prefill.positions)),
+            np.concatenate((decode.slot_mapping, prefill.slot_mapping)),
+        )  # fmt: skip
+        tables = [decode.block_tables, prefill.block_tables] if nd else [prefill.block_tables]
+        staging.fill_sequences(
+            num_seqs, num_seqs, np.concatenate((decode.seq_lens, prefill.seq_lens)), tables
+        )
+        start_loc = staging.start_loc.numpy()
+        start_loc[: nd + 1] = np.arange(nd + 1)
+        start_loc[nd + 1 : num_seqs + 1] = nd + prefill.query_start_loc[1:]
+        short, long = self._tiles(size)
+        host_tiles = staging.tiles.numpy()
+        fill_tile_maps(
+            np.diff(start_loc[: num_seqs + 1]),
+            host_tiles[:, : short.shape[1]],
+            host_tiles[:, self.short_capacity : self.short_capacity + long.shape[1]],
+            self.group,
+        )
+        width = max(t.shape[1] for t in tables)
+        self.inputs.copy(staging, size, num_seqs, width, with_tiles=True)
+        return self._replay(("mixed", size), n, fed)
+
+    def _replay(
+        self, key: tuple[str, int], n: int, fed: tuple[np.ndarray, torch.Tensor] | None
+    ) -> torch.Tensor:
+        if fed is not None:
+            feed_tokens(self.inputs.input_ids, *fed)
+        self.graphs[key].replay()
+        return self.outputs[key][:n]
+
+
+class _Inputs:
+    """The graphs' static device buffers and two sets of pinned staging buffers, in turn."""
+
+    def __init__(
+        self, tokens: int, seqs: int, max_blocks: int, tiles: int, device: torch.device
+    ) -> None:
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(seqs, max_blocks, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
+        self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device=device)
+        self._staging = tuple(_Staging(tokens, seqs, max_blocks, tiles) for _ in range(2))
+        self._turn = 0
+
+    def stage(self) -> _Staging:
+        """The next staging set, once the copies out of it (two replays ago) have run."""
         staging = self._staging[self._turn]
         self._turn ^= 1
-        staging.copied.synchronize()  # the copies out of this set, two replays ago, have run
-        host = staging.ids.numpy()
-        host[0, :n] = input_ids
-        host[1, :n] = positions
-        host[2, :n] = slot_mapping
-        host[2, n:bs] = -1  # padding rows: never write KV
-        lens = staging.lens.numpy()
-        lens[:n] = seq_lens
-        lens[n:bs] = 1
-        tables = staging.tables[: bs * width].view(bs, width)
-        table_rows = tables.numpy()
-        table_rows[:n] = block_tables
-        table_rows[n:] = 0
-        self.input_ids[:bs].copy_(staging.ids[0, :bs], non_blocking=True)
-        self.positions[:bs].copy_(staging.ids[1, :bs], non_blocking=True)
-        self.slot_mapping[:bs].copy_(staging.ids[2, :bs], non_blocking=True)
-        self.seq_lens[:bs].copy_(staging.lens[:bs], non_blocking=True)
-        self.block_tables[:bs, :width].copy_(tables, non_blocking=True)
+        staging.copied.synchronize()
+        return staging
+
+    def copy(self, staging: _Staging, tokens: int, seqs: int, width: int, with_tiles: bool) -> None:
+        """Queue the copies of `staging`'s first `tokens` tokens and `seqs` sequences (tables
+        `width` wide), and the query starts and tile maps for a mixed graph."""
+        self.input_ids[:tokens].copy_(staging.ids[0, :tokens], non_blocking=True)
+        self.positions[:tokens].copy_(staging.ids[1, :tokens], non_blocking=True)
+        self.slot_mapping[:tokens].copy_(staging.ids[2, :tokens], non_blocking=True)
+        self.seq_lens[:seqs].copy_(staging.lens[:seqs], non_blocking=True)
+        tables = staging.tables[: seqs * width].view(seqs, width)
+        self.block_tables[:seqs, :width].copy_(tables, non_blocking=True)
+        if with_tiles:
+            self.query_start_loc[: seqs + 1].copy_(staging.start_loc[: seqs + 1],
+                                                   non_blocking=True)  # fmt: skip
+            self.tiles.copy_(staging.tiles, non_blocking=True)
         staging.copied.record()
-        if fed is not None:
-            feed_tokens(self.input_ids, *fed)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
 
 
 class _Staging:
     """Pinned host buffers for one replay's inputs, and an event recorded after their copies."""
 
-    def __init__(self, max_batch_size: int, max_blocks_per_seq: int) -> None:
-        n = max_batch_size
-        self.ids = torch.zeros(3, n, dtype=torch.int64, device="cpu", pin_memory=True)
-        self.lens = torch.ones(n, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.tables = torch.zeros(
-            n * max_blocks_per_seq, dtype=torch.int32, device="cpu", pin_memory=True
-        )
+    def __init__(self, tokens: int, seqs: int, max_blocks: int, tiles: int) -> None:
+        self.ids = torch.zeros(3, tokens, dtype=torch.int64, device="cpu", pin_memory=True)
+        self.lens = torch.ones(seqs, dtype=torch.int32, device="cpu", pin_memory=True)
+        self.tables = torch.zeros(seqs * max_blocks, dtype=torch.int32, device="cpu",
+                                  pin_memory=True)  # fmt: skip
+        self.start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device="cpu", pin_memory=True)
+        self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device="cpu", pin_memory=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
+
+    def fill_tokens(
+        self,
+        n: int,
+        padded: int,
+        input_ids: np.ndarray,
+        positions: np.ndarray,
+        slot_mapping: np.ndarray,
+    ) -> None:
+        """Tokens 0..n-1, then padding up to `padded` that writes no KV."""
+        host = self.ids.numpy()
+        host[0, :n] = input_ids
+        host[1, :n] = positions
+        host[2, :n] = slot_mapping
+        host[:, n:padded] = 0
+        host[2, n:padded] = -1
+
+    def fill_sequences(
+        self, n: int, padded: int, seq_lens: np.ndarray, block_tables: list[np.ndarray]
+    ) -> None:
+        """Sequences 0..n-1 (their tables stacked from `block_tables`, padded with the null
+        block to the widest), then padding up to `padded`: length 1 over the null block."""
+        width = max(t.shape[1] for t in block_tables)
+        lens = self.lens.numpy()
+        lens[:n] = seq_lens
+        lens[n:padded] = 1
+        rows = self.tables[: padded * width].numpy().reshape(padded, width)
+        rows[:] = 0
+        row = 0
+        for table in block_tables:
+            rows[row : row + table.shape[0], : table.shape[1]] = table
+            row += table.shape[0]
 
 
 @torch.inference_mode()

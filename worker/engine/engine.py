@@ -42,7 +42,7 @@ from kvrail.model_files import ModelSource
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
-from kvrail.worker.engine.cuda_graph import DecodeGraphs
+from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request
@@ -165,9 +165,11 @@ class LLMEngine:
         graphs = None
         if self.device.type == "cuda" and config.enable_cuda_graphs:
             max_blocks = -(-config.max_model_len // config.block_size)
-            graphs = DecodeGraphs(model, self.kv_cache, config.max_num_seqs, max_blocks)
+            mixed = min(config.max_mixed_graph_tokens, config.max_num_batched_tokens)
+            capture = CaptureGraphs(config.max_num_seqs, max_blocks, mixed)
+            graphs = StepGraphs(model, self.kv_cache, *capture.sizes)
             if peers is not None:  # the graphs hold collectives: every rank captures together
-                peers.send(CaptureGraphs(config.max_num_seqs, max_blocks))
+                peers.send(capture)
             graphs.capture()
         self.runner = ModelRunner(model, self.kv_cache, self.device, graphs, peers)
         self.sampler = Sampler(eos_token_id)

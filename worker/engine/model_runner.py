@@ -23,17 +23,20 @@ from itertools import chain
 import numpy as np
 import torch
 
-from kvrail.worker.engine.cuda_graph import DecodeGraphs
+from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.rank_commands import RankPeers
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvrail.worker.engine.staging import feed_tokens, to_device
-from kvrail.worker.engine.step_inputs import PreparedInputs, StepInputs
+from kvrail.worker.engine.step_inputs import GraphKind, PreparedInputs, StepInputs
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.layers.attention import AttentionMetadata, fresh_runs
 from kvrail.worker.models.llama import LlamaForCausalLM
 
-__all__ = ["ModelRunner", "PreparedInputs", "SampledOnDevice", "StepInputs", "prepare_step"]
+__all__ = [
+    "GraphLimits", "ModelRunner", "PreparedInputs", "SampledOnDevice", "StepInputs",
+    "choose_graph", "prepare_step",
+]  # fmt: skip
 
 
 def _prepare(items: Sequence[ScheduledRequest], block_size: int) -> PreparedInputs:
@@ -95,18 +98,25 @@ def device_fed_rows(
     return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
 
 
+GraphLimits = tuple[int, int, int]
+"""(largest decode graph's batch, largest mixed graph's tokens, most requests in a mixed graph);
+0 where there is none."""
+
+
 def prepare_step(
     out: SchedulerOutput,
     block_size: int,
     previous: SampledOnDevice | None,
-    max_graph_batch_size: int,
+    graphs: GraphLimits = (0, 0, 0),
 ) -> tuple[StepInputs, list[Request]]:
     """A scheduled step's inputs (host arrays) and the requests its sampled rows belong to, in
-    row order. `max_graph_batch_size`: the largest captured decode graph (0: none)."""
+    row order. `graphs`: the largest captured decode batch, mixed step (tokens) and number of
+    requests in a mixed step (0: none); see `choose_graph`."""
     dec = prepare_decode(out.decodes, block_size)
     fed = device_fed_rows(out.decodes, previous)
-    use_graph = not out.prefills and 0 < len(out.decodes) <= max_graph_batch_size
-    pre = prepare_prefill([] if use_graph else out.prefills, block_size)
+    pre = prepare_prefill(out.prefills, block_size)
+    graph = choose_graph(len(out.decodes), len(out.prefills), dec.num_tokens + pre.num_tokens,
+                         graphs)  # fmt: skip
     rows: list[int] = []
     requests: list[Request] = []
     for i, item in enumerate(out.decodes):
@@ -128,9 +138,22 @@ def prepare_step(
             [s.num_computed_tokens for s in out.prefills],
         ),
         prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
-        use_graph=use_graph,
+        graph=graph,
     )  # fmt: skip
     return step, requests
+
+
+def choose_graph(
+    num_decodes: int, num_prefills: int, num_tokens: int, limits: GraphLimits
+) -> GraphKind:
+    """The captured graph a step replays: "decode" for decodes only, up to the largest decode
+    graph; "mixed" for a step with prefill chunks that fits the largest mixed graph; else ""
+    (eager)."""
+    max_batch, max_tokens, max_seqs = limits
+    if not num_prefills:
+        return "decode" if 0 < num_decodes <= max_batch else ""
+    fits = num_tokens <= max_tokens and num_decodes + num_prefills <= max_seqs
+    return "mixed" if fits else ""
 
 
 class ModelRunner:
@@ -142,7 +165,7 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_cache: KVCache,
         device: torch.device,
-        decode_graphs: DecodeGraphs | None = None,
+        graphs: StepGraphs | None = None,
         peers: RankPeers | None = None,
     ) -> None:
         self.model = model
@@ -150,10 +173,15 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = kv_cache.block_size
         self.device = device
-        self.decode_graphs = decode_graphs
+        self.graphs = graphs
         self.peers = peers
         if self.group.size > 1 and self.group.is_first and peers is None:
             raise ValueError("rank 0 of a tensor-parallel group needs its peers")
+
+    @property
+    def graph_limits(self) -> GraphLimits:
+        g = self.graphs
+        return (g.max_batch_size, g.max_mixed_tokens, g.max_num_seqs) if g else (0, 0, 0)
 
     def _tensor(self, values: np.ndarray) -> torch.Tensor:
         return to_device(values, self.device)
@@ -164,10 +192,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, list[Request]]:
         """Queue one step (rank 0). Returns logits [n, vocab] and the n requests that sample a
         token. `previous`: the tokens of the step before, for the decodes fed from the device."""
-        graphs = self.decode_graphs
-        step, requests = prepare_step(
-            out, self.block_size, previous, graphs.max_batch_size if graphs is not None else 0
-        )
+        step, requests = prepare_step(out, self.block_size, previous, self.graph_limits)
         if self.peers is not None:
             self.peers.send(step)
         logits = self.run(step, previous.tokens if previous is not None else None)
@@ -181,12 +206,16 @@ class ModelRunner:
         others (their vocabulary shards went to rank 0)."""
         dec, pre = step.decode, step.prefill
         fed = step.fed
-        if step.use_graph:
-            assert self.decode_graphs is not None, "rank 0 decided on a graph this rank lacks"
-            hidden = self.decode_graphs.run(
+        feed = (fed, sampled) if sampled is not None else None
+        graphs = self.graphs
+        assert graphs is not None or not step.graph, "rank 0 decided on a graph this rank lacks"
+        if step.graph == "decode" and graphs is not None:
+            hidden = graphs.run(
                 dec.input_ids, dec.positions, dec.slot_mapping, dec.block_tables, dec.seq_lens,
-                (fed, sampled) if sampled is not None else None,
+                feed,
             )  # fmt: skip
+        elif step.graph == "mixed" and graphs is not None:
+            hidden = graphs.run_mixed(dec, pre, feed)
         else:
             metadata = AttentionMetadata(
                 slot_mapping=self._tensor(np.concatenate((dec.slot_mapping, pre.slot_mapping))),

@@ -26,10 +26,16 @@ class ZeroBlocks:
 
 @dataclass(frozen=True, slots=True)
 class CaptureGraphs:
-    """Capture the decode CUDA graphs (`cuda_graph.DecodeGraphs`) with these sizes, now."""
+    """Capture the CUDA graphs (`cuda_graph.StepGraphs`) with these sizes, now."""
 
     max_num_seqs: int
     max_blocks_per_seq: int
+    max_mixed_tokens: int
+
+    @property
+    def sizes(self) -> tuple[int, int, int]:
+        """`StepGraphs`' size arguments."""
+        return self.max_num_seqs, self.max_blocks_per_seq, self.max_mixed_tokens
 
 
 @dataclass(frozen=True, slots=True)

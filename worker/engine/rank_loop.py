@@ -5,7 +5,7 @@ collectives, then this rank's vocabulary shard of the logits goes to rank 0), an
 takes part in the broadcast of the sampled tokens, which it keeps on its device to feed the
 next step's decodes (async scheduling: the next step may arrive before this one has run on the
 device; device work is ordered, so it reads them once they exist). `ZeroBlocks` zeroes blocks of
-this rank's KV shard; `CaptureGraphs` captures the decode graphs together with rank 0.
+this rank's KV shard; `CaptureGraphs` captures the CUDA graphs together with rank 0.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kvrail.worker.engine.cuda_graph import DecodeGraphs
+from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankCommand, Stop, ZeroBlocks
 from kvrail.worker.engine.staging import to_device
@@ -44,11 +44,9 @@ def serve(next_command: Callable[[], RankCommand], runner: ModelRunner) -> int:
             index = to_device(np.asarray(command.block_ids, dtype=np.int64), runner.device)
             runner.kv_cache.zero_blocks(index)
         elif isinstance(command, CaptureGraphs):
-            graphs = DecodeGraphs(
-                runner.model, runner.kv_cache, command.max_num_seqs, command.max_blocks_per_seq
-            )
+            graphs = StepGraphs(runner.model, runner.kv_cache, *command.sizes)
             graphs.capture()
-            runner.decode_graphs = graphs
+            runner.graphs = graphs
         elif isinstance(command, Stop):
             log.info("rank stopping rank=%d steps=%d", runner.group.rank, num_steps)
             return num_steps

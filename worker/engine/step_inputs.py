@@ -8,8 +8,11 @@ numpy values, so it crosses to another rank's process by pickling, unchanged.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+GraphKind = Literal["decode", "mixed", ""]
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,7 +37,8 @@ class StepInputs:
     """Decode inputs, prefill inputs, the decode rows fed from the previous step's tokens on the
     device (`fed`: [2, k] rows here and there), the rows of the hidden states that sample
     (`logit_rows`; None: the first `num_sampled` rows, a view without an index), and how to run:
-    `use_graph` replays a decode CUDA graph (decided on rank 0, so every rank agrees)."""
+    `graph` names the CUDA graph it replays, "" for an eager step (decided on rank 0, so every
+    rank agrees: `model_runner.choose_graph`)."""
 
     decode: PreparedInputs
     prefill: PreparedInputs
@@ -44,4 +48,4 @@ class StepInputs:
     prefill_max_query_len: int
     prefill_fresh_runs: tuple[tuple[int, int, int], ...]
     prefill_has_prefix: bool
-    use_graph: bool
+    graph: GraphKind

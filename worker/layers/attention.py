@@ -6,7 +6,9 @@ the split-K decode kernel. Prefill chunks that start at position 0 (no cached pr
 chunk: the common long-prompt case) run causal `scaled_dot_product_attention` on their own
 q/k/v, batched over runs of equal-length chunks (on CUDA flash attention below 4,096 tokens and
 cuDNN's from there: see `_CUDNN_MIN_LEN`); chunks after a paged prefix run the paged prefill
-kernel, which skips the others. Kernels come from
+kernel, which skips the others. A captured mixed step (`prefill_tiles` set: see
+`kvrail.worker.engine.cuda_graph`) has no decode part: its decode tokens are one-token chunks, and
+one tiled launch of the paged kernel computes every chunk. Kernels come from
 `kvrail.kernels.dispatch` (Triton on CUDA, torch references on CPU).
 """
 
@@ -29,7 +31,9 @@ class AttentionMetadata:
 
     `prefill_fresh_runs` lists consecutive prefill chunks without a prefix and of equal length as
     (first token offset among the prefill tokens, chunk length, number of chunks); those chunks
-    take the SDPA path. `prefill_has_prefix` says whether any chunk needs the paged kernel."""
+    take the SDPA path. `prefill_has_prefix` says whether any chunk needs the paged kernel.
+    `prefill_tiles` (short and long tile maps, `kvrail.kernels.tile_map`): every chunk runs the
+    tiled paged kernel, and the fresh runs are not used."""
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
@@ -41,6 +45,7 @@ class AttentionMetadata:
     prefill_max_query_len: int
     prefill_fresh_runs: tuple[tuple[int, int, int], ...] = ()
     prefill_has_prefix: bool = True
+    prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -115,7 +120,20 @@ def paged_attention(
                 scale,
             )
         )
-    if metadata.num_prefills:
+    if metadata.prefill_tiles is not None:
+        parts.append(
+            dispatch.tiled_prefill_attention(
+                q[num_decode:],
+                k_cache,
+                v_cache,
+                metadata.prefill_block_tables,
+                metadata.prefill_query_start_loc,
+                metadata.prefill_seq_lens,
+                scale,
+                *metadata.prefill_tiles,
+            )
+        )
+    elif metadata.num_prefills:
         pq, pk, pv = q[num_decode:], k[num_decode:], v[num_decode:]
         runs = metadata.prefill_fresh_runs
         if len(runs) == 1 and runs[0][1] * runs[0][2] == pq.shape[0]:

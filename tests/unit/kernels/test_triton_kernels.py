@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 
@@ -114,6 +115,37 @@ def test_prefill_attention_over_paged_prefix_matches_reference(bs, hq, hkv, d, d
     _close(skipped[9:15], expected[9:15])
     ref_skipped = reference.paged_prefill_attention(*args, skip_fresh=True)
     _close(ref_skipped[9:15], expected[9:15])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("bs", "hq", "hkv", "d"), SHAPES)
+def test_tiled_prefill_attention_matches_the_reference_and_leaves_padding_zero(
+    bs, hq, hkv, d, dtype
+) -> None:
+    """A captured mixed step's attention: decode tokens as one-token chunks, a short and a long
+    chunk (16- and 64-query tiles), maps padded with -1 past their tiles, rows past the chunks."""
+    from kvrail.kernels.tile_map import fill_tile_maps, tile_capacities
+
+    g = torch.Generator().manual_seed(bs + hkv)
+    chunks = [(1, 30), (1, 7), (20, 45), (70, 70), (1, 1)]  # (query, context)
+    _, k_cache, v_cache = _region(400, bs, hkv, d, dtype, g)
+    tables = _tables([c for _, c in chunks], bs, 400, g)
+    starts = [0] + torch.tensor([q for q, _ in chunks]).cumsum(0).tolist()
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    padded = starts[-1] + 9  # rows past the chunks, as a graph's padding
+    query = torch.randn(padded, hq, d, generator=g).to(DEVICE, dtype)
+    lens = torch.tensor([c for _, c in chunks], dtype=torch.int32, device=DEVICE)
+    short_cap, long_cap = tile_capacities(128, 8, hq // hkv)
+    short = np.zeros((2, short_cap), np.int32)
+    long = np.zeros((2, long_cap), np.int32)
+    fill_tile_maps(np.diff(starts), short, long, hq // hkv)
+    out = PREFILL.tiled_prefill_attention(
+        query, k_cache, v_cache, tables, qsl, lens, d**-0.5,
+        torch.from_numpy(short).to(DEVICE), torch.from_numpy(long).to(DEVICE),
+    )  # fmt: skip
+    args = (query[: starts[-1]], k_cache, v_cache, tables, qsl, lens, d**-0.5)
+    _close(out[: starts[-1]], reference.paged_prefill_attention(*args))
+    assert bool((out[starts[-1] :] == 0).all())
 
 
 @pytest.mark.parametrize(("bs", "hq", "hkv", "d"), SHAPES)
@@ -242,3 +274,31 @@ def test_prefill_attention_matches_reference_on_a_full_gpu_grid() -> None:
     lens = torch.tensor([c for _, c in chunks], dtype=torch.int32, device=DEVICE)
     args = (query, k_cache, v_cache, tables, qsl, lens, 128**-0.5)
     _close(PREFILL.paged_prefill_attention(*args), reference.paged_prefill_attention(*args))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_tiled_prefill_attention_matches_reference_on_a_chat_step() -> None:
+    """A mixed step of the Llama-3-8B shape: 64 decodes, a 600-token prompt, a chunk after a
+    3,000-token prefix, tile maps sized for a 2,048-token graph."""
+    from kvrail.kernels.tile_map import fill_tile_maps, tile_capacities
+
+    g = torch.Generator().manual_seed(2)
+    chunks = [(1, 700 + i) for i in range(64)] + [(600, 600), (512, 3000)]
+    _, k_cache, v_cache = _region(13000, 16, 8, 128, torch.bfloat16, g)
+    tables = _tables([c for _, c in chunks], 16, 13000, g)
+    starts = [0] + torch.tensor([q for q, _ in chunks]).cumsum(0).tolist()
+    qsl = torch.tensor(starts, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(2048, 32, 128, generator=g).to(DEVICE, torch.bfloat16)
+    lens = torch.tensor([c for _, c in chunks], dtype=torch.int32, device=DEVICE)
+    short_cap, long_cap = tile_capacities(2048, 256, 4)
+    short = np.zeros((2, short_cap), np.int32)
+    long = np.zeros((2, long_cap), np.int32)
+    fill_tile_maps(np.diff(starts), short, long, 4)
+    out = PREFILL.tiled_prefill_attention(
+        query, k_cache, v_cache, tables, qsl, lens, 128**-0.5,
+        torch.from_numpy(short).to(DEVICE), torch.from_numpy(long).to(DEVICE),
+    )  # fmt: skip
+    args = (query[: starts[-1]], k_cache, v_cache, tables, qsl, lens, 128**-0.5)
+    _close(out[: starts[-1]], reference.paged_prefill_attention(*args))
+    assert bool((out[starts[-1] :] == 0).all())

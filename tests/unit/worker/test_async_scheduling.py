@@ -210,5 +210,5 @@ def test_on_a_gpu_outputs_equal_the_synchronous_engine_with_graphs() -> None:
         params = _params(_stop_tokens())
         expected = _run(_engine(False, max_num_seqs=8), params)
         overlapped = _engine(True, max_num_seqs=8)
-    assert overlapped.runner.decode_graphs is not None
+    assert overlapped.runner.graphs is not None
     assert _run(overlapped, params) == expected
