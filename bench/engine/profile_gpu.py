@@ -138,7 +138,8 @@ def _profile_prefills(engine) -> int:  # type: ignore[no-untyped-def]
 
 def _profile_mixed(engine, per_step: list[int]) -> int:  # type: ignore[no-untyped-def]
     """A colocated worker's steps under chat load: 64 running decodes, and each step `k` new
-    600-token prompts prefilled in the same step (the eager mixed path when k > 0)."""
+    600-token prompts prefilled in the same step; each k replaying the mixed CUDA graphs, then
+    eagerly (the graphs' token sizes hidden from the runner, which then chooses no mixed graph)."""
     from torch.profiler import ProfilerActivity, profile
 
     decode = SamplingParams(max_tokens=4000, ignore_eos=True)
@@ -156,24 +157,29 @@ def _profile_mixed(engine, per_step: list[int]) -> int:  # type: ignore[no-untyp
                 engine.add_request(f"m{seed[0]}-{j}", pr, first)
             engine.step()
 
-    for k in per_step:
-        steps(k, 5)  # warm-up: compiles, allocator
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        steps(k, 20)
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / 20
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            steps(k, 10)
+    graphs = engine.runner.graphs
+    sizes = graphs.token_sizes
+    for mode in ("mixed graphs", "eager mixed steps"):
+        graphs.token_sizes = sizes if mode == "mixed graphs" else []
+        print(f"\n##### {mode} (largest mixed graph: {graphs.max_mixed_tokens} tokens)")
+        for k in per_step:
+            steps(k, 5)  # warm-up: compiles, allocator
             torch.cuda.synchronize()
-        events = prof.key_averages()
-        gpu_total = sum(e.self_device_time_total for e in events) / 10 / 1e3
-        print(f"\n=== 64 decodes + {k} x 600-token prompts per step: wall {wall * 1e3:.2f} "
-              f"ms/step, GPU busy {gpu_total:.2f} ms/step")  # fmt: skip
-        print(
-            events.table(sort_by="self_device_time_total", row_limit=16, max_name_column_width=60)
-        )
-        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+            t0 = time.perf_counter()
+            steps(k, 20)
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - t0) / 20
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                steps(k, 10)
+                torch.cuda.synchronize()
+            events = prof.key_averages()
+            gpu_total = sum(e.self_device_time_total for e in events) / 10 / 1e3
+            print(f"\n=== 64 decodes + {k} x 600-token prompts per step: wall "
+                  f"{wall * 1e3:.2f} ms/step, GPU busy {gpu_total:.2f} ms/step")  # fmt: skip
+            if mode == "mixed graphs":
+                print(events.table(sort_by="self_device_time_total", row_limit=12,
+                                   max_name_column_width=60))  # fmt: skip
+    graphs.token_sizes = sizes
     return 0
 
 
