@@ -28,11 +28,13 @@ With `--baseline no-pdl` the same-run baseline is instead a second engine whose 
 without programmatic dependent launch (KVRAIL_PDL=0: cuBLAS for every projection and no overlap
 between kernels; kvrail.kernels.launch), both with async scheduling. With `--baseline
 budget-8192` it is a second engine whose step token budget (max_num_batched_tokens) is 8,192,
-against the one `--max-batched-tokens` sets (default 8,192) for the first.
+against the one `--max-batched-tokens` sets (default 8,192) for the first. With `--baseline
+no-mixed-graphs` it is a second engine that captures no mixed graphs (max_mixed_graph_tokens=0:
+every step with prefill tokens runs eagerly, kvrail.worker.engine.cuda_graph).
 
 Run on the H200:
   .venv/bin/python -P bench/engine/gpu_llama3_8b.py | tee bench/engine/gpu_llama3_8b.txt
-Flags: --baseline {sync,no-pdl,budget-8192,bf16}, --quantization, --kv-dtype,
+Flags: --baseline {sync,no-pdl,budget-8192,bf16,no-mixed-graphs}, --quantization, --kv-dtype,
 --max-batched-tokens, --skip-transformers, --skip-correctness, --correctness-only, --kv-gib (KV
 pool size), --no-cuda-graphs, --smoke (a tiny config on CPU with short runs: checks this script
 end to end without a GPU).
@@ -272,7 +274,9 @@ def main() -> int:
     parser.add_argument("--kv-gib", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument(
-        "--baseline", choices=("sync", "no-pdl", "budget-8192", "bf16"), default="sync"
+        "--baseline",
+        choices=("sync", "no-pdl", "budget-8192", "bf16", "no-mixed-graphs"),
+        default="sync",
     )
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     parser.add_argument("--kv-dtype", default="auto", help="the measured engine's KV dtype")
@@ -381,6 +385,12 @@ def main() -> int:
     elif args.baseline == "bf16":
         modes = {"kvrail": True, "kvrail bf16": True}
         engines = {"kvrail": engine, "kvrail bf16": bf16_engine}
+    elif args.baseline == "no-mixed-graphs":
+        modes = {"kvrail": True, "kvrail eager-mixed": True}
+        baseline = warmed(
+            build_engine(hf, config, args.kv_gib, graphs, max_mixed_graph_tokens=0, **budget)
+        )
+        engines = {"kvrail": engine, "kvrail eager-mixed": baseline}
     else:
         modes = {"kvrail": True, "kvrail b8192": True}
         baseline = warmed(
