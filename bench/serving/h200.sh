@@ -7,6 +7,7 @@
 #   bash bench/serving/h200.sh serving        # bench/serving/run.py, Llama-3-8B shape
 #   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
+#   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -69,5 +70,26 @@ case "${1:?what to run}" in
       --output "$OUT/router.txt" > "$OUT/pyspy_router.log" 2>&1
     wait
     cp /tmp/profile/logs/worker-0.0.log "$OUT/" 2>/dev/null || true
+    ;;
+  chat-profile)  # colocated, budget 1,024, 640 chat requests at 32 req/s: 8 s of its window
+    source bench/sweep/device-setup.sh || exit 1
+    python3 -P bench/sweep/run.py --setups colocated --workloads chat --chat-prompt 600 \
+      --chat-output 200 --chat-rates 32 --chat-requests 640 --chunk-tokens 1024 \
+      --out "$OUT/chat_profile.json" > "$OUT/chat_profile.log" 2>&1 &
+    for _ in $(seq 1200); do
+      grep -qs "warm-up chat done" "$OUT/chat_profile.log" && break
+      sleep 0.5
+    done
+    sleep 5
+    worker=$(pgrep -f "kvrail.worker --role" | head -n 1)
+    router=$(pgrep -f "kvrail.router" | head -n 1)
+    /tmp/site/bin/py-spy record --pid "$worker" --duration 8 --rate 100 --format raw --threads \
+      --output /tmp/worker.txt > "$OUT/pyspy_worker.log" 2>&1 &
+    /tmp/site/bin/py-spy record --pid "$router" --duration 8 --rate 100 --format raw \
+      --output /tmp/router.txt > "$OUT/pyspy_router.log" 2>&1
+    wait
+    for f in worker router; do
+      python3 bench/serving/pyspy_summary.py /tmp/$f.txt --top 40 > "$OUT/pyspy_$f.txt" 2>&1
+    done
     ;;
 esac

@@ -36,8 +36,10 @@ def main(folder: Path) -> None:
     finite = [r for points in series.values() for r, _, _ in points if not math.isinf(r)]
     burst = 2 * max(finite)
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for (name, points), color in zip(series.items(), ("tab:blue", "tab:orange", "tab:green"),
-                                     strict=False):  # fmt: skip
+    colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown")
+    if len(series) > len(colors):
+        raise SystemExit(f"{len(series)} series: at most {len(colors)} can be drawn apart")
+    for (name, points), color in zip(series.items(), colors, strict=False):
         points.sort()
         x = [burst if math.isinf(r) else r for r, _, _ in points]
         ax.plot(x, [g for _, g, _ in points], "-o", color=color, label=f"{name}: goodput")
