@@ -105,6 +105,11 @@ class Settings(BaseModel):
         description="prefill tokens at most in a step that also decodes (0: the step budget "
         "alone): long prompts take more steps instead of stalling every decode",
     )  # fmt: skip
+    max_mixed_graph_tokens: int = Field(
+        1024, ge=0,
+        description="on CUDA, the largest step with prefill tokens that replays a captured graph "
+        "(0: such steps run eagerly); larger steps run eagerly",
+    )  # fmt: skip
     torch_num_threads: int | None = Field(
         None, ge=1, le=1024, description="torch intra-op threads of a worker; unset: torch's"
     )

@@ -79,6 +79,7 @@ def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngi
         max_model_len=settings.max_model_len or 0, max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_mixed_prefill_tokens=settings.max_num_mixed_prefill_tokens,
+        max_mixed_graph_tokens=settings.max_mixed_graph_tokens,
         zero_kv_on_release=settings.zero_kv_on_release, kv_dtype=settings.kv_dtype,
     )  # fmt: skip
     return build_sharded_engine(
