@@ -270,8 +270,10 @@ async def test_a_client_that_disconnects_cancels_its_request_on_every_worker(
 ) -> None:
     c = openai.AsyncOpenAI(base_url=url(pool, "/v1"), api_key=KEY_A, max_retries=0)
     long_prompt = "Write a long story about a dragon. " * 12  # remote prefill
+    # ignore_eos: the request cannot end by itself before the client leaves.
     stream = await c.completions.create(model=MODEL, prompt=long_prompt, max_tokens=900,
-                                        temperature=1.0, seed=3, stream=True)  # fmt: skip
+                                        temperature=1.0, seed=3, stream=True,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
     got = 0
     async for chunk in stream:
         assert chunk.choices[0].finish_reason is None
@@ -290,7 +292,8 @@ async def test_a_non_streamed_client_that_disconnects_cancels_its_request(
     """The same as streamed: the client leaves before the answer, every block is freed at once
     (the request would generate 900 tokens)."""
     body = json.dumps({"model": MODEL, "prompt": "Write a long story about a dragon. " * 12,
-                       "max_tokens": 900, "temperature": 1.0, "seed": 4}).encode()  # fmt: skip
+                       "max_tokens": 900, "temperature": 1.0, "seed": 4,
+                       "ignore_eos": True}).encode()  # fmt: skip
     _, writer = await asyncio.open_connection("127.0.0.1", PORTS["router-a"])
     writer.write(
         b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"

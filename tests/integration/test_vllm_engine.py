@@ -254,9 +254,11 @@ def test_the_decode_server_reads_the_prompts_kv_from_the_prefill_server(stack: S
 def test_a_client_that_disconnects_aborts_its_request_on_vllm(stack: Stack) -> None:
     max_tokens = 600  # ~40 s of decoding here
     finished, generated = settled_counters(stack.decode)
+    # ignore_eos: SmolLM2's greedy answer to this prompt ends by itself after 13 tokens, so
+    # without it the request could finish normally (a "stop") before the client leaves.
     stream = stack.vllm_router.completions.create(
         model=SERVED_MODEL_NAME, prompt="Write a very long story about a dragon. " * 8,
-        max_tokens=max_tokens, temperature=0, stream=True,
+        max_tokens=max_tokens, temperature=0, stream=True, extra_body={"ignore_eos": True},
     )  # fmt: skip
     for got, chunk in enumerate(stream, start=1):
         assert chunk.choices[0].finish_reason is None
