@@ -57,6 +57,8 @@ class Update:
     error: str | None = None
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (a locally prefilled request's)."""
+    retained_block_ids: tuple[int, ...] = ()
+    """A finished `prefill` request's retained blocks (its KV, in table order)."""
 
     @property
     def is_last(self) -> bool:
@@ -79,6 +81,8 @@ class PrefillResult:
 class _Tracked:
     on_update: OnUpdate
     deadline_monotonic: float | None
+    retains_blocks: bool = False
+    """A `prefill` request: its last update carries its retained block ids."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,7 +229,7 @@ class EngineService:
             self.engine.add_request(
                 request_id, prompt_token_ids, params, retain_blocks=True, tenant_salt=tenant_salt
             )
-            self._tracked[request_id] = _Tracked(on_update, deadline_monotonic)
+            self._tracked[request_id] = _Tracked(on_update, deadline_monotonic, True)
             self._held.add(request_id)
 
         await self._call(run)
@@ -237,8 +241,12 @@ class EngineService:
         if update.error is not None or not update.new_token_ids:
             await self.abort(request_id)
             raise DeadlineExceededError(f"prefill of {request_id} ended: {update.error}")
-        block_ids = await self._call(lambda: self.engine.retained_block_ids(request_id))
-        return PrefillResult(update.new_token_ids[0], tuple(block_ids))
+        # The block ids came with the update, read by the engine thread as the request finished:
+        # asking for them with another command would wait for the step after.
+        if not update.retained_block_ids:
+            await self.abort(request_id)
+            raise RuntimeError(f"prefill of {request_id} finished without its blocks")
+        return PrefillResult(update.new_token_ids[0], update.retained_block_ids)
 
     async def abort(self, request_id: str) -> bool:
         """Abort a request in any state (reserved, running, retained); its callback is dropped.
@@ -328,11 +336,18 @@ class EngineService:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return None
+        retained: tuple[int, ...] = ()
         if output.finished:
             del self._tracked[output.request_id]
+            if tracked.retains_blocks:
+                try:
+                    retained = tuple(self.engine.retained_block_ids(output.request_id))
+                except KeyError:  # a bug; `prefill` fails the request on the empty tuple
+                    log.error("finished prefill retains no blocks request_id=%s",
+                              output.request_id)  # fmt: skip
         update = Update(
             output.request_id, output.new_token_ids, output.finished, output.finish_reason,
-            num_cached_tokens=output.num_cached_tokens,
+            num_cached_tokens=output.num_cached_tokens, retained_block_ids=retained,
         )  # fmt: skip
         return tracked.on_update, update
 

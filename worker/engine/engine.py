@@ -13,8 +13,8 @@ without it; only the batches can differ (scheduling ahead cannot yet see which r
 or free blocks in the running step). At most one step is in flight between calls. Its writes
 land in the blocks of the requests it was queued for, which stay valid on the device even if the
 host frees them meanwhile (device work is ordered); the one writer outside that order, a remote
-KV transfer, gets blocks only through `reserve_remote`, which first waits for the step in
-flight.
+KV transfer, gets blocks only through `reserve_remote`, whose reservation carries a fence behind
+the step in flight (`DeviceFence`): the writer starts only once it has passed.
 
 Tensor parallelism: the model is rank 0's shard and `peers` are the worker's other ranks
 (`RankPeers`, driven by rank 0). The scheduler, the block manager and the sampler stay here, once;
@@ -43,6 +43,7 @@ from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
 from kvrail.worker.engine.cuda_graph import StepGraphs
+from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request
@@ -281,15 +282,17 @@ class LLMEngine:
         tenant_salt: str = "",
     ) -> RemoteReservation | None:
         """Reserve blocks for a request whose prompt KV is written from elsewhere (see
-        Scheduler.reserve_remote); None with no effect when the pool is short. Waits for the
-        step in flight first: a block it gets may have been freed while that step still writes
-        it, and the remote writer is not ordered after device work."""
+        Scheduler.reserve_remote); None with no effect when the pool is short. A block it gets
+        may have been freed while the step in flight still writes it, and the remote writer is
+        not ordered after device work: the reservation's `fence` passes once that step (and
+        everything else queued so far) has finished. Nothing waits for it here."""
         self._check_token_ids(prompt_token_ids, params)
-        if self._in_flight is not None:
-            self._in_flight.wait()
         request = Request(request_id, list(prompt_token_ids), params)
         request.hash_root = self._hash_root(tenant_salt)
-        return self.scheduler.reserve_remote(request)
+        reservation = self.scheduler.reserve_remote(request)
+        if reservation is None:
+            return None
+        return replace(reservation, fence=DeviceFence.now(self.device))
 
     def install_remote(self, request_id: str, first_token_id: int) -> None:
         self.scheduler.install_remote(request_id, first_token_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvrail.worker.engine.fence import PASSED, DeviceFence
 from kvrail.worker.engine.request import Request
 
 
@@ -49,9 +50,12 @@ class RemoteReservation:
     """Blocks reserved for a request whose prompt KV is written from elsewhere.
 
     The writer fills tokens [num_cached_tokens, num_prompt_tokens) of `block_ids`; the head of
-    the table is a local prefix hit and already holds valid KV.
+    the table is a local prefix hit and already holds valid KV. It may write only once `fence`
+    has passed (the device work queued before the reservation, which may still touch the
+    blocks, has finished; see `kvrail.worker.engine.fence`).
     """
 
     request_id: str
     block_ids: list[int]
     num_cached_tokens: int
+    fence: DeviceFence = PASSED

@@ -45,6 +45,7 @@ from kvrail.messages import (
 )
 from kvrail.sampling import SamplingParams
 from kvrail.worker import metrics
+from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.roles import write_grants
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.quarantine import Quarantine
@@ -135,6 +136,12 @@ class KvReceiver:
             reason = self._grant_refusal(ask)
         except MessageError:
             reason = "invalid"
+        if not reason:  # the device must be done with the blocks before anyone writes them
+            fence = self._pending[ask.request_id].fence
+            # Polled: a CUDA event cannot be awaited. Bounded: the job's outcome has a deadline.
+            while not fence.passed() and not (reason := self._grant_refusal(ask)):  # noqa: ASYNC110
+                await asyncio.sleep(_POLL_S)
+            reason = reason or self._grant_refusal(ask)  # it may have ended meanwhile
         if reason:
             metrics.KV_WRITE_GRANTS_REFUSED.labels(reason).inc()
             log.warning("kv write not granted reason=%s", reason)
@@ -207,7 +214,9 @@ class KvReceiver:
                 )  # fmt: skip
                 job_ids.append(job.request_id)
                 try:
-                    done = await self._run_job(job, target, stages, arrived, deadline)
+                    done = await self._run_job(
+                        job, reservation.fence, target, stages, arrived, deadline
+                    )
                 except RequestFailed as err:
                     reason = err.reason
                     continue
@@ -243,6 +252,7 @@ class KvReceiver:
     async def _run_job(
         self,
         job: PrefillJob,
+        fence: DeviceFence,
         target: str | None,
         stages: StageTimes,
         arrived: float,
@@ -251,7 +261,7 @@ class KvReceiver:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future)
+        self._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future, fence)
         try:
             published = time.monotonic()
             stages.admission_s = published - arrived

@@ -1,5 +1,8 @@
 """The prefill role: pull a job, compute its KV, write it into the decode worker, then ack.
 
+Jobs are fetched while the prompts fetched and not computed yet fit in one engine step
+(`max_num_batched_tokens`; one job at least), at most `_MAX_JOBS_IN_FLIGHT` computing or
+writing: the next step is full, and no backlog waits here that another prefill worker could run.
 For each `PrefillJob` from the pool's work queue (jobs addressed to this worker first):
 
 - refuse it for good (`drop`, never redelivered) when it is past its deadline, when its
@@ -29,6 +32,7 @@ import binascii
 import concurrent.futures
 import contextlib
 import datetime
+import functools
 import logging
 import time
 from collections import OrderedDict
@@ -66,7 +70,7 @@ T = TypeVar("T")
 _RECENT_LIMIT = 10_000  # completed job ids remembered (dedupe of late redeliveries)
 _NAK_DELAY_S = 0.5
 _GRANT_TIMEOUT_S = 2.0
-_MAX_JOBS_IN_FLIGHT = 4
+_MAX_JOBS_IN_FLIGHT = 64  # computing or writing: bounds the blocks retained for writes
 
 
 class _Refused(Exception):
@@ -95,7 +99,11 @@ class PrefillRole:
         self._cancelled = RecentCancels(ctx.settings.request_timeout_s)
         self._settled: OrderedDict[str, None] = OrderedDict()  # outcomes consumed by decode
         self._jobs: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(_MAX_JOBS_IN_FLIGHT)
+        # Jobs are fetched while the prompts still to compute fit in one engine step: enough to
+        # fill the next step, never a backlog that another prefill worker could be running.
+        self._step_tokens = ctx.settings.max_num_batched_tokens
+        self._tokens_to_compute = 0
+        self._room = asyncio.Event()
         self._consumer: PrefillConsumer | None = None
         self._subs: list[Subscription] = []
         self._fetcher: asyncio.Task[None] | None = None
@@ -183,29 +191,54 @@ class PrefillRole:
             return
         _remember(self._settled, settled.request_id)
 
+    def _has_room(self) -> bool:
+        """Whether to fetch another job: fewer than `_MAX_JOBS_IN_FLIGHT`, and the prompts of
+        those not computed yet below one step's token budget (one job at least, however long)."""
+        return len(self._jobs) < _MAX_JOBS_IN_FLIGHT and self._tokens_to_compute < self._step_tokens
+
+    def _computing(self, num_tokens: int) -> Callable[[], None]:
+        """Count a fetched job's prompt as still to compute; the callable (idempotent) says its
+        compute ended, by success or not."""
+        self._tokens_to_compute += num_tokens
+        pending = [num_tokens]
+
+        def computed() -> None:
+            if pending:
+                self._tokens_to_compute -= pending.pop()
+                self._room.set()
+
+        return computed
+
+    def _job_ended(self, computed: Callable[[], None], _task: asyncio.Task[None]) -> None:
+        computed()
+        self._room.set()
+
     async def _fetch_loop(self) -> None:
         assert self._consumer is not None
         while not self._stopping:
-            await self._slots.acquire()
+            while not self._has_room():
+                self._room.clear()
+                await self._room.wait()
             try:
                 queued = await self._consumer.fetch(timeout_s=0.5)
             except (nats.errors.Error, TimeoutError) as err:
-                self._slots.release()
                 log.warning("prefill fetch failed error=%s", type(err).__name__)
                 await asyncio.sleep(0.5)
                 continue
             if queued is None or queued.job is None:
-                self._slots.release()
                 if queued is not None:  # an invalid payload, terminated by the consumer
                     metrics.PREFILL_JOBS_REJECTED.labels("invalid").inc()
                 continue
-            task = asyncio.create_task(self._run(queued, queued.job), name=queued.job.request_id)
+            computed = self._computing(len(queued.job.token_ids))
+            task = asyncio.create_task(
+                self._run(queued, queued.job, computed), name=queued.job.request_id
+            )
             self._jobs.add(task)
             task.add_done_callback(self._jobs.discard)
             task.add_done_callback(_log_failure)
-            task.add_done_callback(lambda _: self._slots.release())
+            task.add_done_callback(functools.partial(self._job_ended, computed))
 
-    async def _run(self, queued: QueuedJob, job: PrefillJob) -> None:
+    async def _run(self, queued: QueuedJob, job: PrefillJob, computed: Callable[[], None]) -> None:
         job_id = job.request_id
         seq = int(queued.msg.metadata.sequence.stream)
         if job_id in self._in_flight:
@@ -220,7 +253,7 @@ class PrefillRole:
         self._in_flight[job_id] = seq
         try:
             async with queued.working(self.prefill_queue.ack_wait_s / 3):
-                await self._prefill_and_write(queued, job)
+                await self._prefill_and_write(queued, job, computed)
             _remember(self._recent, job_id)
             await queued.ack()
         except _Refused as err:
@@ -255,7 +288,9 @@ class PrefillRole:
         finally:
             self._in_flight.pop(job_id, None)
 
-    async def _prefill_and_write(self, queued: QueuedJob, job: PrefillJob) -> None:
+    async def _prefill_and_write(
+        self, queued: QueuedJob, job: PrefillJob, computed: Callable[[], None]
+    ) -> None:
         fetched = time.monotonic()
         published = queued.msg.metadata.timestamp
         queue_wait_s = max(0.0, (datetime.datetime.now(datetime.UTC) - published).total_seconds())
@@ -274,6 +309,8 @@ class PrefillRole:
             raise _Refused("deadline") from err
         except InvalidRequestError as err:
             raise _Refused("invalid_request") from err
+        finally:
+            computed()  # the next job may be fetched while this one writes
         try:
             computed = time.monotonic()
             src = result.block_ids[job.first_block_index :]

@@ -3,7 +3,9 @@
 Right before its NIXL WRITE a prefill worker asks the job's decode worker for a grant
 (`WriteGrantRequest`). The decode worker grants it only while it waits for exactly that job:
 this incarnation, the very blocks it reserved and the same prompt (`tokens_digest`). So a
-malformed, forged, stale or replayed job never writes into blocks another request may own.
+malformed, forged, stale or replayed job never writes into blocks another request may own. A
+grant is answered once the reservation's device fence has passed (the device no longer touches
+the blocks); a prefill worker asks only after its compute, so it rarely waits for that.
 Pure: the decode side (`kv_receiver.py`) keeps what it waits for and answers over NATS.
 """
 
@@ -13,16 +15,19 @@ import asyncio
 from dataclasses import dataclass
 
 from kvrail.messages import PrefillDone, PrefillJob, WriteGrantRequest
+from kvrail.worker.engine.fence import PASSED, DeviceFence
 
 
 @dataclass(frozen=True, slots=True)
 class AwaitedJob:
-    """A published job the decode worker waits for: what a grant must match, and its outcome
-    (the completion and when it landed, or an exception)."""
+    """A published job the decode worker waits for: what a grant must match, its outcome (the
+    completion and when it landed, or an exception), and the fence of its reservation, which
+    must have passed before the write is granted."""
 
     job: PrefillJob
     tokens_digest: str
     outcome: asyncio.Future[tuple[PrefillDone, float]]
+    fence: DeviceFence = PASSED
 
 
 def refusal(ask: WriteGrantRequest, awaited: AwaitedJob | None, incarnation: int) -> str:

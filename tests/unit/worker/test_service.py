@@ -135,6 +135,8 @@ async def test_an_abandoned_reservation_is_freed_by_abort(service: EngineService
 async def test_a_prefill_retains_its_blocks_until_released(service: EngineService) -> None:
     result = await service.prefill("p", PROMPT, SamplingParams(max_tokens=1))
     assert len(result.block_ids) == 6
+    retained = await service._call(lambda: service.engine.retained_block_ids("p"))
+    assert list(result.block_ids) == retained  # read as it finished: the same blocks, in order
     assert result.first_token_id == engine().generate([PROMPT], SamplingParams(max_tokens=1))[0][0]
     counts = await service.counts()
     assert counts.num_retained == 1 and counts.num_free_blocks == counts.num_blocks - 6

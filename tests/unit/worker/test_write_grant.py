@@ -12,16 +12,21 @@ from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
+from nats.aio.msg import Msg
+
+from kvrail.codec import decode
 from kvrail.messages import (
     WRITE_GRANT_REFUSALS,
     PrefillDone,
     PrefillJob,
     WorkerRecord,
+    WriteGrant,
     WriteGrantRequest,
     tokens_digest,
 )
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
+from kvrail.worker.engine.fence import PASSED, DeviceFence
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
 from kvrail.worker.roles.write_grants import AwaitedJob
@@ -57,11 +62,38 @@ def remote_prefill_recording_aborts() -> tuple[KvReceiver, list[str]]:
     return rp, aborted
 
 
-def wait_for(rp: KvReceiver, job: PrefillJob) -> asyncio.Future[tuple[PrefillDone, float]]:
+def wait_for(
+    rp: KvReceiver, job: PrefillJob, fence: DeviceFence = PASSED
+) -> asyncio.Future[tuple[PrefillDone, float]]:
     """Make `rp` wait for `job` as `_run_job` does; returns the future of its outcome."""
     future: asyncio.Future[tuple[PrefillDone, float]] = asyncio.get_running_loop().create_future()
-    rp._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future)
+    rp._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future, fence)
     return future
+
+
+class CountdownFence(DeviceFence):
+    """A fence that passes at its `polls`-th look (never, with None)."""
+
+    def __init__(self, polls: int | None) -> None:
+        super().__init__()
+        self.polls = polls
+        self.looks = 0
+
+    def passed(self) -> bool:
+        self.looks += 1
+        return self.polls is not None and self.looks >= self.polls
+
+
+async def grant(rp: KvReceiver, request: WriteGrantRequest) -> WriteGrant:
+    """Ask `rp` for a grant as a prefill worker does over NATS; returns its answer."""
+    answers: list[bytes] = []
+
+    async def respond(data: bytes) -> None:
+        answers.append(data)
+
+    await rp._on_grant(cast(Msg, SimpleNamespace(data=request.encode(), respond=respond)))
+    [answer] = answers
+    return decode(answer, WriteGrant)
 
 
 def ask(**changes: Any) -> WriteGrantRequest:
@@ -87,6 +119,26 @@ async def test_only_the_job_waited_for_with_its_blocks_and_prompt_is_granted() -
     assert rp._grant_refusal(ask()) == "not_waiting"
     reasons = {"foreign_blocks", "stale_incarnation", "other_prompt", "not_waiting", "invalid"}
     assert reasons == set(WRITE_GRANT_REFUSALS)
+
+
+async def test_a_write_is_granted_only_once_the_reservations_device_fence_has_passed() -> None:
+    """The device may still write a reserved block (a step in flight when it was reserved): the
+    grant waits for the reservation's fence, then answers; a job that ends meanwhile is refused."""
+    rp = remote_prefill()
+    fence = CountdownFence(polls=3)
+    wait_for(rp, JOB, fence)
+    answer = await grant(rp, ask())
+    assert answer.granted and fence.looks == 3 and JOB.request_id in rp._granted
+    rp._granted.clear()
+    never = CountdownFence(polls=None)
+    future = wait_for(rp, JOB, never)
+    asking = asyncio.create_task(grant(rp, ask()))
+    while never.looks < 2:  # noqa: ASYNC110 (the grant is polling the fence)
+        await asyncio.sleep(0.001)
+    future.set_exception(RequestFailed("kv_timeout"))  # the decode worker gave up on it
+    answer = await asyncio.wait_for(asking, 5)
+    assert not answer.granted and answer.reason == "not_waiting" and not rp._granted
+    future.exception()  # retrieved
 
 
 async def test_an_abandoned_job_never_granted_frees_its_blocks_at_once() -> None:
