@@ -8,6 +8,7 @@
 #   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 #   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
+#   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -91,5 +92,24 @@ case "${1:?what to run}" in
     for f in worker router; do
       python3 bench/serving/pyspy_summary.py /tmp/$f.txt --top 40 > "$OUT/pyspy_$f.txt" 2>&1
     done
+    ;;
+  remote-ab)  # issue 23's remote-prefill target and the disaggregated chat sweep (every prompt
+    # remote): the tree in build/old, then this one, then this one prefilling every prompt locally
+    # on the decode worker (same processes) as the TTFT baseline. "long" is a 500-token workload.
+    source bench/sweep/device-setup.sh || exit 1
+    work=(--workloads chat,long --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-16,32,inf}"
+          --long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
+    old_view build/old operator worker router kernels agent cli local testing
+    PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
+      --min-remote-prefill-tokens 0 --tag=-before "${work[@]}" --budget-s 200 \
+      --out "$OUT/remote_before.json" > "$OUT/remote_before.log" 2>&1
+    tail -n 12 "$OUT/remote_before.log"
+    timeout 230 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 0 \
+      "${work[@]}" --budget-s 200 --out "$OUT/remote_after.json" > "$OUT/remote_after.log" 2>&1
+    tail -n 12 "$OUT/remote_after.log"
+    timeout 150 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 100000 \
+      --tag=-local --workloads long --long-prompt 500 --long-output 200 --long-rates 16 \
+      --long-requests 160 --long-tail-s 10 --budget-s 140 --out "$OUT/local.json" > "$OUT/local.log" 2>&1
+    tail -n 8 "$OUT/local.log"
     ;;
 esac

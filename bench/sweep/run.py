@@ -6,6 +6,7 @@
     python3 -P bench/sweep/report.py $OUT/*.json --out bench/sweep/results-h200.json \\
         --plot bench/sweep/sweep-h200.png
     .venv/bin/python -P bench/sweep/run.py --smoke --out /tmp/sweep-smoke.json   # CPU check
+    .venv/bin/python -P bench/sweep/run.py --cpu --shape tiny ...   # any sweep, on the CPU
 
 What runs, per setup: real etcd and NATS (`kvrail.local.servers`), a fresh pool of real worker
 processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router,
@@ -239,7 +240,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     started = time.monotonic()
     root = Path(tempfile.mkdtemp(prefix="kvrail-bench-sweep-"))
     print(f"logs in {root}", file=sys.stderr, flush=True)
-    device = "cpu" if args.smoke else "cuda"
+    device = "cpu" if args.smoke or args.cpu else "cuda"
     m0 = time.monotonic()
     info = randmodel.write_model_dir(args.model_dir, args.shape, lg.WORDS, device=device)
     info["write_s"] = time.monotonic() - m0
@@ -278,6 +279,11 @@ def _floats(text: str) -> list[float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="write the model on the CPU (a machine without a GPU; workers run there)",
+    )
     p.add_argument("--smoke", action="store_true",
                    help="CPU: SmolLM2-135M shape, tiny prompts, few requests")  # fmt: skip
     p.add_argument("--setups", type=lambda t: t.split(","), default=list(SETUPS[:2]))
