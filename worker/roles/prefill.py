@@ -209,8 +209,8 @@ class PrefillRole:
 
         return computed
 
-    def _job_ended(self, computed: Callable[[], None], _task: asyncio.Task[None]) -> None:
-        computed()
+    def _job_ended(self, compute_done: Callable[[], None], _task: asyncio.Task[None]) -> None:
+        compute_done()
         self._room.set()
 
     async def _fetch_loop(self) -> None:
@@ -229,16 +229,18 @@ class PrefillRole:
                 if queued is not None:  # an invalid payload, terminated by the consumer
                     metrics.PREFILL_JOBS_REJECTED.labels("invalid").inc()
                 continue
-            computed = self._computing(len(queued.job.token_ids))
+            compute_done = self._computing(len(queued.job.token_ids))
             task = asyncio.create_task(
-                self._run(queued, queued.job, computed), name=queued.job.request_id
+                self._run(queued, queued.job, compute_done), name=queued.job.request_id
             )
             self._jobs.add(task)
             task.add_done_callback(self._jobs.discard)
             task.add_done_callback(_log_failure)
-            task.add_done_callback(functools.partial(self._job_ended, computed))
+            task.add_done_callback(functools.partial(self._job_ended, compute_done))
 
-    async def _run(self, queued: QueuedJob, job: PrefillJob, computed: Callable[[], None]) -> None:
+    async def _run(
+        self, queued: QueuedJob, job: PrefillJob, compute_done: Callable[[], None]
+    ) -> None:
         job_id = job.request_id
         seq = int(queued.msg.metadata.sequence.stream)
         if job_id in self._in_flight:
@@ -253,7 +255,7 @@ class PrefillRole:
         self._in_flight[job_id] = seq
         try:
             async with queued.working(self.prefill_queue.ack_wait_s / 3):
-                await self._prefill_and_write(queued, job, computed)
+                await self._prefill_and_write(queued, job, compute_done)
             _remember(self._recent, job_id)
             await queued.ack()
         except _Refused as err:
@@ -289,7 +291,7 @@ class PrefillRole:
             self._in_flight.pop(job_id, None)
 
     async def _prefill_and_write(
-        self, queued: QueuedJob, job: PrefillJob, computed: Callable[[], None]
+        self, queued: QueuedJob, job: PrefillJob, compute_done: Callable[[], None]
     ) -> None:
         fetched = time.monotonic()
         published = queued.msg.metadata.timestamp
@@ -310,7 +312,7 @@ class PrefillRole:
         except InvalidRequestError as err:
             raise _Refused("invalid_request") from err
         finally:
-            computed()  # the next job may be fetched while this one writes
+            compute_done()  # the next job may be fetched while this one writes
         try:
             computed = time.monotonic()
             src = result.block_ids[job.first_block_index :]
