@@ -35,11 +35,6 @@ class DeviceFence:
         """Whether the work before it has finished (never blocks)."""
         return self._event is None or self._event.query()
 
-    def wait(self) -> None:
-        """Block until it has passed."""
-        if self._event is not None:
-            self._event.synchronize()
-
 
 PASSED = DeviceFence()
 """A fence with nothing before it."""
