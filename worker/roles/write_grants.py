@@ -15,7 +15,7 @@ import asyncio
 from dataclasses import dataclass
 
 from kvrail.messages import PrefillDone, PrefillJob, WriteGrantRequest
-from kvrail.worker.engine.fence import PASSED, DeviceFence
+from kvrail.worker.engine.fence import DeviceFence
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,7 +27,7 @@ class AwaitedJob:
     job: PrefillJob
     tokens_digest: str
     outcome: asyncio.Future[tuple[PrefillDone, float]]
-    fence: DeviceFence = PASSED
+    fence: DeviceFence
 
 
 def refusal(ask: WriteGrantRequest, awaited: AwaitedJob | None, incarnation: int) -> str:
