@@ -97,8 +97,9 @@ case "${1:?what to run}" in
     # remote): the tree in build/old, then this one, then this one prefilling every prompt locally
     # on the decode worker (same processes) as the TTFT baseline. "long" is a 500-token workload.
     source bench/sweep/device-setup.sh || exit 1
+    long=(--long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
     work=(--workloads chat,long --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-16,32,inf}"
-          --long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
+          "${long[@]}")
     old_view build/old operator worker router kernels agent cli local testing
     PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
       --min-remote-prefill-tokens 0 --tag=-before "${work[@]}" --budget-s 200 \
@@ -108,8 +109,8 @@ case "${1:?what to run}" in
       "${work[@]}" --budget-s 200 --out "$OUT/remote_after.json" > "$OUT/remote_after.log" 2>&1
     tail -n 12 "$OUT/remote_after.log"
     timeout 150 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 100000 \
-      --tag=-local --workloads long --long-prompt 500 --long-output 200 --long-rates 16 \
-      --long-requests 160 --long-tail-s 10 --budget-s 140 --out "$OUT/local.json" > "$OUT/local.log" 2>&1
+      --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local.json" \
+      > "$OUT/local.log" 2>&1
     tail -n 8 "$OUT/local.log"
     ;;
 esac
