@@ -130,6 +130,8 @@ def write_model_dir(
     shape = SHAPES[shape_name]
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**shape, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    config.architectures = ["LlamaForCausalLM"]  # what vLLM (the sweep's `vllm` setup) loads by
+    config.dtype = "bfloat16"  # the weights' dtype; kvrail's workers read neither
     config.save_pretrained(path)
     write_tokenizer(path, shape["vocab_size"], words)
     generator = torch.Generator(device=device).manual_seed(seed)

@@ -13,7 +13,9 @@ processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`
 all on this machine, then the load generator (`bench/loadgen.py`, imported) against the router's
 OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `colocated` worker, chunked prefill),
 `disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2` (a
-`colocated` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1). A worker on
+`colocated` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1); `vllm` is
+`vllm serve` on the same model directory, driven by the same client, requests and seeds, so its
+goodput is judged by the same rule (`--vllm-python`, `--vllm-pythonpath`). A worker on
 GPU g gets `CUDA_VISIBLE_DEVICES=g,<the others>`: g is its current device, and the others stay
 visible, as CUDA IPC to a peer on another GPU needs. The model (`model.py`) is the Llama-3-8B shape
 with random bf16 weights and a synthetic word-level tokenizer, so every generated token is one
@@ -34,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import sys
 import tarfile
@@ -45,7 +48,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from kvrail.local.procs import free_port
+from kvrail.local.procs import ManagedProcess, free_port, http_ok
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
@@ -55,7 +58,7 @@ lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
 randmodel = load_script("kvrail_bench_sweep_model", HERE / "model.py")
 observe = load_script("kvrail_bench_sweep_observe", HERE / "observe.py")
 
-SETUPS = ("colocated", "disaggregated", "colocated-x2", "disaggregated-x2")
+SETUPS = ("colocated", "disaggregated", "colocated-x2", "disaggregated-x2", "vllm")
 BLOCK_SIZE = 16
 
 
@@ -131,7 +134,36 @@ def worker_specs(setup: str, args: argparse.Namespace) -> list[tuple[str, str, d
         ]
     if setup == "disaggregated-x2":
         return [("prefill-0", "prefill", on(0, prefill)), ("decode-0", "decode", on(1, decode))]
+    if setup == "vllm":
+        return []  # no kvrail worker: `vllm_argv`'s server answers instead
     raise ValueError(f"unknown setup {setup!r}; choose from {SETUPS}")
+
+
+def vllm_argv(args: argparse.Namespace, model_dir: Path, port: int) -> list[str]:
+    """The `vllm` setup's server: vLLM's OpenAI server on the same model directory (the same
+    random weights and tokenizer as the kvrail workers load), its own defaults otherwise, and
+    `--vllm-args` last (a later flag wins)."""
+    return [
+        _absolute(args.vllm_python), "-P", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir.absolute()), "--served-model-name", model_dir.name,
+        "--max-model-len", str(args.max_model_len), "--seed", "0", "--host", "127.0.0.1",
+        "--port", str(port), *shlex.split(args.vllm_args),
+    ]  # fmt: skip
+
+
+def _absolute(program: str) -> str:
+    """A path with a folder in it, absolute (the server runs in a folder of its own); a bare name
+    is left to PATH. Not resolved: a virtual environment's python is a link into its base."""
+    return str(Path(program).absolute()) if os.sep in program else program
+
+
+def vllm_env(args: argparse.Namespace) -> dict[str, str]:
+    """The vLLM server's environment: this one, with PYTHONPATH set to `--vllm-pythonpath` where
+    given (the folder holding vLLM and its pinned packages, not the sweep's own)."""
+    env = {**os.environ, "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    if args.vllm_pythonpath is not None:
+        env["PYTHONPATH"] = args.vllm_pythonpath
+    return env
 
 
 # -- one setup -------------------------------------------------------------------------------------
@@ -167,14 +199,26 @@ async def run_setup(
     pool = LocalPool(etcd, nats, root / setup, f"sweep-{setup[:6]}-{uuid.uuid4().hex[:6]}", common)
     (root / setup).mkdir(parents=True, exist_ok=True)
     port = free_port()
+    vllm: ManagedProcess | None = None
     t0 = time.monotonic()
     try:
+        if setup == "vllm":
+            argv = vllm_argv(args, model_dir, port)
+            entry["server"] = {"argv": argv, "pythonpath": args.vllm_pythonpath}
+            # its own folder as the working directory: vLLM's helper processes run `python -m`
+            # without -P, and this repository's `operator/` would shadow the standard library's
+            vllm = ManagedProcess("vllm", argv, root / setup / "vllm.log", vllm_env(args),
+                                  cwd=root / setup).start()  # fmt: skip
+            health = f"http://127.0.0.1:{port}/health"
+            await asyncio.to_thread(vllm.wait_ready, lambda: http_ok(health), args.ready_timeout_s,
+                                    1.0)  # fmt: skip
         for worker_id, role, env in specs:
             pool.start(worker_id, role, **env)
         for worker_id, _, _ in specs:
             await asyncio.to_thread(pool.wait_ready, worker_id, args.ready_timeout_s)
-        pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
-        await asyncio.to_thread(pool.wait_ready, "router", 120)
+        if vllm is None:
+            pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
+            await asyncio.to_thread(pool.wait_ready, "router", 120)
         entry["pool_ready_s"] = time.monotonic() - t0
         entry["gpu_memory_ready"] = observe.gpu_memory()
         print(f"{setup}: pool ready in {entry['pool_ready_s']:.0f}s "
@@ -221,6 +265,8 @@ async def run_setup(
             print(f"{setup} {p.sweep.name}:\n{lg.table([report])}", file=sys.stderr, flush=True)
         entry["gpu_memory_end"] = observe.gpu_memory()
     finally:
+        if vllm is not None:
+            await asyncio.to_thread(vllm.stop, 60.0)
         await asyncio.to_thread(pool.stop)
         entry["seconds"] = time.monotonic() - t0
         write_json(args.out, result)
@@ -321,6 +367,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-itl-s", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="appended to the setup's name in the results")
+    p.add_argument("--vllm-python", default=sys.executable,
+                   help="the `vllm` setup: the Python that has vLLM")  # fmt: skip
+    p.add_argument("--vllm-pythonpath", help="the `vllm` setup: its server's PYTHONPATH")
+    p.add_argument("--vllm-args", default="",
+                   help="the `vllm` setup: more server flags, e.g. '--dtype float32'")  # fmt: skip
     args = p.parse_args(argv)
     if args.smoke:
         args.shape, args.max_model_len = "smollm2-135m", 512

@@ -54,6 +54,23 @@ def test_worker_specs_give_each_setup_its_roles_and_settings() -> None:
         run.worker_specs("both", args)
 
 
+def test_the_vllm_setup_has_no_kvrail_worker_and_serves_the_same_model_dir(tmp_path: Path) -> None:
+    args = run.parse_args(["--setups", "vllm", "--vllm-python", "venv/bin/python",
+                           "--vllm-pythonpath", "/opt/vsite",
+                           "--vllm-args", "--dtype float32"])  # fmt: skip
+    assert run.worker_specs("vllm", args) == []
+    model_dir = tmp_path / "llama3-8b-random"
+    argv = run.vllm_argv(args, model_dir, 8123)
+    assert argv[0] == str(Path("venv/bin/python").absolute())  # it runs in a folder of its own
+    assert argv[1:4] == ["-P", "-m", "vllm.entrypoints.openai.api_server"]
+    flags = dict(zip(argv[4::2], argv[5::2], strict=True))
+    assert flags["--model"] == str(model_dir)
+    assert flags["--served-model-name"] == "llama3-8b-random"  # the name the load generator asks
+    assert flags["--port"] == "8123" and flags["--max-model-len"] == str(args.max_model_len)
+    assert argv[-2:] == ["--dtype", "float32"]  # last, so that they win
+    assert run.vllm_env(args)["PYTHONPATH"] == "/opt/vsite"
+
+
 def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> None:
     decode = (
         "2026-11-29 16:02:07,000 INFO kvrail.worker.roles.decode first token request_id=chatcmpl-a "
@@ -132,8 +149,21 @@ def _point(sweep: str, rate: float, ttft_p99: float, itl_p99: float, errors: int
         "itl_s": {"p50": itl_p99 / 2, "p99": itl_p99}, "tpot_s": {"p50": 0.01, "p99": 0.02},
         "goodput": {"slo": {"ttft_s": 2.0, "itl_s": 0.05}, "requests_per_s": rate,
                     "attainment": 1.0},
+        "window_s": 10 / rate,
     }  # fmt: skip
-    return {"sweep": sweep, "point": {"rate": rate}, "summary": summary}
+    requests = [{"is_warmup": False, "error": "boom" if i < errors else None, "ttft_s": ttft_p99,
+                 "tpot_s": 0.01} for i in range(10)]  # fmt: skip
+    return {"sweep": sweep, "point": {"rate": rate}, "summary": summary, "requests": requests}
+
+
+def test_goodput_by_tpot_counts_what_vllm_bench_serve_counts() -> None:
+    point = _point("chat", 2.0, 1.0, 0.5)  # ITL p99 far out: the sweep's own goodput says 0
+    requests = point["requests"]
+    requests[0]["tpot_s"] = 0.06  # a mean gap over 50 ms
+    requests[1]["ttft_s"] = 2.5  # a first token after 2 s
+    requests[2]["error"] = "timeout"
+    requests.append({"is_warmup": True, "error": None, "ttft_s": 0.1, "tpot_s": 0.01})
+    assert report.goodput_by_tpot(point) == pytest.approx(7 / 5.0)  # 7 good in a 5 s window
 
 
 def test_the_highest_rate_within_the_slos_is_reported_per_setup() -> None:
