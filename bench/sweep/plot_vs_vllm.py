@@ -2,9 +2,12 @@
 
     .venv/bin/python -P bench/sweep/plot_vs_vllm.py bench/sweep/chat600-h200-2026-12-02
 
-Reads `kvrail.json` (bench/sweep/run.py's output) and `vllm-chat-rate-*.json` (`vllm bench
-serve --save-result`, as serve_chat.sh of the vLLM recipe writes them) from one folder, and
-draws `goodput.png` there. The burst (rate `inf`) is drawn at twice the highest finite rate.
+Reads `kvrail.json` (bench/sweep/run.py's output, whose `vllm` setup, where it ran, is `vllm
+serve` driven by the sweep's own client and judged by its rule) and any `vllm-chat-rate-*.json`
+(`vllm bench serve --save-result`, as serve_chat.sh of the vLLM recipe writes them: its goodput
+is by TPOT, and that script sends the same prompts at every rate, so only its first rate runs
+with a cold prefix cache) from one folder, and draws `goodput.png` there. The burst (rate `inf`)
+is drawn at twice the highest finite rate.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import report  # noqa: E402
 def main(folder: Path) -> None:
     series: dict[str, list[tuple[float, float, float]]] = {}  # name -> (rate, goodput, done)
     for r in report.rows(json.loads((folder / "kvrail.json").read_text()), "chat"):
-        series.setdefault(f"kvrail {r['setup']}", []).append((r["rate"], r["goodput"], r["req_s"]))
+        name = r["setup"] if r["setup"].startswith("vllm") else f"kvrail {r['setup']}"
+        series.setdefault(name, []).append((r["rate"], r["goodput"], r["req_s"]))
     for path in sorted(folder.glob("vllm-chat-rate-*.json")):
         d = json.loads(path.read_text())
         rate = float(path.stem.removeprefix("vllm-chat-rate-"))
-        series.setdefault("vllm serve", []).append(
+        series.setdefault("vllm bench serve (its client, TPOT rule)", []).append(
             (rate, d["request_goodput"], d["request_throughput"])
         )
     finite = [r for points in series.values() for r, _, _ in points if not math.isinf(r)]
