@@ -9,6 +9,9 @@
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 #   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
 #   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
+#   SETUPS=colocated,disaggregated bash bench/serving/h200.sh vs-vllm   # the chat sweep; then,
+#   SETUPS=vllm bash bench/serving/h200.sh vs-vllm    # once vLLM is in /tmp/vsite, vllm serve on
+#     the same model, client and requests (bench/sweep/README.md has the lease's call sequence)
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
@@ -112,5 +115,17 @@ case "${1:?what to run}" in
       --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local.json" \
       > "$OUT/local.log" 2>&1
     tail -n 8 "$OUT/local.log"
+    ;;
+  vs-vllm)  # issue 23's side by side: the chat sweep of run.py's setups in $SETUPS; its `vllm`
+    # setup needs vLLM installed in /tmp/vsite (the vLLM recipe's bundle and device-install.sh).
+    # The random model's folder stays in /tmp for the next call of the same lease.
+    source bench/sweep/device-setup.sh || exit 1
+    setups=${SETUPS:?the setups of run.py to run, e.g. colocated,disaggregated or vllm}
+    VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 python3 -P bench/sweep/run.py --setups "$setups" \
+      --workloads chat --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-8,16,32,inf}" \
+      --chunk-tokens 1024 --vllm-pythonpath /tmp/vsite --budget-s "${BUDGET_S:-540}" \
+      --logs "$OUT/logs-${setups//,/-}.tar.gz" --out "$OUT/kvrail-${setups//,/-}.json" \
+      > "$OUT/vs-vllm-${setups//,/-}.log" 2>&1
+    tail -n 16 "$OUT/vs-vllm-${setups//,/-}.log"
     ;;
 esac
