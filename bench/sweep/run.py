@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import signal
 import sys
@@ -157,6 +158,15 @@ def _absolute(program: str) -> str:
     return str(Path(program).absolute()) if os.sep in program else program
 
 
+def vllm_server_facts(log: str) -> dict[str, Any]:
+    """What vLLM's log says about the server that ran: its version and whether its prefix cache
+    was on (the sweep's seeds keep it from helping, but the record says it was there)."""
+    version = re.search(r"LLM engine \(v([\w.+-]+)\)", log)
+    caching = re.search(r"enable_prefix_caching=(True|False)", log)
+    return {"vllm_version": version.group(1) if version else None,
+            "prefix_caching": caching.group(1) == "True" if caching else None}  # fmt: skip
+
+
 def vllm_env(args: argparse.Namespace) -> dict[str, str]:
     """The vLLM server's environment: this one, with PYTHONPATH set to `--vllm-pythonpath` where
     given (the folder holding vLLM and its pinned packages, not the sweep's own)."""
@@ -212,6 +222,7 @@ async def run_setup(
             health = f"http://127.0.0.1:{port}/health"
             await asyncio.to_thread(vllm.wait_ready, lambda: http_ok(health), args.ready_timeout_s,
                                     1.0)  # fmt: skip
+            entry["server"].update(vllm_server_facts(vllm.log_text()))
         for worker_id, role, env in specs:
             pool.start(worker_id, role, **env)
         for worker_id, _, _ in specs:

@@ -69,6 +69,12 @@ def test_the_vllm_setup_has_no_kvrail_worker_and_serves_the_same_model_dir(tmp_p
     assert flags["--port"] == "8123" and flags["--max-model-len"] == str(args.max_model_len)
     assert argv[-2:] == ["--dtype", "float32"]  # last, so that they win
     assert run.vllm_env(args)["PYTHONPATH"] == "/opt/vsite"
+    log = (
+        "INFO [core.py:133] Initializing a V1 LLM engine (v0.26.0) with config: model='m', "
+        "seed=0, served_model_name=m, enable_prefix_caching=True, enable_chunked_prefill=True"
+    )
+    assert run.vllm_server_facts(log) == {"vllm_version": "0.26.0", "prefix_caching": True}
+    assert run.vllm_server_facts("") == {"vllm_version": None, "prefix_caching": None}
 
 
 def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> None:
