@@ -10,10 +10,14 @@ Every request streams through the real `openai.AsyncOpenAI` client (`stream=True
 
 Load. `--rates R1,R2,...` is an open loop: requests arrive at R per second, `--arrival poisson`
 (exponential gaps, the default) or `constant` (every 1/R s), whether or not earlier ones finished;
-`inf` sends them all at once. `--concurrency C1,C2,...` is a closed loop: C clients, each sending
-its next request when its previous one ended. Each load point runs `--num-requests` measured
-requests or `--duration-s` seconds of arrivals, after `--warmup` requests that are sent the same
-way but left out of every statistic.
+`inf` sends them all at once. `--client-processes N` shares an open loop's schedule out over N
+processes (one Python process of the openai client spends about 0.3 ms of CPU per chunk on a
+2-vCPU VM: a few thousand chunks/s and it, not the server, sets the gaps; see `_run_sharded`).
+Each point records how busy its busiest client process was (`client`), and calls the point
+client-bound above 80% of a core. `--concurrency C1,C2,...` is a closed loop: C clients, each
+sending its next request when its previous one ended. Each load point runs `--num-requests`
+measured requests or `--duration-s` seconds of arrivals, after `--warmup` requests that are sent
+the same way but left out of every statistic.
 
 Workload. Prompts are random words from a fixed list (`WORDS`), so no tokenizer is needed: one
 word is about one token (the real counts come back in `usage` and are reported). Lengths are `N`
@@ -514,21 +518,33 @@ async def send_request(
     return result
 
 
+def in_shard(index: int, shard: int, num_shards: int) -> bool:
+    """Whether request `index` of an open loop is sent by client process `shard` of
+    `num_shards` (round robin, so every process sends every rate's share at the same times)."""
+    return index % num_shards == shard
+
+
 async def _open_loop(
     client: openai.AsyncOpenAI,
     target: Target,
     workload: Workload,
     point: LoadPoint,
     progress: Progress,
+    shard: tuple[int, int] = (0, 1),
+    start: float | None = None,
 ) -> list[RequestResult]:
+    """The requests of `point`'s schedule in `shard` (this process's index, the number of
+    processes), each sent at its time after `start` (a `perf_counter` value, which on Linux is
+    the same clock in every process; default: now)."""
     assert point.rate is not None
     times = arrival_times(
         point.arrival, point.rate, workload.seed, num_warmup=point.num_warmup,
         num_requests=point.num_requests, duration_s=point.duration_s,
     )  # fmt: skip
-    progress.total = len(times)
+    mine = [(i, at) for i, at in enumerate(times) if in_shard(i, *shard)]
+    progress.total = len(mine)
     prefixes = system_prompts(workload)
-    start = time.perf_counter()
+    start = time.perf_counter() if start is None else start
 
     async def one(spec: RequestSpec) -> RequestResult:
         result = await send_request(client, target, spec, start)
@@ -537,7 +553,7 @@ async def _open_loop(
         return result
 
     tasks = []
-    for index, at in enumerate(times):
+    for index, at in mine:
         delay = start + at - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
@@ -588,22 +604,149 @@ async def _closed_loop(
 
 
 async def run_point(
-    target: Target, workload: Workload, point: LoadPoint, *, show_progress: bool = True
-) -> list[RequestResult]:
-    """Run one load point against `target`; every request's result, warm-up ones included."""
+    target: Target, workload: Workload, point: LoadPoint, *, show_progress: bool = True,
+    processes: int = 1,
+) -> list[RequestResult]:  # fmt: skip
+    """Run one load point against `target`; every request's result, warm-up ones included.
+    With `processes` > 1 (an open loop only), that many client processes share the schedule
+    (and show no progress line)."""
+    results, _ = await run_point_measured(
+        target, workload, point, show_progress=show_progress, processes=processes
+    )
+    return results
+
+
+def shard_urls(target: Target, replicas: Sequence[str], processes: int) -> list[str]:
+    """The URL each client process sends to: `target.url` and the other `replicas` of the same
+    server (e.g. router processes on other ports) in turn, so that every replica gets a client
+    process of its own. More replicas than processes would leave some idle: refused."""
+    urls = [target.url, *replicas]
+    if len(urls) > processes:
+        raise ValueError(f"{len(urls)} server URLs need at least as many client processes, "
+                         f"not {processes}")  # fmt: skip
+    return [urls[k % len(urls)] for k in range(processes)]
+
+
+async def run_point_measured(
+    target: Target, workload: Workload, point: LoadPoint, *, show_progress: bool = True,
+    processes: int = 1, replicas: Sequence[str] = (),
+) -> tuple[list[RequestResult], float]:  # fmt: skip
+    """`run_point`, and the busiest client process's CPU time over its wall time while it sent
+    and read (near 1.0: the client, not the server, set the pace of the chunks it read).
+    `replicas`: more URLs of the same server, shared out by `shard_urls`."""
+    urls = shard_urls(target, replicas, processes)
+    if processes > 1:
+        return await _run_sharded(target, workload, point, urls)
     progress = Progress(point.label, None)
     shower = asyncio.create_task(_show(progress)) if show_progress else None
     client = openai.AsyncOpenAI(
         base_url=target.url, api_key=target.api_key, max_retries=0, timeout=target.timeout_s
     )
+    cpu, wall = time.process_time(), time.perf_counter()
     try:
         loop = _closed_loop if point.arrival == "closed" else _open_loop
-        return await loop(client, target, workload, point, progress)
+        results = await loop(client, target, workload, point, progress)
+        return results, (time.process_time() - cpu) / (time.perf_counter() - wall)
     finally:
         await client.close()
         if shower is not None:
             shower.cancel()
             print("\r" + progress.line(), file=sys.stderr, flush=True)
+
+
+# -- several client processes ---------------------------------------------------------------------
+#
+# One Python process streaming through `openai.AsyncOpenAI` spends about 0.3 ms of CPU per chunk
+# (2-vCPU development VM, bench/loadgen_cost.txt): at a few thousand chunks/s its core is full,
+# chunks queue in its socket buffers and are read in bunches, and the server's ITL looks worse
+# than it is. A sweep of 150 streams at 10 ms steps needs 15,000/s. `--client-processes N`
+# splits an open loop's schedule round robin over N child processes (`python -P loadgen.py
+# --shard`), which wait for one start time and send their requests at the same instants as one
+# process would.
+
+
+_THIS_FILE = str(Path(__file__).resolve())
+CLIENT_BOUND = 0.8
+"""A client process busier than this (CPU over wall time) reads its chunks late: a point's gaps
+are then partly the client's. The report says so (`client.bound`)."""
+
+
+def _workload_from(d: dict[str, Any]) -> Workload:
+    lengths = {k: Lengths(**d[k]) if d[k] is not None else None
+               for k in ("prompt_tokens", "output_tokens", "long_context_tokens")}  # fmt: skip
+    return Workload(**{**d, **lengths})
+
+
+async def _run_sharded(
+    target: Target, workload: Workload, point: LoadPoint, urls: Sequence[str]
+) -> tuple[list[RequestResult], float]:
+    """Client process k sends its shard of the schedule to `urls[k]`."""
+    if point.arrival == "closed":
+        raise ValueError("several client processes need an open loop (a rate), not a concurrency")
+    processes = len(urls)
+    specs = [json.dumps({"target": {**asdict(target), "url": url}, "workload": asdict(workload),
+                         "point": asdict(point), "processes": processes})
+             for url in urls]  # fmt: skip
+    pipe = asyncio.subprocess.PIPE
+    children = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-P", _THIS_FILE, "--shard", str(k), stdin=pipe, stdout=pipe
+        )
+        for k in range(processes)
+    ]
+    try:
+        for child, spec in zip(children, specs, strict=True):
+            assert child.stdin is not None and child.stdout is not None
+            child.stdin.write(spec.encode() + b"\n")
+            await child.stdin.drain()
+        for child in children:  # each has imported openai and built its client
+            assert child.stdout is not None
+            if (await child.stdout.readline()).strip() != b"ready":
+                code = await child.wait()
+                raise RuntimeError(f"client process {child.pid} did not start (exit {code})")
+        start = time.perf_counter() + 0.05
+        for child in children:
+            assert child.stdin is not None
+            child.stdin.write(f"{start!r}\n".encode())
+            await child.stdin.drain()
+        outputs = await asyncio.gather(*(child.communicate() for child in children))
+    finally:
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+    results: list[RequestResult] = []
+    busiest = 0.0
+    for child, (out, _) in zip(children, outputs, strict=True):
+        if child.returncode != 0:
+            raise RuntimeError(f"client process {child.pid} exited with {child.returncode}")
+        report = json.loads(out)
+        results += [RequestResult(**r) for r in report["results"]]
+        busiest = max(busiest, report["busy"])
+    return sorted(results, key=lambda r: r.index), busiest
+
+
+async def _shard_main(shard: int) -> None:
+    """A child of `_run_sharded`: the spec on stdin, "ready", the start time on stdin, then its
+    requests' results and its CPU over wall time as one JSON object on stdout."""
+    loop = asyncio.get_running_loop()
+    spec = json.loads(await loop.run_in_executor(None, sys.stdin.readline))
+    target, point = Target(**spec["target"]), LoadPoint(**spec["point"])
+    workload = _workload_from(spec["workload"])
+    client = openai.AsyncOpenAI(
+        base_url=target.url, api_key=target.api_key, max_retries=0, timeout=target.timeout_s
+    )
+    print("ready", flush=True)
+    start = float(await loop.run_in_executor(None, sys.stdin.readline))
+    progress = Progress(point.label, None)
+    cpu = time.process_time()
+    try:
+        results = await _open_loop(client, target, workload, point, progress,
+                                   (shard, spec["processes"]), start)  # fmt: skip
+        busy = (time.process_time() - cpu) / (time.perf_counter() - start)
+    finally:
+        await client.close()
+    print(json.dumps({"results": [asdict(r) for r in results], "busy": busy}), flush=True)
 
 
 def request_record(r: RequestResult) -> dict[str, Any]:
@@ -759,6 +902,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, help="JSON report")
     p.add_argument("--plot", help="PNG prefix: PREFIX-latency.png, PREFIX-goodput.png")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="client processes sharing each open-loop point")  # fmt: skip
     args = p.parse_args(argv)
     if args.num_requests is None and args.duration_s is None:
         args.num_requests = 20
@@ -785,14 +930,22 @@ async def _served_model(url: str, api_key: str) -> str:
 async def run(
     target: Target, workload: Workload, points: Sequence[LoadPoint], slo: Slo,
     *, show_progress: bool = True, on_point: Callable[[dict[str, Any]], None] | None = None,
+    processes: int = 1, replicas: Sequence[str] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
-    """Every load point in turn: its parameters, summary, the load average and every request."""
+    """Every load point in turn: its parameters, summary, the load average and every request.
+    `processes`: client processes per open-loop point (a closed loop always runs in this one);
+    `replicas`: see `shard_urls`."""
     reports = []
     for point in points:
         loadavg_before = list(os.getloadavg())
-        results = await run_point(target, workload, point, show_progress=show_progress)
+        n = processes if point.arrival != "closed" else 1
+        results, busy = await run_point_measured(
+            target, workload, point, show_progress=show_progress, processes=n,
+            replicas=replicas if n > 1 else (),
+        )  # fmt: skip
         report = {
             "label": point.label,
+            "client": {"processes": n, "busiest_cpu_fraction": busy, "bound": busy >= CLIENT_BOUND},
             "point": {k: _json_number(v) for k, v in asdict(point).items()},
             "summary": summarize(results, slo),
             "loadavg_before": loadavg_before,
@@ -817,7 +970,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     slo = Slo(args.slo_ttft_s, args.slo_itl_s, args.slo_itl_stat, args.slo_tpot_s)
     env = machine()
     points = asyncio.run(
-        run(target, workload, load_points(args), slo, show_progress=not args.quiet)
+        run(
+            target,
+            workload,
+            load_points(args),
+            slo,
+            show_progress=not args.quiet,
+            processes=args.client_processes,
+        )
     )
     print(table(points))
     if args.out:
@@ -834,4 +994,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--shard"]:  # a child of _run_sharded
+        asyncio.run(_shard_main(int(sys.argv[2])))
+        sys.exit(0)
     sys.exit(main())

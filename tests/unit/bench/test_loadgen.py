@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+import subprocess
+import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +16,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
+from kvrail.local.procs import free_port, port_in_use
 from kvrail.testing.scripts import load_script
 
 LOADGEN_PATH = Path(__file__).resolve().parents[3] / "bench" / "loadgen.py"
@@ -330,3 +336,80 @@ def test_the_report_prints_a_table_and_plots_two_pngs(tmp_path: Path) -> None:
     paths = lg.plot(points, str(tmp_path / "run"))
     assert [p.name for p in paths] == ["run-latency.png", "run-goodput.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+
+
+# -- several client processes ----------------------------------------------------------------------
+
+
+def test_shards_split_the_schedule_round_robin_with_nothing_lost_or_sent_twice() -> None:
+    for num_shards in (1, 2, 3, 8):
+        owners = [
+            [k for k in range(num_shards) if lg.in_shard(i, k, num_shards)] for i in range(50)
+        ]
+        assert all(len(o) == 1 for o in owners)
+        counts = [sum(o == [k] for o in owners) for k in range(num_shards)]
+        assert max(counts) - min(counts) <= 1
+
+
+def test_a_workload_survives_the_trip_to_a_client_process() -> None:
+    workload = lg.Workload(lg.Lengths(3, 9), lg.Lengths(4, 4), 2, 5, 0.25, lg.Lengths(50, 60), 7)
+    assert lg._workload_from(asdict(workload)) == workload
+
+
+def _standin(port: int) -> subprocess.Popen[bytes]:
+    """bench/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed chunks, its
+    response id naming its port (the thing under test is the client side)."""
+    script = str(LOADGEN_PATH.parent / "loadgen_cost.py")
+    standin = subprocess.Popen([sys.executable, "-P", script, "--standin", str(port),
+                                "--tokens", "5", "--gap-ms", "5"])  # fmt: skip
+    deadline = time.monotonic() + 30
+    while not port_in_use("127.0.0.1", port):
+        assert standin.poll() is None and time.monotonic() < deadline, "no stand-in"
+        time.sleep(0.05)
+    return standin
+
+
+def test_client_processes_send_the_whole_schedule_through_the_real_openai_client() -> None:
+    """Two client processes, each with a server replica of its own (two stand-ins), send every
+    request of the schedule once, at its time."""
+    ports = [free_port(), free_port()]
+    standins = [_standin(port) for port in ports]
+    try:
+        target = lg.Target(f"http://127.0.0.1:{ports[0]}/v1", "standin", timeout_s=30.0)
+        replicas = [f"http://127.0.0.1:{ports[1]}/v1"]
+        workload = lg.Workload(lg.Lengths(4, 4), lg.Lengths(5, 5), seed=3)
+        point = lg.LoadPoint("poisson", rate=50.0, num_requests=7, num_warmup=1)
+        measured = lg.run_point_measured(target, workload, point, show_progress=False,
+                                         processes=2, replicas=replicas)  # fmt: skip
+        results, busy = asyncio.run(measured)
+        times = lg.arrival_times("poisson", 50.0, 3, num_warmup=1, num_requests=7)
+        closed = lg.LoadPoint("closed", concurrency=2, num_requests=2)
+        with pytest.raises(ValueError, match="open loop"):
+            asyncio.run(lg.run_point(target, workload, closed, show_progress=False, processes=2))
+    finally:
+        for standin in standins:
+            standin.terminate()
+            standin.wait()
+    assert [r.index for r in results] == list(range(8))
+    assert [r.is_warmup for r in results] == [True] + [False] * 7
+    assert all(r.error is None and len(r.chunk_times_s) == 5 for r in results)
+    assert all(r.output_tokens == 5 and r.finish_reason == "length" for r in results)
+    # request i went from client process i % 2 to that process's replica
+    assert [r.response_id for r in results] == [
+        f"chatcmpl-standin-{ports[i % 2]}" for i in range(8)
+    ]
+    # sent on one schedule from one start: each send is at its time, give or take the scheduling
+    assert max(abs(r.start_s - at) for r, at in zip(results, times, strict=True)) < 0.25
+    assert 0.0 < busy < 1.5  # the busiest client process's CPU over its wall time
+
+
+def test_each_client_process_gets_a_server_replica_in_turn() -> None:
+    target = lg.Target("http://a/v1", "m")
+    assert lg.shard_urls(target, [], 3) == ["http://a/v1"] * 3
+    assert lg.shard_urls(target, ["http://b/v1"], 3) == [
+        "http://a/v1",
+        "http://b/v1",
+        "http://a/v1",
+    ]
+    with pytest.raises(ValueError, match="at least as many client processes"):
+        lg.shard_urls(target, ["http://b/v1", "http://c/v1"], 2)
