@@ -124,6 +124,7 @@ case "${1:?what to run}" in
     VLLM_USE_FLASHINFER_SAMPLER=0 timeout 570 python3 -P bench/sweep/run.py --setups "$setups" \
       --workloads chat --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-8,16,32,inf}" \
       --chunk-tokens 1024 --vllm-pythonpath /tmp/vsite --budget-s "${BUDGET_S:-540}" \
+      --client-processes "${CLIENTS:-4}" --routers "${ROUTERS:-1}" \
       --logs "$OUT/logs-${setups//,/-}.tar.gz" --out "$OUT/kvrail-${setups//,/-}.json" \
       > "$OUT/vs-vllm-${setups//,/-}.log" 2>&1
     tail -n 16 "$OUT/vs-vllm-${setups//,/-}.log"

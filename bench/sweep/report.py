@@ -89,6 +89,7 @@ def rows(result: dict[str, Any], sweep: str) -> list[dict[str, Any]]:
                 "tpot": s["tpot_s"], "goodput": s["goodput"]["requests_per_s"],
                 "attainment": s["goodput"]["attainment"], "meets": meets(s),
                 "goodput_tpot": goodput_by_tpot(p),
+                "client": p.get("client"),  # older runs did not record it
                 "modes": p.get("servers", {}).get("prefill_modes", {}),
             })  # fmt: skip
     return sorted(out, key=lambda r: (r["setup"], r["rate"]))
@@ -137,6 +138,11 @@ def markdown(result: dict[str, Any]) -> str:
         best = ", ".join(f"{k}: {v:g} req/s" if v is not None else f"{k}: none of the rates"
                          for k, v in best_rates(result, sweep).items())  # fmt: skip
         parts.append(f"Highest offered rate with TTFT p99 and ITL p99 within the SLOs: {best}.\n")
+        bound = [r for r in rows(result, sweep) if r["client"] and r["client"]["bound"]]
+        parts += [f"- client-bound: {r['setup']} at {r['rate']:g} req/s (its busiest load "
+                  f"generator process {r['client']['busiest_cpu_fraction']:.0%} busy: the gaps "
+                  "are partly the client's)" for r in bound]  # fmt: skip
+        parts += [""] if bound else []
     for setup in result["setups"]:
         for skipped in setup.get("skipped", []):
             parts.append(f"- skipped: {setup['setup']} {skipped['sweep']} at {skipped['rate']:g}"

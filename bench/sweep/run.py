@@ -15,7 +15,9 @@ OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `colocated` worke
 `disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2` (a
 `colocated` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1); `vllm` is
 `vllm serve` on the same model directory, driven by the same client, requests and seeds, so its
-goodput is judged by the same rule (`--vllm-python`, `--vllm-pythonpath`). A worker on
+goodput is judged by the same rule (`--vllm-python`, `--vllm-pythonpath`). The kvrail setups
+run `--routers` router processes on ports of their own, and the load generator runs in
+`--client-processes` processes, each sending to one router in turn. A worker on
 GPU g gets `CUDA_VISIBLE_DEVICES=g,<the others>`: g is its current device, and the others stay
 visible, as CUDA IPC to a peer on another GPU needs. The model (`model.py`) is the Llama-3-8B shape
 with random bf16 weights and a synthetic word-level tokenizer, so every generated token is one
@@ -208,7 +210,8 @@ async def run_setup(
     result["setups"].append(entry)
     pool = LocalPool(etcd, nats, root / setup, f"sweep-{setup[:6]}-{uuid.uuid4().hex[:6]}", common)
     (root / setup).mkdir(parents=True, exist_ok=True)
-    port = free_port()
+    ports = [free_port() for _ in range(args.routers if setup != "vllm" else 1)]
+    port = ports[0]
     vllm: ManagedProcess | None = None
     t0 = time.monotonic()
     try:
@@ -227,13 +230,16 @@ async def run_setup(
             pool.start(worker_id, role, **env)
         for worker_id, _, _ in specs:
             await asyncio.to_thread(pool.wait_ready, worker_id, args.ready_timeout_s)
-        if vllm is None:
-            pool.start_router("router", KVRAIL_HTTP_PORT=str(port))
-            await asyncio.to_thread(pool.wait_ready, "router", 120)
+        if vllm is None:  # router processes, each on its own port (as replicas would be)
+            for i, router_port in enumerate(ports):
+                pool.start_router(f"router-{i}", KVRAIL_HTTP_PORT=str(router_port))
+            for i in range(len(ports)):
+                await asyncio.to_thread(pool.wait_ready, f"router-{i}", 120)
         entry["pool_ready_s"] = time.monotonic() - t0
         entry["gpu_memory_ready"] = observe.gpu_memory()
         print(f"{setup}: pool ready in {entry['pool_ready_s']:.0f}s "
               f"gpu={entry['gpu_memory_ready']}", file=sys.stderr, flush=True)  # fmt: skip
+        replicas = [f"http://127.0.0.1:{other}/v1" for other in ports[1:]]
         target = lg.Target(f"http://127.0.0.1:{port}/v1", model_dir.name, temperature=0.0,
                            timeout_s=600.0)  # fmt: skip
         slo = lg.Slo(ttft_s=args.slo_ttft_s, itl_s=args.slo_itl_s, itl_stat="p99")
@@ -260,7 +266,13 @@ async def run_setup(
                                    seed=p.seed(args.seed))  # fmt: skip
             point = lg.LoadPoint("poisson", rate=p.rate, num_requests=p.sweep.num_requests,
                                  num_warmup=args.warmup)  # fmt: skip
-            [report] = await lg.run(target, workload, [point], slo)
+            [report] = await lg.run(target, workload, [point], slo,
+                                    processes=args.client_processes, replicas=replicas)  # fmt: skip
+            if report["client"]["bound"]:
+                busy = report["client"]["busiest_cpu_fraction"]
+                print(f"{setup}: the busiest client process was {busy:.0%} busy at {p.rate:g}/s: "
+                      "its gaps overstate the server's (--client-processes)",
+                      file=sys.stderr, flush=True)  # fmt: skip
             logged: dict[str, dict[str, Any]] = {}
             for worker_id, _, _ in specs:
                 for rid, seen in observe.parse_worker_log(
@@ -378,12 +390,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slo-itl-s", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tag", default="", help="appended to the setup's name in the results")
+    p.add_argument("--routers", type=int, default=1,
+                   help="router processes, each on its own port (kvrail setups)")  # fmt: skip
+    p.add_argument(
+        "--client-processes",
+        type=int,
+        help="load generator processes per point (default 4, or 1 on a CPU)",
+    )
     p.add_argument("--vllm-python", default=sys.executable,
                    help="the `vllm` setup: the Python that has vLLM")  # fmt: skip
     p.add_argument("--vllm-pythonpath", help="the `vllm` setup: its server's PYTHONPATH")
     p.add_argument("--vllm-args", default="",
                    help="the `vllm` setup: more server flags, e.g. '--dtype float32'")  # fmt: skip
     args = p.parse_args(argv)
+    if args.client_processes is None:
+        args.client_processes = 1 if args.smoke or args.cpu else 4
+    if args.client_processes < max(1, args.routers):
+        p.error("--client-processes must be at least 1 and at least --routers (one per router)")
     if args.smoke:
         args.shape, args.max_model_len = "smollm2-135m", 512
         args.model_dir = Path(tempfile.gettempdir()) / "kvrail-sweep" / "smollm2-135m-random"

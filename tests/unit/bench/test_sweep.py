@@ -190,3 +190,13 @@ def test_merging_runs_keeps_every_setup_and_each_runs_metadata() -> None:
     merged = report.merge([a, b])
     assert [s["setup"] for s in merged["setups"]] == ["colocated", "disaggregated"]
     assert [r["command"] for r in merged["runs"]] == ["a", "b"]
+
+
+def test_points_whose_load_generator_was_cpu_bound_are_named() -> None:
+    busy, calm = _point("chat", 2.0, 1.0, 0.04), _point("chat", 4.0, 1.0, 0.04)
+    busy["client"] = {"processes": 1, "busiest_cpu_fraction": 0.93, "bound": True}
+    calm["client"] = {"processes": 4, "busiest_cpu_fraction": 0.35, "bound": False}
+    result = {"setups": [{"setup": "colocated", "points": [busy, calm]}]}
+    text = report.markdown(result)
+    assert "- client-bound: colocated at 2 req/s (its busiest load generator process 93%" in text
+    assert "at 4 req/s" not in text
