@@ -933,15 +933,15 @@ async def run(
     processes: int = 1, replicas: Sequence[str] = (),
 ) -> list[dict[str, Any]]:  # fmt: skip
     """Every load point in turn: its parameters, summary, the load average and every request.
-    `processes`: client processes per open-loop point (a closed loop always runs in this one);
-    `replicas`: see `shard_urls`."""
+    `processes`: client processes per open-loop point (a closed loop always runs in this one,
+    so it refuses `replicas`); `replicas`: see `shard_urls`."""
     reports = []
     for point in points:
         loadavg_before = list(os.getloadavg())
         n = processes if point.arrival != "closed" else 1
         results, busy = await run_point_measured(
             target, workload, point, show_progress=show_progress, processes=n,
-            replicas=replicas if n > 1 else (),
+            replicas=replicas,
         )  # fmt: skip
         report = {
             "label": point.label,
