@@ -405,8 +405,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.client_processes is None:
         args.client_processes = 1 if args.smoke or args.cpu else 4
-    if args.client_processes < max(1, args.routers):
-        p.error("--client-processes must be at least 1 and at least --routers (one per router)")
+    if args.routers < 1:
+        p.error("--routers must be at least 1")
+    if args.client_processes < args.routers:
+        p.error("--client-processes must be at least --routers (a client process per router)")
     if args.smoke:
         args.shape, args.max_model_len = "smollm2-135m", 512
         args.model_dir = Path(tempfile.gettempdir()) / "kvrail-sweep" / "smollm2-135m-random"

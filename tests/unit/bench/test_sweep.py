@@ -200,3 +200,11 @@ def test_points_whose_load_generator_was_cpu_bound_are_named() -> None:
     text = report.markdown(result)
     assert "- client-bound: colocated at 2 req/s (its busiest load generator process 93%" in text
     assert "at 4 req/s" not in text
+
+
+def test_routers_and_client_processes_are_checked() -> None:
+    assert run.parse_args([]).client_processes == 4  # a GPU machine's default
+    assert run.parse_args(["--cpu"]).client_processes == 1
+    for bad in (["--routers", "0"], ["--routers", "3", "--client-processes", "2"]):
+        with pytest.raises(SystemExit):
+            run.parse_args(bad)
