@@ -28,7 +28,9 @@ data:
   {{- if and $existing $existing.data }}
   password: {{ index $existing.data "password" }}
   {{- else }}
-  password: {{ randAlphaNum 32 | b64enc }}
+  {{- /* a letter first: nats-server reads $NATS_PASSWORD as a config value, and one that starts
+  with a digit parses as a number (seen: "could not be parsed ... but got '1'") */}}
+  password: {{ printf "k%s" (randAlphaNum 31) | b64enc }}
   {{- end }}
 {{- end -}}
 {{- end -}}

@@ -149,6 +149,10 @@ def test_generated_passwords_are_random_and_never_committed(helm_binary: Path) -
         "kvrail-nats-credentials",
     }
     assert first != second, "generated passwords must differ between renders"
+    for secret in secrets + [d for d in docs(second) if d["kind"] == "Secret"]:
+        password = base64.b64decode(secret["data"]["password"]).decode()
+        # 32 letters and digits, a letter first: nats-server parses a leading digit as a number
+        assert len(password) == 32 and password.isalnum() and password[0].isalpha(), password[0]
     for golden in (CHART / "golden").glob("*.yaml"):
         for doc in docs(golden.read_text()):
             if doc["kind"] == "Secret":
