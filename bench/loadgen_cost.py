@@ -22,13 +22,13 @@ import argparse
 import asyncio
 import json
 import resource
-import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from kvrail.local.procs import free_port, port_in_use
+from kvrail.local.procs import ManagedProcess, free_port, port_in_use
 from kvrail.testing.scripts import load_script
 
 lg = load_script("kvrail_bench_loadgen", Path(__file__).resolve().parent / "loadgen.py")
@@ -105,6 +105,15 @@ def measure(port: int, rate: float, num_requests: int, processes: int) -> dict[s
     }  # fmt: skip
 
 
+def start_standin(port: int, num_tokens: int, gap_ms: float, log_path: Path) -> ManagedProcess:
+    """`serve_standin` in a process of its own (it dies with its parent), once it listens."""
+    argv = [sys.executable, "-P", __file__, "--standin", str(port), "--tokens", str(num_tokens),
+            "--gap-ms", str(gap_ms)]  # fmt: skip
+    standin = ManagedProcess("standin", argv, log_path).start()
+    standin.wait_ready(lambda: port_in_use("127.0.0.1", port), 30.0, 0.05)
+    return standin
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--standin", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -119,14 +128,10 @@ def main() -> None:
         asyncio.run(serve_standin(args.standin, args.tokens, args.gap_ms / 1000))
         return
     port = free_port()
-    argv = [sys.executable, "-P", __file__, "--standin", str(port)]
-    standin = subprocess.Popen([*argv, "--tokens", str(args.tokens), "--gap-ms", str(args.gap_ms)])
+    standin = start_standin(
+        port, args.tokens, args.gap_ms, Path(tempfile.mkdtemp()) / "standin.log"
+    )
     try:
-        deadline = time.monotonic() + 30
-        while not port_in_use("127.0.0.1", port):
-            if standin.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the stand-in did not start (exit {standin.poll()})")
-            time.sleep(0.05)
         print(f"stand-in: {args.tokens} chunks {args.gap_ms:g} ms apart; Poisson {args.rate:g}/s, "
               f"{args.requests} requests per run")  # fmt: skip
         for round_ in range(1, args.rounds + 1):
@@ -137,8 +142,7 @@ def main() -> None:
                       f"CPU {m['cpu_s']:.1f} s; gap p50 {m['gap_p50_ms']:.1f} ms, "
                       f"p99 {m['gap_p99_ms']:.1f} ms", flush=True)  # fmt: skip
     finally:
-        standin.terminate()
-        standin.wait()
+        standin.stop()
 
 
 if __name__ == "__main__":

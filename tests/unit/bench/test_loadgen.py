@@ -4,9 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import subprocess
-import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,13 +13,14 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from kvrail.local.procs import free_port, port_in_use
+from kvrail.local.procs import free_port
 from kvrail.testing.scripts import load_script
 
 LOADGEN_PATH = Path(__file__).resolve().parents[3] / "bench" / "loadgen.py"
 
 
 lg: Any = load_script("kvrail_bench_loadgen", LOADGEN_PATH)
+cost: Any = load_script("kvrail_bench_loadgen_cost", LOADGEN_PATH.parent / "loadgen_cost.py")
 
 
 def result(
@@ -356,24 +354,17 @@ def test_a_workload_survives_the_trip_to_a_client_process() -> None:
     assert lg._workload_from(asdict(workload)) == workload
 
 
-def _standin(port: int) -> subprocess.Popen[bytes]:
-    """bench/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed chunks, its
-    response id naming its port (the thing under test is the client side)."""
-    script = str(LOADGEN_PATH.parent / "loadgen_cost.py")
-    standin = subprocess.Popen([sys.executable, "-P", script, "--standin", str(port),
-                                "--tokens", "5", "--gap-ms", "5"])  # fmt: skip
-    deadline = time.monotonic() + 30
-    while not port_in_use("127.0.0.1", port):
-        assert standin.poll() is None and time.monotonic() < deadline, "no stand-in"
-        time.sleep(0.05)
-    return standin
-
-
-def test_client_processes_send_the_whole_schedule_through_the_real_openai_client() -> None:
+def test_client_processes_send_the_whole_schedule_through_the_real_openai_client(
+    tmp_path: Path,
+) -> None:
     """Two client processes, each with a server replica of its own (two stand-ins), send every
     request of the schedule once, at its time."""
     ports = [free_port(), free_port()]
-    standins = [_standin(port) for port in ports]
+    # bench/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed chunks, its
+    # response id naming its port (the thing under test is the client side)
+    standins = [
+        cost.start_standin(port, 5, 5.0, tmp_path / f"standin-{port}.log") for port in ports
+    ]
     try:
         target = lg.Target(f"http://127.0.0.1:{ports[0]}/v1", "standin", timeout_s=30.0)
         replicas = [f"http://127.0.0.1:{ports[1]}/v1"]
@@ -388,8 +379,7 @@ def test_client_processes_send_the_whole_schedule_through_the_real_openai_client
             asyncio.run(lg.run_point(target, workload, closed, show_progress=False, processes=2))
     finally:
         for standin in standins:
-            standin.terminate()
-            standin.wait()
+            standin.stop()
     assert [r.index for r in results] == list(range(8))
     assert [r.is_warmup for r in results] == [True] + [False] * 7
     assert all(r.error is None and len(r.chunk_times_s) == 5 for r in results)
