@@ -16,6 +16,7 @@ import asyncio
 import gc
 import json
 import logging
+import os
 import random
 import sys
 from pathlib import Path
@@ -146,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    # One prompt per tokenizer thread, never one prompt over several threads: `tokenizers` would
+    # otherwise hand even a one-text batch to its Rayon pool, whose threads wake, spin and yield
+    # for every request, on the cores the event loop needs (a third of a streamed request's CPU
+    # on the router bench, `bench/router/README.md`). An operator's own setting is kept.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         # uvloop: HTTP and NATS share this one loop, and its per-event cost is the router's.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
