@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     # One prompt per tokenizer thread, never one prompt over several threads: `tokenizers` would
     # otherwise hand even a one-text batch to its Rayon pool, whose threads wake, spin and yield
-    # for every request, on the cores the event loop needs (a third of a streamed request's CPU
-    # on the router bench, `bench/router/README.md`). An operator's own setting is kept.
+    # for every request on the cores the event loop needs (on the router bench: 7 sched_yield and
+    # 8 more futex calls per streamed request, `bench/router/README.md`). An operator's own
+    # setting is kept.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         # uvloop: HTTP and NATS share this one loop, and its per-event cost is the router's.

@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
@@ -122,7 +122,7 @@ async def serve(
         kind_ = "rate_limit_error" if err.status == 429 else "invalid_request_error"
         raise ApiError(err.status, err.message, kind_, headers=headers) from err
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    response_id = f"{prefix}-{uuid.uuid4().hex}"
+    response_id = f"{prefix}-{secrets.token_hex(16)}"  # 128 random bits
     job = Job(
         request_id=response_id, token_ids=tuple(prompt_ids), sampling=params,
         deadline_unix_s=time.time() + state.request_timeout_s, tenant_salt=tenant.salt,

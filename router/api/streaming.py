@@ -115,9 +115,15 @@ async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
         return await work
 
 
+class Last(bytes):
+    """A response body's last bytes: `EventStream` sends them with the end of the body, in one
+    write."""
+
+
 class EventStream:
     """An ASGI response of server-sent events, written straight to `send`, one message per
-    event. The body generator is closed however the response ends; a client that disconnects
+    chunk the body yields (`sse` yields one per piece: the events a piece makes leave in one
+    write). The body generator is closed however the response ends; a client that disconnects
     (before the first byte included) cancels it at once (`asgi.ClientWatch`), which cancels the
     request."""
 
@@ -131,9 +137,12 @@ class EventStream:
         try:
             async with asgi.ClientWatch(receive):
                 await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+                last = False
                 async for chunk in self._body:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
-                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                    last = type(chunk) is Last
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if not last:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asgi.ClientLeft:
             pass  # counted as 499 by `sse`, cancelled on the workers by closing the body
         finally:
@@ -153,10 +162,13 @@ def _event(body: dict[str, Any]) -> bytes:
 async def sse(
     reply: Reply, pieces: AsyncGenerator[Piece, None], count: Callable[[str], None]
 ) -> AsyncIterator[bytes]:
-    """The response's events; `count` gets its HTTP status once it ends (499: the client left)."""
+    """The response's events, one chunk of bytes per piece; the last piece's events, the usage
+    chunk and `[DONE]` leave together, as the body's `Last` bytes. `count` gets the response's
+    HTTP status once it ends (499: the client left)."""
     status = "499"  # the client left before the end
     last = Piece("", None, 0)
     every = reply.continuous_usage_stats
+    tail = b""  # the finished piece's events, sent with the end
     try:
         if reply.kind == "chat":
             yield _event(reply.chunk("", None, reply.usage(last) if every else None, first=True))
@@ -164,18 +176,22 @@ async def sse(
             async for piece in pieces:
                 last = piece
                 usage = reply.usage(piece) if every else None
+                events = b""
                 if piece.text and usage is None:
-                    yield reply.text_event(piece.text)
+                    events = reply.text_event(piece.text)
                 elif piece.text:
-                    yield _event(reply.chunk(piece.text, None, usage))
-                if piece.finish_reason is not None:
-                    yield _event(reply.chunk(None, piece.finish_reason, usage))
+                    events = _event(reply.chunk(piece.text, None, usage))
+                if piece.finish_reason is None:
+                    if events:
+                        yield events
+                    continue
+                tail = events + _event(reply.chunk(None, piece.finish_reason, usage))
         if reply.include_usage:
-            yield _event(reply.chunk(None, None, usage=reply.usage(last)))
+            tail += _event(reply.chunk(None, None, usage=reply.usage(last)))
         status = "200"
     except ApiError as err:
         status = str(err.status)
-        yield _event(err.body())
+        tail += _event(err.body())
     finally:
         count(status)
-    yield b"data: [DONE]\n\n"
+    yield Last(tail + b"data: [DONE]\n\n")

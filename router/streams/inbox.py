@@ -5,8 +5,8 @@ subject, `<prefix>.events`; each request is published with the reply subject
 `<prefix>.r.<request id>`, so that NATS's "no responders" answer, which carries nothing but a
 status, still names its request. `EventInbox` subscribes `<prefix>.>` once and hands each event
 to the queue of its request (`open` / `close`); an event for a request nobody waits for (one
-that finished or left) is dropped. The request ids come from the router itself (uuid hex), so
-they are valid subject tokens.
+that finished or left) is dropped. The request ids come from the router itself (128 random
+bits in hex), so they are valid subject tokens.
 """
 
 from __future__ import annotations
