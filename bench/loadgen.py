@@ -71,6 +71,7 @@ import os
 import platform
 import random
 import sys
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -709,21 +710,41 @@ async def _run_sharded(
             assert child.stdin is not None
             child.stdin.write(f"{start!r}\n".encode())
             await child.stdin.drain()
-        outputs = await asyncio.gather(*(child.communicate() for child in children))
+        # Not `communicate()`, which would close their stdin now: its end tells a client
+        # process that this one is gone (`_end_at_eof`).
+        outputs = await asyncio.gather(*(_output(child) for child in children))
     finally:
         for child in children:
             if child.returncode is None:
                 child.kill()
                 await child.wait()
+            if child.stdin is not None:
+                child.stdin.close()
     results: list[RequestResult] = []
     busiest = 0.0
-    for child, (out, _) in zip(children, outputs, strict=True):
+    for child, out in zip(children, outputs, strict=True):
         if child.returncode != 0:
             raise RuntimeError(f"client process {child.pid} exited with {child.returncode}")
         report = json.loads(out)
         results += [RequestResult(**r) for r in report["results"]]
         busiest = max(busiest, report["busy"])
     return sorted(results, key=lambda r: r.index), busiest
+
+
+async def _output(child: asyncio.subprocess.Process) -> bytes:
+    """A client process's whole stdout, once it has exited."""
+    assert child.stdout is not None
+    out = await child.stdout.read()
+    await child.wait()
+    return out
+
+
+def _end_at_eof() -> None:
+    """A client process's stdin stays open while `_run_sharded` waits for it. Its end means the
+    load generator that started this process is gone (killed, SIGKILL included), so this one
+    ends too, whatever it still has in flight."""
+    sys.stdin.read()
+    os._exit(3)
 
 
 async def _shard_main(shard: int) -> None:
@@ -738,6 +759,7 @@ async def _shard_main(shard: int) -> None:
     )
     print("ready", flush=True)
     start = float(await loop.run_in_executor(None, sys.stdin.readline))
+    threading.Thread(target=_end_at_eof, name="end-at-eof", daemon=True).start()
     progress = Progress(point.label, None)
     cpu = time.process_time()
     try:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import random
+import subprocess
+import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -391,6 +394,57 @@ def test_client_processes_send_the_whole_schedule_through_the_real_openai_client
     # sent on one schedule from one start: each send is at its time, give or take the scheduling
     assert max(abs(r.start_s - at) for r, at in zip(results, times, strict=True)) < 0.25
     assert 0.0 < busy < 1.5  # the busiest client process's CPU over its wall time
+
+
+_KILLED_PARENT = """
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+import loadgen as lg
+target = lg.Target(sys.argv[2], "standin", timeout_s=60.0)
+workload = lg.Workload(lg.Lengths(4, 4), lg.Lengths(400, 400), seed=3)
+point = lg.LoadPoint("poisson", rate=20.0, num_requests=6, num_warmup=0)
+asyncio.run(lg.run_point(target, workload, point, show_progress=False, processes=2))
+"""
+
+
+def test_client_processes_end_when_the_load_generator_is_killed(tmp_path: Path) -> None:
+    """SIGKILL gives the load generator no chance to stop its client processes: they see their
+    stdin end and stop in the middle of their streams."""
+    port = free_port()
+    standin = cost.start_standin(port, 400, 50.0, tmp_path / "standin.log")  # 20 s a stream
+    parent = subprocess.Popen(
+        [sys.executable, "-P", "-c", _KILLED_PARENT, str(LOADGEN_PATH.parent),
+         f"http://127.0.0.1:{port}/v1"],
+    )  # fmt: skip
+    try:
+        children: list[int] = []
+        deadline = time.monotonic() + 60
+        while len(children) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+            path = Path(f"/proc/{parent.pid}/task/{parent.pid}/children")
+            children = [int(c) for c in path.read_text().split()] if path.exists() else []
+        assert len(children) == 2, "the load generator never started its client processes"
+        time.sleep(3)  # they are ready, and streaming
+        assert all(_alive(pid) for pid in children)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(pid) for pid in children), "a client process outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        standin.stop()
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, ended but not yet reaped, does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def test_each_client_process_gets_a_server_replica_in_turn() -> None:
