@@ -2,8 +2,12 @@
 
 `LLMEngine` is synchronous and not thread-safe, so exactly one thread (the engine thread) ever
 touches it. Asyncio code calls the `EngineService` coroutines (`submit`, `reserve`, `install`,
-`prefill`, `abort`, `release`, `counts`): each queues a command, the engine thread runs it between
-two steps, and the coroutine gets its result. Outputs go back through each request's callback,
+`prefill`, `abort`, `release`, `counts`): each queues a command, the engine thread runs it, and
+the coroutine gets its result. The engine thread runs commands between two steps and also while
+a step runs on the device: it hands the step's CUDA event to a waiter thread and runs commands
+until the waiter says the event has passed (`LLMEngine.step_waiter`). A command thus waits for
+the engine thread's host work, not for the device's step (about half a decode step, for each
+reservation and install of a remote prefill). Outputs go back through each request's callback,
 called on the event loop, in order: a step's updates are handed over together (one
 `loop.call_soon_threadsafe` per step, not one per request, so the engine thread and the loop
 do not trade the GIL and a wake-up for every token), and a callback that raises is logged
@@ -115,8 +119,14 @@ class EngineService:
         self._held: set[str] = set()  # engine thread only: reservations and retained prefills
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._steps: queue.SimpleQueue[Any] = queue.SimpleQueue()  # CUDA events; None: stop
+        self._waiter = threading.Thread(target=self._wait_for_steps, name="engine-waiter",
+                                        daemon=True)  # fmt: skip
+        self._wait_error: BaseException | None = None
+        engine.step_waiter = self._serve_while_waiting
 
     def start(self) -> EngineService:
+        self._waiter.start()
         self._thread.start()
         return self
 
@@ -285,6 +295,12 @@ class EngineService:
         return await asyncio.wrap_future(future)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._steps.put(None)  # the waiter thread ends too
+
+    def _serve(self) -> None:
         wait_s = _IDLE_WAIT_S
         while not self._stopping.is_set():
             try:
@@ -293,11 +309,7 @@ class EngineService:
                 pass
             else:
                 command()
-                while True:  # run every queued command before the next step
-                    try:
-                        self._commands.get_nowait()()
-                    except queue.Empty:
-                        break
+                self._run_queued()  # every queued command before the next step
             self._expire_deadlines()
             if not self.engine.has_unfinished_requests():
                 self._deliver_kv_changes()
@@ -313,12 +325,40 @@ class EngineService:
             self._deliver_kv_changes()
             self._deliver_all([u for u in map(self._take_update, outputs) if u is not None])
             wait_s = 0.0 if outputs else _BUSY_WAIT_S
-        while True:  # fail commands that raced with the stop
+        self._run_queued()  # fail commands that raced with the stop
+        self._deliver_kv_changes()
+
+    def _run_queued(self) -> None:
+        while True:
             try:
                 self._commands.get_nowait()()
             except queue.Empty:
-                break
-        self._deliver_kv_changes()
+                return
+
+    def _serve_while_waiting(self, done: Any) -> None:
+        """The engine's `step_waiter`: run commands as they come until the step's event `done`
+        has passed (the waiter thread's `_step_done` says so). On the CPU (`done` is None) the
+        step has already run: the commands queued by now run, so that the CPU's tests take the
+        path a GPU takes."""
+        if done is None:
+            self._run_queued()
+            return
+        self._steps.put(done)
+        while (command := self._commands.get()) is not _step_done:
+            command()
+        error, self._wait_error = self._wait_error, None
+        if error is not None:
+            raise error  # the step failed: `_serve` fails its requests
+
+    def _wait_for_steps(self) -> None:
+        """The waiter thread: wait for each step event it is given, then wake the engine
+        thread with `_step_done` (also when the wait failed, with the error kept for it)."""
+        while (done := self._steps.get()) is not None:
+            try:
+                done.synchronize()
+            except BaseException as err:  # raised again on the engine thread
+                self._wait_error = err
+            self._commands.put(_step_done)
 
     def _deliver_kv_changes(self) -> None:
         if self._on_kv_changes is None:
@@ -392,6 +432,11 @@ class EngineService:
             self._loop.call_soon_threadsafe(_run_callbacks, updates)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
+
+
+def _step_done() -> None:
+    """The waiter thread's word that the step the engine thread waits for has finished (a
+    command that does nothing, should one ever be run as a command)."""
 
 
 def _run_callbacks(updates: list[tuple[OnUpdate, Update]]) -> None:

@@ -9,6 +9,8 @@
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 #   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
 #   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
+#     (RATES=16: the chat sweep at 16 req/s only; ROUNDS=2: this tree's two runs twice;
+#     SKIP_OLD=1: without build/old's run)
 #   SETUPS=colocated,disaggregated bash bench/serving/h200.sh vs-vllm   # the chat sweep; then,
 #   SETUPS=vllm bash bench/serving/h200.sh vs-vllm    # once vLLM is in /tmp/vsite, vllm serve on
 #     the same model, client and requests (bench/sweep/README.md has the lease's call sequence)
@@ -103,18 +105,23 @@ case "${1:?what to run}" in
     long=(--long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
     work=(--workloads chat,long --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-16,32,inf}"
           "${long[@]}")
-    old_view build/old operator worker router kernels agent cli local testing
-    PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
-      --min-remote-prefill-tokens 0 --tag=-before "${work[@]}" --budget-s 200 \
-      --out "$OUT/remote_before.json" > "$OUT/remote_before.log" 2>&1
-    tail -n 12 "$OUT/remote_before.log"
-    timeout 230 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 0 \
-      "${work[@]}" --budget-s 200 --out "$OUT/remote_after.json" > "$OUT/remote_after.log" 2>&1
-    tail -n 12 "$OUT/remote_after.log"
-    timeout 150 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 100000 \
-      --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local.json" \
-      > "$OUT/local.log" 2>&1
-    tail -n 8 "$OUT/local.log"
+    if [ -z "${SKIP_OLD:-}" ]; then  # SKIP_OLD=1: this tree only (a second call of one lease)
+      old_view build/old operator worker router kernels agent cli local testing
+      PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
+        --min-remote-prefill-tokens 0 --tag=-before "${work[@]}" --budget-s 200 \
+        --out "$OUT/remote_before.json" > "$OUT/remote_before.log" 2>&1
+      tail -n 12 "$OUT/remote_before.log"
+    fi
+    for round in $(seq "${ROUNDS:-1}"); do  # ROUNDS=2: this tree's remote and local runs twice
+      sfx=$([ "$round" = 1 ] || echo "-$round")
+      timeout 230 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 0 \
+        "${work[@]}" --budget-s 200 --out "$OUT/remote_after$sfx.json" > "$OUT/remote_after$sfx.log" 2>&1
+      tail -n 12 "$OUT/remote_after$sfx.log"
+      timeout 150 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 100000 \
+        --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local$sfx.json" \
+        > "$OUT/local$sfx.log" 2>&1
+      tail -n 8 "$OUT/local$sfx.log"
+    done
     ;;
   vs-vllm)  # issue 23's side by side: the chat sweep of run.py's setups in $SETUPS; its `vllm`
     # setup needs vLLM installed in /tmp/vsite (the vLLM recipe's bundle and device-install.sh).

@@ -14,7 +14,9 @@ or free blocks in the running step). At most one step is in flight between calls
 land in the blocks of the requests it was queued for, which stay valid on the device even if the
 host frees them meanwhile (device work is ordered); the one writer outside that order, a remote
 KV transfer, gets blocks only through `reserve_remote`, whose reservation carries a fence behind
-the step in flight (`DeviceFence`): the writer starts only once it has passed.
+the step in flight (`DeviceFence`): the writer starts only once it has passed. While `step`
+waits for a step's tokens it calls `step_waiter`; `EngineService` runs its commands then, so a
+reservation or an install does not wait for the step to end.
 
 Tensor parallelism: the model is rank 0's shard and `peers` are the worker's other ranks
 (`RankPeers`, driven by rank 0). The scheduler, the block manager and the sampler stay here, once;
@@ -28,7 +30,7 @@ engine is unusable after that and the worker fails as a whole.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -86,9 +88,20 @@ class _Launched:
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None
 
-    def wait(self) -> None:
-        if self.done is not None:
-            self.done.synchronize()
+
+StepWaiter = Callable[[torch.cuda.Event | None], None]
+"""How `step` waits for a launched step's tokens: called with the step's CUDA event (None on
+the CPU, where the step has already run), it returns once the event has passed. Whatever it
+does meanwhile runs with the step (and, with async scheduling, the step after it) queued on
+the device and that step's outputs not yet applied, the state any caller between two `step`s
+sees, but with one more step in flight: a request aborted now is skipped when the step's
+outputs are applied, and a `reserve_remote` fence records behind both steps."""
+
+
+def synchronize(done: torch.cuda.Event | None) -> None:
+    """The default `StepWaiter`: block until the step's tokens are on the host."""
+    if done is not None:
+        done.synchronize()
 
 
 def make_fingerprint(
@@ -181,6 +194,8 @@ class LLMEngine:
         )
         self._in_flight: _Launched | None = None
         self._num_generate_calls = 0
+        self.step_waiter: StepWaiter = synchronize
+        """Replaced by `EngineService`, which runs its commands while a step runs."""
         logger.info(
             "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s tensor_parallel=%d",
             fingerprint.short,
@@ -390,7 +405,7 @@ class LLMEngine:
 
     def _resolve(self, launched: _Launched) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them to its requests."""
-        launched.wait()
+        self.step_waiter(launched.done)
         token_ids = launched.host_tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(launched.requests, token_ids, strict=True)}
         advanced = self.scheduler.update_from_output(launched.out, sampled)

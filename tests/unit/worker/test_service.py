@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -251,4 +252,79 @@ async def test_an_installed_remote_prompt_is_reported_before_its_first_token() -
     assert seen[0] == prompt_hashes(svc, PROMPT)
     await svc.close()
     assert mirror.cached == set(svc.engine.cached_block_hashes())
+    assert_engine_empty(svc.engine)
+
+
+class Gate:
+    """A stand-in for a step's CUDA event, on the CPU (where a step has no event): the waiter
+    thread's `synchronize` blocks until the test opens the gate, as it would while the device
+    runs a long step."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.opened = threading.Event()
+        self.waiting = threading.Event()
+        self.fail = fail
+
+    def synchronize(self) -> None:
+        self.waiting.set()
+        self.opened.wait(30)
+        if self.fail:
+            raise RuntimeError("an illegal memory access was encountered (stand-in)")
+
+
+def gated(svc: EngineService, gate: Gate) -> None:
+    """Every step of `svc`'s engine now waits on `gate`, through the service's own waiter."""
+    serve_while_waiting = svc.engine.step_waiter
+    svc.engine.step_waiter = lambda done: serve_while_waiting(gate)
+
+
+async def test_commands_run_while_a_step_runs_on_the_device() -> None:
+    """A reservation, an install, a new request and an abort do not wait for the step in
+    flight to end; the held step's outputs are then applied as if they had run after it."""
+    svc = EngineService(engine(), asyncio.get_running_loop()).start()
+    gate = Gate()
+    gated(svc, gate)
+    try:
+        expected = engine().generate([PROMPT], GREEDY)[0]
+        first, aborted = Collector(), Collector()
+        await svc.submit("first", PROMPT, GREEDY, first)
+        await svc.submit("aborted", PROMPT, LONG, aborted)
+        assert await asyncio.to_thread(gate.waiting.wait, 30)  # a step is "on the device"
+        for command in (
+            svc.reserve("remote", PROMPT, GREEDY),
+            svc.counts(),
+            svc.submit("later", PROMPT, GREEDY, Collector()),
+            svc.abort("aborted"),
+        ):
+            await asyncio.wait_for(command, 5)  # answered with the gate still closed
+        assert not first.updates and not gate.opened.is_set()
+        installed = Collector()
+        await asyncio.wait_for(svc.install("remote", 7, installed), 5)
+        assert installed.output_token_ids == (7,)
+        gate.opened.set()
+        assert (await first.wait()).finished and list(first.output_token_ids) == expected
+        assert (await installed.wait()).finished
+        assert not aborted.updates  # aborted before the held step's outputs were applied
+    finally:
+        gate.opened.set()
+        await svc.close()
+    assert_engine_empty(svc.engine)
+
+
+async def test_a_step_whose_device_wait_fails_fails_its_requests_not_the_service() -> None:
+    svc = EngineService(engine(), asyncio.get_running_loop()).start()
+    serve_while_waiting = svc.engine.step_waiter
+    gate = Gate(fail=True)
+    gated(svc, gate)
+    gate.opened.set()
+    try:
+        failed = Collector()
+        await svc.submit("r1", PROMPT, GREEDY, failed)
+        assert (await failed.wait()).error == "engine_error"
+        svc.engine.step_waiter = serve_while_waiting  # the device is well again
+        ok = Collector()
+        await svc.submit("r2", PROMPT, GREEDY, ok)
+        assert (await ok.wait()).finished
+    finally:
+        await svc.close()
     assert_engine_empty(svc.engine)
