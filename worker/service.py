@@ -349,6 +349,7 @@ class EngineService:
         error, self._wait_error = self._wait_error, None
         if error is not None:
             raise error  # the step failed: `_serve` fails its requests
+        done.synchronize()  # has passed: a no-op that makes sure, whatever the queue held
 
     def _wait_for_steps(self) -> None:
         """The waiter thread: wait for each step event it is given, then wake the engine
