@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvrail.local.procs import ManagedProcess, free_port, http_ok
+from kvrail.nats_auth import quoted
 from kvrail.settings import read_secret
 from kvrail.tls import ServingCert
 
@@ -172,8 +173,9 @@ class NatsServer:
         env = None
         if self.password_file:
             # Read from the environment by the config file, never written to disk. nats-server
-            # parses the variable as a config value: quoted, it is a string whatever it holds.
-            password = json.dumps(read_secret(self.password_file) or "")
+            # parses the variable as a config value: quoted, it is a string whatever it holds
+            # (the quoting of the chart's NATS, kvrail.nats_auth).
+            password = quoted(read_secret(self.password_file) or "")
             env = {**os.environ, "NATS_PASSWORD": password}
         argv = [
             self.binary,

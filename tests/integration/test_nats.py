@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import nats
 import pytest
 from nats.js.api import ConsumerConfig, RetentionPolicy, StreamConfig
 from nats.js.client import JetStreamContext
 
+from kvrail import nats_auth
 from kvrail.keys import PoolKeys
-from kvrail.local.servers import NatsServer
+from kvrail.local.procs import ManagedProcess, free_port, port_in_use
+from kvrail.local.servers import NATS_CANDIDATES, NatsServer, find_binary
 
 
 @pytest.fixture
@@ -64,3 +67,32 @@ async def test_nakd_job_is_redelivered(js_pool: tuple[JetStreamContext, PoolKeys
     assert again.data == b"job-2"
     assert again.metadata.num_delivered == 2
     await again.ack_sync()
+
+
+@pytest.mark.parametrize("password", ["1234", 'k1"b\\c d}$HOME', "true", "{x}", "ünï\tcode"])
+async def test_the_charts_auth_file_lets_any_password_through_a_real_server(
+    tmp_path: Path, password: str
+) -> None:
+    """The chart's layout: nats.conf in conf/ includes ../auth/auth.conf, written by
+    `kvrail.nats_auth` from the Secret's files; the right password connects, a wrong one not."""
+    secret, conf = tmp_path / "secret", tmp_path / "conf"
+    secret.mkdir()
+    conf.mkdir()
+    (secret / "username").write_text("kvrail")
+    (secret / "password").write_text(password)
+    assert nats_auth.main([str(secret), str(tmp_path / "auth" / "auth.conf")]) == 0
+    (conf / "nats.conf").write_text("authorization {\n  include ../auth/auth.conf\n}\n")
+    port = free_port()
+    argv = [find_binary("nats-server", *NATS_CANDIDATES), "-c", str(conf / "nats.conf"),
+            "-a", "127.0.0.1", "-p", str(port)]  # fmt: skip
+    server = ManagedProcess("nats", argv, tmp_path / "nats.log").start()
+    try:
+        server.wait_ready(lambda: port_in_use("127.0.0.1", port), 10.0, 0.05)
+        url = f"nats://127.0.0.1:{port}"
+        nc = await nats.connect(url, user="kvrail", password=password, allow_reconnect=False)
+        await nc.close()
+        with pytest.raises(nats.errors.Error, match="Authorization Violation"):
+            await nats.connect(url, user="kvrail", password=password + "x",
+                               allow_reconnect=False, max_reconnect_attempts=0)  # fmt: skip
+    finally:
+        server.stop()

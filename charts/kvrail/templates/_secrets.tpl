@@ -28,8 +28,8 @@ data:
   {{- if and $existing $existing.data }}
   password: {{ index $existing.data "password" }}
   {{- else }}
-  {{- /* a letter first: nats-server reads $NATS_PASSWORD as a config value, and one that starts
-  with a digit parses as a number (seen: "could not be parsed ... but got '1'") */}}
+  {{- /* a letter first: safe even where a server reads it as a config value (nats-server did,
+  from $NATS_PASSWORD, before the chart wrote it into a quoted include: kvrail.nats_auth) */}}
   password: {{ printf "k%s" (randAlphaNum 31) | b64enc }}
   {{- end }}
 {{- end -}}

@@ -273,6 +273,31 @@ def _secret_used_by(text: str, kind: str, variable: str) -> str:
     raise AssertionError(f"no {kind} reads {variable}")
 
 
+def _nats_credentials(text: str) -> str:
+    """The Secret the in-cluster NATS is started with: its init container turns the mounted
+    `username` and `password` into the file nats.conf includes, and no container of the pod
+    has them in its environment (nats-server would parse them as config values)."""
+    (nats,) = [
+        d for d in docs(text) if d["kind"] == "StatefulSet" and "nats" in d["metadata"]["name"]
+    ]
+    pod = nats["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["command"][:4] == ["python", "-P", "-m", "kvrail.nats_auth"]
+    secret_dir, out = init["command"][4:]
+    mounts = {m["name"]: m["mountPath"] for m in init["volumeMounts"]}
+    assert mounts == {"credentials": secret_dir, "auth": str(Path(out).parent)}
+    (server,) = pod["containers"]
+    assert {"name": "auth", "mountPath": str(Path(out).parent), "readOnly": True} in (
+        server["volumeMounts"])  # fmt: skip
+    (configmap,) = [d for d in docs(text) if d["kind"] == "ConfigMap"
+                    and d["metadata"]["name"] == nats["metadata"]["name"]]  # fmt: skip
+    config = configmap["data"]["nats.conf"]
+    assert "include ../auth/auth.conf" in config and "$NATS" not in config
+    assert not any(e.get("env") for e in [*pod["initContainers"], *pod["containers"]])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "credentials"]
+    return volume["secret"]["secretName"]  # type: ignore[no-any-return]
+
+
 def _operator_settings(pod: dict[str, Any]) -> Settings:
     """What kvrail.settings makes of the operator's environment (Secret references filled)."""
     environ = {
@@ -303,7 +328,7 @@ def test_operator_gets_in_cluster_endpoints_and_the_charts_credentials(
     env = _env(pod)
     # The same Secrets the in-cluster servers are started with (generated or referenced).
     assert _secret_used_by(text, "Job", "ETCD_ROOT_PASSWORD") == etcd_secret
-    assert _secret_used_by(text, "StatefulSet", "NATS_PASSWORD") == nats_secret
+    assert _nats_credentials(text) == nats_secret
     assert env["KVRAIL_ETCD_USERNAME"]["valueFrom"]["secretKeyRef"] == {
         "name": etcd_secret, "key": "username"}  # fmt: skip
     assert env["KVRAIL_NATS_USER"]["valueFrom"]["secretKeyRef"] == {
