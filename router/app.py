@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -116,7 +117,11 @@ Served = JSONResponse | streaming.EventStream
 
 
 async def _chat(
-    state: RouterState, body: schemas.ChatCompletionRequest, tenant: Tenant, receive: Receive
+    state: RouterState,
+    body: schemas.ChatCompletionRequest,
+    tenant: Tenant,
+    receive: Receive,
+    request_id: str,
 ) -> Served:
     messages = body.template_messages()
     _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
@@ -124,12 +129,16 @@ async def _chat(
         state, state.codec.chat_prompt, messages, state.allow_special_tokens
     )
     return await generate.serve(
-        state, receive, CHAT_PATH, "chat", tenant, prompt_ids, requested(body)
+        state, receive, CHAT_PATH, "chat", tenant, prompt_ids, requested(body), request_id
     )
 
 
 async def _completion(
-    state: RouterState, body: schemas.CompletionRequest, tenant: Tenant, receive: Receive
+    state: RouterState,
+    body: schemas.CompletionRequest,
+    tenant: Tenant,
+    receive: Receive,
+    request_id: str,
 ) -> Served:
     text, prompt_ids = body.prompt_text, body.prompt_ids
     if text is not None:
@@ -140,10 +149,12 @@ async def _completion(
     if any(t < 0 or t >= vocab for t in prompt_ids):
         raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
     return await generate.serve(
-        state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, requested(body)
-    )
+        state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, requested(body),
+        request_id,
+    )  # fmt: skip
 
 
+_ID_PREFIX = {CHAT_PATH: "chatcmpl", COMPLETIONS_PATH: "cmpl"}  # OpenAI's
 GenerationBody = type[schemas.ChatCompletionRequest] | type[schemas.CompletionRequest]
 _GENERATION: dict[str, tuple[GenerationBody, Callable[..., Awaitable[Served]]]] = {
     CHAT_PATH: (schemas.ChatCompletionRequest, _chat),
@@ -167,9 +178,12 @@ class RouterApp(FastAPI):
             await super().__call__(scope, receive, send)
             return
         state, path = self.router_state, scope["path"]
+        # The id the request is known by: its completion's `id`, the router's and workers' logs'
+        # request_id, and every response's x-request-id header (OpenAI's name for it).
+        request_id = f"{_ID_PREFIX[path]}-{secrets.token_hex(16)}"  # 128 random bits
         if scope["method"] != "POST":
             refused = ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
-            await error_response(state, path, refused)(scope, receive, send)
+            await error_response(state, path, refused, request_id)(scope, receive, send)
             return
         model, handler = served
         response: Any
@@ -186,11 +200,11 @@ class RouterApp(FastAPI):
                 raise api_errors.validation_error(err) from None
             tenant = _authenticate(state, asgi.header(scope, b"authorization"))
             _check_model(state, body.model)
-            response = await handler(state, body, tenant, receive)
+            response = await handler(state, body, tenant, receive, request_id)
         except asgi.ClientLeft:
             return  # nothing to answer: the client is gone
         except Exception as exc:
-            response = error_response(state, path, _api_error_of(exc, path))
+            response = error_response(state, path, _api_error_of(exc, path), request_id)
         await response(scope, receive, send)
 
     def openapi(self) -> dict[str, Any]:
@@ -296,16 +310,22 @@ def _api_error_of(exc: Exception, path: str) -> ApiError:
     return ApiError(500, "internal error", "server_error")
 
 
-def error_response(state: RouterState, endpoint: str, exc: ApiError) -> JSONResponse:
-    """The error's response, counted under `endpoint`; a client's error is logged with its
-    status, code and field (never the prompt)."""
+def error_response(
+    state: RouterState, endpoint: str, exc: ApiError, request_id: str | None = None
+) -> JSONResponse:
+    """The error's response, counted under `endpoint` (with the request's `x-request-id`, when
+    it has one); a client's error is logged with its status, code and field (never the
+    prompt)."""
     state.metrics.requests.labels(endpoint, str(exc.status)).inc()
     if exc.status < 500:
         log.info(
-            "request refused endpoint=%s status=%d code=%s param=%s",
-            endpoint, exc.status, exc.code or exc.type, exc.param or "-",
+            "request refused endpoint=%s status=%d code=%s param=%s request_id=%s",
+            endpoint, exc.status, exc.code or exc.type, exc.param or "-", request_id or "-",
         )  # fmt: skip
-    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+    headers = dict(exc.headers or {})
+    if request_id is not None:
+        headers[streaming.REQUEST_ID_HEADER] = request_id
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
 
 def endpoint_of(request: Request) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import secrets
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -88,10 +87,12 @@ async def serve(
     tenant: Tenant,
     prompt_ids: Sequence[int],
     asked: Requested,
+    request_id: str,
 ) -> JSONResponse | streaming.EventStream:
-    """The response to one generation request (its body was read from `receive`; the client's
-    departure is read from it too). Raises ApiError, asgi.ClientLeft (not streamed, the client
-    left before the end; counted as 499)."""
+    """The response to one generation request, `request_id` (the completion's id, and the
+    response's x-request-id header). Its body was read from `receive`; the client's departure
+    is read from it too. Raises ApiError, asgi.ClientLeft (not streamed, the client left before
+    the end; counted as 499)."""
     started = time.monotonic()
     param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
@@ -121,8 +122,7 @@ async def serve(
         headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else {}
         kind_ = "rate_limit_error" if err.status == 429 else "invalid_request_error"
         raise ApiError(err.status, err.message, kind_, headers=headers) from err
-    prefix = "chatcmpl" if kind == "chat" else "cmpl"
-    response_id = f"{prefix}-{secrets.token_hex(16)}"  # 128 random bits
+    response_id = request_id
     job = Job(
         request_id=response_id, token_ids=tuple(prompt_ids), sampling=params,
         deadline_unix_s=time.time() + state.request_timeout_s, tenant_salt=tenant.salt,
@@ -139,7 +139,9 @@ async def serve(
         sse = streaming.sse(
             reply, pieces, lambda status: state.metrics.requests.labels(endpoint, status).inc()
         )
-        return streaming.EventStream(sse, on_close=lambda: ticket.release(0))
+        return streaming.EventStream(
+            sse, on_close=lambda: ticket.release(0), request_id=response_id
+        )
     try:
         text, finish, usage = await streaming.until_disconnect(
             receive, streaming.collect(pieces, reply)
@@ -150,7 +152,9 @@ async def serve(
     finally:
         ticket.release(0)  # a no-op once the request released it with its real usage
     state.metrics.requests.labels(endpoint, "200").inc()
-    return JSONResponse(reply.whole(text, finish, usage))
+    return JSONResponse(
+        reply.whole(text, finish, usage), headers={streaming.REQUEST_ID_HEADER: response_id}
+    )
 
 
 async def _generate(

@@ -28,6 +28,8 @@ from kvrail.router.api import asgi, responses
 from kvrail.router.api.errors import ApiError
 
 Kind = Literal["chat", "completion"]
+REQUEST_ID_HEADER: Final = "x-request-id"
+"""Every generation response's id header (OpenAI's name): the completion's `id`."""
 T = TypeVar("T")
 
 
@@ -127,11 +129,15 @@ class EventStream:
     (before the first byte included) cancels it at once (`asgi.ClientWatch`), which cancels the
     request."""
 
-    headers: Final = [(b"content-type", b"text/event-stream; charset=utf-8")]
-
-    def __init__(self, body: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self, body: AsyncIterator[bytes], on_close: Callable[[], None], request_id: str
+    ) -> None:
         self._body = body
         self._on_close = on_close
+        self.headers = [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (REQUEST_ID_HEADER.encode(), request_id.encode()),
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:

@@ -224,6 +224,28 @@ def test_bad_requests_get_openai_errors_and_leave_the_pool_intact(pool: LocalPoo
     assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
 
 
+def test_every_generation_response_names_its_request_in_x_request_id(pool: LocalPool) -> None:
+    """The header carries the completion's id (what the router and workers log it under),
+    streamed or not; an error's response has one too, which the openai client reports."""
+    c = client(pool)
+    raw = c.chat.completions.with_raw_response.create(model=MODEL, messages=QUESTION, max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.parse().id and raw.parse().id.startswith("chatcmpl-")
+    assert raw.request_id == raw.parse().id  # the openai client's own reading of it
+    with c.completions.with_streaming_response.create(
+        model=MODEL, prompt="Hello", max_tokens=2, stream=True
+    ) as streamed:
+        request_id = streamed.headers["x-request-id"]
+        assert request_id.startswith("cmpl-")
+        assert {chunk.id for chunk in streamed.parse()} == {request_id}
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=7)
+    assert (err.value.request_id or "").startswith("chatcmpl-")
+    wrong_method = httpx.get(url(pool, "/v1/completions"), timeout=10)
+    assert wrong_method.headers["x-request-id"].startswith("cmpl-")
+    ids = {c.completions.create(model=MODEL, prompt="Hi", max_tokens=1).id for _ in range(3)}
+    assert len(ids) == 3
+
+
 @pytest.mark.usefixtures("nc")
 def test_tenant_limits_answer_429_with_retry_after(pool: LocalPool) -> None:
     b = client(pool, key=KEY_B)  # 60 tokens per minute: one request of 1 + 40 fits, two do not

@@ -57,7 +57,7 @@ async def _written(reply: Reply, pieces: list[Piece], fail: ApiError | None = No
     async def receive() -> Any:
         await asyncio.Event().wait()  # the client never leaves
 
-    stream = EventStream(sse(reply, gen(), statuses.append), on_close=lambda: None)
+    stream = EventStream(sse(reply, gen(), statuses.append), lambda: None, reply.response_id)
     await stream({"type": "http"}, receive, send)
     assert statuses == (["200"] if fail is None else [str(fail.status)])
     return sent
@@ -70,6 +70,7 @@ def test_a_stream_sends_one_write_per_piece_and_its_end_in_one(include_usage: bo
     sent = asyncio.run(_written(reply, pieces))
     start, role, hel, end = sent  # the empty piece writes nothing
     assert start["type"] == "http.response.start"
+    assert (b"x-request-id", b"chatcmpl-1") in start["headers"]
     assert role["body"] == _event(reply.chunk("", None, first=True)) and role["more_body"]
     assert hel["body"] == reply.text_event("Hel") and hel["more_body"]
     tail = reply.text_event("lo") + _event(reply.chunk(None, "length"))
