@@ -62,7 +62,8 @@ for g in json.load(sys.stdin).get("Godebug") or []: print(g["Key"]+"="+g["Value"
   "$BIN/kube-apiserver" --version >&2
 }
 
-# etcd, and etcdctl for the real node's etcd image (the chart's auth Job runs it).
+# etcd, and etcdctl for the real node's etcd image (as quay.io/coreos/etcd has it: for an
+# operator's `kubectl exec`; the chart runs none).
 build_etcd() {
   if "$BIN/etcd" --version 2>/dev/null | grep -q "etcd Version: ${ETCD_VERSION#v}" \
      && "$BIN/etcdctl" version 2>/dev/null | grep -q "etcdctl version: ${ETCD_VERSION#v}"; then

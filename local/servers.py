@@ -102,34 +102,14 @@ class EtcdServer:
         return self
 
     def _enable_auth(self, password: str, timeout_s: float) -> None:
-        """Add user root (role root) with `password` and turn authentication on, as `etcdctl user
-        add root` and `etcdctl auth enable` do (Debian's etcd-server ships no etcdctl). gRPC and
-        aetcd are imported here: the rest of this module runs where they are not installed (the
-        GPU test machine imports it through the test harness)."""
-        import grpc
-        from aetcd.rpc import AuthStub, StatusCode
-        from aetcd.rpc import rpc_pb2 as pb
+        """User root (role root) with `password`, then authentication on, as the chart's Job
+        does (`kvrail.etcd_auth`; Debian's etcd-server ships no etcdctl). Imported here: gRPC
+        and aetcd are not installed everywhere this module runs (the GPU test machine imports
+        it through the test harness)."""
+        from kvrail.etcd_auth import channel, enable_auth
 
-        target = f"127.0.0.1:{self.client_port}"
-        if self.tls:
-            creds = grpc.ssl_channel_credentials(root_certificates=self.tls.ca_file.read_bytes())
-            channel = grpc.secure_channel(target, creds)
-        else:
-            channel = grpc.insecure_channel(target)
-        with channel:
-            auth = AuthStub(channel)
-            try:
-                auth.RoleAdd(pb.AuthRoleAddRequest(name=ETCD_ROOT), timeout=timeout_s)
-            except grpc.RpcError as err:  # etcd may have made the root role already
-                if err.code() != StatusCode.FAILED_PRECONDITION:
-                    raise
-            auth.UserAdd(
-                pb.AuthUserAddRequest(name=ETCD_ROOT, password=password), timeout=timeout_s
-            )
-            auth.UserGrantRole(
-                pb.AuthUserGrantRoleRequest(user=ETCD_ROOT, role=ETCD_ROOT), timeout=timeout_s
-            )
-            auth.AuthEnable(pb.AuthEnableRequest(), timeout=timeout_s)
+        with channel(self.endpoint, self.tls.ca_file if self.tls else None) as chan:
+            enable_auth(chan, password, timeout_s)
 
     def stop(self) -> None:
         if self.process:

@@ -260,17 +260,21 @@ def _mounted_secret(pod: dict[str, Any], path: str) -> tuple[str, str]:
     return secret["secretName"], item["key"]
 
 
-def _secret_used_by(text: str, kind: str, variable: str) -> str:
-    """The Secret another chart workload reads `variable` from (its secretKeyRef)."""
-    for doc in docs(text):
-        if doc["kind"] != kind:
-            continue
-        pod = doc["spec"]["template"]["spec"]
-        for container in [*pod.get("initContainers", []), *pod["containers"]]:
-            for env in container.get("env") or []:
-                if env["name"] == variable:
-                    return env["valueFrom"]["secretKeyRef"]["name"]  # type: ignore[no-any-return]
-    raise AssertionError(f"no {kind} reads {variable}")
+def _etcd_auth_credentials(text: str) -> str:
+    """The Secret whose password the etcd auth Job gives root: kvrail.etcd_auth reads it from
+    the mounted Secret, so it is in no command line and no environment."""
+    (job,) = [d for d in docs(text) if d["kind"] == "Job" and "etcd-auth" in d["metadata"]["name"]]
+    pod = job["spec"]["template"]["spec"]
+    assert "initContainers" not in pod
+    (container,) = pod["containers"]
+    assert container["command"][:4] == ["python", "-P", "-m", "kvrail.etcd_auth"]
+    assert "env" not in container
+    password_file = container["command"][-1]
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "credentials"]
+    assert mount["readOnly"] and password_file == f"{mount['mountPath']}/password"
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "credentials"]
+    assert volume["secret"]["items"] == [{"key": "password", "path": "password"}]
+    return volume["secret"]["secretName"]  # type: ignore[no-any-return]
 
 
 def _nats_credentials(text: str) -> str:
@@ -327,7 +331,7 @@ def test_operator_gets_in_cluster_endpoints_and_the_charts_credentials(
     pod = _operator_pod(text)
     env = _env(pod)
     # The same Secrets the in-cluster servers are started with (generated or referenced).
-    assert _secret_used_by(text, "Job", "ETCD_ROOT_PASSWORD") == etcd_secret
+    assert _etcd_auth_credentials(text) == etcd_secret
     assert _nats_credentials(text) == nats_secret
     assert env["KVRAIL_ETCD_USERNAME"]["valueFrom"]["secretKeyRef"] == {
         "name": etcd_secret, "key": "username"}  # fmt: skip
@@ -424,6 +428,12 @@ def test_no_credential_is_a_literal_env_value_in_any_render(helm_binary: Path) -
                 for env in container.get("env") or []:
                     if env["name"].endswith("_FILE") and "value" in env:
                         assert env["value"].startswith(f"{SECRETS_DIR}/"), (name, env)
+                # Nothing from a Secret on a command line ($(VAR) is expanded by the kubelet:
+                # the node's process list and the runtime's records would show it).
+                from_secrets = {e["name"] for e in container.get("env") or []
+                                if "secretKeyRef" in e.get("valueFrom", {})}  # fmt: skip
+                argv = " ".join([*container.get("command", []), *container.get("args", [])])
+                assert not {v for v in from_secrets if f"$({v})" in argv}, (name, container)
         # A generated password appears in its Secret and nowhere else, encoded or not.
         for doc in docs(text):
             if doc["kind"] == "Secret" and "password" in doc.get("data", {}):
