@@ -260,20 +260,22 @@ def delete_decode_under_load(j: Journey) -> None:
         j.kubectl("delete", "pod", decode, "-n", POOL_NS, "--wait=false")
         deleted = time.monotonic()
 
-        def refusal() -> tuple[int, float] | None:
-            """(status, seconds to answer) of a new request refused; None while one is served
-            (by the worker before it heard of its deletion)."""
-            start = time.monotonic()
+        def refusal() -> tuple[int, float, str] | None:
+            """(status, seconds to answer, when it was sent and its x-request-id: what to look
+            for in the router's log) of a new request refused; None while one is served (by
+            the worker before it heard of its deletion)."""
+            start, sent = time.monotonic(), time.strftime("%H:%M:%S")
             try:
                 chat(client, QUESTION, max_tokens=4)
             except openai.APIStatusError as err:
-                return err.status_code, time.monotonic() - start
+                request = f"sent {sent} as {err.response.headers.get('x-request-id')}"
+                return err.status_code, time.monotonic() - start, request
             return None
 
-        status, answer_s = wait_for("a new request refused", refusal, 15, 0.2)
+        status, answer_s, request = wait_for("a new request refused", refusal, 15, 0.2)
         refused_after_s = time.monotonic() - deleted
         outcomes = [f.result(timeout=180) for f in futures]
-    assert status == 503 and answer_s < 10, (status, answer_s)
+    assert status == 503 and answer_s < 10, (status, answer_s, request)
     assert all(o.startswith(("finished:", "error:")) for o, _ in outcomes), outcomes
     assert all(ended > deleted for _, ended in outcomes), "a stream was not in flight"
 
