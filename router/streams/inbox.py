@@ -7,6 +7,10 @@ status, still names its request. `EventInbox` subscribes `<prefix>.>` once and h
 to the queue of its request (`open` / `close`); an event for a request nobody waits for (one
 that finished or left) is dropped. The request ids come from the router itself (128 random
 bits in hex), so they are valid subject tokens.
+
+Every `poll_s` the inbox also puts `TICK` in every open queue: a stream that waits for its next
+event wakes then to check its worker's record and its deadline. One timer for all requests,
+where a timeout around each wait would arm and cancel one per token.
 """
 
 from __future__ import annotations
@@ -27,29 +31,44 @@ log = logging.getLogger(__name__)
 
 NO_RESPONDERS: Final = "no_responders"
 """Put in a request's queue when NATS found no decode worker subscribed to its subject."""
+TICK: Final = "tick"
+"""Put in every open queue every `poll_s` (and by a stream at its own deadline)."""
+POLL_S: Final = 0.5
 
 
 class EventInbox:
     """Start with `start()` (once the event loop runs), stop with `stop()`."""
 
-    def __init__(self, nc: NatsClient) -> None:
+    def __init__(self, nc: NatsClient, poll_s: float = POLL_S) -> None:
         self._nc = nc
         self._prefix = nc.new_inbox()
         self.events_subject = f"{self._prefix}.events"
         self._replies = f"{self._prefix}.r."
         self._queues: dict[str, asyncio.Queue[TokenEvent | str]] = {}
         self._sub: Subscription | None = None
+        self._ticker: asyncio.Task[None] | None = None
+        self._poll_s = poll_s
         self.num_invalid = 0
 
     async def start(self) -> None:
         if self._sub is None:
             self._sub = await self._nc.subscribe(f"{self._prefix}.>", cb=self._on_message)
+            self._ticker = asyncio.create_task(self._tick(), name="event-inbox-ticks")
 
     async def stop(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
             self._sub = None
+
+    async def _tick(self) -> None:
+        while True:
+            await asyncio.sleep(self._poll_s)
+            for queue in self._queues.values():
+                queue.put_nowait(TICK)
 
     def reply_subject(self, request_id: str) -> str:
         return self._replies + request_id

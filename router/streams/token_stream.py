@@ -5,10 +5,10 @@ router's one `EventInbox` (batched per engine step by the worker), and its reply
 NATS answer "no responders" at once when the worker is gone. Events come in order (a gap fails
 the request with `lost_events`), only the current attempt's worker's count (a late event of an
 earlier attempt is ignored); a worker whose etcd record disappears (lease expired: killed,
-partitioned) or changes incarnation fails the request within about a second (`_POLL_S`), or gives
-it to another worker if it had sent nothing yet (`attempts.Attempts`). Leaving the stream early
-publishes a `Cancel`, which every worker of the pool sees, so the decode worker and any prefill
-worker holding blocks for it release them.
+partitioned) or changes incarnation fails the request within about a second (checked at the
+inbox's `TICK`s), or gives it to another worker if it had sent nothing yet
+(`attempts.Attempts`). Leaving the stream early publishes a `Cancel`, which every worker of the
+pool sees, so the decode worker and any prefill worker holding blocks for it release them.
 """
 
 from __future__ import annotations
@@ -26,12 +26,11 @@ from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, TokenEvent
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
-from kvrail.router.streams.inbox import NO_RESPONDERS, EventInbox
+from kvrail.router.streams.inbox import NO_RESPONDERS, TICK, EventInbox
 from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.5  # how often a silent worker's lease is checked
 # Worker errors that mean "not taken": nothing was generated, no block changed hands.
 _NOT_TAKEN = {"shutting_down", "duplicate_request"}
 
@@ -52,6 +51,7 @@ class TokenStream:
     finished: bool = False
     attempts: Attempts = field(init=False)
     _queue: asyncio.Queue[TokenEvent | str] | None = None
+    _deadline_tick: asyncio.TimerHandle | None = None
     _counted: bool = False
     _incarnation: int = 0
     _seq: int = 0
@@ -87,6 +87,10 @@ class TokenStream:
         if self._queue is None:
             await self.inbox.start()
             self._queue = self.inbox.open(rid)
+            self._deadline_tick = asyncio.get_running_loop().call_later(
+                max(0.0, self.job.deadline_monotonic - time.monotonic()),
+                self._queue.put_nowait, TICK,
+            )  # fmt: skip
         request = GenerateRequest(
             request_id=rid, token_ids=self.job.token_ids,
             stream_subject=self.inbox.events_subject, deadline_unix_s=self.job.deadline_unix_s,
@@ -100,27 +104,21 @@ class TokenStream:
         )  # fmt: skip
 
     async def _next(self, deadline: float) -> TokenEvent:
-        """The next event in order; raises AttemptFailed (before the first), DispatchError."""
-        assert self._queue is not None
+        """The next event in order; raises AttemptFailed (before the first), DispatchError.
+        Waits without a timeout of its own: a `TICK` comes every `POLL_S` and at the deadline."""
+        queue = self._queue
+        assert queue is not None
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
+            if time.monotonic() >= deadline:
                 raise DispatchError("deadline", "the request's deadline passed")
-            try:
-                # An event already queued is taken at once; otherwise wait (a timeout context,
-                # not `wait_for`, which wraps every wait in a task of its own).
-                if self._queue.empty():
-                    async with asyncio.timeout(min(remaining, _POLL_S)):
-                        item = await self._queue.get()
-                else:
-                    item = self._queue.get_nowait()
-            except TimeoutError:
+            item = queue.get_nowait() if not queue.empty() else await queue.get()
+            if item is TICK:  # the sentinels are these very strings
                 if not self._worker_alive():
                     if self._seq == 0:
-                        raise AttemptFailed("worker_lost") from None
-                    raise DispatchError("worker_lost", "the decode worker went away") from None
+                        raise AttemptFailed("worker_lost")
+                    raise DispatchError("worker_lost", "the decode worker went away")
                 continue
-            if item == NO_RESPONDERS:
+            if item is NO_RESPONDERS:
                 if self._seq == 0:
                     raise AttemptFailed("no_responders")
                 continue
@@ -155,6 +153,8 @@ class TokenStream:
             await self.nc.publish(self.keys.cancel, msg.encode())
 
     async def close(self, reason: CancelReason = "client_disconnect") -> None:
+        if self._deadline_tick is not None:
+            self._deadline_tick.cancel()
         await self.cancel(reason)
         await self._release_attempt()
         self.inbox.close(self.job.request_id)

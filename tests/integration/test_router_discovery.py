@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import nats
@@ -378,3 +378,48 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
     await cancel_sub.unsubscribe()
     await sub.unsubscribe()
     await reg.close()
+
+
+async def test_a_silent_worker_fails_its_request_at_the_deadline_or_once_its_record_goes(
+    pool: Pool,
+) -> None:
+    """A stand-in decode worker sends each request's first event, then nothing. The request
+    fails at its own deadline (`deadline`, not much later), or, with a later deadline, within
+    about a second of the worker's record leaving etcd (`worker_lost`)."""
+
+    async def first_event_only(msg: Msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        event = TokenEvent(request_id=request.request_id, seq=0, token_ids=(7,), worker_id="d-0")
+        await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
+
+    sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=first_event_only)
+    reg = await pool.registry.register(record("d-0"))
+    await pool.view.start()
+    await pool.view.wait_for_workers(1, WAIT_S)
+    dispatcher = Dispatcher(pool.nc, pool.keys, pool.view, Chooser("round-robin"), BLOCK_SIZE)
+
+    async def failure(deadline_s: float, then: Callable[[], Awaitable[None]] | None) -> str:
+        job = Job(uuid.uuid4().hex, tuple(range(8)), SamplingParams(max_tokens=4),
+                  time.time() + deadline_s)  # fmt: skip
+        async with dispatcher.open(job) as stream:
+            try:
+                async for event in stream:
+                    assert event.seq == 0
+                    if then is not None:
+                        await then()
+            except DispatchError as err:
+                return err.code
+        raise AssertionError("the stream ended without failing")
+
+    started = time.monotonic()
+    assert await failure(1.5, None) == "deadline"
+    assert 1.4 < time.monotonic() - started < 2.2
+    left_at: list[float] = []
+
+    async def leave() -> None:
+        await reg.close()
+        left_at.append(time.monotonic())
+
+    assert await failure(30.0, leave) == "worker_lost"
+    assert time.monotonic() - left_at[0] < 2.0
+    await sub.unsubscribe()
