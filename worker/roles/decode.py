@@ -134,7 +134,8 @@ class DecodeRole:
         self._active: dict[str, asyncio.Task[None]] = {}
         # A cancel older than every request's deadline can only name a request past it.
         self._cancelled = RecentCancels(ctx.settings.request_timeout_s)
-        self._subs: list[Subscription] = []
+        self._requests: Subscription | None = None
+        self._cancels: Subscription | None = None
         self._draining = False
 
     @property
@@ -143,25 +144,28 @@ class DecodeRole:
         return len(self._active) + self.receiver.num_quarantined
 
     async def start(self) -> None:
-        self._subs.append(
-            await self.nc.subscribe(self.keys.decode_requests(self.worker_id), cb=self._on_request)
-        )
-        self._subs.append(await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel))
+        subject = self.keys.decode_requests(self.worker_id)
+        self._requests = await self.nc.subscribe(subject, cb=self._on_request)
+        self._cancels = await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel)
         await self.receiver.start()
 
     async def drain(self, timeout_s: float) -> None:
         """Stop taking requests, let those in flight finish (bounded), then stop. A request
         still running at the timeout fails with `shutting_down` (its router retries it only if
-        no token was sent yet)."""
+        no token was sent yet).
+
+        Every request already on its way here is answered: the subscription is drained (NATS
+        stops sending, then what it sent is handled, with `shutting_down`), not unsubscribed,
+        which drops what arrived but was not handled yet, and whose router then waited for
+        this worker's record to leave etcd. Cancels are heard until the last request ends."""
         self._draining = True
-        for sub in self._subs:
-            with contextlib.suppress(Exception):
-                await sub.unsubscribe()
+        await _drain(self._requests)
         if self._active:
             await asyncio.wait(list(self._active.values()), timeout=timeout_s)
         for task in self._active.values():
             task.cancel()
         await asyncio.gather(*self._active.values(), return_exceptions=True)
+        await _drain(self._cancels)
         await self.outbox.flush()  # the last events (shutting_down included) leave before we do
         await self.receiver.stop()
 
@@ -256,6 +260,14 @@ class DecodeRole:
                 await stream.done
         except TimeoutError as err:
             raise RequestFailed("deadline") from err
+
+
+async def _drain(sub: Subscription | None) -> None:
+    """Stop `sub`'s messages and handle those already sent to it (a plain unsubscribe drops
+    them); bounded by the connection's flush timeout."""
+    if sub is not None:
+        with contextlib.suppress(Exception):  # the connection is gone: nothing more can come
+            await sub.drain()
 
 
 def _log_failure(task: asyncio.Task[None]) -> None:
