@@ -108,10 +108,12 @@ def wait_until_answering(chan: grpc.Channel, wait_s: float, every_s: float = 2.0
         except grpc.RpcError as err:
             if err.code() not in _NOT_ANSWERING:
                 return
+            # The details say why (refused, no such host, a TLS handshake that failed); this
+            # probe carries no password, so they quote none.
+            why = f"{err.code().name}: {(err.details() or '')[:300]}"
             if time.monotonic() + every_s > deadline:
-                name = err.code().name
-                raise EtcdAuthError(f"etcd did not answer within {wait_s:g} s: {name}") from None
-            print(f"kvrail.etcd_auth: waiting for etcd ({err.code().name})", file=sys.stderr)
+                raise EtcdAuthError(f"etcd did not answer within {wait_s:g} s ({why})") from None
+            print(f"kvrail.etcd_auth: waiting for etcd ({why})", file=sys.stderr)
             time.sleep(every_s)
 
 

@@ -70,7 +70,7 @@ def test_waits_for_etcd_then_requires_the_password(etcd: EtcdServer, tmp_path: P
     job = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert job.stderr is not None
-        assert "waiting for etcd (UNAVAILABLE)" in job.stderr.readline()
+        assert "waiting for etcd (UNAVAILABLE: " in job.stderr.readline()
         etcd.start()  # after the Job has found no etcd: it waits for it to answer
         out, err = job.communicate(timeout=120)
     finally:
@@ -116,4 +116,4 @@ def test_refuses_an_empty_password_and_gives_up_on_an_absent_etcd(
     assert "is empty" in empty.stderr
     absent = _run(etcd, _password_file(tmp_path, PASSWORD), "--wait-s=1")  # never started
     assert absent.returncode == 1
-    assert "did not answer within 1 s" in absent.stderr
+    assert "did not answer within 1 s (UNAVAILABLE: " in absent.stderr
