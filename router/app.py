@@ -171,6 +171,7 @@ class RouterApp(FastAPI):
     def __init__(self, state: RouterState) -> None:
         super().__init__(title="kvrail router", version="1", docs_url=None, redoc_url=None)
         self.router_state = state
+        self.request_ids = RandomIds()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         served = _GENERATION.get(scope["path"]) if scope["type"] == "http" else None
@@ -180,7 +181,7 @@ class RouterApp(FastAPI):
         state, path = self.router_state, scope["path"]
         # The id the request is known by: its completion's `id`, the router's and workers' logs'
         # request_id, and every response's x-request-id header (OpenAI's name for it).
-        request_id = f"{_ID_PREFIX[path]}-{secrets.token_hex(16)}"  # 128 random bits
+        request_id = f"{_ID_PREFIX[path]}-{self.request_ids.next()}"
         if scope["method"] != "POST":
             refused = ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
             await error_response(state, path, refused, request_id)(scope, receive, send)
@@ -214,6 +215,22 @@ class RouterApp(FastAPI):
                 routes=[*self.routes, *_documented_routes()],
             )  # fmt: skip
         return self.openapi_schema
+
+
+class RandomIds:
+    """128 random bits in hex per id, from the OS's generator (`secrets`), `batch` ids per call:
+    each call lets go of the GIL, and while a tokenizer thread runs Python the event loop can
+    then wait up to the interpreter's switch interval (5 ms) to get it back."""
+
+    def __init__(self, batch: int = 256) -> None:
+        self._batch = batch
+        self._ids: list[str] = []
+
+    def next(self) -> str:
+        if not self._ids:
+            raw = secrets.token_bytes(16 * self._batch)
+            self._ids = [raw[i : i + 16].hex() for i in range(0, len(raw), 16)]
+        return self._ids.pop()
 
 
 def _documented_routes() -> list[APIRoute]:
