@@ -1,0 +1,116 @@
+"""One row of x (batch-1 decode) through the skinny kernel, on the GPU: every Llama-3-8B
+projection in FP8 (e4m3 with a scale per row; the LM head, which stays in the model's dtype, in
+bf16), in a tensor-core mode and in `fma` (no tensor cores: the weight converted to float32 and
+multiplied-added by the CUDA cores).
+
+    python3 -P bench/engine/skinny_one_row.py | tee bench/engine/skinny_one_row.txt
+
+For each projection it prints `pick_config`'s choice, then the fastest configuration of a sweep
+per mode, with the weight bytes per second each reached. The gate/up projection runs as the
+model runs it (`gated_linear`, SiLU * up in the epilogue). A read-only reference kernel
+(`torch.sum` over 1 GiB) says what bandwidth a plain stream reaches on the same GPU. Timing as
+in skinny_gemm.py: a CUDA graph over enough weight copies (1 GiB or more) that none stays in
+L2, best of three.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+
+from kvrail.kernels import reference, skinny_gemm
+from kvrail.kernels.skinny_gemm import SkinnyConfig
+
+sys.path.insert(0, str(Path(__file__).parent))
+from gemm_layouts import SHAPES  # the Llama-3-8B projections, name: (N, K)
+from skinny_gemm import _time
+
+Weights = list[tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def _weights(n: int, k: int, fp8: bool) -> Weights:
+    itemsize = 1 if fp8 else 2
+    out: Weights = []
+    for _ in range(max(2, (1 << 30) // (n * k * itemsize))):
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        out.append(reference.quantize_fp8_rows(w) if fp8 else (w, None))
+    return out
+
+
+def _timer(ws: Weights, x: torch.Tensor, gated: bool) -> Callable[[SkinnyConfig | None], float]:
+    index = {id(w): s for w, s in ws}
+    fn = skinny_gemm.gated_linear if gated else skinny_gemm.linear
+
+    def time(cfg: SkinnyConfig | None) -> float:
+        return _time(lambda w: fn(x, w, None, cfg, index[id(w)]), [w for w, _ in ws])
+
+    return time
+
+
+def _candidates(n: int, k: int, mode: str) -> Iterator[SkinnyConfig]:
+    """Tiles (and warps) whose float32 sums fit the registers in `fma`, and split counts that
+    give 1.5 to 8 programs per SM of an H200 (more without a split)."""
+    if mode == "fma":
+        tiles = [(16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4)]
+        tiles += [(32, 512, 8), (64, 256, 8), (128, 128, 8)]
+        stages: tuple[int, ...] = (1, 3)
+    else:
+        tiles = [(64, 128, 4), (128, 128, 4), (128, 256, 4)]
+        stages = (3, 4)
+    for (block_n, block_k, warps), splits, num_stages in itertools.product(
+        tiles, (1, 2, 4, 8, 16), stages
+    ):
+        programs = -(-n // block_n) * splits
+        too_many = programs > 1100 and splits > 1
+        if programs < 200 or too_many or k % (splits * block_k) or k // splits < 2 * block_k:
+            continue
+        yield SkinnyConfig(block_n, block_k, splits, warps, num_stages, fp8_dot=mode)
+
+
+def _row(label: str, seconds: float, nbytes: int) -> str:
+    return f"{label:58s} {seconds * 1e6:8.1f} us {nbytes / seconds / 1e12:6.2f} TB/s"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--fp8-shapes", default="qkv,o_proj,gate_up,down")
+    parser.add_argument("--bf16-shapes", default="lm_head")
+    args = parser.parse_args()
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    stream = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
+    t = _time(lambda w: w.sum(), [stream, stream[1:]])  # consecutive reads: 1 GiB each
+    print(_row("torch.sum over 1 GiB (a plain read)", t, stream.numel() * 2))
+    del stream
+    for dtype, names in (("fp8", args.fp8_shapes), ("bf16", args.bf16_shapes)):
+        fp8 = dtype == "fp8"
+        for name in filter(None, names.split(",")):
+            n, k = SHAPES[name]
+            gated = name == "gate_up"
+            ws = _weights(n, k, fp8)
+            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+            time = _timer(ws, x, gated)
+            nbytes = n * k * (1 if fp8 else 2)
+            print(_row(f"{name} [{n}x{k}] {dtype} pick_config", time(None), nbytes))
+            print(f"#   {skinny_gemm.pick_config(1, n, k, 1 if fp8 else 2)}")
+            for mode in ("e4m3", "fma") if fp8 else ("x", "fma"):
+                best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
+                for cfg in _candidates(n, k, mode):
+                    try:
+                        best = min(best, (time(cfg), cfg), key=lambda p: p[0])
+                    except Exception as err:  # a configuration the compiler refuses
+                        print(f"#   {cfg}: {type(err).__name__}")
+                print(_row(f"{name} [{n}x{k}] {dtype} best {mode}", best[0], nbytes))
+                print(f"#   {best[1]}")
+            sys.stdout.flush()
+            del ws
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
