@@ -1,18 +1,16 @@
 """Triton kernel: paged decode attention, one query token per sequence, split-K (flash-decoding).
 
-Same contract as `kvrail.kernels.reference.paged_decode_attention`. The grid is (sequence, KV head,
-split): each program takes all the query heads of its KV head's group (K and V are loaded once per
-group) over one contiguous slice of the context, walking it in BLOCK_N-token tiles through the block
-table with an online softmax (float32 accumulators). With one split the program normalises and
-stores the output directly; with several, each writes its partial (max, sum, unnormalised acc) and
-counts itself in at its (sequence, KV head)'s semaphore (`kvrail.kernels.launch.semaphores`), and
-the split that arrives last merges the partials in split order, so results are deterministic, and
-resets the semaphore: one launch, where a second kernel used to merge (a kernel boundary per layer
-of a decode step). The split count is chosen on the host from the batch and a static context bound
-(the block table's width), never from `seq_lens`, so a launch is CUDA-graph capturable; a slice's
-length is derived from the sequence's own length inside the kernel. An FP8 cache is read as stored
-(half the bytes of bf16) and each tile converted to the query's dtype before the dots
-(`compute_dtype`).
+Same contract as `kvrail.kernels.reference.paged_decode_attention`. The grid is (sequence, KV
+head, split): each program takes all the query heads of its KV head's group (K and V are loaded
+once per group) over one contiguous slice of the context, walking it in BLOCK_N-token tiles
+through the block table with an online softmax (float32 accumulators). With one split the
+program normalises and stores the output directly; with several, each writes its partial
+(max, sum, unnormalised acc) and `_reduce_kernel` merges the splits in a fixed order, so results
+are deterministic. The split count is chosen on the host from the batch and a static context
+bound (the block table's width), never from `seq_lens`, so a launch is CUDA-graph capturable;
+a slice's length is derived from the sequence's own length inside the kernel. An FP8 cache is
+read as stored (half the bytes of bf16) and each tile converted to the query's dtype before the
+dots (`compute_dtype`).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -26,7 +24,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvrail.kernels.launch import SEMAPHORES, pdl, semaphores
+from kvrail.kernels.launch import pdl
 from kvrail.kernels.reference import FP8_DTYPES
 
 MAX_SPLITS = 64
@@ -46,7 +44,6 @@ def _decode_kernel(
     out,
     part_ml,
     part_acc,
-    counts,
     scale,
     stride_qs,
     stride_qh,
@@ -153,45 +150,45 @@ def _decode_kernel(
         tl.store(part_ml + (row * 2 + 1) * num_splits + split, l_i, mask=g_mask)
         acc_ptr = part_acc + ((row * num_splits + split) * D_PAD)[:, None] + d[None, :]
         tl.store(acc_ptr, acc, mask=g_mask[:, None])
-        tl.debug_barrier()  # every thread's partial is written before the count goes up
-        count = counts + s * tl.num_programs(1) + kvh
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-            result = _merge_splits(part_ml, part_acc, row, d, g_mask, num_splits, G_PAD, D_PAD)
-            tl.store(
-                out + s * stride_os + heads[:, None] * stride_oh + d[None, :],
-                result.to(out.dtype.element_ty),
-                mask=q_mask,
-            )
-            tl.store(count, 0)
 
 
 @triton.jit
-def _merge_splits(
-    part_ml, part_acc, row, d, g_mask, num_splits, G_PAD: tl.constexpr, D_PAD: tl.constexpr
+def _reduce_kernel(
+    part_ml,
+    part_acc,
+    out,
+    stride_os,
+    stride_oh,
+    head_dim,
+    num_heads,
+    num_splits,
+    SPLIT_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    PDL: tl.constexpr,
 ):
-    """The normalised output of the group's heads from every split's partial, added in split
-    order (read past L1: other SMs wrote them)."""
-    ml = part_ml + (row * 2) * num_splits
-    m_max = tl.full([G_PAD], float("-inf"), tl.float32)
-    for j in range(num_splits):  # finite for a real head: split 0 always holds a token
-        m_j = tl.load(ml + j, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_j)
-    m_max = tl.where(g_mask, m_max, 0.0)  # padding heads: no -inf - -inf below
-    total = tl.zeros([G_PAD], tl.float32)
-    result = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for j in range(num_splits):
-        m_j = tl.load(ml + j, mask=g_mask, other=float("-inf"), cache_modifier=".cg")
-        l_j = tl.load(ml + num_splits + j, mask=g_mask, other=0.0, cache_modifier=".cg")
-        w = tl.where(m_j > float("-inf"), tl.exp(m_j - m_max), 0.0)  # an empty split adds 0
-        total += w * l_j
-        acc_j = tl.load(
-            part_acc + ((row * num_splits + j) * D_PAD)[:, None] + d[None, :],
-            mask=g_mask[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        result += w[:, None] * acc_j
-    return result / tl.where(g_mask, total, 1.0)[:, None]
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    row = s.to(tl.int64) * num_heads + h
+    i = tl.arange(0, SPLIT_PAD)
+    d = tl.arange(0, D_PAD)
+    i_mask = i < num_splits
+    m = tl.load(part_ml + (row * 2) * num_splits + i, mask=i_mask, other=float("-inf"))
+    l_s = tl.load(part_ml + (row * 2 + 1) * num_splits + i, mask=i_mask, other=0.0)
+    acc = tl.load(
+        part_acc + (row * num_splits + i)[:, None] * D_PAD + d[None, :],
+        mask=i_mask[:, None],
+        other=0.0,
+    )
+    m_max = tl.max(m, 0)  # finite: split 0 always holds at least one token
+    w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
+    total = tl.sum(w * l_s, 0)
+    result = tl.sum(w[:, None] * acc, 0) / total
+    tl.store(
+        out + s * stride_os + h * stride_oh + d, result.to(out.dtype.element_ty), mask=d < head_dim
+    )
 
 
 def check_paged_inputs(
@@ -286,15 +283,8 @@ def paged_decode_attention(
     tile, warps, stages = (64 if head_dim <= 128 else 32), 4, 3
     if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
         tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
-    # allocated by the first (eager) launch even when it does not split: a captured one may
-    counts = semaphores(query.device)
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:
-        if num_seqs * num_kv_heads > SEMAPHORES:
-            raise ValueError(
-                f"{num_seqs} sequences x {num_kv_heads} KV heads split {num_splits} ways need "
-                f"more than {SEMAPHORES} semaphores; use fewer splits"
-            )
         f32 = torch.float32
         part_ml = torch.empty(num_seqs, num_heads, 2, num_splits, dtype=f32, device=query.device)
         part_acc = torch.empty(
@@ -309,7 +299,6 @@ def paged_decode_attention(
         out,
         part_ml,
         part_acc,
-        counts,
         scale,
         query.stride(0),
         query.stride(1),
@@ -338,4 +327,19 @@ def paged_decode_attention(
         num_warps=num_warps or warps,
         num_stages=num_stages or stages,
     )
+    if not direct:
+        _reduce_kernel[(num_seqs, num_heads)](
+            part_ml,
+            part_acc,
+            out,
+            out.stride(0),
+            out.stride(1),
+            head_dim,
+            num_heads,
+            num_splits,
+            SPLIT_PAD=triton.next_power_of_2(num_splits),
+            D_PAD=d_pad,
+            PDL=on,
+            launch_pdl=on,
+        )
     return out

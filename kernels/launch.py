@@ -14,13 +14,6 @@ chain slower (bench/engine/pdl_chain.txt), so neither is done.
 Only kernels of ours take part: cuBLAS and torch kernels launch as usual, so the projections of
 decode batches run on the skinny GEMM (`kvrail.kernels.dispatch.linear`) when PDL is on.
 
-Kernels whose programs split a sum between them (the skinny GEMM's K splits, decode attention's
-context splits) finish it in the same launch: each program writes its partial result and counts
-itself in at a semaphore, and the program that arrives last adds the partials in a fixed order
-and sets the semaphore back to zero. `semaphores(device)` is the one zeroed buffer they share.
-Sharing it is safe because a worker runs its kernels on one stream, and under PDL a kernel
-touches memory only after `gdc_wait`, once the kernel before it has finished.
-
 `pdl(device)` is true for CUDA devices of compute capability 9.0 or later unless the environment
 sets `KVRAIL_PDL=0` (the benchmarks' A/B switch, and a way out should a driver misbehave). It is
 read at each launch, so CUDA graphs keep what was set when they were captured.
@@ -34,8 +27,6 @@ import os
 import torch
 
 ENV = "KVRAIL_PDL"
-SEMAPHORES = 8192  # per device: the most (tile, or sequence and KV head) a split launch counts
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 
 
 @functools.cache
@@ -49,19 +40,3 @@ def pdl(device: torch.device) -> bool:
     if device.type != "cuda" or os.environ.get(ENV, "1") == "0":
         return False
     return _capability(device.index or 0) >= (9, 0)
-
-
-def semaphores(device: torch.device | str) -> torch.Tensor:
-    """The zeroed int32 semaphores of split launches on `device` (see the module docstring),
-    allocated on first use. Call it once outside CUDA-graph capture (the model's warm-up step
-    does) before capturing."""
-    device = torch.device(device)
-    found = _SEMAPHORES.get(device)
-    if found is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(
-                "kernel semaphores are allocated outside CUDA-graph capture; run one eager "
-                "step on this device before capturing"
-            )
-        found = _SEMAPHORES[device] = torch.zeros(SEMAPHORES, dtype=torch.int32, device=device)
-    return found

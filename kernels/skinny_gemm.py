@@ -13,9 +13,9 @@ semaphore. The program that arrives last adds the tile's partials in split order
 does not depend on which program finished last), adds the bias, rounds once to y's dtype, and
 sets the semaphore back to zero for the next launch. One launch, deterministic, CUDA-graph
 capturable: the workspace is allocated per call (graph capture gives it graph-pool memory) and
-the semaphores are allocated once per device (`kvrail.kernels.launch.semaphores`), never inside
-a capture. Two launches must not run at the same time on one device (a worker runs its model on
-one stream), or their semaphores would mix.
+the semaphores are allocated once per device (`allocate_semaphores`), never inside a capture.
+Two launches must not run at the same time on one device (a worker runs its model on one stream),
+or their semaphores would mix.
 
 On its own the kernel streams weights about as fast as cuBLAS (bench/engine/skinny_gemm.txt:
 16.7 against 16.1 us for QKV at 32 rows, 12.2 against 12.8 for the output projection). What it
@@ -53,12 +53,12 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvrail.kernels.launch import SEMAPHORES, pdl, semaphores
+from kvrail.kernels.launch import pdl
 from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
 
 MAX_ROWS = 32  # x rows it is tuned for: at 48 and 64 cuBLAS was faster (skinny_gemm.txt)
-MAX_TILES = SEMAPHORES  # N tiles of a split weight: one semaphore each
-FP8_DOTS = ("e4m3", "float16", "x", "fma")  # SkinnyConfig.fp8_dot
+MAX_TILES = 8192  # semaphores per device: the N tiles of the widest split weight
+FP8_DOTS = ("e4m3", "float16", "x")  # SkinnyConfig.fp8_dot
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,9 +72,7 @@ class SkinnyConfig:
     """FP8 weights only, what the tensor cores multiply: `e4m3` (x quantized to e4m3 per row
     and K tile, with a float32 scale per row and tile applied to that tile's partial product),
     `float16` (the weight converted to it, and x, saturating at float16's largest finite
-    value) or `x` (the weight converted to x's dtype). `fma`, for one row of x and a weight of
-    any dtype, uses no tensor cores: the CUDA cores multiply the weight, converted to float32,
-    by x in float32 and add along K, reduced once after the K loop."""
+    value) or `x` (the weight converted to x's dtype)."""
 
 
 @triton.jit
@@ -109,7 +107,7 @@ def _skinny_gemm_kernel(
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rm = tl.arange(0, BLOCK_M)  # 1 with FP8_DOT "fma"
+    rm = tl.arange(0, BLOCK_M)
     rk = tl.arange(0, BLOCK_K)
     n_mask = rn < N
     m_mask = rm < M
@@ -121,9 +119,6 @@ def _skinny_gemm_kernel(
     x_ptrs = x + rm[:, None] * stride_xm + (k_lo + rk)[None, :]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    if FP8_DOT == "fma":  # products summed along K per column, reduced after the loop
-        fma = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        fma_u = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, k_per_split, BLOCK_K):
         if EVEN:
             wt = tl.load(w_ptrs)
@@ -136,12 +131,7 @@ def _skinny_gemm_kernel(
             xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
             if GATED:
                 ut = tl.load(u_ptrs, mask=n_mask[:, None] & k_mask[None, :], other=0.0)
-        if FP8_DOT == "fma":  # x is one row: [1, BLOCK_K] broadcast over the weight's rows
-            xf = xt.to(tl.float32)
-            fma += wt.to(tl.float32) * xf
-            if GATED:
-                fma_u += ut.to(tl.float32) * xf
-        elif FP8_W and FP8_DOT == "e4m3":
+        if FP8_W and FP8_DOT == "e4m3":
             # this K tile of x in e4m3 over a scale per row: the tensor cores read the weight
             # as stored, and each tile's product is scaled before it is summed
             xf = xt.to(tl.float32)
@@ -166,10 +156,6 @@ def _skinny_gemm_kernel(
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
-    if FP8_DOT == "fma":
-        acc = tl.sum(fma, 1)[:, None]
-        if GATED:
-            acc_u = tl.sum(fma_u, 1)[:, None]
     if PDL:  # let the next kernel in for the epilogue, not earlier (pdl_chain.txt)
         gdc_launch_dependents()
     out_mask = n_mask[:, None] & m_mask[None, :]
@@ -257,6 +243,24 @@ def _store_tile(
         tl.store(y_ptrs, acc.to(dtype), mask=out_mask)
 
 
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+
+
+def allocate_semaphores(device: torch.device | str) -> torch.Tensor:
+    """The zeroed semaphores for launches on `device`, allocated on first use. Call it once
+    outside CUDA-graph capture (the model's warm-up step does) before capturing."""
+    device = torch.device(device)
+    found = _SEMAPHORES.get(device)
+    if found is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "skinny_gemm: semaphores are allocated outside CUDA-graph capture; run one "
+                "eager step on this device before capturing"
+            )
+        found = _SEMAPHORES[device] = torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+    return found
+
+
 def pick_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfig:
     """The launch configuration for an [rows, k] x [n, k]^T product (rows <= MAX_ROWS): wide
     tiles for wide weights, then K split in halves until there are about 1.5 programs per SM of
@@ -341,8 +345,6 @@ def _launch(
         raise ValueError(f"x {tuple(x.shape)} and weight {tuple(weight.shape)} do not chain")
     if x.shape[0] > MAX_ROWS:
         raise ValueError(f"{x.shape[0]} rows; the skinny kernel takes at most {MAX_ROWS}")
-    if config is not None and config.fp8_dot == "fma" and x.shape[0] > 1:
-        raise ValueError(f"fp8_dot 'fma' multiplies one row of x, not {x.shape[0]}")
     if x.stride(-1) != 1 or weight.stride(-1) != 1:
         raise ValueError("x and weight must have a unit innermost stride")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.stride(-1) != 1):
@@ -353,7 +355,6 @@ def _launch(
     if m == 0:
         return y
     cfg = config or pick_config(m, weight.shape[0], k, weight.element_size())
-    fma = cfg.fp8_dot == "fma"
     block_n = cfg.block_n // 2 if gated else cfg.block_n
     if block_n < 16:
         raise ValueError(f"block_n {cfg.block_n} is too narrow (tiles of 16 rows at the least)")
@@ -367,7 +368,7 @@ def _launch(
     partials = torch.empty(
         (splits, planes, m, n) if splits > 1 else (1,), dtype=torch.float32, device=x.device
     )
-    counts = semaphores(x.device) if splits > 1 else partials
+    semaphores = allocate_semaphores(x.device) if splits > 1 else partials
     on = pdl(x.device)
     _skinny_gemm_kernel[(tiles, splits)](
         x,
@@ -376,7 +377,7 @@ def _launch(
         weight if bias is None else bias,
         y,
         partials,
-        counts,
+        semaphores,
         m,
         n,
         k,
@@ -390,7 +391,7 @@ def _launch(
         FP8_DOT=cfg.fp8_dot,
         SPLITS=splits,
         EVEN=even,
-        BLOCK_M=1 if fma else max(16, triton.next_power_of_2(m)),
+        BLOCK_M=max(16, triton.next_power_of_2(m)),
         BLOCK_N=block_n,
         BLOCK_K=cfg.block_k,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32",

@@ -108,9 +108,38 @@ def main() -> int:
             events.table(sort_by="self_device_time_total", row_limit=14, max_name_column_width=60)
         )
         print(events.table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        print(_idle(prof, steps=20))
         while engine.has_unfinished_requests():
             engine.step()
     return 0
+
+
+def _idle(prof, steps: int) -> str:  # type: ignore[no-untyped-def]
+    """How long the GPU ran no kernel between the profile's first kernel and its last: the
+    union of the kernels' intervals (under PDL they overlap) against that window, per step,
+    and the longest gaps with the kernels on either side."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    if not kernels:
+        return "idle: no kernels recorded"
+    gaps, end, before = [], kernels[0][1], kernels[0][2]
+    for start, stop, name in kernels[1:]:
+        if start > end:
+            gaps.append((start - end, before, name))
+        if stop > end:
+            end, before = stop, name
+    window = end - kernels[0][0]
+    idle = sum(g for g, _, _ in gaps)
+    lines = [
+        f"GPU idle: {idle / steps:.1f} us per step of {window / steps:.1f} us "
+        f"({idle / window:.1%}), {len(gaps)} gaps, the longest:"
+    ]
+    for gap, a, b in sorted(gaps, reverse=True)[:6]:
+        lines.append(f"  {gap:8.1f} us  after {a[:50]}  before {b[:50]}")
+    return "\n".join(lines)
 
 
 def _profile_prefills(engine) -> int:  # type: ignore[no-untyped-def]

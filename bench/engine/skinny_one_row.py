@@ -1,12 +1,13 @@
 """One row of x (batch-1 decode) through the skinny kernel, on the GPU: every Llama-3-8B
 projection in FP8 (e4m3 with a scale per row; the LM head, which stays in the model's dtype, in
-bf16), in a tensor-core mode and in `fma` (no tensor cores: the weight converted to float32 and
-multiplied-added by the CUDA cores).
+bf16).
 
     python3 -P bench/engine/skinny_one_row.py | tee bench/engine/skinny_one_row.txt
 
-For each projection it prints `pick_config`'s choice, then the fastest configuration of a sweep
-per mode, with the weight bytes per second each reached. The gate/up projection runs as the
+For each projection it prints `pick_config`'s choice, then the fastest configuration of a sweep,
+with the weight bytes per second each reached. (skinny_one_row.txt also has the sweep of an
+`fma` mode, one row on the CUDA cores without tensor cores, from 202aef9: it was no faster, and
+was removed.) The gate/up projection runs as the
 model runs it (`gated_linear`, SiLU * up in the epilogue). A read-only reference kernel
 (`torch.sum` over 1 GiB) says what bandwidth a plain stream reaches on the same GPU. Timing as
 in skinny_gemm.py: a CUDA graph over enough weight copies (1 GiB or more) that none stays in
@@ -52,24 +53,17 @@ def _timer(ws: Weights, x: torch.Tensor, gated: bool) -> Callable[[SkinnyConfig 
     return time
 
 
-def _candidates(n: int, k: int, mode: str) -> Iterator[SkinnyConfig]:
-    """Tiles (and warps) whose float32 sums fit the registers in `fma`, and split counts that
-    give 1.5 to 8 programs per SM of an H200 (more without a split)."""
-    if mode == "fma":
-        tiles = [(16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4), (64, 128, 4)]
-        tiles += [(32, 512, 8), (64, 256, 8), (128, 128, 8)]
-        stages: tuple[int, ...] = (1, 3)
-    else:
-        tiles = [(64, 128, 4), (128, 128, 4), (128, 256, 4)]
-        stages = (3, 4)
-    for (block_n, block_k, warps), splits, num_stages in itertools.product(
-        tiles, (1, 2, 4, 8, 16), stages
+def _candidates(n: int, k: int) -> Iterator[SkinnyConfig]:
+    """Split counts that give 1.5 to 8 programs per SM of an H200 (more without a split)."""
+    tiles = [(64, 128), (128, 128), (128, 256)]
+    for (block_n, block_k), splits, num_stages in itertools.product(
+        tiles, (1, 2, 4, 8, 16), (3, 4)
     ):
         programs = -(-n // block_n) * splits
         too_many = programs > 1100 and splits > 1
         if programs < 200 or too_many or k % (splits * block_k) or k // splits < 2 * block_k:
             continue
-        yield SkinnyConfig(block_n, block_k, splits, warps, num_stages, fp8_dot=mode)
+        yield SkinnyConfig(block_n, block_k, splits, 4, num_stages)
 
 
 def _row(label: str, seconds: float, nbytes: int) -> str:
@@ -97,15 +91,14 @@ def main() -> int:
             nbytes = n * k * (1 if fp8 else 2)
             print(_row(f"{name} [{n}x{k}] {dtype} pick_config", time(None), nbytes))
             print(f"#   {skinny_gemm.pick_config(1, n, k, 1 if fp8 else 2)}")
-            for mode in ("e4m3", "fma") if fp8 else ("x", "fma"):
-                best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
-                for cfg in _candidates(n, k, mode):
-                    try:
-                        best = min(best, (time(cfg), cfg), key=lambda p: p[0])
-                    except Exception as err:  # a configuration the compiler refuses
-                        print(f"#   {cfg}: {type(err).__name__}")
-                print(_row(f"{name} [{n}x{k}] {dtype} best {mode}", best[0], nbytes))
-                print(f"#   {best[1]}")
+            best: tuple[float, SkinnyConfig | None] = (float("inf"), None)
+            for cfg in _candidates(n, k):  # e4m3 dots for FP8 weights
+                try:
+                    best = min(best, (time(cfg), cfg), key=lambda p: p[0])
+                except Exception as err:  # a configuration the compiler refuses
+                    print(f"#   {cfg}: {type(err).__name__}")
+            print(_row(f"{name} [{n}x{k}] {dtype} best", best[0], nbytes))
+            print(f"#   {best[1]}")
             sys.stdout.flush()
             del ws
             torch.cuda.empty_cache()

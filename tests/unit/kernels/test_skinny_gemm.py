@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from kvrail.kernels import reference
-from kvrail.kernels.launch import semaphores
 from kvrail.kernels.testing import load_kernels
 
 HAS_CUDA = torch.cuda.is_available()
@@ -54,7 +53,7 @@ def test_matches_torch_for_every_split_count(
     torch.testing.assert_close(out, _expected(x, w, b), atol=1e-4, rtol=1e-4)
     again = SKINNY.linear(x, w, b, config)
     assert torch.equal(out, again)  # the last program sums splits in a fixed order
-    assert int(semaphores(x.device).abs().sum()) == 0  # all reset for the next
+    assert int(SKINNY.allocate_semaphores(x.device).abs().sum()) == 0  # all reset for the next
 
 
 def test_the_default_config_splits_a_long_k_and_keeps_tiles_whole() -> None:
@@ -103,7 +102,7 @@ def test_gated_equals_the_projection_then_silu_and_mul(
     half = SKINNY.SkinnyConfig(block_n=16, block_k=32, splits=splits, num_warps=4, num_stages=2)
     if inter % 16 == 0:
         assert torch.equal(out, SILU.silu_and_mul(SKINNY.linear(x, w, b, half)))
-    assert int(semaphores(x.device).abs().sum()) == 0
+    assert int(SKINNY.allocate_semaphores(x.device).abs().sum()) == 0
 
 
 def test_gated_rejects_an_odd_weight_and_too_narrow_a_tile() -> None:
