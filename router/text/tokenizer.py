@@ -186,7 +186,7 @@ class TextCodec:
         (none for SmolLM2), as transformers' `tokenizer(text)` gives them, except that special
         tokens written in `text` are plain text unless `allow_special`."""
         tokenizer = self.tokenizer if allow_special else self._plain
-        return list(tokenizer.encode_batch([text], add_special_tokens=True)[0].ids)
+        return list(tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids)
 
     def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The chat template applied to `messages` with `add_generation_prompt=True`. A template
@@ -243,7 +243,7 @@ class TextCodec:
         return self._encode_outside(rendered, spans)
 
     def _encode_with_special(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids)
+        return list(self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
 
     def _encode_outside(self, text: str, spans: Sequence[tuple[int, int]]) -> list[int]:
         """`text` encoded as the tokenizer would (split at special tokens, each part encoded
@@ -260,7 +260,7 @@ class TextCodec:
             parts.append(text[position:begin])
             position = end
         parts.append(text[position:])
-        encoded = self._plain.encode_batch(parts, add_special_tokens=False)
+        encoded = self._plain.encode_batch_fast(parts, add_special_tokens=False)
         ids: list[int] = []
         for i, encoding in enumerate(encoded):
             ids.extend(encoding.ids)
