@@ -4,11 +4,8 @@ blocks, the same-node transfer path).
 
 Same contract as `kvrail.kernels.reference.gather_blocks` / `scatter_blocks` / `copy_blocks`.
 The cache must be contiguous ([num_blocks, ...], one block = one contiguous range); the buffer is
-[n, ...]. One kernel does all three. Grid: (blocks, chunks of a block), each program copying its
-chunk (CHUNK elements, 512 KiB of int64) TILE elements at a time: a 2 MiB block is 4 programs.
-The first version gave each program 1,024 elements, and a 1 GiB handoff of 512 scattered blocks
-launched 131,072 programs, whose scheduling, not the bytes, set its time
-(bench/transfer/block_copy.txt).
+[n, ...].
+Grid: (blocks, chunks of one block).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -19,68 +16,25 @@ import torch
 import triton
 import triton.language as tl
 
-TILE = 2048  # elements a program copies per step of its loop
-CHUNK = 32 * TILE  # elements of one block a program copies (a block of more takes several)
-NUM_WARPS = 4
+_CHUNK = 1024
 
 
 @triton.jit
-def _copy_kernel(
-    src,
-    dst,
-    src_ids,
-    dst_ids,
-    block_numel,
-    chunk,
-    SRC_IDS: tl.constexpr,
-    DST_IDS: tl.constexpr,
-    TILE: tl.constexpr,
+def _copy_blocks_kernel(
+    src, dst, block_ids, block_numel, GATHER: tl.constexpr, CHUNK: tl.constexpr
 ):
-    """Block i: source block src_ids[i] (or i) to destination block dst_ids[i] (or i); this
-    program copies `chunk` elements of it, TILE at a time."""
     i = tl.program_id(0)
-    lo = tl.program_id(1) * chunk
-    hi = tl.minimum(lo + chunk, block_numel)
-    s = tl.load(src_ids + i).to(tl.int64) if SRC_IDS else i.to(tl.int64)
-    d = tl.load(dst_ids + i).to(tl.int64) if DST_IDS else i.to(tl.int64)
-    src_block = src + s * block_numel
-    dst_block = dst + d * block_numel
-    for start in range(lo, hi, TILE):
-        offs = start + tl.arange(0, TILE)
-        mask = offs < hi
-        values = tl.load(src_block + offs, mask=mask)
-        tl.store(dst_block + offs, values.to(dst.dtype.element_ty), mask=mask)
-
-
-def _launch(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_ids: torch.Tensor | None,
-    dst_ids: torch.Tensor | None,
-    n: int,
-    block_numel: int,
-    chunk: int | None = None,
-    num_warps: int | None = None,
-) -> None:
-    """Copy n blocks; a None id tensor means blocks 0..n-1 (the packed buffer's order)."""
-    if n == 0:
-        return
-    chunk = chunk or CHUNK
-    if chunk % TILE:
-        raise ValueError(f"chunk {chunk} is not a multiple of {TILE} elements")
-    ids = src_ids if src_ids is not None else dst_ids
-    _copy_kernel[(n, triton.cdiv(block_numel, chunk))](
-        src,
-        dst,
-        ids if src_ids is None else src_ids,
-        ids if dst_ids is None else dst_ids,
-        block_numel,
-        chunk,
-        SRC_IDS=src_ids is not None,
-        DST_IDS=dst_ids is not None,
-        TILE=TILE,
-        num_warps=num_warps or NUM_WARPS,
-    )
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    bid = tl.load(block_ids + i).to(tl.int64)
+    if GATHER:
+        src_base = bid * block_numel
+        dst_base = i.to(tl.int64) * block_numel
+    else:
+        src_base = i.to(tl.int64) * block_numel
+        dst_base = bid * block_numel
+    values = tl.load(src + src_base + offs, mask=mask)
+    tl.store(dst + dst_base + offs, values.to(dst.dtype.element_ty), mask=mask)
 
 
 def _check(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> int:
@@ -94,7 +48,9 @@ def _check(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> int:
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     block_numel = _check(kv_cache, block_ids)
     out = kv_cache.new_empty((block_ids.shape[0], *kv_cache.shape[1:]))
-    _launch(kv_cache, out, block_ids, None, block_ids.shape[0], block_numel)
+    if block_ids.numel():
+        grid = (block_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_blocks_kernel[grid](kv_cache, out, block_ids, block_numel, GATHER=True, CHUNK=_CHUNK)
     return out
 
 
@@ -102,24 +58,32 @@ def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
     block_numel = _check(kv_cache, block_ids)
     if buffer.shape != (block_ids.shape[0], *kv_cache.shape[1:]) or not buffer.is_contiguous():
         raise ValueError(f"buffer {tuple(buffer.shape)} is not a contiguous [n, *block] tensor")
-    _launch(buffer, kv_cache, None, block_ids, block_ids.shape[0], block_numel)
+    if block_ids.numel():
+        grid = (block_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_blocks_kernel[grid](
+            buffer, kv_cache, block_ids, block_numel, GATHER=False, CHUNK=_CHUNK
+        )
+
+
+@triton.jit
+def _copy_between_kernel(src, dst, src_ids, dst_ids, block_numel, CHUNK: tl.constexpr):
+    i = tl.program_id(0)
+    offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < block_numel
+    s = tl.load(src_ids + i).to(tl.int64) * block_numel
+    d = tl.load(dst_ids + i).to(tl.int64) * block_numel
+    tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
 
 
 def copy_blocks(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    src_ids: torch.Tensor,
-    dst_ids: torch.Tensor,
-    *,
-    chunk: int | None = None,
-    num_warps: int | None = None,
+    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
 ) -> None:
-    """dst[dst_ids[i]] = src[src_ids[i]] for every i; both regions [num_blocks, ...] alike.
-    `chunk` (elements per program, a multiple of TILE) and `num_warps`: tuning knobs (None: the
-    defaults; see bench/transfer/block_copy.py)."""
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i; both regions [num_blocks, ...] alike."""
     block_numel = _check(src, src_ids)
     if _check(dst, dst_ids) != block_numel or src.dtype != dst.dtype:
         raise ValueError("source and destination blocks differ in size or dtype")
     if src_ids.shape != dst_ids.shape:
         raise ValueError(f"{src_ids.shape[0]} source ids but {dst_ids.shape[0]} destination ids")
-    _launch(src, dst, src_ids, dst_ids, src_ids.shape[0], block_numel, chunk, num_warps)
+    if src_ids.numel():
+        grid = (src_ids.shape[0], triton.cdiv(block_numel, _CHUNK))
+        _copy_between_kernel[grid](src, dst, src_ids, dst_ids, block_numel, CHUNK=_CHUNK)

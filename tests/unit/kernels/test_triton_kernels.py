@@ -194,23 +194,6 @@ def test_copy_blocks_moves_scattered_blocks_between_two_regions_in_one_launch() 
     assert not dst[untouched.to(DEVICE)].any()  # nothing else was written
 
 
-@pytest.mark.parametrize("tiles_per_chunk", [1, 2, 3])
-def test_a_block_longer_than_a_chunk_is_copied_by_several_programs(tiles_per_chunk: int) -> None:
-    """A block of 5,000 elements in chunks of 1-3 tiles (2,048 elements each): programs that
-    stop mid-tile at the block's end, and a last chunk shorter than the others."""
-    g = torch.Generator().manual_seed(tiles_per_chunk)
-    src = torch.randn(12, 5000, generator=g).to(DEVICE)
-    dst = torch.zeros(9, 5000, device=DEVICE)
-    src_ids = torch.tensor([11, 0, 4], device=DEVICE)
-    dst_ids = torch.tensor([8, 2, 0], device=DEVICE)
-    chunk = tiles_per_chunk * BLOCK_COPY.TILE
-    BLOCK_COPY.copy_blocks(src, dst, src_ids, dst_ids, chunk=chunk)
-    assert torch.equal(dst[dst_ids], src[src_ids])
-    assert not dst[[1, 3, 4, 5, 6, 7]].any()
-    with pytest.raises(ValueError, match="multiple of"):
-        BLOCK_COPY.copy_blocks(src, dst, src_ids, dst_ids, chunk=chunk + 1)
-
-
 BAD_CALLS: list[tuple[str, Callable[[], object]]] = [
     (
         "decode with heads not a multiple of KV heads",
