@@ -5,13 +5,13 @@ bf16).
     python3 -P bench/engine/skinny_one_row.py | tee bench/engine/skinny_one_row.txt
 
 For each projection it prints `pick_config`'s choice, then the fastest configuration of a sweep,
-with the weight bytes per second each reached. (skinny_one_row.txt also has the sweep of an
-`fma` mode, one row on the CUDA cores without tensor cores, from 202aef9: it was no faster, and
-was removed.) The gate/up projection runs as the
-model runs it (`gated_linear`, SiLU * up in the epilogue). A read-only reference kernel
-(`torch.sum` over 1 GiB) says what bandwidth a plain stream reaches on the same GPU. Timing as
-in skinny_gemm.py: a CUDA graph over enough weight copies (1 GiB or more) that none stays in
-L2, best of three.
+with the weight bytes per second each reached. The gate/up projection runs as the model runs it
+(`gated_linear`, SiLU * up in the epilogue). A read-only reference kernel (`torch.sum` over
+1 GiB) says what bandwidth a plain stream reaches on the same GPU. Timing as in skinny_gemm.py:
+a CUDA graph over enough weight copies (1 GiB or more) that none stays in L2, best of three.
+
+skinny_one_row.txt was written by this script at 202aef9, which also swept an `fma` mode (one
+row on the CUDA cores, no tensor cores). It was no faster and was removed.
 """
 
 from __future__ import annotations
