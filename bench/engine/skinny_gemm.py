@@ -4,14 +4,18 @@ projections, on the GPU (the sweep `pick_config` was derived from).
     python3 -P bench/engine/skinny_gemm.py | tee bench/engine/skinny_gemm.txt
     python3 -P bench/engine/skinny_gemm.py --sweep   # also every configuration at 32 rows
     python3 -P bench/engine/skinny_gemm.py --chain 1,32   # only the layer chain below
+    python3 -P bench/engine/skinny_gemm.py --chain 1 --fp8   # the chain over e4m3 weights
 
 `--chain` times what the kernels do together: 32 Llama-3-8B layers without attention (residual
 add + RMSNorm, QKV, output projection of the first 4,096 QKV columns, add + RMSNorm, gate/up,
 SiLU * up, down) at the given row counts, captured in one CUDA graph, for cuBLAS and the skinny
 kernel, each with and without programmatic dependent launch (kvrail.kernels.launch); the variants
-are alternated, two rounds. (pdl_chain.txt also has variants since removed, from 4d84bce: a GEMM
-that prefetched part of its weight into L2 before waiting for the previous kernel, and one that
-let the next kernel in before its main loop. Neither helped.)
+are alternated, two rounds. With `--fp8` the weights are e4m3 (a scale per row) and the chain
+runs on the skinny kernel with PDL and SiLU in gate/up, with and without the two RMSNorm
+kernels: what folding the norms into the projections could save at most (the values are not
+looked at, and without the norms they overflow). (pdl_chain.txt also has variants since
+removed, from 4d84bce: a GEMM that prefetched part of its weight into L2 before waiting for the
+previous kernel, and one that let the next kernel in before its main loop. Neither helped.)
 
 Each timing replays a CUDA graph that runs the GEMM over enough distinct weight copies (at least
 1 GiB in all) that none stays in L2, as the 32 layers of a decode step do; the figure is the
@@ -28,11 +32,12 @@ import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.nn import functional
 
-from kvrail.kernels import rms_norm, silu_and_mul, skinny_gemm
+from kvrail.kernels import reference, rms_norm, silu_and_mul, skinny_gemm
 from kvrail.kernels.skinny_gemm import SkinnyConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -90,22 +95,32 @@ def _candidates(n: int, k: int) -> list[SkinnyConfig]:
     return out
 
 
-Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Linear = Callable[[torch.Tensor, Any], torch.Tensor]
 
 
 def _chain_layer(
     x: torch.Tensor,
     residual: torch.Tensor,
-    ws: dict[str, torch.Tensor],
+    ws: dict[str, Any],
     lin: Linear,
     gated: bool,
+    norms: bool = True,
 ) -> torch.Tensor:
-    h, _ = rms_norm.fused_add_rms_norm(x, residual, ws["norm"], 1e-5)
+    """One layer without attention; FP8 weights are (values, row scales) pairs. Without
+    `norms` the two RMSNorm kernels are left out: the bound on folding them into the
+    projections that read their output."""
+    h = rms_norm.fused_add_rms_norm(x, residual, ws["norm"], 1e-5)[0] if norms else x
     qkv = lin(h, ws["qkv"])
     o = lin(qkv[:, :4096], ws["o_proj"])
-    h, _ = rms_norm.fused_add_rms_norm(o, residual, ws["norm"], 1e-5)
+    h = rms_norm.fused_add_rms_norm(o, residual, ws["norm"], 1e-5)[0] if norms else o
     if gated:  # SiLU * up in the gate/up projection's epilogue
-        return lin(skinny_gemm.gated_linear(h, ws["gate_up"]), ws["down"])
+        w = ws["gate_up"]
+        act = (
+            skinny_gemm.gated_linear(h, w[0], None, None, w[1])
+            if isinstance(w, tuple)
+            else skinny_gemm.gated_linear(h, w)
+        )
+        return lin(act, ws["down"])
     return lin(silu_and_mul.silu_and_mul(lin(h, ws["gate_up"])), ws["down"])
 
 
@@ -113,35 +128,45 @@ def _skinny_default(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return skinny_gemm.linear(x, w)
 
 
-def chain(rows: int) -> None:
+def _fp8_linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return skinny_gemm.linear(x, w[0], None, None, w[1])
+
+
+def chain(rows: int, fp8: bool = False) -> None:
+    def weight(n: int, k: int) -> Any:
+        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+        return reference.quantize_fp8_rows(w) if fp8 else w
+
     layers = [
-        {
-            name: torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-            for name, (n, k) in SHAPES.items()
-            if name != "lm_head"
-        }
+        {name: weight(n, k) for name, (n, k) in SHAPES.items() if name != "lm_head"}
         | {"norm": torch.ones(4096, dtype=torch.bfloat16, device="cuda")}
         for _ in range(32)
     ]
     x0 = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
     residual = torch.zeros_like(x0)
     cublas: Linear = lambda x, w: functional.linear(x, w)  # noqa: E731
-    variants: dict[str, tuple[bool, Linear, bool]] = {
-        "cuBLAS, no PDL": (False, cublas, False),
-        "cuBLAS, PDL on norms/SiLU": (True, cublas, False),
-        "skinny, no PDL": (False, _skinny_default, False),
-        "skinny, PDL": (True, _skinny_default, False),
-        "skinny, PDL, SiLU in gate/up": (True, _skinny_default, True),
+    # name: (PDL, linear, SiLU in gate/up, the RMSNorm kernels)
+    variants: dict[str, tuple[bool, Linear, bool, bool]] = {
+        "cuBLAS, no PDL": (False, cublas, False, True),
+        "cuBLAS, PDL on norms/SiLU": (True, cublas, False, True),
+        "skinny, no PDL": (False, _skinny_default, False, True),
+        "skinny, PDL": (True, _skinny_default, False, True),
+        "skinny, PDL, SiLU in gate/up": (True, _skinny_default, True, True),
     }
+    if fp8:  # e4m3 weights run only on the skinny kernel at decode rows
+        variants = {
+            "fp8 skinny, PDL, SiLU in gate/up": (True, _fp8_linear, True, True),
+            "the same without the RMSNorms": (True, _fp8_linear, True, False),
+        }
     best = {name: float("inf") for name in variants}
     for _ in range(2):
-        for name, (on, lin, gated) in variants.items():
+        for name, (on, lin, gated, norms) in variants.items():
             os.environ["KVRAIL_PDL"] = "1" if on else "0"
 
-            def step(lin: Linear = lin, gated: bool = gated) -> None:
+            def step(lin: Linear = lin, gated: bool = gated, norms: bool = norms) -> None:
                 x = x0
                 for ws in layers:
-                    x = _chain_layer(x, residual, ws, lin, gated)
+                    x = _chain_layer(x, residual, ws, lin, gated, norms)
 
             step()
             torch.cuda.synchronize()
@@ -159,7 +184,10 @@ def chain(rows: int) -> None:
             best[name] = min(best[name], start.elapsed_time(end) / 20)
             del graph
     os.environ.pop("KVRAIL_PDL", None)
-    print(f"\n## 32 layers without attention, {rows} rows, one CUDA graph (best of 2 rounds)")
+    kind = "FP8" if fp8 else "bf16"
+    print(
+        f"\n## 32 {kind} layers without attention, {rows} rows, one CUDA graph (best of 2 rounds)"
+    )
     for name, ms in best.items():
         print(f"{name:34s} {ms:6.3f} ms  {ms / 32 * 1e3:6.1f} us/layer", flush=True)
 
@@ -168,12 +196,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sweep", action="store_true", help="every configuration at 32 rows")
     parser.add_argument("--chain", type=str, default="", help="only the layer chain: rows, 1,32")
+    parser.add_argument("--fp8", action="store_true", help="the chain over e4m3 weights")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     torch.manual_seed(0)
     if args.chain:
         for rows in args.chain.split(","):
-            chain(int(rows))
+            chain(int(rows), args.fp8)
         return 0
     head = f"{'gemm':8s} {'M':>3s} {'cuBLAS us':>9s} {'TB/s':>5s} {'skinny us':>9s} {'TB/s':>5s}"
     print(f"{head}  config")
