@@ -20,31 +20,41 @@ from kvrail.testing.real_cluster import RealCluster
 pytestmark = [pytest.mark.node]
 
 PROBE = """
-import json, socket, sys
+import json, socket, sys, time
+def again(err, attempt):
+    # EAI_AGAIN: the resolver had no answer in time (a query lost on a busy node); tried again
+    if isinstance(err, socket.gaierror) and err.errno == socket.EAI_AGAIN and attempt < 4:
+        time.sleep(1)
+        return True
+    return False
 def tcp(host, port):
-    s = socket.socket()
-    s.settimeout(3)
-    try:
-        s.connect((host, port))
-        return "open"
-    except socket.timeout:
-        return "timeout"
-    except OSError as err:
-        return f"refused:{err.errno}"
-    finally:
-        s.close()
-def resolve(name):
-    try:
-        return socket.gethostbyname(name)
-    except OSError:
-        return None
+    for attempt in range(5):
+        s = socket.socket()
+        s.settimeout(3)
+        try:
+            s.connect((host, port))
+            return "open"
+        except socket.timeout:
+            return "timeout"
+        except OSError as err:
+            if not again(err, attempt):
+                return f"refused:{err.errno}"
+        finally:
+            s.close()
+def resolve(name, retry=True):
+    for attempt in range(5):
+        try:
+            return socket.gethostbyname(name)
+        except OSError as err:
+            if not (retry and again(err, attempt)):
+                return None
 host, api_port, other_port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 print(json.dumps({
     "api_server": tcp("kubernetes.default.svc", 443),
     "api_server_direct": tcp(host, api_port),
     "host_other_port": tcp(host, other_port),
     "kubernetes": resolve("kubernetes.default.svc.cluster.local"),
-    "outside_name": resolve("pypi.org"),
+    "outside_name": resolve("pypi.org", retry=False),
 }))
 """
 
