@@ -24,33 +24,24 @@ from pathlib import Path
 
 import torch
 
-from kvrail.kernels import reference, skinny_gemm
+from kvrail.kernels import skinny_gemm
 from kvrail.kernels.skinny_gemm import SkinnyConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fp8_gemm import _bf16_weights, _fp8_weights, _time_fp8
 from gemm_layouts import SHAPES  # the Llama-3-8B projections, name: (N, K)
 from skinny_gemm import _time
 
-Weights = list[tuple[torch.Tensor, torch.Tensor | None]]
 
-
-def _weights(n: int, k: int, fp8: bool) -> Weights:
-    itemsize = 1 if fp8 else 2
-    out: Weights = []
-    for _ in range(max(2, (1 << 30) // (n * k * itemsize))):
-        w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-        out.append(reference.quantize_fp8_rows(w) if fp8 else (w, None))
-    return out
-
-
-def _timer(ws: Weights, x: torch.Tensor, gated: bool) -> Callable[[SkinnyConfig | None], float]:
-    index = {id(w): s for w, s in ws}
+def _timer(n: int, k: int, fp8: bool, gated: bool) -> Callable[[SkinnyConfig | None], float]:
+    """Seconds per launch over 1 GiB of weight copies (FP8 with its row scales), one row of x."""
+    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
     fn = skinny_gemm.gated_linear if gated else skinny_gemm.linear
-
-    def time(cfg: SkinnyConfig | None) -> float:
-        return _time(lambda w: fn(x, w, None, cfg, index[id(w)]), [w for w, _ in ws])
-
-    return time
+    if fp8:
+        pairs = _fp8_weights(n, k)
+        return lambda cfg: _time_fp8(lambda w, s: fn(x, w, None, cfg, s), pairs)
+    ws = _bf16_weights(n, k)
+    return lambda cfg: _time(lambda w: fn(x, w, None, cfg), ws)
 
 
 def _candidates(n: int, k: int) -> Iterator[SkinnyConfig]:
@@ -84,10 +75,7 @@ def main() -> int:
         fp8 = dtype == "fp8"
         for name in filter(None, names.split(",")):
             n, k = SHAPES[name]
-            gated = name == "gate_up"
-            ws = _weights(n, k, fp8)
-            x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
-            time = _timer(ws, x, gated)
+            time = _timer(n, k, fp8, gated=name == "gate_up")
             nbytes = n * k * (1 if fp8 else 2)
             print(_row(f"{name} [{n}x{k}] {dtype} pick_config", time(None), nbytes))
             print(f"#   {skinny_gemm.pick_config(1, n, k, 1 if fp8 else 2)}")
@@ -100,7 +88,7 @@ def main() -> int:
             print(_row(f"{name} [{n}x{k}] {dtype} best", best[0], nbytes))
             print(f"#   {best[1]}")
             sys.stdout.flush()
-            del ws
+            del time  # its weight copies
             torch.cuda.empty_cache()
     return 0
 
