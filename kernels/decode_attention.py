@@ -67,6 +67,7 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP8_MODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
@@ -89,6 +90,12 @@ def _decode_kernel(
     )
     if not KV_FP8:
         q = q.to(k_cache.dtype.element_ty)
+    elif FP8_MODE == 1:  # float16: the scale folded into the query
+        q = (q.to(tl.float32) * scale).to(tl.float16)
+    elif FP8_MODE == 2:  # e4m3 query, a scale per head
+        qf = q.to(tl.float32) * scale
+        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / 448.0, 1e-12)
+        q = (qf / q_scale[:, None]).to(k_cache.dtype.element_ty)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
@@ -108,13 +115,17 @@ def _decode_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        if KV_FP8:  # read in FP8, computed in the query's dtype
+        if KV_FP8 and FP8_MODE < 2:  # read in FP8, computed in the query's dtype
             k = k.to(q.dtype)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = tl.where(n_mask[None, :], scores * scale, float("-inf"))
+        if FP8_MODE == 2:
+            scores = scores * q_scale[:, None]
+        elif FP8_MODE == 0:
+            scores = scores * scale
+        scores = tl.where(n_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
@@ -128,8 +139,10 @@ def _decode_kernel(
             mask=kv_mask,
             other=0.0,
         )
-        if KV_FP8:
+        if KV_FP8 and FP8_MODE == 0:
             v = v.to(q.dtype)
+        elif KV_FP8:
+            v = v.to(tl.float16)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
@@ -260,6 +273,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_mode: int = 0,
 ) -> torch.Tensor:
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
     context, so no host sync and the same choice on every replay of a captured graph).
@@ -322,6 +336,7 @@ def paged_decode_attention(
         DIRECT=direct,
         IEEE=compute_dtype(query, k_cache) == torch.float32,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
+        FP8_MODE=fp8_mode if k_cache.dtype in FP8_DTYPES else 0,
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,

@@ -24,11 +24,14 @@ LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
 TABLE_WIDTH = (8192 + 1024) // BS  # the captured graphs' width (max_model_len 9216)
 
 
-def case(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+def case(
+    batch: int, generator: torch.Generator, kv_dtype: torch.dtype = torch.bfloat16
+) -> tuple[torch.Tensor, ...]:
     lens = torch.randint(512, 641, (batch,), generator=generator)
     need = int(((lens + BS - 1) // BS).sum())
-    cache = KVCache.allocate(need + 1, LAYERS, BS, HKV, D, torch.bfloat16, "cuda")
-    cache.tensor.normal_()
+    cache = KVCache.allocate(need + 1, LAYERS, BS, HKV, D, kv_dtype, "cuda")
+    for block in cache.tensor:  # one block at a time: an FP8 cache cannot be filled in place
+        block.copy_(torch.randn(block.shape, device="cuda"))
     k, v = cache.layer(5)
     order = torch.randperm(need, generator=generator) + 1
     tables = torch.zeros(batch, TABLE_WIDTH, dtype=torch.int32)
@@ -81,16 +84,59 @@ def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
         )
 
 
+def fp8_modes(batch: int, generator: torch.Generator, modes: list[int]) -> None:
+    """Each way of multiplying an e4m3 cache (kernel's FP8_MODE) at a few launch settings: time,
+    bytes per second and the largest error against the float32 reference."""
+    from kvrail.kernels import reference
+
+    query, k, v, tables, lens = case(batch, generator, torch.float8_e4m3fn)
+    nbytes = int(lens.sum()) * HKV * D * 2  # K and V, one byte each
+    want = reference.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
+    auto = dec.choose_num_splits(batch, HKV, TABLE_WIDTH * BS, dec._num_sms(0))
+    print(f"batch {batch}, e4m3 cache: context {int(lens.sum())} tokens, {nbytes / 1e6:.1f} MB")
+    for mode in modes:
+        results = []
+        for n, bn, warps, stages in itertools.product(
+            sorted({auto, 1, 2} if batch >= 32 else {auto}), (32, 64, 128), (4, 8), (2, 3)
+        ):
+            kw = dict(num_splits=n, block_n=bn, num_warps=warps, num_stages=stages)
+
+            def fn(kw: dict[str, int] = kw, mode: int = mode) -> torch.Tensor:
+                return dec.paged_decode_attention(
+                    query, k, v, tables, lens, 0.088, fp8_mode=mode, **kw
+                )
+
+            try:
+                err = float((fn().float() - want).abs().max())
+                ms = float(triton.testing.do_bench_cudagraph(fn, rep=20))
+            except Exception as exc:  # out of shared memory, an unsupported dot
+                print(f"  mode {mode} skip {kw}: {exc!r}"[:160])
+                continue
+            results.append((ms, err, n, bn, warps, stages))
+        results.sort()
+        for ms, err, n, bn, warps, stages in results[:4]:
+            print(
+                f"  mode {mode}: {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s, max error "
+                f"{err:.2e}  splits={n} block_n={bn} warps={warps} stages={stages}"
+            )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--fine", action="store_true", help="more tiles, stages, top 12")
+    parser.add_argument(
+        "--fp8-modes", type=int, nargs="+", help="compare these FP8_MODEs over an e4m3 cache"
+    )
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
     for batch in args.batches:
-        sweep(batch, generator, args.fine)
+        if args.fp8_modes:
+            fp8_modes(batch, generator, args.fp8_modes)
+        else:
+            sweep(batch, generator, args.fine)
         torch.cuda.empty_cache()
     return 0
 
