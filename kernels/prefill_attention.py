@@ -3,8 +3,8 @@
 Same contract as `kvrail.kernels.reference.paged_prefill_attention` (the context already holds the
 queries' own KV, so a chunk after a cached prefix or after earlier chunks is the same case). One
 program per (BLOCK_M-query tile, sequence, query head), online softmax in float32, key tiles only
-up to the tile's last position. An FP8 cache is read as the decode kernel reads it
-(`kvrail.kernels.decode_attention.compute_dtype`).
+up to the tile's last position. An FP8 cache is read in FP8 and each tile converted to the
+query's dtype (`kvrail.kernels.decode_attention.compute_dtype`).
 
 `tiled_prefill_attention` is the same kernel over a tile map (`kvrail.kernels.tile_map`): its grid
 is (KV head, map entry), not the step's chunk sizes, so one launch serves every step of a

@@ -1,12 +1,14 @@
 """Sweep the paged decode attention kernel's launch settings on the GPU (Llama-3-8B shapes).
 
     python3 -P bench/engine/decode_attention_sweep.py | tee bench/engine/decode_attention_sweep.txt
+    python3 -P bench/engine/decode_attention_sweep.py --kv-dtype float8_e4m3fn
 
 For batches of 1, 32 and 256 sequences of 512-640 tokens (the decode steps of gpu_llama3_8b.py)
-over the engine's KV layout (one layer's view of the whole-worker region, blocks scattered),
-times every combination of split count, tile length, warps and pipeline stages, replayed from a
-CUDA graph (`triton.testing.do_bench_cudagraph`), and prints the default's time, the best five
-and the bytes per second each reaches (K and V of every context token read once).
+over the engine's KV layout (one layer's view of the whole-worker region, blocks scattered, in
+bf16 or FP8), times every combination of split count, tile length, warps and pipeline stages,
+replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`), and prints the default's time
+and largest error against the float32 reference, the best five and the bytes per second each
+reaches (K and V of every context token read once).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 import triton
 
 from kvrail.kernels import decode_attention as dec
+from kvrail.kernels import reference
 from kvrail.worker.kv_cache import KVCache
 
 LAYERS, HKV, HQ, D, BS = 32, 8, 32, 128, 16
@@ -44,9 +47,12 @@ def case(
     return query, k, v, tables.cuda(), lens.to(torch.int32).cuda()
 
 
-def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
-    query, k, v, tables, lens = case(batch, generator)
-    nbytes = int(lens.sum()) * HKV * D * 2 * 2  # K and V, bf16
+def sweep(batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dtype) -> None:
+    query, k, v, tables, lens = case(batch, generator, kv_dtype)
+    nbytes = int(lens.sum()) * HKV * D * 2 * k.element_size()  # K and V
+    want = reference.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
+    got = dec.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
+    err = float((got - want).abs().max())
 
     def run(**kw: int | None) -> float:
         def fn() -> torch.Tensor:
@@ -74,8 +80,9 @@ def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
         results.append((ms, n, bn, warps, stages))
     results.sort()
     print(
-        f"batch {batch}: context {int(lens.sum())} tokens, {nbytes / 1e6:.1f} MB; default "
-        f"(splits {auto}) {default_ms * 1e3:.1f} us = {nbytes / default_ms / 1e9:.2f} TB/s"
+        f"batch {batch}, {kv_dtype} cache: context {int(lens.sum())} tokens, "
+        f"{nbytes / 1e6:.1f} MB; default (splits {auto}) {default_ms * 1e3:.1f} us = "
+        f"{nbytes / default_ms / 1e9:.2f} TB/s, largest error against float32 {err:.2e}"
     )
     for ms, n, bn, warps, stages in results[:top]:
         print(
@@ -84,59 +91,19 @@ def sweep(batch: int, generator: torch.Generator, fine: bool) -> None:
         )
 
 
-def fp8_modes(batch: int, generator: torch.Generator, modes: list[int]) -> None:
-    """Each way of multiplying an e4m3 cache (kernel's FP8_MODE) at a few launch settings: time,
-    bytes per second and the largest error against the float32 reference."""
-    from kvrail.kernels import reference
-
-    query, k, v, tables, lens = case(batch, generator, torch.float8_e4m3fn)
-    nbytes = int(lens.sum()) * HKV * D * 2  # K and V, one byte each
-    want = reference.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
-    auto = dec.choose_num_splits(batch, HKV, TABLE_WIDTH * BS, dec._num_sms(0))
-    print(f"batch {batch}, e4m3 cache: context {int(lens.sum())} tokens, {nbytes / 1e6:.1f} MB")
-    for mode in modes:
-        results = []
-        for n, bn, warps, stages in itertools.product(
-            sorted({auto, 1, 2} if batch >= 32 else {auto}), (32, 64, 128), (4, 8), (2, 3)
-        ):
-            kw = dict(num_splits=n, block_n=bn, num_warps=warps, num_stages=stages)
-
-            def fn(kw: dict[str, int] = kw, mode: int = mode) -> torch.Tensor:
-                return dec.paged_decode_attention(
-                    query, k, v, tables, lens, 0.088, fp8_mode=mode, **kw
-                )
-
-            try:
-                err = float((fn().float() - want).abs().max())
-                ms = float(triton.testing.do_bench_cudagraph(fn, rep=20))
-            except Exception as exc:  # out of shared memory, an unsupported dot
-                print(f"  mode {mode} skip {kw}: {exc!r}"[:160])
-                continue
-            results.append((ms, err, n, bn, warps, stages))
-        results.sort()
-        for ms, err, n, bn, warps, stages in results[:4]:
-            print(
-                f"  mode {mode}: {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s, max error "
-                f"{err:.2e}  splits={n} block_n={bn} warps={warps} stages={stages}"
-            )
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--fine", action="store_true", help="more tiles, stages, top 12")
     parser.add_argument(
-        "--fp8-modes", type=int, nargs="+", help="compare these FP8_MODEs over an e4m3 cache"
+        "--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2")
     )
     args = parser.parse_args()
     generator = torch.Generator().manual_seed(0)
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
     for batch in args.batches:
-        if args.fp8_modes:
-            fp8_modes(batch, generator, args.fp8_modes)
-        else:
-            sweep(batch, generator, args.fine)
+        sweep(batch, generator, args.fine, getattr(torch, args.kv_dtype))
         torch.cuda.empty_cache()
     return 0
 
