@@ -13,7 +13,7 @@ from torch.nn import functional
 
 from kvrail.kernels import reference
 from kvrail.kernels.launch import pdl
-from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, QuantizedRows
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -38,7 +38,7 @@ def write_kv(
 
 
 def linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None = None,
@@ -47,9 +47,12 @@ def linear(
     """x @ weight.T + bias. On a GPU that launches with PDL (kvrail.kernels.launch), a few rows
     (decode steps) go to the skinny split-K kernel, which, unlike cuBLAS, takes part in PDL; more
     rows, and other devices, go to torch (cuBLAS). An FP8 weight (with its `weight_scale` per
-    row, and a checkpoint's static `input_scale` or None): see `_fp8_linear`."""
+    row, and a checkpoint's static `input_scale` or None): see `_fp8_linear`; x may then come
+    quantized (`takes_quantized_rows`)."""
     if weight.dtype == FP8_WEIGHT_DTYPE:
         return _fp8_linear(x, weight, bias, weight_scale, input_scale, gated=False)
+    if isinstance(x, QuantizedRows):
+        raise ValueError(f"quantized rows are for FP8 weights, not {weight.dtype}")
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.linear(x, weight, bias)
@@ -58,7 +61,7 @@ def linear(
 
 
 def gated_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None = None,
@@ -70,6 +73,8 @@ def gated_linear(
     `silu_and_mul`."""
     if weight.dtype == FP8_WEIGHT_DTYPE:
         return _fp8_linear(x, weight, bias, weight_scale, input_scale, gated=True)
+    if isinstance(x, QuantizedRows):
+        raise ValueError(f"quantized rows are for FP8 weights, not {weight.dtype}")
     skinny = _skinny(x)
     if skinny is not None:
         out: torch.Tensor = skinny.gated_linear(x, weight, bias)
@@ -77,8 +82,40 @@ def gated_linear(
     return silu_and_mul(functional.linear(x, weight, bias))
 
 
+def gated_linear_fp8(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    weight_scale: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+    out_scale: torch.Tensor | None,
+) -> QuantizedRows:
+    """`gated_linear` of an FP8 weight with its output quantized for the next FP8 projection
+    (with that projection's static `out_scale`, or per token), where `takes_quantized_rows`
+    says that projection takes them."""
+    if weight.dtype != FP8_WEIGHT_DTYPE or weight_scale is None:
+        raise ValueError(f"gated_linear_fp8 takes an FP8 weight and its scale, not {weight.dtype}")
+    projected = (_triton("fp8_gemm") if weight.is_cuda else reference).fp8_linear(
+        x, weight, weight_scale, bias, input_scale
+    )
+    if projected.is_cuda:
+        rows: QuantizedRows = _triton("silu_and_mul").silu_and_mul_fp8(projected, out_scale)
+        return rows
+    return reference.quantize_rows(reference.silu_and_mul(projected), out_scale)
+
+
+def takes_quantized_rows(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    """Whether the projection of `x` by `weight` multiplies x's rows quantized per token (or
+    with a static scale): an FP8 weight and a batch the skinny kernel does not take (that kernel
+    quantizes its own tiles). The kernel that writes x may then write it quantized
+    (`rms_norm_fp8`, `gated_linear_fp8`) instead of leaving the projection a pass over it."""
+    if weight.dtype != FP8_WEIGHT_DTYPE:
+        return False
+    return isinstance(x, QuantizedRows) or _skinny(x) is None
+
+
 def _fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     weight_scale: torch.Tensor | None,
@@ -94,13 +131,13 @@ def _fp8_linear(
     FP8 GEMM."""
     if weight_scale is None:
         raise ValueError("an FP8 weight needs its weight_scale")
-    skinny = _skinny(x)
+    skinny = None if isinstance(x, QuantizedRows) else _skinny(x)
     if skinny is not None:
         out: torch.Tensor = (skinny.gated_linear if gated else skinny.linear)(
             x, weight, bias, weight_scale=weight_scale
         )
         return out
-    impl = _triton("fp8_gemm") if x.is_cuda else reference
+    impl = _triton("fp8_gemm") if weight.is_cuda else reference
     projected: torch.Tensor = impl.fp8_linear(x, weight, weight_scale, bias, input_scale)
     return silu_and_mul(projected) if gated else projected
 
@@ -135,6 +172,28 @@ def fused_add_rms_norm(
     impl = _triton("rms_norm") if x.is_cuda else reference
     out: tuple[torch.Tensor, torch.Tensor] = impl.fused_add_rms_norm(x, residual, weight, eps)
     return out
+
+
+def rms_norm_fp8(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    input_scale: torch.Tensor | None,
+) -> tuple[QuantizedRows, torch.Tensor | None]:
+    """`rms_norm` (or with a residual, `fused_add_rms_norm`) with its output quantized for the
+    FP8 projection after it (with that projection's static `input_scale`, or per token), where
+    `takes_quantized_rows` says that projection takes them; returns (rows, residual)."""
+    if x.is_cuda:
+        norms = _triton("rms_norm")
+        if residual is None:
+            return norms.rms_norm_fp8(x, weight, eps, input_scale), None
+        rows, summed = norms.fused_add_rms_norm_fp8(x, residual, weight, eps, input_scale)
+        return rows, summed
+    if residual is None:
+        return reference.quantize_rows(reference.rms_norm(x, weight, eps), input_scale), None
+    normed, summed = reference.fused_add_rms_norm(x, residual, weight, eps)
+    return reference.quantize_rows(normed, input_scale), summed
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,10 @@ be multiples of 16 (cuBLASLt's FP8 alignment); the loader's projections always a
 kvrail runs (Llama hidden and intermediate sizes).
 
 `quantize_rows` is one program per row: a pass for the row's largest magnitude, then a pass
-that divides, saturates at +-448 and stores e4m3 (`kvrail.kernels.kv_write.to_cache`).
+that divides, saturates at +-448 and stores e4m3 (`kvrail.kernels.kv_write.to_cache`). Where the
+kernel that writes the activations quantizes them itself (the RMSNorms and SiLU * up of an FP8
+model's prefill, `kvrail.kernels.dispatch.takes_quantized_rows`), `fp8_linear` takes its
+`QuantizedRows` and this pass is skipped.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -21,9 +24,18 @@ import triton
 import triton.language as tl
 
 from kvrail.kernels.kv_write import to_cache
-from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, FP8_WEIGHT_DTYPE
+from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, FP8_WEIGHT_DTYPE, QuantizedRows
 
 _BLOCK = 1024
+
+
+@triton.jit
+def row_scale(amax, static_scale, STATIC: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE):
+    """A row's scale: the static one, or its largest magnitude over FP8_MAX (at least
+    MIN_SCALE)."""
+    if STATIC:
+        return tl.load(static_scale).to(tl.float32)
+    return tl.maximum(amax / FP8_MAX, MIN_SCALE)
 
 
 @triton.jit
@@ -43,15 +55,13 @@ def _quantize_rows_kernel(
     row = tl.program_id(0).to(tl.int64)
     src = x + row * stride_x
     dst = out + row * stride_o
-    if STATIC:
-        scale = tl.load(static_scale).to(tl.float32)
-    else:
-        amax = tl.zeros([BLOCK], tl.float32)
+    amax = tl.zeros([BLOCK], tl.float32)
+    if not STATIC:
         for k0 in range(0, K, BLOCK):
             offs = k0 + tl.arange(0, BLOCK)
             v = tl.load(src + offs, mask=offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
-        scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    scale = row_scale(tl.max(amax, 0), static_scale, STATIC, FP8_MAX, MIN_SCALE)
     tl.store(scales + row, scale)
     for k0 in range(0, K, BLOCK):
         offs = k0 + tl.arange(0, BLOCK)
@@ -60,18 +70,28 @@ def _quantize_rows_kernel(
         tl.store(dst + offs, to_cache(v / scale, dst, FP8_MAX), mask=mask)
 
 
-def quantize_rows(
-    x: torch.Tensor, input_scale: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (e4m3 [M, K], float32 scales [M]): each row over its own scale (dynamic), or
-    over `input_scale` (static, every row's scale the same)."""
-    if x.dim() != 2 or x.stride(-1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} is not [M, K] with a unit innermost stride")
+def check_input_scale(input_scale: torch.Tensor | None) -> None:
     if input_scale is not None and input_scale.numel() != 1:
         raise ValueError(f"input_scale has {input_scale.numel()} values; a static scale has one")
+
+
+def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
+    """Storage for m rows of k activations of `dtype` quantized to e4m3, and their scales."""
+    return QuantizedRows(
+        torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=device),
+        torch.empty(m, dtype=torch.float32, device=device),
+        dtype,
+    )
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> QuantizedRows:
+    """x [M, K] -> e4m3 [M, K] and float32 scales [M]: each row over its own scale (dynamic),
+    or over `input_scale` (static, every row's scale the same)."""
+    if x.dim() != 2 or x.stride(-1) != 1:
+        raise ValueError(f"x {tuple(x.shape)} is not [M, K] with a unit innermost stride")
+    check_input_scale(input_scale)
     m, k = x.shape
-    out = torch.empty((m, k), dtype=FP8_WEIGHT_DTYPE, device=x.device)
-    scales = torch.empty(m, dtype=torch.float32, device=x.device)
+    out, scales, _ = rows = empty_rows(m, k, x.dtype, x.device)
     if m:
         _quantize_rows_kernel[(m,)](
             x,
@@ -86,36 +106,43 @@ def quantize_rows(
             MIN_SCALE=FP8_MIN_SCALE,
             BLOCK=min(_BLOCK, triton.next_power_of_2(k)),
         )
-    return out, scales
+    return rows
 
 
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [.., K] @ (weight [N, K] e4m3 * weight_scale [N]).T + bias -> [.., N] in bfloat16."""
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {x.dtype}")
+    """x [.., K] @ (weight [N, K] e4m3 * weight_scale [N]).T + bias -> [.., N] in bfloat16; x
+    bfloat16, or already quantized ([T, K] rows of bfloat16 activations)."""
+    dtype = x.dtype
+    if dtype != torch.bfloat16:
+        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {dtype}")
     n, k = weight.shape
-    if x.shape[-1] != k or k % 16 or n % 16:
+    shape = x.values.shape if isinstance(x, QuantizedRows) else x.shape
+    if shape[-1] != k or k % 16 or n % 16:
         raise ValueError(
-            f"x {tuple(x.shape)} and an FP8 weight {tuple(weight.shape)} do not chain in an FP8 "
+            f"x {tuple(shape)} and an FP8 weight {tuple(weight.shape)} do not chain in an FP8 "
             "GEMM (K and N multiples of 16)"
         )
     if weight_scale.shape != (n,) or weight_scale.dtype != torch.float32:
         raise ValueError(f"weight_scale {tuple(weight_scale.shape)} is not float32 [{n}]")
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, k)
-    if not rows.shape[0]:
+    lead = shape[:-1]
+    if isinstance(x, QuantizedRows):
+        rows = x
+    elif x.numel():
+        rows = quantize_rows(x.reshape(-1, k).contiguous(), input_scale)
+    else:
         return x.new_empty((*lead, n))
-    xq, x_scale = quantize_rows(rows.contiguous(), input_scale)
+    if not rows.values.shape[0]:
+        return torch.empty((*lead, n), dtype=dtype, device=weight.device)
     out = torch._scaled_mm(
-        xq,
+        rows.values,
         weight.t(),
-        scale_a=x_scale[:, None],
+        scale_a=rows.scales[:, None],
         scale_b=weight_scale[None, :],
         out_dtype=torch.bfloat16,
     )

@@ -17,6 +17,8 @@ here mutates its inputs except the destination cache of `write_kv` and `scatter_
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
@@ -60,24 +62,42 @@ def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return to_cache_dtype(wf / scale[:, None], FP8_WEIGHT_DTYPE), scale
 
 
+class QuantizedRows(NamedTuple):
+    """Activations [T, K] quantized for an FP8 projection, as `quantize_rows` (or a kernel that
+    quantizes what it writes: `kvrail.kernels.dispatch.takes_quantized_rows`) leaves them: e4m3
+    `values`, the float32 `scales` [T] they were divided by, and the activations' own `dtype`,
+    which the projection's output takes."""
+
+    values: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> QuantizedRows:
+    """x [.., K] in e4m3 over a dynamic scale per token (its largest magnitude over 448, at
+    least FP8_MIN_SCALE), or over `input_scale` (a checkpoint's static scale) on every row."""
+    xf = x.float()
+    if input_scale is None:
+        scales = (xf.abs().amax(dim=-1) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
+    else:
+        scales = input_scale.float().reshape(()).expand(xf.shape[:-1])
+    return QuantizedRows(to_cache_dtype(xf / scales[..., None], FP8_WEIGHT_DTYPE), scales, x.dtype)
+
+
 def fp8_linear(
-    x: torch.Tensor,
+    x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [.., in] @ (weight [out, in] in e4m3 * weight_scale [out]).T + bias, as an FP8 GEMM
-    computes it: x is quantized to e4m3 too, with `input_scale` (a checkpoint's static scale)
-    or else a dynamic scale per token (its largest magnitude over 448); the two FP8 operands
-    are multiplied and summed in float32, scaled, cast back to x's dtype, and the bias added."""
-    xf = x.float()
-    if input_scale is None:
-        x_scale = (xf.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=FP8_MIN_SCALE)
-    else:
-        x_scale = input_scale.float().reshape(())
-    xq = to_cache_dtype(xf / x_scale, FP8_WEIGHT_DTYPE)
-    out = ((xq.float() @ weight.float().T) * (x_scale * weight_scale)).to(x.dtype)
+    computes it: x is quantized to e4m3 too (`quantize_rows`, unless it comes quantized), the
+    two FP8 operands are multiplied and summed in float32, scaled, cast back to x's dtype, and
+    the bias added."""
+    rows = x if isinstance(x, QuantizedRows) else quantize_rows(x, input_scale)
+    scales = rows.scales[..., None] * weight_scale
+    out = ((rows.values.float() @ weight.float().T) * scales).to(rows.dtype)
     return out if bias is None else out + bias
 
 

@@ -3,6 +3,11 @@
 Same contract as `kvrail.kernels.reference.silu_and_mul`: x [T, 2I] (gate columns first) ->
 [T, I]. SiLU is computed in float32 and rounded to the activation dtype before the product, as
 torch does for `silu(gate) * up`. Grid: (row, BLOCK-column tile).
+
+`silu_and_mul_fp8` writes the product quantized for the FP8 projection that takes it (the MLP's
+down projection, `kvrail.kernels.dispatch.takes_quantized_rows`): one program per row computes
+the row once for its largest magnitude (unless the scale is static) and again to store it in
+e4m3, the same bytes as `kvrail.kernels.fp8_gemm.quantize_rows` over `silu_and_mul`'s output.
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -14,7 +19,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvrail.kernels.fp8_gemm import check_input_scale, empty_rows, row_scale
+from kvrail.kernels.kv_write import to_cache
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, QuantizedRows
+
+
+@triton.jit
+def _product(x, row, stride_x, inter, cols, mask):
+    """silu(gate) * up at `cols` of a row, in float32 (not yet rounded to x's dtype)."""
+    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x + row * stride_x + inter + cols, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype.element_ty)
+    return act.to(tl.float32) * up.to(tl.float32)
 
 
 @triton.jit
@@ -25,19 +42,58 @@ def _silu_and_mul_kernel(x, out, stride_x, stride_o, inter, BLOCK: tl.constexpr,
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
-    gate = tl.load(x + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x + row * stride_x + inter + cols, mask=mask, other=0.0)
-    act = (gate / (1.0 + tl.exp(-gate))).to(x.dtype.element_ty)
-    y = act.to(tl.float32) * up.to(tl.float32)
+    y = _product(x, row, stride_x, inter, cols, mask)
     tl.store(out + row * stride_o + cols, y.to(out.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    x,
+    out,
+    scales,
+    static_scale,
+    stride_x,
+    stride_o,
+    inter,
+    BLOCK: tl.constexpr,
+    STATIC: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MIN_SCALE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # see kvrail.kernels.launch
+        gdc_wait()
+        gdc_launch_dependents()
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros([BLOCK], tl.float32)
+    if not STATIC:
+        for c0 in range(0, inter, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            mask = cols < inter
+            y = _product(x, row, stride_x, inter, cols, mask).to(x.dtype.element_ty)
+            amax = tl.maximum(amax, tl.abs(y.to(tl.float32)))
+    scale = row_scale(tl.max(amax, 0), static_scale, STATIC, FP8_MAX, MIN_SCALE)
+    tl.store(scales + row, scale)
+    for c0 in range(0, inter, BLOCK):
+        cols = c0 + tl.arange(0, BLOCK)
+        mask = cols < inter
+        y = _product(x, row, stride_x, inter, cols, mask).to(x.dtype.element_ty)
+        tl.store(
+            out + row * stride_o + cols, to_cache(y.to(tl.float32) / scale, out, FP8_MAX), mask=mask
+        )
+
+
+def _check(x: torch.Tensor) -> int:
+    """x's intermediate size, once its shape and strides are checked."""
     if x.dim() != 2 or x.shape[1] % 2:
         raise ValueError(f"x {tuple(x.shape)} is not [T, 2 * intermediate]")
     if x.stride(-1) != 1:
         raise ValueError("x must have a unit innermost stride")
-    inter = x.shape[1] // 2
+    return x.shape[1] // 2
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    inter = _check(x)
     out = torch.empty(x.shape[0], inter, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
         return out
@@ -48,3 +104,31 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         x, out, x.stride(0), out.stride(0), inter, BLOCK=block, PDL=on, launch_pdl=on
     )
     return out
+
+
+def silu_and_mul_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedRows:
+    inter = _check(x)
+    if x.dtype != torch.bfloat16:
+        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {x.dtype}")
+    check_input_scale(input_scale)
+    rows = empty_rows(x.shape[0], inter, x.dtype, x.device)
+    if x.shape[0] == 0:
+        return rows
+    on = pdl(x.device)
+    _silu_and_mul_fp8_kernel[(x.shape[0],)](
+        x,
+        rows.values,
+        rows.scales,
+        rows.scales if input_scale is None else input_scale,
+        x.stride(0),
+        rows.values.stride(0),
+        inter,
+        BLOCK=min(2048, triton.next_power_of_2(inter)),
+        STATIC=input_scale is not None,
+        FP8_MAX=FP8_MAX,
+        MIN_SCALE=FP8_MIN_SCALE,
+        PDL=on,
+        launch_pdl=on,
+        num_warps=8,
+    )
+    return rows

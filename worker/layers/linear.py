@@ -8,6 +8,9 @@ tensor parallelism (`kvrail.worker.parallel.layout`) a column-parallel projectio
 FP8 weights (`Projection.to_fp8_`): the weight is e4m3 with a float32 scale per output row
 (`weight_scale`), and from a checkpoint quantized with static activation scales, one
 `input_scale`; `LlamaForCausalLM.load_weights` fills them (see `kvrail.worker.models.quant`).
+Where an FP8 projection multiplies its input's rows quantized per token (`takes_quantized_rows`:
+prefill-sized batches), the module writing that input quantizes it as it writes it (`into` of
+`RMSNorm` and `GatedLinear`), and the projection takes the `QuantizedRows`.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from kvrail.kernels import dispatch
-from kvrail.kernels.reference import FP8_WEIGHT_DTYPE
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, QuantizedRows
 from kvrail.worker.parallel.group import TpGroup
 
 
@@ -47,12 +50,17 @@ class Projection(nn.Linear):
         )
         self.weight_scale = torch.ones(weight.shape[0], dtype=torch.float32, device=weight.device)
 
-    def _project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def takes_quantized_rows(self, x: torch.Tensor | QuantizedRows) -> bool:
+        """Whether this projection of x (or of anything with x's rows) multiplies them quantized
+        per token, so that whatever writes them may write them quantized."""
+        return dispatch.takes_quantized_rows(x, self.weight)
+
+    def _project(self, x: torch.Tensor | QuantizedRows, bias: torch.Tensor | None) -> torch.Tensor:
         return dispatch.linear(x, self.weight, bias, self.weight_scale, self.input_scale)
 
 
 class Linear(Projection):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return self._project(x, self.bias)
 
 
@@ -64,8 +72,19 @@ class GatedLinear(Projection):
     def __init__(self, in_features: int, intermediate: int, bias: bool = False) -> None:
         super().__init__(in_features, 2 * intermediate, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         return dispatch.gated_linear(x, self.weight, self.bias, self.weight_scale, self.input_scale)
+
+    def into(
+        self, projection: Projection, x: torch.Tensor | QuantizedRows
+    ) -> torch.Tensor | QuantizedRows:
+        """silu(gate) * up for `projection`: as `forward`, quantized where `projection` takes
+        quantized rows."""
+        if not projection.takes_quantized_rows(x):  # x's rows are the output's
+            return self.forward(x)
+        return dispatch.gated_linear_fp8(
+            x, self.weight, self.bias, self.weight_scale, self.input_scale, projection.input_scale
+        )
 
 
 class RowParallelLinear(Projection):
@@ -78,7 +97,7 @@ class RowParallelLinear(Projection):
         super().__init__(in_features, out_features, bias=bias)
         self.group = group
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         if self.group.size == 1:
             return self._project(x, self.bias)
         out = self.group.all_reduce(self._project(x, None))

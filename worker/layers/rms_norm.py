@@ -1,17 +1,23 @@
 """RMSNorm, computed in float32 and cast back (the order transformers uses, so outputs match).
 
 Given a residual, the module first adds it (fused into one kernel on CUDA) and returns the sum
-too, which is the residual stream the next block adds to.
+too, which is the residual stream the next block adds to. Given `into`, the projection that takes
+the output, and where that projection multiplies quantized rows
+(`kvrail.worker.layers.linear.Projection.takes_quantized_rows`), the output comes quantized.
 """
 
 from __future__ import annotations
 
-from typing import overload
+from typing import TYPE_CHECKING, overload
 
 import torch
 from torch import nn
 
 from kvrail.kernels import dispatch
+from kvrail.kernels.reference import QuantizedRows
+
+if TYPE_CHECKING:
+    from kvrail.worker.layers.linear import Projection
 
 
 class RMSNorm(nn.Module):
@@ -36,3 +42,17 @@ class RMSNorm(nn.Module):
         if residual is None:
             return dispatch.rms_norm(x, self.weight, self.eps)
         return dispatch.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def into(
+        self, projection: Projection, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
+        """(norm(x) for `projection`, the residual stream): as `forward`, the output quantized
+        where `projection` takes quantized rows; without a residual, x is the stream."""
+        if projection.takes_quantized_rows(x):
+            rows, summed = dispatch.rms_norm_fp8(
+                x, residual, self.weight, self.eps, projection.input_scale
+            )
+            return rows, x if summed is None else summed
+        if residual is None:
+            return self.forward(x), x
+        return self.forward(x, residual)

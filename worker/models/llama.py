@@ -146,11 +146,7 @@ class DecoderLayer(nn.Module):
         """(x, residual) -> (this layer's MLP output, the residual stream before it). The sum
         of the two is the layer's output; the next norm adds them (fused with the norm)."""
         num_tokens = x.shape[0]
-        if residual is None:
-            residual = x
-            h = self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = self.input_layernorm.into(self.qkv_proj, x, residual)
         qkv = self.qkv_proj(h)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -163,8 +159,8 @@ class DecoderLayer(nn.Module):
         )
         attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
         x = self.o_proj(attn.reshape(num_tokens, self.q_size))
-        h, residual = self.post_attention_layernorm(x, residual)
-        x = self.down_proj(self.gate_up_proj(h))  # silu(gate) * up
+        h, residual = self.post_attention_layernorm.into(self.gate_up_proj, x, residual)
+        x = self.down_proj(self.gate_up_proj.into(self.down_proj, h))  # silu(gate) * up
         return x, residual
 
 

@@ -60,3 +60,44 @@ def test_engine_tokens_are_identical_with_interpreted_triton_kernels(
     )
     monkeypatch.setattr(dispatch, "reference", triton_ops)
     assert run() == expected
+
+
+def _same_rows(a: reference.QuantizedRows, b: reference.QuantizedRows) -> bool:
+    return (
+        torch.equal(a.values.view(torch.uint8), b.values.view(torch.uint8))
+        and torch.equal(a.scales, b.scales)
+        and a.dtype == b.dtype
+    )
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_producers_quantize_for_fp8_projections_as_the_projection_would(static: bool) -> None:
+    """On a CPU every FP8 projection multiplies rows quantized per token, so the norms and the
+    gated projection before one write quantized rows, and the product is the same as over the
+    unquantized activations; a bf16 weight never takes quantized rows."""
+    g = torch.Generator().manual_seed(3)
+    x, residual = torch.randn(5, 64, generator=g) * 3, torch.randn(5, 64, generator=g)
+    norm_w = torch.rand(64, generator=g) + 0.5
+    up_values, up_scale = reference.quantize_fp8_rows(torch.randn(96, 64, generator=g) * 0.1)
+    down_values, down_scale = reference.quantize_fp8_rows(torch.randn(64, 48, generator=g) * 0.1)
+    static_scale = torch.tensor(0.02) if static else None
+    assert dispatch.takes_quantized_rows(x, up_values)
+    assert not dispatch.takes_quantized_rows(x, torch.randn(96, 64))
+
+    rows, summed = dispatch.rms_norm_fp8(x, residual.clone(), norm_w, 1e-6, static_scale)
+    normed, expected_sum = reference.fused_add_rms_norm(x, residual.clone(), norm_w, 1e-6)
+    assert summed is not None and torch.equal(summed, expected_sum)
+    assert _same_rows(rows, reference.quantize_rows(normed, static_scale))
+    alone, no_sum = dispatch.rms_norm_fp8(x, None, norm_w, 1e-6, static_scale)
+    expected = reference.quantize_rows(reference.rms_norm(x, norm_w, 1e-6), static_scale)
+    assert no_sum is None and _same_rows(alone, expected)
+
+    act = dispatch.gated_linear_fp8(rows, up_values, None, up_scale, static_scale, static_scale)
+    unfused = dispatch.gated_linear(normed, up_values, None, up_scale, static_scale)
+    assert _same_rows(act, reference.quantize_rows(unfused, static_scale))
+    assert torch.equal(
+        dispatch.linear(act, down_values, None, down_scale),
+        dispatch.linear(unfused, down_values, None, down_scale, static_scale),
+    )
+    with pytest.raises(ValueError, match="quantized rows are for FP8 weights"):
+        dispatch.linear(act, torch.randn(64, 48), None)

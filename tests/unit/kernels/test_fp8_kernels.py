@@ -160,7 +160,7 @@ def test_activation_quantization_matches_the_reference(static: bool) -> None:
     x = _randn(37, 4096 + 16, g=g, scale=4.0)
     x[3] = 0.0  # an all-zero row: scale at its floor, values 0
     scale = torch.tensor(0.05, device="cuda") if static else None
-    xq, scales = fp8_gemm.quantize_rows(x, scale)
+    xq, scales, _ = fp8_gemm.quantize_rows(x, scale)
     xf = x.float()
     expected_scale = (
         scale.expand(37) if scale is not None else (xf.abs().amax(-1) / 448.0).clamp(min=1e-12)
@@ -171,6 +171,65 @@ def test_activation_quantization_matches_the_reference(static: bool) -> None:
     mismatched = (_bytes(xq) != _bytes(expected)).float().mean().item()
     assert mismatched < 1e-3
     torch.testing.assert_close(xq.float(), expected.float(), atol=0, rtol=0.07)
+
+
+def _same_rows(a: reference.QuantizedRows, b: reference.QuantizedRows) -> None:
+    assert torch.equal(_bytes(a.values), _bytes(b.values))
+    assert torch.equal(a.scales, b.scales) and a.dtype == b.dtype
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("hidden", [4096, 1000])
+def test_norms_that_quantize_write_what_quantizing_their_output_would(
+    static: bool, hidden: int
+) -> None:
+    """The RMSNorm kernels' FP8 mode stores the bytes and scales `quantize_rows` makes of the
+    plain kernels' bf16 output, and the same residual."""
+    from kvrail.kernels import fp8_gemm, rms_norm
+
+    g = _gen(hidden + static)
+    x, residual = _randn(70, hidden, g=g, scale=3.0), _randn(70, hidden, g=g)
+    x[5] = 0.0
+    weight = (torch.rand(hidden, generator=g) + 0.5).to("cuda", BF16)
+    scale = torch.tensor(0.03, device="cuda") if static else None
+    expected = fp8_gemm.quantize_rows(rms_norm.rms_norm(x, weight, 1e-5), scale)
+    _same_rows(rms_norm.rms_norm_fp8(x, weight, 1e-5, scale), expected)
+    plain, plain_sum = rms_norm.fused_add_rms_norm(x, residual.clone(), weight, 1e-5)
+    rows, summed = rms_norm.fused_add_rms_norm_fp8(x, residual.clone(), weight, 1e-5, scale)
+    _same_rows(rows, fp8_gemm.quantize_rows(plain, scale))
+    assert torch.equal(summed, plain_sum)
+    with pytest.raises(ValueError, match="bfloat16 activations"):
+        rms_norm.rms_norm_fp8(x.half(), weight.half(), 1e-5, scale)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("inter", [14336, 1000])
+def test_silu_and_mul_that_quantizes_writes_what_quantizing_its_output_would(
+    static: bool, inter: int
+) -> None:
+    from kvrail.kernels import fp8_gemm, silu_and_mul
+
+    g = _gen(inter + static)
+    x = _randn(33, 2 * inter, g=g, scale=2.0)
+    x[7] = 0.0
+    scale = torch.tensor(0.01, device="cuda") if static else None
+    expected = fp8_gemm.quantize_rows(silu_and_mul.silu_and_mul(x), scale)
+    _same_rows(silu_and_mul.silu_and_mul_fp8(x, scale), expected)
+    assert silu_and_mul.silu_and_mul_fp8(x[:0], scale).values.shape == (0, inter)
+
+
+def test_fp8_gemm_takes_rows_already_quantized() -> None:
+    from kvrail.kernels import fp8_gemm
+
+    g = _gen(11)
+    x = _randn(300, 512, g=g)
+    weight, scale = _fp8_weight(256, 512, g)
+    rows = fp8_gemm.quantize_rows(x)
+    assert torch.equal(
+        fp8_gemm.fp8_linear(rows, weight, scale, None), fp8_gemm.fp8_linear(x, weight, scale, None)
+    )
+    with pytest.raises(ValueError, match="do not chain"):
+        fp8_gemm.fp8_linear(rows, weight[:, :256], scale, None)
 
 
 def _fp8_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
