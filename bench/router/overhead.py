@@ -150,7 +150,8 @@ async def direct(nc: NatsClient, max_tokens: int) -> float:
 
 def chat_body(max_tokens: int, stream: bool = False) -> bytes:
     body = {"model": MODEL, "messages": MESSAGES, "max_tokens": max_tokens, "temperature": 0}
-    return json.dumps({**body, "stream": True} if stream else body).encode()
+    streamed = {"stream": True, "stream_options": {"include_usage": True}}
+    return json.dumps({**body, **streamed} if stream else body).encode()
 
 
 async def via_router(conn: Connection, max_tokens: int) -> float:
@@ -191,11 +192,16 @@ async def closed_loop(port: int, concurrency: int, seconds: float) -> dict[str, 
 
 async def streamed(conn: Connection, max_tokens: int) -> int:
     """One streamed chat completion; returns the chunks received that carry text (not the
-    first, which carries the role)."""
-    chunks = 0
+    first, which carries the role). A chunk may carry several tokens (a stream that fell behind
+    catches up in one); the usage chunk must count all `max_tokens`."""
+    chunks = tokens = 0
     async for event in conn.post_events("/v1/chat/completions", chat_body(max_tokens, True)):
         if event.startswith(b"data: {") and b'"content":"' in event:
             chunks += b'"content":""' not in event
+        if event.startswith(b"data: {") and b'"completion_tokens"' in event:
+            tokens = json.loads(event[6:])["usage"]["completion_tokens"]
+    if tokens != max_tokens:
+        raise RuntimeError(f"a stream delivered {tokens} tokens, not {max_tokens}")
     return chunks
 
 
@@ -214,7 +220,7 @@ async def streaming_loop(
     the stand-in are)."""
     STAND_IN["stepped"] = True
     stop_at = time.perf_counter() + seconds
-    counts: list[int] = []
+    counts: list[int] = []  # text chunks per request
 
     async def client() -> None:
         conn = await Connection.open("127.0.0.1", port)
@@ -228,13 +234,14 @@ async def streaming_loop(
     elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
     STAND_IN["stepped"] = False
     num_steps = steps.num_steps - steps_before
+    tokens = len(counts) * max_tokens  # each stream's usage said so (`streamed`)
     return {"concurrency": concurrency, "max_tokens": max_tokens, "seconds": elapsed,
             "requests": len(counts), "requests_per_s": len(counts) / elapsed,
-            "content_chunks": sum(counts), "tokens_per_s": sum(counts) / elapsed,
-            "steps": num_steps, "events_per_step": sum(counts) / max(1, num_steps),
+            "content_chunks": sum(counts), "tokens_per_s": tokens / elapsed,
+            "steps": num_steps, "events_per_step": tokens / max(1, num_steps),
             "router_core_share": cpu / elapsed,
             "router_cpu_us_per_request": 1e6 * cpu / max(1, len(counts)),
-            "router_cpu_us_per_token": 1e6 * cpu / max(1, sum(counts))}  # fmt: skip
+            "router_cpu_us_per_token": 1e6 * cpu / max(1, tokens)}  # fmt: skip
 
 
 async def main_async(args: argparse.Namespace) -> dict[str, Any]:

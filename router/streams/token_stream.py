@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -55,6 +56,7 @@ class TokenStream:
     _counted: bool = False
     _incarnation: int = 0
     _seq: int = 0
+    _held: DispatchError | None = None
 
     def __post_init__(self) -> None:
         self.attempts = Attempts(self.workers, self.job, "kvrail", self.first)
@@ -75,7 +77,7 @@ class TokenStream:
             if event.is_last:
                 self.finished = True
                 return
-            event = await self._next(deadline)
+            event = self._with_queued(await self._next(deadline))
 
     async def _send(self, decision: Decision) -> None:
         self.decision = decision
@@ -108,30 +110,63 @@ class TokenStream:
         Waits without a timeout of its own: a `TICK` comes every `POLL_S` and at the deadline."""
         queue = self._queue
         assert queue is not None
+        if self._held is not None:  # found behind the last event (`_with_queued`)
+            raise self._held
         while True:
             if time.monotonic() >= deadline:
                 raise DispatchError("deadline", "the request's deadline passed")
-            item = queue.get_nowait() if not queue.empty() else await queue.get()
-            if item is TICK:  # the sentinels are these very strings
-                if not self._worker_alive():
-                    if self._seq == 0:
-                        raise AttemptFailed("worker_lost")
-                    raise DispatchError("worker_lost", "the decode worker went away")
-                continue
-            if item is NO_RESPONDERS:
-                if self._seq == 0:
-                    raise AttemptFailed("no_responders")
-                continue
-            assert isinstance(item, TokenEvent)
-            event = item
-            if event.worker_id != self.worker_id:
-                continue  # a late event of an earlier attempt
-            if event.seq != self._seq:
-                raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
-            if self._seq == 0 and event.error in _NOT_TAKEN:
-                raise AttemptFailed(event.error or "")
-            self._seq += 1
+            event = self._accept(queue.get_nowait() if not queue.empty() else await queue.get())
+            if event is not None:
+                return event
+
+    def _with_queued(self, event: TokenEvent) -> TokenEvent:
+        """`event` and the events already queued behind it as one: their tokens in order, the
+        finish or error of the last. A stream that fell behind (a busy router) catches up in
+        one chunk to its client instead of one per engine step, so its cost per token falls
+        as the load rises. Never waits; a failure found behind `event` is held for the next
+        `_next`, so that `event`'s tokens still reach the client first."""
+        queue = self._queue
+        assert queue is not None
+        tokens = list(event.token_ids)
+        last = event
+        while not last.is_last and not queue.empty():
+            try:
+                queued = self._accept(queue.get_nowait())
+            except DispatchError as err:
+                self._held = err
+                break
+            if queued is not None:
+                tokens += queued.token_ids
+                last = queued
+        if last is event:
             return event
+        return dataclasses.replace(
+            event, token_ids=tuple(tokens), finish_reason=last.finish_reason, error=last.error
+        )
+
+    def _accept(self, item: TokenEvent | str) -> TokenEvent | None:
+        """The queue's next item checked: the attempt's next event, or None for an item that
+        carries none (a `TICK` with the worker alive, a late event of an earlier attempt)."""
+        if item is TICK:  # the sentinels are these very strings
+            if not self._worker_alive():
+                if self._seq == 0:
+                    raise AttemptFailed("worker_lost")
+                raise DispatchError("worker_lost", "the decode worker went away")
+            return None
+        if item is NO_RESPONDERS:
+            if self._seq == 0:
+                raise AttemptFailed("no_responders")
+            return None
+        assert isinstance(item, TokenEvent)
+        event = item
+        if event.worker_id != self.worker_id:
+            return None  # a late event of an earlier attempt
+        if event.seq != self._seq:
+            raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
+        if self._seq == 0 and event.error in _NOT_TAKEN:
+            raise AttemptFailed(event.error or "")
+        self._seq += 1
+        return event
 
     def _worker_alive(self) -> bool:
         record = self.workers.records().get(self.worker_id)

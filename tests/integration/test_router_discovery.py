@@ -380,6 +380,53 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
     await reg.close()
 
 
+async def test_events_queued_behind_a_slow_reader_arrive_as_one_and_a_failure_after_them(
+    pool: Pool,
+) -> None:
+    """A stand-in decode worker sends ten one-token events (one per step) while the reader is
+    still busy with the first. The reader then gets the other nine as one event: every token in
+    order, the last one's finish reason. A duplicate behind good events fails the request only
+    after those events' tokens were read."""
+    scripts = {"ten": list(range(10)), "dup": [0, 1, 2, 2, 3]}
+
+    async def answer(msg: Msg) -> None:
+        request = decode(msg.data, GenerateRequest)
+        seqs = scripts[request.request_id.split("-")[0]]
+        for i, seq in enumerate(seqs):
+            event = TokenEvent(
+                request_id=request.request_id, seq=seq, token_ids=(100 + i,), worker_id="d-0",
+                finish_reason="length" if i == len(seqs) - 1 else None,
+            )  # fmt: skip
+            await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
+
+    sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=answer)
+    reg = await pool.registry.register(record("d-0"))
+    await pool.view.start()
+    await pool.view.wait_for_workers(1, WAIT_S)
+    dispatcher = Dispatcher(pool.nc, pool.keys, pool.view, Chooser("round-robin"), BLOCK_SIZE)
+
+    async def read(name: str, events: list[TokenEvent]) -> None:
+        job = Job(f"{name}-{uuid.uuid4().hex[:6]}", tuple(range(8)),
+                  SamplingParams(max_tokens=10), time.time() + 10)  # fmt: skip
+        async with dispatcher.open(job) as stream:
+            async for event in stream:
+                events.append(event)
+                if event.seq == 0:
+                    await asyncio.sleep(0.5)  # busy: the rest queue up behind
+
+    ten: list[TokenEvent] = []
+    await read("ten", ten)
+    assert [e.token_ids for e in ten] == [(100,), tuple(range(101, 110))]
+    assert [e.seq for e in ten] == [0, 1] and ten[-1].finish_reason == "length"
+    dup: list[TokenEvent] = []
+    with pytest.raises(DispatchError) as err:
+        await read("dup", dup)
+    assert err.value.code == "lost_events"
+    assert [e.token_ids for e in dup] == [(100,), (101, 102)]
+    await sub.unsubscribe()
+    await reg.close()
+
+
 async def test_a_silent_worker_fails_its_request_at_the_deadline_or_once_its_record_goes(
     pool: Pool,
 ) -> None:
