@@ -14,7 +14,12 @@ e4m3 and e5m2 value exactly, for dots with a float16 query that carries the soft
 the scores need no multiply; a query beyond float16's range saturates). Converting to float16
 is cheaper than to bf16 and keeps three more bits of the query: at 256 sequences of 512-640
 tokens one layer took 177 us against 195 (bench/engine/decode_attention_sweep.txt, which also
-tried an e4m3 query against e4m3 K: 185 us at ten times the error).
+tried an e4m3 query against e4m3 K: 185 us at ten times the error). Where the layout allows
+(`words_fit`: the engine's always does), the tiles are loaded as int32 words of four values and
+converted in registers (`_fp8_tile`), so they reach shared memory, on their way to the dots,
+already 16-bit: loaded as bytes, the compiler converts them after shared memory, and V, which
+the second dot takes transposed, was read from there a byte at a time (256 sequences: 156.8
+against 177.8 us a layer).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -35,6 +40,42 @@ MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
 WAVES = 2  # aim for about this many programs per SM before splitting stops
 F16_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
+
+
+@triton.jit
+def _fp8_words_to_f16(words, E5M2: tl.constexpr):
+    """int32 words of four FP8 values each -> the four values in float16 (exact), as four
+    tensors of the words' shape (element 4i + j of a row in the j-th)."""
+    cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if E5M2 else "cvt.rn.f16x2.e4m3x2"
+    return tl.inline_asm_elementwise(
+        asm="{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
+        + cvt
+        + " x, lo; "
+        + cvt
+        + " y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
+        constraints="=h,=h,=h,=h,r",
+        args=[words],
+        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
+        is_pure=True,
+        pack=1,
+    )
+
+
+@triton.jit
+def _fp8_tile(cache, rows, n_mask, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """A [BLOCK_N, D_PAD] tile of an FP8 cache in float16: token i's head row starts at word
+    `rows[i]` of `cache` read as int32 words. Read as words and converted in registers, so the
+    tile reaches shared memory (on its way to the dot) already 16-bit, not as bytes that a
+    transposed operand would read one at a time."""
+    w = tl.arange(0, D_PAD // 4)
+    words = tl.load(
+        cache.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] + w[None, :],
+        mask=n_mask[:, None],
+        other=0,
+    )
+    a, b, c, d = _fp8_words_to_f16(words, cache.dtype.element_ty == tl.float8e5)
+    quads = tl.join(tl.join(a, c), tl.join(b, d))  # [.., w, 2, 2]: a, b, c, d in order
+    return tl.reshape(quads, [BLOCK_N, D_PAD])
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
@@ -72,6 +113,7 @@ def _decode_kernel(
     DIRECT: tl.constexpr,
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    KV_WORDS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
@@ -106,16 +148,20 @@ def _decode_kernel(
         phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
         within = (n % block_size).to(tl.int64)
         kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache
-            + phys[:, None] * stride_kb
-            + within[:, None] * stride_ks
-            + kvh * stride_kh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:  # read in FP8, multiplied in float16
+        if KV_WORDS:  # strides in int32 words (see paged_decode_attention)
+            k_rows = phys * stride_kb + within * stride_ks + kvh * stride_kh
+            k = _fp8_tile(k_cache, k_rows, n_mask, BLOCK_N, D_PAD)
+        else:
+            k = tl.load(
+                k_cache
+                + phys[:, None] * stride_kb
+                + within[:, None] * stride_ks
+                + kvh * stride_kh
+                + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+        if KV_FP8 and not KV_WORDS:  # read in FP8, multiplied in float16
             k = k.to(tl.float16)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -128,16 +174,20 @@ def _decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_cache
-            + phys[:, None] * stride_vb
-            + within[:, None] * stride_vs
-            + kvh * stride_vh
-            + d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )
-        if KV_FP8:
+        if KV_WORDS:
+            v_rows = phys * stride_vb + within * stride_vs + kvh * stride_vh
+            v = _fp8_tile(v_cache, v_rows, n_mask, BLOCK_N, D_PAD)
+        else:
+            v = tl.load(
+                v_cache
+                + phys[:, None] * stride_vb
+                + within[:, None] * stride_vs
+                + kvh * stride_vh
+                + d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+        if KV_FP8 and not KV_WORDS:
             v = v.to(tl.float16)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -240,6 +290,18 @@ def compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     return query.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
 
 
+def words_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether an FP8 cache can be read as int32 words of four values (`_fp8_tile`): every
+    head row whole words on a 16-byte boundary, and the head dimension a power of two of at
+    least 16 (no column mask)."""
+    if k_cache.dtype not in FP8_DTYPES or head_dim < 16 or head_dim & (head_dim - 1):
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in t.stride()[:3])
+        for t in (k_cache, v_cache)
+    )
+
+
 @functools.cache
 def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
@@ -270,11 +332,13 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fp8_words: bool | None = None,
 ) -> torch.Tensor:
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
     context, so no host sync and the same choice on every replay of a captured graph).
     `block_n`, `num_warps`, `num_stages`: tuning knobs (None: the defaults; see
-    bench/engine/decode_attention_sweep.py)."""
+    bench/engine/decode_attention_sweep.py). `fp8_words`: read an FP8 cache as int32 words
+    (None: wherever its strides and alignment allow, `words_fit`; False: as bytes)."""
     num_seqs = query.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     out = torch.empty_like(query)
@@ -295,6 +359,10 @@ def paged_decode_attention(
         tile, warps, stages = 32, 4, 2
     if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
         tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
+    words = words_fit(k_cache, v_cache, head_dim) if fp8_words is None else fp8_words
+    if words and not words_fit(k_cache, v_cache, head_dim):
+        raise ValueError("this cache cannot be read as int32 words (see words_fit)")
+    unit = 4 if words else 1  # the kernel's K and V strides count words, not bytes
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:
         f32 = torch.float32
@@ -316,12 +384,12 @@ def paged_decode_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        k_cache.stride(0) // unit,
+        k_cache.stride(1) // unit,
+        k_cache.stride(2) // unit,
+        v_cache.stride(0) // unit,
+        v_cache.stride(1) // unit,
+        v_cache.stride(2) // unit,
         block_tables.stride(0),
         k_cache.shape[1],
         group,
@@ -334,6 +402,7 @@ def paged_decode_attention(
         DIRECT=direct,
         IEEE=compute_dtype(query, k_cache) == torch.float32,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
+        KV_WORDS=words,
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,

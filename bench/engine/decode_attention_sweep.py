@@ -47,14 +47,16 @@ def case(
     return query, k, v, tables.cuda(), lens.to(torch.int32).cuda()
 
 
-def sweep(batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dtype) -> None:
+def sweep(
+    batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dtype, default_only: bool
+) -> None:
     query, k, v, tables, lens = case(batch, generator, kv_dtype)
     nbytes = int(lens.sum()) * HKV * D * 2 * k.element_size()  # K and V
     want = reference.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
     got = dec.paged_decode_attention(query, k, v, tables, lens, 0.088).float()
     err = float((got - want).abs().max())
 
-    def run(**kw: int | None) -> float:
+    def run(**kw: int | bool | None) -> float:
         def fn() -> torch.Tensor:
             return dec.paged_decode_attention(query, k, v, tables, lens, 0.088, **kw)
 
@@ -63,14 +65,20 @@ def sweep(batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dt
         return float(triton.testing.do_bench_cudagraph(fn, rep=20))
 
     default_ms = run()
+    as_bytes = ""
+    if kv_dtype != torch.bfloat16:  # the FP8 cache read as bytes instead of int32 words
+        ms = run(fp8_words=False)
+        as_bytes = f"; read as bytes {ms * 1e3:.1f} us = {nbytes / ms / 1e9:.2f} TB/s"
+    results = []
     auto = dec.choose_num_splits(batch, HKV, TABLE_WIDTH * BS, dec._num_sms(0))
     splits = sorted({1, 2, 4, 8, 16, 32, 64, auto} if batch < 32 else {1, 2, 3, 4, 6, 8, 16, auto})
-    results = []
     tiles, stage_counts, top = (
         ((32, 64, 128, 256), (1, 2, 3, 4), 12) if fine else ((16, 32, 64), (1, 2, 3), 5)
     )
     if fine:
         splits = sorted({max(1, auto // 2), auto, auto + 1, auto * 2, 1})
+    if default_only:
+        splits = []
     for n, bn, warps, stages in itertools.product(splits, tiles, (2, 4, 8), stage_counts):
         try:
             ms = run(num_splits=n, block_n=bn, num_warps=warps, num_stages=stages)
@@ -82,7 +90,7 @@ def sweep(batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dt
     print(
         f"batch {batch}, {kv_dtype} cache: context {int(lens.sum())} tokens, "
         f"{nbytes / 1e6:.1f} MB; default (splits {auto}) {default_ms * 1e3:.1f} us = "
-        f"{nbytes / default_ms / 1e9:.2f} TB/s, largest error against float32 {err:.2e}"
+        f"{nbytes / default_ms / 1e9:.2f} TB/s, largest error against float32 {err:.2e}" + as_bytes
     )
     for ms, n, bn, warps, stages in results[:top]:
         print(
@@ -95,6 +103,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--fine", action="store_true", help="more tiles, stages, top 12")
+    parser.add_argument("--default-only", action="store_true", help="no sweep, the default only")
     parser.add_argument(
         "--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2")
     )
@@ -103,7 +112,7 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
     for batch in args.batches:
-        sweep(batch, generator, args.fine, getattr(torch, args.kv_dtype))
+        sweep(batch, generator, args.fine, getattr(torch, args.kv_dtype), args.default_only)
         torch.cuda.empty_cache()
     return 0
 

@@ -106,7 +106,10 @@ def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
-def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_splits) -> None:
+@pytest.mark.parametrize("words", [True, False])
+def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_splits, words) -> None:
+    """Read as int32 words (the default where the layout allows) or as bytes, the same
+    attention as the reference's."""
     from kvrail.kernels import decode_attention
 
     g = _gen(3)
@@ -116,8 +119,21 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_spl
     query = _randn(len(seq_lens), 8, 128, g=g)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     args = (query, k_cache, v_cache, tables, lens, 128**-0.5)
-    got = decode_attention.paged_decode_attention(*args, num_splits=num_splits)
+    assert decode_attention.words_fit(k_cache, v_cache, 128)
+    got = decode_attention.paged_decode_attention(*args, num_splits=num_splits, fp8_words=words)
     torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-2, rtol=2e-2)
+    if not words:
+        return
+    as_bytes = decode_attention.paged_decode_attention(
+        *args, num_splits=num_splits, fp8_words=False
+    )
+    torch.testing.assert_close(got, as_bytes, atol=1e-3, rtol=1e-3)
+    odd = k_cache[..., :96]  # rows of 96 values: not a power of two, so read as bytes
+    assert not decode_attention.words_fit(odd, odd, 96)
+    with pytest.raises(ValueError, match="int32 words"):
+        decode_attention.paged_decode_attention(
+            query[..., :96], odd, v_cache[..., :96], tables, lens, 0.1, fp8_words=True
+        )
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
