@@ -78,6 +78,41 @@ def _fp8_tile(cache, rows, n_mask, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
     return tl.reshape(quads, [BLOCK_N, D_PAD])
 
 
+@triton.jit
+def paged_tile(
+    cache,
+    phys,
+    within,
+    kvh,
+    stride_b,
+    stride_s,
+    stride_h,
+    d,
+    n_mask,
+    d_mask,
+    WORDS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """The [BLOCK_N, D_PAD] tile of KV head `kvh` at tokens in blocks `phys`, offsets `within`:
+    as stored, or with WORDS (an FP8 cache, strides counted in int32 words) in float16
+    (`_fp8_tile`). Both attention kernels load K and V through it."""
+    if WORDS:  # a constexpr branch: one return, the tile's type differs between the two
+        tile = _fp8_tile(cache, phys * stride_b + within * stride_s + kvh * stride_h, n_mask,
+                         BLOCK_N, D_PAD)  # fmt: skip
+    else:
+        tile = tl.load(
+            cache
+            + phys[:, None] * stride_b
+            + within[:, None] * stride_s
+            + kvh * stride_h
+            + d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+    return tile
+
+
 # The table width varies from step to step in eager steps: not specialized on, so it never
 # compiles another variant while serving (see kvrail.worker.engine.cuda_graph).
 @triton.jit(do_not_specialize=["stride_bt", "num_splits"])
@@ -136,7 +171,7 @@ def _decode_kernel(
     )
     if not KV_FP8:
         q = q.to(k_cache.dtype.element_ty)
-    else:  # float16 (see fp8_compute): the scale folded in, saturating rather than overflowing
+    else:  # float16 (see the module's docstring): the scale folded in, saturating, not inf
         q = tl.clamp(q.to(tl.float32) * scale, -F16_MAX, F16_MAX).to(tl.float16)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
@@ -147,21 +182,9 @@ def _decode_kernel(
         n_mask = n < hi
         phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
         within = (n % block_size).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        if KV_WORDS:  # strides in int32 words (see paged_decode_attention)
-            k_rows = phys * stride_kb + within * stride_ks + kvh * stride_kh
-            k = _fp8_tile(k_cache, k_rows, n_mask, BLOCK_N, D_PAD)
-        else:
-            k = tl.load(
-                k_cache
-                + phys[:, None] * stride_kb
-                + within[:, None] * stride_ks
-                + kvh * stride_kh
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-        if KV_FP8 and not KV_WORDS:  # read in FP8, multiplied in float16
+        k = paged_tile(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
+                       d_mask, KV_WORDS, BLOCK_N, D_PAD)  # fmt: skip
+        if KV_FP8:  # read in FP8, multiplied in float16 (already, read as words)
             k = k.to(tl.float16)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -174,20 +197,9 @@ def _decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_WORDS:
-            v_rows = phys * stride_vb + within * stride_vs + kvh * stride_vh
-            v = _fp8_tile(v_cache, v_rows, n_mask, BLOCK_N, D_PAD)
-        else:
-            v = tl.load(
-                v_cache
-                + phys[:, None] * stride_vb
-                + within[:, None] * stride_vs
-                + kvh * stride_vh
-                + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-        if KV_FP8 and not KV_WORDS:
+        v = paged_tile(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d, n_mask,
+                       d_mask, KV_WORDS, BLOCK_N, D_PAD)  # fmt: skip
+        if KV_FP8:
             v = v.to(tl.float16)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -359,8 +371,9 @@ def paged_decode_attention(
         tile, warps, stages = 32, 4, 2
     if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
         tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
-    words = words_fit(k_cache, v_cache, head_dim) if fp8_words is None else fp8_words
-    if words and not words_fit(k_cache, v_cache, head_dim):
+    fits = words_fit(k_cache, v_cache, head_dim)
+    words = fits if fp8_words is None else fp8_words
+    if words and not fits:
         raise ValueError("this cache cannot be read as int32 words (see words_fit)")
     unit = 4 if words else 1  # the kernel's K and V strides count words, not bytes
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly

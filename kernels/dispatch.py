@@ -95,9 +95,7 @@ def gated_linear_fp8(
     says that projection takes them."""
     if weight.dtype != FP8_WEIGHT_DTYPE or weight_scale is None:
         raise ValueError(f"gated_linear_fp8 takes an FP8 weight and its scale, not {weight.dtype}")
-    projected = (_triton("fp8_gemm") if weight.is_cuda else reference).fp8_linear(
-        x, weight, weight_scale, bias, input_scale
-    )
+    projected = _fp8_gemm(x, weight, weight_scale, bias, input_scale)
     if projected.is_cuda:
         rows: QuantizedRows = _triton("silu_and_mul").silu_and_mul_fp8(projected, out_scale)
         return rows
@@ -137,9 +135,22 @@ def _fp8_linear(
             x, weight, bias, weight_scale=weight_scale
         )
         return out
-    impl = _triton("fp8_gemm") if weight.is_cuda else reference
-    projected: torch.Tensor = impl.fp8_linear(x, weight, weight_scale, bias, input_scale)
+    projected = _fp8_gemm(x, weight, weight_scale, bias, input_scale)
     return silu_and_mul(projected) if gated else projected
+
+
+def _fp8_gemm(
+    x: torch.Tensor | QuantizedRows,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    """An FP8 projection past the skinny kernel: cuBLASLt's FP8 GEMM on CUDA, the float32
+    reference elsewhere."""
+    impl = _triton("fp8_gemm") if weight.is_cuda else reference
+    out: torch.Tensor = impl.fp8_linear(x, weight, weight_scale, bias, input_scale)
+    return out
 
 
 def _skinny(x: torch.Tensor) -> ModuleType | None:

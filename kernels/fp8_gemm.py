@@ -75,6 +75,11 @@ def check_input_scale(input_scale: torch.Tensor | None) -> None:
         raise ValueError(f"input_scale has {input_scale.numel()} values; a static scale has one")
 
 
+def check_activations(dtype: torch.dtype) -> None:
+    if dtype != torch.bfloat16:
+        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {dtype}")
+
+
 def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> QuantizedRows:
     """Storage for m rows of k activations of `dtype` quantized to e4m3, and their scales."""
     return QuantizedRows(
@@ -82,6 +87,17 @@ def empty_rows(m: int, k: int, dtype: torch.dtype, device: torch.device) -> Quan
         torch.empty(m, dtype=torch.float32, device=device),
         dtype,
     )
+
+
+def rows_for(
+    m: int, k: int, dtype: torch.dtype, device: torch.device, input_scale: torch.Tensor | None
+) -> QuantizedRows:
+    """Storage for a kernel that writes m rows of k activations of `dtype` quantized for an FP8
+    projection (`kvrail.kernels.rms_norm`, `kvrail.kernels.silu_and_mul`), once `dtype` and the
+    projection's `input_scale` are checked."""
+    check_activations(dtype)
+    check_input_scale(input_scale)
+    return empty_rows(m, k, dtype, device)
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> QuantizedRows:
@@ -119,8 +135,7 @@ def fp8_linear(
     """x [.., K] @ (weight [N, K] e4m3 * weight_scale [N]).T + bias -> [.., N] in bfloat16; x
     bfloat16, or already quantized ([T, K] rows of bfloat16 activations)."""
     dtype = x.dtype
-    if dtype != torch.bfloat16:
-        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {dtype}")
+    check_activations(dtype)
     n, k = weight.shape
     shape = x.values.shape if isinstance(x, QuantizedRows) else x.shape
     if shape[-1] != k or k % 16 or n % 16:

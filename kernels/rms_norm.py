@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvrail.kernels.fp8_gemm import check_input_scale, empty_rows, row_scale
+from kvrail.kernels.fp8_gemm import row_scale, rows_for
 from kvrail.kernels.kv_write import to_cache
 from kvrail.kernels.launch import pdl
 from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, QuantizedRows
@@ -133,11 +133,9 @@ def _check_residual(x: torch.Tensor, residual: torch.Tensor) -> None:
 def _quantized_rows(
     x: torch.Tensor, weight: torch.Tensor, input_scale: torch.Tensor | None
 ) -> QuantizedRows:
-    dtype = torch.result_type(x, weight)
-    if dtype != torch.bfloat16:
-        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {dtype}")
-    check_input_scale(input_scale)
-    return empty_rows(x.shape[0], x.shape[1], x.dtype, x.device)
+    """Storage for the normed rows quantized: the dtype checked is the output's, as `_launch`
+    rounds it."""
+    return rows_for(x.shape[0], x.shape[1], torch.result_type(x, weight), x.device, input_scale)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kvrail.kernels.fp8_gemm import check_input_scale, empty_rows, row_scale
+from kvrail.kernels.fp8_gemm import row_scale, rows_for
 from kvrail.kernels.kv_write import to_cache
 from kvrail.kernels.launch import pdl
 from kvrail.kernels.reference import FP8_MAX, FP8_MIN_SCALE, QuantizedRows
@@ -108,10 +108,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def silu_and_mul_fp8(x: torch.Tensor, input_scale: torch.Tensor | None) -> QuantizedRows:
     inter = _check(x)
-    if x.dtype != torch.bfloat16:
-        raise ValueError(f"FP8 projections on CUDA take bfloat16 activations, not {x.dtype}")
-    check_input_scale(input_scale)
-    rows = empty_rows(x.shape[0], inter, x.dtype, x.device)
+    rows = rows_for(x.shape[0], inter, x.dtype, x.device, input_scale)
     if x.shape[0] == 0:
         return rows
     on = pdl(x.device)
