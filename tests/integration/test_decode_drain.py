@@ -49,6 +49,16 @@ async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: Na
     worker_nc = await nats.connect(nats_server.url)
     router_nc = await nats.connect(nats_server.url)
     role = DecodeRole(_context(worker_nc, keys))
+    # The worker's connection hands messages to its callback one at a time; holding the first
+    # keeps the rest in the subscription's queue until the drain has begun. Without the hold the
+    # callback may see them first (as a slow CI machine did), and the drain has nothing to do.
+    handle, held = role._on_request, asyncio.Event()
+
+    async def on_request(msg: Msg) -> None:
+        await held.wait()
+        await handle(msg)
+
+    role._on_request = on_request  # type: ignore[method-assign]
     await role.start()
     await worker_nc.flush()
     answers: dict[str, str] = {}
@@ -71,7 +81,10 @@ async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: Na
     await router_nc.flush()  # NATS has routed them all to the worker's connection
     # The drain begins before the worker's connection has handed them to its callback: the
     # moment a SIGTERM that comes with the requests picks.
-    await role.drain(timeout_s=5.0)
+    drain = asyncio.create_task(role.drain(timeout_s=5.0))
+    await asyncio.sleep(0)  # the drain's first step: the worker refuses what comes next
+    held.set()
+    await drain
     await asyncio.wait_for(answered.wait(), 5.0)
     assert answers == dict.fromkeys(ids, "shutting_down")
     await router_nc.close()
