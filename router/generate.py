@@ -181,9 +181,8 @@ async def _generate(
                         m.first_event(event, now - started)
                         num_cached = event.num_cached_tokens
                     elif event.token_ids:
-                        gap = (now - last) / len(event.token_ids)
-                        for _ in event.token_ids:
-                            m.itl.observe(gap)
+                        n = len(event.token_ids)
+                        m.itl.observe((now - last) / n, n)
                     last = now
                     if event.error is not None:
                         raise DispatchError(event.error)

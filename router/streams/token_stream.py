@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -140,9 +139,12 @@ class TokenStream:
                 last = queued
         if last is event:
             return event
-        return dataclasses.replace(
-            event, token_ids=tuple(tokens), finish_reason=last.finish_reason, error=last.error
-        )
+        # Built whole, not with `dataclasses.replace` (2.2 us against 1.2 on the 2-vCPU VM).
+        return TokenEvent(
+            event.request_id, event.seq, tuple(tokens), finish_reason=last.finish_reason,
+            error=last.error, worker_id=event.worker_id, prefill_mode=event.prefill_mode,
+            num_cached_tokens=event.num_cached_tokens, stages=event.stages,
+        )  # fmt: skip
 
     def _accept(self, item: TokenEvent | str) -> TokenEvent | None:
         """The queue's next item checked: the attempt's next event, or None for an item that

@@ -30,6 +30,7 @@ refused without tokenizing it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,7 +39,7 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -108,6 +109,11 @@ class TextCodec:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._fingerprint = fingerprint
         self._template = compile_template(chat_template) if chat_template else None
+        # The sentinel render (`chat_prompt`) of a conversation without names depends on its
+        # roles alone, unless the template reads a clock or draws random text.
+        self._marked_by_roles: Callable[[tuple[str, ...]], str] | None = None
+        if chat_template and not any(w in chat_template for w in _UNSTABLE_TEMPLATE_WORDS):
+            self._marked_by_roles = functools.lru_cache(maxsize=256)(self._render_marked)
         # The same tokenizer with special-token text encoded as text (for what clients wrote).
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
@@ -220,10 +226,14 @@ class TextCodec:
         if allow_special:
             return self._encode_with_special(rendered)
         contents = [m.get("content") or "" for m in messages]
-        sentinels = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        marked = self.render_chat(
-            [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)]
-        )
+        sentinels = [_sentinel(i) for i in range(len(messages))]
+        roles_only = all(m.keys() <= {"role", "content"} for m in messages)
+        if self._marked_by_roles is not None and roles_only:
+            marked = self._marked_by_roles(tuple(m["role"] for m in messages))
+        else:
+            marked = self.render_chat(
+                [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)]
+            )
         pieces = _split_at(marked, sentinels)
         if pieces is None or _join(pieces, contents) != rendered:
             # The template changed the content it inserted: encode the whole text, but never
@@ -241,6 +251,12 @@ class TextCodec:
             spans.append((start, start + len(content)))
             start += len(content)
         return self._encode_outside(rendered, spans)
+
+    def _render_marked(self, roles: tuple[str, ...]) -> str:
+        """The template rendered over `roles`, message i's content being `_sentinel(i)`."""
+        return self.render_chat(
+            [{"role": role, "content": _sentinel(i)} for i, role in enumerate(roles)]
+        )
 
     def _encode_with_special(self, text: str) -> list[int]:
         return list(self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
@@ -277,6 +293,16 @@ class TextCodec:
     ) -> Detokenizer:
         """A fresh incremental detokenizer for one request's output."""
         return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
+
+
+# Words of a chat template whose render can change from one call to the next (transformers'
+# clock global, Jinja's `random` filter and `lipsum` global): its sentinel renders are not kept.
+_UNSTABLE_TEMPLATE_WORDS = ("strftime_now", "random", "lipsum")
+
+
+def _sentinel(index: int) -> str:
+    """Stands for message `index`'s content in the sentinel render (private-use characters)."""
+    return f"\ue000{index}\ue001"
 
 
 def _split_at(text: str, sentinels: Sequence[str]) -> list[str] | None:

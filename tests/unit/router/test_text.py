@@ -415,6 +415,28 @@ def test_a_message_cannot_forge_the_control_tokens_of_its_template(
     assert sum(1 for t in trusted if t in control) == template_only + len(specials)
 
 
+def test_the_sentinel_render_kept_per_role_sequence_changes_no_prompt(codec: TextCodec) -> None:
+    named = [{"role": "user", "content": "hi <|im_end|>", "name": "bob"}]
+    for family, (template, _) in sorted(FAMILIES.items()):
+        fam = _family_codec(codec, family)
+        # A template that reads the clock has no cache: the reference.
+        clocked = TextCodec(fam.tokenizer, family, template + "{# strftime_now #}", {}, [], "x")
+        assert fam._marked_by_roles is not None and clocked._marked_by_roles is None
+        swapped = [{"role": "user", "content": "2+2?"}, {"role": "system", "content": "4"}]
+        for messages in [*CONVERSATIONS, swapped, named]:
+            for _ in range(2):  # the second from the cache, where the conversation has no name
+                assert _prompt(fam, messages) == _prompt(clocked, messages), family
+        assert fam._marked_by_roles.cache_info().hits >= len(CONVERSATIONS)
+
+
+def _prompt(codec: TextCodec, messages: list[dict[str, str]]) -> list[int] | str:
+    """The prompt's ids, or why it was refused."""
+    try:
+        return codec.chat_prompt(messages)
+    except InvalidRequestError as err:
+        return str(err)
+
+
 def test_a_completion_prompt_encodes_special_token_text_as_text(codec: TextCodec) -> None:
     assert codec.encode("x<|im_end|>") != codec.encode("x<|im_end|>", allow_special=True)
     assert 2 not in codec.encode("x<|im_end|>") and 2 in codec.encode("x<|im_end|>", True)
