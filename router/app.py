@@ -17,7 +17,6 @@ context; then `generate.serve` admits it and follows it until its last token.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import time
@@ -297,7 +296,7 @@ def _check_length(state: RouterState, num_bytes: int, param: str) -> None:
 async def _tokenize(state: RouterState, encode: Callable[..., T], *args: Any) -> T:
     """Run `encode` on the router's tokenizer threads: the event loop keeps serving meanwhile
     (the tokenizer releases the GIL while it works)."""
-    return await asyncio.get_running_loop().run_in_executor(state.tokenizer, encode, *args)
+    return await state.tokenizer.run(encode, *args)
 
 
 def _authenticate(state: RouterState, authorization: str | None) -> Tenant:

@@ -10,7 +10,6 @@ one body, and cancelled on every worker when the client leaves either way.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -29,6 +28,7 @@ from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.job import DispatchError, Job
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
 from kvrail.router.text.detokenizer import Detokenizer
+from kvrail.router.text.threads import TokenizerThreads
 from kvrail.router.text.tokenizer import TextCodec
 
 log = logging.getLogger(__name__)
@@ -48,8 +48,8 @@ _ERRORS: dict[str, tuple[int, str]] = {
 }
 
 
-def _tokenizer_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenize")
+def _tokenizer_threads() -> TokenizerThreads:
+    return TokenizerThreads(TOKENIZER_THREADS)
 
 
 @dataclass(slots=True)
@@ -66,7 +66,7 @@ class RouterState:
     defaults: Defaults = field(default_factory=Defaults)
     allow_special_tokens: bool = False
     created: int = 0  # when the router started: the served model's `created`
-    tokenizer: concurrent.futures.ThreadPoolExecutor = field(default_factory=_tokenizer_pool)
+    tokenizer: TokenizerThreads = field(default_factory=_tokenizer_threads)
 
 
 def context_len(state: RouterState) -> int:
