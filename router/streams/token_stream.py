@@ -26,7 +26,7 @@ from kvrail.keys import PoolKeys
 from kvrail.messages import Cancel, GenerateRequest, TokenEvent
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
-from kvrail.router.streams.inbox import NO_RESPONDERS, TICK, EventInbox
+from kvrail.router.streams.inbox import NO_RESPONDERS, TICK, EventInbox, Mailbox
 from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
 
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class TokenStream:
     decision: Decision | None = None
     finished: bool = False
     attempts: Attempts = field(init=False)
-    _queue: asyncio.Queue[TokenEvent | str] | None = None
+    _queue: Mailbox | None = None
     _deadline_tick: asyncio.TimerHandle | None = None
     _counted: bool = False
     _incarnation: int = 0

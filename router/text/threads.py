@@ -23,8 +23,9 @@ class TokenizerThreads:
     `run_in_executor` wraps every call in a `concurrent.futures.Future` (a lock and a condition
     of its own), chains it to an asyncio future with callbacks on both sides, and its pool
     counts idle threads with a semaphore; the router paid that once per request, on the core
-    its event loop needs (about 40 of 580 us per streamed request, `bench/router/README.md`). A caller that stops waiting (its client left) does not stop `fn`, as
-    with `run_in_executor`; the result is dropped.
+    its event loop needs (about 40 of 580 us per streamed request, `bench/router/README.md`).
+    A caller that stops waiting (its client left) does not stop `fn`, as with
+    `run_in_executor`; the result is dropped.
     """
 
     def __init__(self, num_threads: int, name: str = "tokenize") -> None:
