@@ -110,6 +110,10 @@ async def serve(settings: Settings) -> None:
             log_level="warning",
             timeout_graceful_shutdown=_GRACE_S,
             access_log=False,
+            # Nothing reads a client's address (X-Forwarded-For), and no response names the
+            # server software: two steps fewer per request.
+            proxy_headers=False,
+            server_header=False,
         )
     )
     try:
