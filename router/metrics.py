@@ -142,6 +142,10 @@ class LoopHistogram:
         self._counts[bisect.bisect_left(self._bounds, value)] += times
         self._sum += value * times
 
+    def describe(self) -> list[HistogramMetricFamily]:
+        """The family without samples: how a registry learns the names it exposes."""
+        return [HistogramMetricFamily(self._name, self._documentation)]
+
     def collect(self) -> Iterator[HistogramMetricFamily]:
         cumulative, total = [], 0
         for le, count in zip(self._les, self._counts, strict=True):

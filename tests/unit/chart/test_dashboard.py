@@ -5,8 +5,9 @@ Every series a panel or variable queries is one some collector exports under a n
 `_sum` and `_count` for histograms); every name in `ALL` is on the dashboard or listed in
 NOT_ON_DASHBOARD with its reason; every label a query matches, groups by or shows in a legend is
 one the metric's collectors declare, or one Prometheus adds (TARGET_LABELS). The collectors come
-from the router's, the workers' and the operator's metrics modules; their label names are read
-from `_labelnames`, a prometheus_client internal: the public API shows a labelled metric's labels
+from the router's, the workers' and the operator's metrics modules (prometheus_client's, and the
+router's own `LoopHistogram`, which has no labels); their label names are read from
+`_labelnames`, a prometheus_client internal: the public API shows a labelled metric's labels
 only once it has a child. The chart's ConfigMap is checked with helm.
 """
 
@@ -28,7 +29,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from kvrail import metrics
 from kvrail.operator import metrics as operator_metrics
-from kvrail.router.metrics import RouterMetrics
+from kvrail.router.metrics import LoopHistogram, RouterMetrics
 from kvrail.router.policy import Decision
 from kvrail.worker import metrics as worker_metrics
 
@@ -69,16 +70,19 @@ STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 # -- what the code exports
 
 
-def _collectors() -> dict[str, list[MetricWrapperBase]]:
+Collector = MetricWrapperBase | LoopHistogram
+
+
+def _collectors() -> dict[str, list[Collector]]:
     """Every collector of the router, the workers and the operator, by its name in `ALL`."""
     found = [
         *vars(RouterMetrics()).values(),
         *vars(worker_metrics).values(),
         *vars(operator_metrics).values(),
     ]
-    out: dict[str, list[MetricWrapperBase]] = {}
+    out: dict[str, list[Collector]] = {}
     for collector in found:
-        if isinstance(collector, MetricWrapperBase):
+        if isinstance(collector, MetricWrapperBase | LoopHistogram):
             (family,) = collector.describe()
             name = family.name + "_total" if family.type == "counter" else family.name
             out.setdefault(name, []).append(collector)
@@ -111,8 +115,13 @@ def _labels(series: str) -> frozenset[str]:
     name can come from several components, e.g. the router's and the workers' TTFT stages), the
     target labels, and `le` on histogram buckets."""
     name, suffix = EXPORTED[series]
-    declared = frozenset.intersection(*(frozenset(c._labelnames) for c in COLLECTORS[name]))
+    declared = frozenset.intersection(*(_declared(c) for c in COLLECTORS[name]))
     return declared | TARGET_LABELS | ({"le"} if suffix == "_bucket" else set())
+
+
+def _declared(collector: Collector) -> frozenset[str]:
+    """The label names a collector declares (the router's `LoopHistogram` has none)."""
+    return frozenset(() if isinstance(collector, LoopHistogram) else collector._labelnames)
 
 
 def _observed_values() -> dict[tuple[str, str], set[str]]:
