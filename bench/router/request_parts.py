@@ -56,7 +56,7 @@ def main() -> int:
         "json.loads and the pydantic model": lambda: schemas.ChatCompletionRequest.model_validate(
             json.loads(raw)
         ),
-        "chat prompt: template twice, then encode": lambda: codec.chat_prompt(messages),
+        "chat prompt: template, sentinel render, encode": lambda: codec.chat_prompt(messages),
         "  of which one template render": lambda: codec.render_chat(messages),
         "sampling parameters (requested, params)": lambda: requested(request).params(
             16, Defaults()

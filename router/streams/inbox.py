@@ -43,8 +43,8 @@ class Mailbox:
     The part of `asyncio.Queue` a stream uses (`put_nowait`, `empty`, `get_nowait`, `get`),
     for one reader and without a bound: a deque and the reader's one waiting future. An
     `asyncio.Queue` also keeps a list of getters, counts unfinished items for `join` and clears
-    an event on every put; a router passes every token through one (0.6 us less per item in a
-    uvloop micro-benchmark on the 2-vCPU VM, 1.8 against 2.4 us with the loop's own turn).
+    an event on every put; a router passes every token through one (2.1 against 2.8 us per item
+    with its loop turn on the 2-vCPU VM, `bench/router/loop_parts.txt`).
     """
 
     __slots__ = ("_items", "_loop", "_waiter")
