@@ -366,15 +366,17 @@ def paged_decode_attention(
     d_pad = max(16, triton.next_power_of_2(head_dim))
     direct = num_splits == 1
     on = pdl(query.device)
-    tile, warps, stages = (64 if head_dim <= 128 else 32), 4, 3
-    if k_cache.dtype in FP8_DTYPES:  # an FP8 cache's best at 256 sequences (177 against 185 us)
-        tile, warps, stages = 32, 4, 2
-    if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
-        tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
     fits = words_fit(k_cache, v_cache, head_dim)
     words = fits if fp8_words is None else fp8_words
     if words and not fits:
         raise ValueError("this cache cannot be read as int32 words (see words_fit)")
+    tile, warps, stages = (64 if head_dim <= 128 else 32), 4, 3
+    if k_cache.dtype in FP8_DTYPES:  # an FP8 cache's best at 256 sequences: as bytes 177
+        # against 185 us, as words 133.9 against 156.1 (decode_attention_sweep.txt); split
+        # contexts (batch 1) keep 32-token tiles, 5.5 against 5.8 us
+        tile, warps, stages = (64 if words and direct else 32), 4, 2
+    if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
+        tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
     unit = 4 if words else 1  # the kernel's K and V strides count words, not bytes
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:

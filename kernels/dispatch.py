@@ -103,13 +103,24 @@ def gated_linear_fp8(
 
 
 def takes_quantized_rows(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
-    """Whether the projection of `x` by `weight` multiplies x's rows quantized per token (or
-    with a static scale): an FP8 weight and a batch the skinny kernel does not take (that kernel
-    quantizes its own tiles). The kernel that writes x may then write it quantized
-    (`rms_norm_fp8`, `gated_linear_fp8`) instead of leaving the projection a pass over it."""
-    if weight.dtype != FP8_WEIGHT_DTYPE:
-        return False
-    return isinstance(x, QuantizedRows) or _skinny(x) is None
+    """Whether the projection of `x` by `weight` can multiply x's rows quantized per token (or
+    with a static scale): any FP8 weight. The kernel that writes x may then write it quantized
+    (`rms_norm_fp8`, `gated_linear_fp8`) instead of leaving the projection a pass over it; see
+    `quantize_gated_output` for the one writer that should not at decode sizes."""
+    return weight.dtype == FP8_WEIGHT_DTYPE
+
+
+def quantize_gated_output(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> bool:
+    """Whether an FP8 gate/up projection of `x` should write its activation quantized for the
+    FP8 projection `weight` after it (`gated_linear_fp8`). Not where the gate/up projection runs
+    on the skinny kernel: its epilogue applies SiLU * up to one tile of columns, without the
+    whole row a per-token scale needs, so quantizing would take another kernel; the skinny
+    kernel quantizes bfloat16 rows itself, per K tile."""
+    return takes_quantized_rows(x, weight) and _skinny(_values(x)) is None
+
+
+def _values(x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    return x.values if isinstance(x, QuantizedRows) else x
 
 
 def _fp8_linear(
@@ -121,15 +132,18 @@ def _fp8_linear(
     gated: bool,
 ) -> torch.Tensor:
     """An e4m3 weight's projection (and with `gated`, SiLU * up of its halves). Decode-sized
-    batches on a GPU with PDL take the skinny kernel, which quantizes x to e4m3 itself, per row
-    and 128-column K tile (a finer scale than per token, and finer than a checkpoint's static
-    `input_scale`, which it does not use), and multiplies on the FP8 tensor cores; other CUDA
+    batches on a GPU with PDL take the skinny kernel, which multiplies on the FP8 tensor cores
+    either x's rows as they came quantized (per token, or with a checkpoint's static
+    `input_scale`: what the RMSNorms before QKV and gate/up write) or, for bfloat16 x, x
+    quantized by the kernel itself per row and 128-column K tile (the output projection's and
+    the down projection's inputs; a finer scale than per token, and the static
+    `input_scale` unused); other CUDA
     batches quantize x per token (or with the static scale) and run cuBLASLt's FP8 GEMM
     (`kvrail.kernels.fp8_gemm`); a CPU runs the float32 reference, which quantizes x like the
     FP8 GEMM."""
     if weight_scale is None:
         raise ValueError("an FP8 weight needs its weight_scale")
-    skinny = None if isinstance(x, QuantizedRows) else _skinny(x)
+    skinny = _skinny(_values(x))
     if skinny is not None:
         out: torch.Tensor = (skinny.gated_linear if gated else skinny.linear)(
             x, weight, bias, weight_scale=weight_scale

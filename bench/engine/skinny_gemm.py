@@ -11,9 +11,11 @@ add + RMSNorm, QKV, output projection of the first 4,096 QKV columns, add + RMSN
 SiLU * up, down) at the given row counts, captured in one CUDA graph, for cuBLAS and the skinny
 kernel, each with and without programmatic dependent launch (kvrail.kernels.launch); the variants
 are alternated, two rounds. With `--fp8` the weights are e4m3 (a scale per row) and the chain
-runs on the skinny kernel with PDL and SiLU in gate/up, with and without the two RMSNorm
-kernels: what folding the norms into the projections could save at most (the values are not
-looked at, and without the norms they overflow). (pdl_chain.txt also has variants since
+runs on the skinny kernel with PDL and SiLU in gate/up: with the RMSNorms writing bf16 (the
+kernel quantizes x per K tile), with them writing e4m3 rows and scales (what QKV and gate/up
+take in the model), and without the two RMSNorm kernels: what folding the norms into the
+projections could save at most (the values are not looked at, and without the norms they
+overflow). (pdl_chain.txt also has variants since
 removed, from 4d84bce: a GEMM that prefetched part of its weight into L2 before waiting for the
 previous kernel, and one that let the next kernel in before its main loop. Neither helped.)
 
@@ -105,14 +107,24 @@ def _chain_layer(
     lin: Linear,
     gated: bool,
     norms: bool = True,
+    quantized: bool = False,
 ) -> torch.Tensor:
     """One layer without attention; FP8 weights are (values, row scales) pairs. Without
     `norms` the two RMSNorm kernels are left out: the bound on folding them into the
-    projections that read their output."""
-    h = rms_norm.fused_add_rms_norm(x, residual, ws["norm"], 1e-5)[0] if norms else x
+    projections that read their output. With `quantized` the RMSNorms write e4m3 rows and
+    their scales (`fused_add_rms_norm_fp8`), which QKV and gate/up multiply as they are."""
+
+    def norm(x: torch.Tensor) -> Any:
+        if not norms:
+            return x
+        if quantized:
+            return rms_norm.fused_add_rms_norm_fp8(x, residual, ws["norm"], 1e-5, None)[0]
+        return rms_norm.fused_add_rms_norm(x, residual, ws["norm"], 1e-5)[0]
+
+    h = norm(x)
     qkv = lin(h, ws["qkv"])
     o = lin(qkv[:, :4096], ws["o_proj"])
-    h = rms_norm.fused_add_rms_norm(o, residual, ws["norm"], 1e-5)[0] if norms else o
+    h = norm(o)
     if gated:  # SiLU * up in the gate/up projection's epilogue
         w = ws["gate_up"]
         act = (
@@ -128,7 +140,7 @@ def _skinny_default(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return skinny_gemm.linear(x, w)
 
 
-def _fp8_linear(x: torch.Tensor, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def _fp8_linear(x: Any, w: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     return skinny_gemm.linear(x, w[0], None, None, w[1])
 
 
@@ -145,28 +157,31 @@ def chain(rows: int, fp8: bool = False) -> None:
     x0 = torch.randn(rows, 4096, dtype=torch.bfloat16, device="cuda")
     residual = torch.zeros_like(x0)
     cublas: Linear = lambda x, w: functional.linear(x, w)  # noqa: E731
-    # name: (PDL, linear, SiLU in gate/up, the RMSNorm kernels)
-    variants: dict[str, tuple[bool, Linear, bool, bool]] = {
-        "cuBLAS, no PDL": (False, cublas, False, True),
-        "cuBLAS, PDL on norms/SiLU": (True, cublas, False, True),
-        "skinny, no PDL": (False, _skinny_default, False, True),
-        "skinny, PDL": (True, _skinny_default, False, True),
-        "skinny, PDL, SiLU in gate/up": (True, _skinny_default, True, True),
+    # name: (PDL, linear, SiLU in gate/up, the RMSNorm kernels, norms writing e4m3 rows)
+    variants: dict[str, tuple[bool, Linear, bool, bool, bool]] = {
+        "cuBLAS, no PDL": (False, cublas, False, True, False),
+        "cuBLAS, PDL on norms/SiLU": (True, cublas, False, True, False),
+        "skinny, no PDL": (False, _skinny_default, False, True, False),
+        "skinny, PDL": (True, _skinny_default, False, True, False),
+        "skinny, PDL, SiLU in gate/up": (True, _skinny_default, True, True, False),
     }
     if fp8:  # e4m3 weights run only on the skinny kernel at decode rows
         variants = {
-            "fp8 skinny, PDL, SiLU in gate/up": (True, _fp8_linear, True, True),
-            "the same without the RMSNorms": (True, _fp8_linear, True, False),
+            "fp8 skinny, PDL, SiLU in gate/up": (True, _fp8_linear, True, True, False),
+            "the same, norms write e4m3 rows": (True, _fp8_linear, True, True, True),
+            "the same without the RMSNorms": (True, _fp8_linear, True, False, False),
         }
     best = {name: float("inf") for name in variants}
     for _ in range(2):
-        for name, (on, lin, gated, norms) in variants.items():
+        for name, (on, lin, gated, norms, quantized) in variants.items():
             os.environ["KVRAIL_PDL"] = "1" if on else "0"
 
-            def step(lin: Linear = lin, gated: bool = gated, norms: bool = norms) -> None:
+            def step(
+                lin: Linear = lin, gated: bool = gated, norms: bool = norms, q: bool = quantized
+            ) -> None:
                 x = x0
                 for ws in layers:
-                    x = _chain_layer(x, residual, ws, lin, gated, norms)
+                    x = _chain_layer(x, residual, ws, lin, gated, norms, q)
 
             step()
             torch.cuda.synchronize()

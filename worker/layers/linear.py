@@ -8,9 +8,10 @@ tensor parallelism (`kvrail.worker.parallel.layout`) a column-parallel projectio
 FP8 weights (`Projection.to_fp8_`): the weight is e4m3 with a float32 scale per output row
 (`weight_scale`), and from a checkpoint quantized with static activation scales, one
 `input_scale`; `LlamaForCausalLM.load_weights` fills them (see `kvrail.worker.models.quant`).
-Where an FP8 projection multiplies its input's rows quantized per token (`takes_quantized_rows`:
-prefill-sized batches), the module writing that input quantizes it as it writes it (`into` of
-`RMSNorm` and `GatedLinear`), and the projection takes the `QuantizedRows`.
+An FP8 projection can multiply its input's rows quantized per token (`takes_quantized_rows`),
+and the module writing that input then quantizes it as it writes it (`into` of `RMSNorm`, and
+of `GatedLinear` for prefill-sized batches: `kvrail.kernels.dispatch.quantize_gated_output`);
+the projection takes the `QuantizedRows`.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class GatedLinear(Projection):
     ) -> torch.Tensor | QuantizedRows:
         """silu(gate) * up for `projection`: as `forward`, quantized where `projection` takes
         quantized rows."""
-        if not projection.takes_quantized_rows(x):  # x's rows are the output's
+        if not dispatch.quantize_gated_output(x, projection.weight):
             return self.forward(x)
         return dispatch.gated_linear_fp8(
             x, self.weight, self.bias, self.weight_scale, self.input_scale, projection.input_scale

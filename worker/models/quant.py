@@ -14,9 +14,11 @@ and v; gate and up) takes the largest of its parts' input scales.
 
 On a GPU, FP8 weights need FP8 tensor cores (compute capability 8.9 or later: Ada, Hopper)
 and bfloat16 activations (the FP8 GEMM's output type); the projections run in
-`kvrail.kernels.dispatch` (both operands in e4m3 on the tensor cores: decode-sized batches
-quantize activations per row and 128-column tile inside the skinny kernel, larger ones per
-token, or with the static scale, before cuBLASLt's FP8 GEMM). On CPU the torch reference
+`kvrail.kernels.dispatch` (both operands in e4m3 on the tensor cores: the inputs of QKV and
+gate/up quantized per token, or with the static scale, by the RMSNorms that write them; at
+decode sizes the skinny kernel quantizes the output and down projections' inputs itself, per
+row and 128-column tile, and larger batches quantize them per token before cuBLASLt's FP8
+GEMM). On CPU the torch reference
 computes them in float32, slower than float32 itself (it is the logic's reference, not a fast
 path).
 

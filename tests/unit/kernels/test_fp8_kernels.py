@@ -107,15 +107,20 @@ def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 @pytest.mark.parametrize("words", [True, False])
-def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_splits, words) -> None:
+@pytest.mark.parametrize("many", [False, True], ids=["5 seqs", "140 seqs"])
+def test_decode_attention_over_an_fp8_cache_matches_the_reference(
+    dtype, num_splits, words, many
+) -> None:
     """Read as int32 words (the default where the layout allows) or as bytes, the same
-    attention as the reference's."""
+    attention as the reference's; 140 sequences of 2 KV heads take the tiles of large batches
+    (more programs than twice an H200's SMs)."""
     from kvrail.kernels import decode_attention
 
     g = _gen(3)
-    seq_lens = [1, 17, 200, 64, 129]
-    _, k_cache, v_cache = _caches(128, 16, 2, 128, dtype, g)
-    tables = _tables(seq_lens, 16, 128, g)
+    seq_lens = [(i * 37) % 64 + 1 for i in range(140)] if many else [1, 17, 200, 64, 129]
+    num_blocks = 1024 if many else 128
+    _, k_cache, v_cache = _caches(num_blocks, 16, 2, 128, dtype, g)
+    tables = _tables(seq_lens, 16, num_blocks, g)
     query = _randn(len(seq_lens), 8, 128, g=g)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     args = (query, k_cache, v_cache, tables, lens, 128**-0.5)
@@ -124,10 +129,11 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(dtype, num_spl
     torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-2, rtol=2e-2)
     if not words:
         return
-    as_bytes = decode_attention.paged_decode_attention(
-        *args, num_splits=num_splits, fp8_words=False
-    )
-    torch.testing.assert_close(got, as_bytes, atol=1e-3, rtol=1e-3)
+    # the same tiles both ways (the defaults differ), so only the loads differ
+    tiles = {"num_splits": num_splits, "block_n": 64, "num_warps": 4, "num_stages": 2}
+    as_words = decode_attention.paged_decode_attention(*args, fp8_words=True, **tiles)
+    as_bytes = decode_attention.paged_decode_attention(*args, fp8_words=False, **tiles)
+    torch.testing.assert_close(as_words, as_bytes, atol=1e-3, rtol=1e-3)
     odd = k_cache[..., :96]  # rows of 96 values: not a power of two, so read as bytes
     assert not decode_attention.words_fit(odd, odd, 96)
     with pytest.raises(ValueError, match="int32 words"):
@@ -338,6 +344,47 @@ def test_skinny_fp8_gated_equals_the_projection_then_silu_and_mul(m: int) -> Non
     bad = skinny_gemm.SkinnyConfig(64, 256, 1, 4, 3, fp8_dot="int8")
     with pytest.raises(ValueError, match="fp8_dot"):
         skinny_gemm.linear(x, weight, None, bad, scale)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("m", [1, 7, 32])
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336), (200, 336)])
+def test_skinny_fp8_over_quantized_rows_matches_the_reference(
+    m: int, n: int, k: int, static: bool
+) -> None:
+    """x quantized per token (or with a static scale), as the RMSNorms before QKV and gate/up
+    write it: the kernel multiplies those e4m3 rows as they are, and its product is the
+    reference FP8 GEMM's over the same rows, gated or not."""
+    from kvrail.kernels import silu_and_mul, skinny_gemm
+
+    g = _gen(3 * m + n)
+    x = _randn(m, k, g=g)
+    weight, scale = _fp8_weight(n, k, g)
+    static_scale = torch.tensor([0.01], device="cuda") if static else None
+    rows = reference.quantize_rows(x, static_scale)
+    got = skinny_gemm.linear(rows, weight, None, None, scale)
+    assert got.dtype == BF16
+    expected = reference.fp8_linear(rows, weight, scale, None)
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-2, rtol=2e-2)
+    if n % 2 == 0:
+        gated = skinny_gemm.gated_linear(rows, weight, None, None, scale)
+        unfused = silu_and_mul.silu_and_mul(skinny_gemm.linear(rows, weight, None, None, scale))
+        assert torch.equal(gated, unfused)
+    with pytest.raises(ValueError, match="quantized rows"):
+        skinny_gemm.linear(rows, weight.to(BF16))
+
+
+def test_decode_rows_come_quantized_from_the_norms_but_not_from_a_skinny_gate_up() -> None:
+    """At decode sizes the RMSNorm before an FP8 projection writes e4m3 rows (the skinny kernel
+    multiplies them as they are); the gate/up projection keeps its bfloat16 output there (its
+    epilogue has no whole row to scale) and quantizes it only for prefill-sized batches."""
+    g = _gen(11)
+    weight, _ = _fp8_weight(256, 512, g)
+    for m, gated_quantizes in ((8, False), (200, True)):
+        x = _randn(m, 512, g=g)
+        assert dispatch.takes_quantized_rows(x, weight)
+        assert dispatch.quantize_gated_output(x, weight) is gated_quantizes
+    assert not dispatch.takes_quantized_rows(x, weight.to(BF16))
 
 
 def test_dispatch_sends_decode_rows_to_the_skinny_kernel_and_prefill_rows_to_the_fp8_gemm() -> None:
