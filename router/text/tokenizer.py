@@ -117,6 +117,10 @@ class TextCodec:
         # The same tokenizer with special-token text encoded as text (for what clients wrote).
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
+        # Token ids of the chat prompt's parts that hold no message content: the template's own
+        # text between its special tokens (a default system prompt, "assistant\n"), the same on
+        # every request (`_encode_outside`). Bounded; emptied when full.
+        self._fixed_parts: dict[str, list[int]] = {}
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         # A bound, not the exact figure: a byte-level token's characters take 1-2 UTF-8 bytes
         # each for the one byte they stand for, so this can only overstate a token's length.
@@ -270,19 +274,41 @@ class TextCodec:
                 begin, end = match.span()
                 if not any(s < end and begin < e for s, e in spans):
                     cuts.append((begin, end, self._special_ids[match.group()]))
-        parts: list[str] = []
+        parts: list[tuple[int, int]] = []  # (start, end) of the text between the specials kept
         position = 0
         for begin, end, _ in cuts:
-            parts.append(text[position:begin])
+            parts.append((position, begin))
             position = end
-        parts.append(text[position:])
-        encoded = self._plain.encode_batch_fast(parts, add_special_tokens=False)
+        parts.append((position, len(text)))
+        # A part outside every span is the template's own text: its ids are kept, since each
+        # call of the tokenizer costs several microseconds however short its text.
+        fixed = [not any(s < end and begin < e for s, e in spans) for begin, end in parts]
+        known = [
+            self._fixed_parts.get(text[begin:end]) if is_fixed else None
+            for (begin, end), is_fixed in zip(parts, fixed, strict=True)
+        ]
+        missing = [text[b:e] for (b, e), found in zip(parts, known, strict=True) if found is None]
+        fresh = iter(
+            self._plain.encode_batch_fast(missing, add_special_tokens=False) if missing else ()
+        )
         ids: list[int] = []
-        for i, encoding in enumerate(encoded):
-            ids.extend(encoding.ids)
+        for i, ((begin, end), found) in enumerate(zip(parts, known, strict=True)):
+            if found is None:
+                found = next(fresh).ids
+                if fixed[i]:
+                    self._keep_fixed(text[begin:end], found)
+            ids.extend(found)
             if i < len(cuts):
                 ids.append(cuts[i][2])
         return ids
+
+    def _keep_fixed(self, part: str, ids: list[int]) -> None:
+        """Remember a template-only part's ids (`_fixed_parts`): at most _FIXED_PARTS parts, so
+        names or other fields a template renders outside the message contents cannot grow it
+        without bound. Tokenizer threads call this concurrently; each dict operation is atomic."""
+        if len(self._fixed_parts) >= _FIXED_PARTS:
+            self._fixed_parts.clear()
+        self._fixed_parts[part] = ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (EOS, template markers) are left out by default."""
@@ -294,6 +320,8 @@ class TextCodec:
         """A fresh incremental detokenizer for one request's output."""
         return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
 
+
+_FIXED_PARTS = 1024  # template-only prompt parts whose token ids a TextCodec keeps
 
 # Words of a chat template whose render can change from one call to the next (transformers'
 # clock global, Jinja's `random` filter and `lipsum` global): its sentinel renders are not kept.

@@ -429,6 +429,34 @@ def test_the_sentinel_render_kept_per_role_sequence_changes_no_prompt(codec: Tex
         assert fam._marked_by_roles.cache_info().hits >= len(CONVERSATIONS)
 
 
+def test_the_template_parts_kept_change_no_prompt_and_hold_no_message_content(
+    codec: TextCodec, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt from the kept parts equals the one encoded cold (and, without special-token
+    text in the messages, the tokenizer's own encoding of the rendered text); what is kept is
+    the template's text only, and at most _FIXED_PARTS of it."""
+    from kvrail.router.text import tokenizer as tokenizer_module
+
+    default = [{"role": "user", "content": "What is the capital of France?"}]
+    for family in [None, *sorted(FAMILIES)]:
+        fam = TextCodec.load("smollm2", default_cache_dir()) if family is None else (
+            _family_codec(codec, family)
+        )  # fmt: skip
+        for messages in [default, *CONVERSATIONS]:
+            fam._fixed_parts.clear()
+            cold = _prompt(fam, messages)  # or why it was refused
+            assert _prompt(fam, messages) == cold, (family, messages)
+            contents = [m["content"] for m in messages if m["content"]]
+            if not any(t in c for c in contents for t in fam._special_texts):
+                assert cold == fam._encode_with_special(fam.render_chat(messages))
+            assert not any(c in part for part in fam._fixed_parts for c in contents)
+        assert fam._fixed_parts  # the template's own text was kept
+    monkeypatch.setattr(tokenizer_module, "_FIXED_PARTS", 3)
+    for i in range(10):
+        codec._keep_fixed(f"part {i}", [i])
+        assert len(codec._fixed_parts) <= 3
+
+
 def _prompt(codec: TextCodec, messages: list[dict[str, str]]) -> list[int] | str:
     """The prompt's ids, or why it was refused."""
     try:
