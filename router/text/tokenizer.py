@@ -87,8 +87,10 @@ if not (out / "tokenizer.json").is_file():
 
 
 class TextCodec:
-    """A model's tokenizer and chat template. Immutable after construction and safe to share
-    between concurrent requests (the `tokenizers` Tokenizer is thread-safe for encode/decode)."""
+    """A model's tokenizer and chat template, safe to share between concurrent requests and
+    tokenizer threads (the `tokenizers` Tokenizer is thread-safe for encode/decode). What
+    changes after construction is only what it keeps to save work, each bounded: sentinel
+    renders per role sequence, and the token ids of the template's own text."""
 
     def __init__(
         self,
