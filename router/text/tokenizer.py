@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import time
+from array import array
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -121,8 +122,8 @@ class TextCodec:
         self._plain.encode_special_tokens = True
         # Token ids of the chat prompt's parts that hold no message content: the template's own
         # text between its special tokens (a default system prompt, "assistant\n"), the same on
-        # every request (`_encode_outside`). Bounded; emptied when full.
-        self._fixed_parts: dict[str, list[int]] = {}
+        # every request (`_encode_outside`). Bounded in count and length; emptied when full.
+        self._fixed_parts: dict[str, array[int]] = {}
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         # A bound, not the exact figure: a byte-level token's characters take 1-2 UTF-8 bytes
         # each for the one byte they stand for, so this can only overstate a token's length.
@@ -285,7 +286,7 @@ class TextCodec:
         # A part outside every span is the template's own text: its ids are kept, since each
         # call of the tokenizer costs several microseconds however short its text.
         fixed = [not any(s < end and begin < e for s, e in spans) for begin, end in parts]
-        known = [
+        known: list[Sequence[int] | None] = [
             self._fixed_parts.get(text[begin:end]) if is_fixed else None
             for (begin, end), is_fixed in zip(parts, fixed, strict=True)
         ]
@@ -304,13 +305,16 @@ class TextCodec:
                 ids.append(cuts[i][2])
         return ids
 
-    def _keep_fixed(self, part: str, ids: list[int]) -> None:
-        """Remember a template-only part's ids (`_fixed_parts`): at most _FIXED_PARTS parts, so
-        names or other fields a template renders outside the message contents cannot grow it
-        without bound. Tokenizer threads call this concurrently; each dict operation is atomic."""
+    def _keep_fixed(self, part: str, ids: Sequence[int]) -> None:
+        """Remember a template-only part's ids (`_fixed_parts`): at most _FIXED_PARTS parts of at
+        most _FIXED_PART_CHARS characters, their ids as 32-bit integers, so names or other
+        fields a template renders outside the message contents cannot grow it past about
+        4 MiB. Tokenizer threads call this concurrently; each dict operation is atomic."""
+        if len(part) > _FIXED_PART_CHARS:
+            return
         if len(self._fixed_parts) >= _FIXED_PARTS:
             self._fixed_parts.clear()
-        self._fixed_parts[part] = ids
+        self._fixed_parts[part] = array("i", ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (EOS, template markers) are left out by default."""
@@ -323,7 +327,8 @@ class TextCodec:
         return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
 
 
-_FIXED_PARTS = 1024  # template-only prompt parts whose token ids a TextCodec keeps
+_FIXED_PARTS = 256  # template-only prompt parts whose token ids a TextCodec keeps
+_FIXED_PART_CHARS = 2048  # and their longest (a default system prompt is a few hundred)
 
 # Words of a chat template whose render can change from one call to the next (transformers'
 # clock global, Jinja's `random` filter and `lipsum` global): its sentinel renders are not kept.

@@ -434,7 +434,7 @@ def test_the_template_parts_kept_change_no_prompt_and_hold_no_message_content(
 ) -> None:
     """A prompt from the kept parts equals the one encoded cold (and, without special-token
     text in the messages, the tokenizer's own encoding of the rendered text); what is kept is
-    the template's text only, and at most _FIXED_PARTS of it."""
+    the template's text only, and at most _FIXED_PARTS parts of at most _FIXED_PART_CHARS."""
     from kvrail.router.text import tokenizer as tokenizer_module
 
     default = [{"role": "user", "content": "What is the capital of France?"}]
@@ -455,6 +455,8 @@ def test_the_template_parts_kept_change_no_prompt_and_hold_no_message_content(
     for i in range(10):
         codec._keep_fixed(f"part {i}", [i])
         assert len(codec._fixed_parts) <= 3
+    codec._keep_fixed("x" * (tokenizer_module._FIXED_PART_CHARS + 1), [1])
+    assert all(len(part) <= tokenizer_module._FIXED_PART_CHARS for part in codec._fixed_parts)
 
 
 def _prompt(codec: TextCodec, messages: list[dict[str, str]]) -> list[int] | str:
