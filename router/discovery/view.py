@@ -54,6 +54,7 @@ STATE_TIMEOUT_S = 2.0
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 10.0
 RESYNC_INTERVAL_S = 30.0
+UNSUBSCRIBE_S = 2.0  # how long `stop` waits for NATS to take the unsubscription
 
 
 class WorkerView(RecordFollower):
@@ -114,8 +115,12 @@ class WorkerView(RecordFollower):
 
     async def stop(self) -> None:
         if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
+            # Bounded: the subscription stops delivering before the unsubscription is sent, and
+            # a send that never completes (a clean-clone CI run once waited 600 s here, while a
+            # state fetch kept retrying) must not keep the view's tasks alive.
+            with contextlib.suppress(nats.errors.Error, TimeoutError):
+                async with asyncio.timeout(UNSUBSCRIBE_S):
+                    await self._sub.unsubscribe()
         tasks = [*self._tasks, *self._fetches.values()]
         self._tasks = []
         self._fetches.clear()
