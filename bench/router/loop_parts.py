@@ -19,6 +19,7 @@ import dataclasses
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import uvloop
@@ -29,16 +30,12 @@ from kvrail.router.metrics import LoopHistogram
 from kvrail.router.streams.inbox import Mailbox
 from kvrail.router.text.threads import TokenizerThreads
 
+sys.path.insert(0, str(Path(__file__).parent))
+from request_parts import per_call_us
+
 N = 20_000
+CALLS = 200_000  # per synchronous part (`per_call_us`)
 BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
-
-
-def per_call_us(fn: Callable[[], Any], n: int = 200_000) -> float:
-    fn()
-    start = time.process_time()
-    for _ in range(n):
-        fn()
-    return (time.process_time() - start) / n * 1e6
 
 
 async def per_await_us(fn: Callable[[], Awaitable[Any]], n: int = N, at_once: int = 1) -> float:
@@ -99,14 +96,15 @@ async def main() -> None:
     ours = LoopHistogram("y_seconds", "y", BUCKETS)
     event = TokenEvent("chatcmpl-x", 5, (1,), worker_id="decode-0")
     rows += [
-        ("Histogram.observe", per_call_us(lambda: histogram.observe(0.0123))),
-        ("LoopHistogram.observe", per_call_us(lambda: ours.observe(0.0123, 1))),
+        ("Histogram.observe", per_call_us(lambda: histogram.observe(0.0123), CALLS)),
+        ("LoopHistogram.observe", per_call_us(lambda: ours.observe(0.0123, 1), CALLS)),
         ("dataclasses.replace of a TokenEvent", per_call_us(
-            lambda: dataclasses.replace(event, token_ids=(1, 2), finish_reason=None, error=None))),
+            lambda: dataclasses.replace(event, token_ids=(1, 2), finish_reason=None, error=None),
+            CALLS)),
         ("TokenEvent(...) with every field", per_call_us(lambda: TokenEvent(
             event.request_id, event.seq, (1, 2), finish_reason=None, error=None,
             worker_id=event.worker_id, prefill_mode=event.prefill_mode,
-            num_cached_tokens=event.num_cached_tokens, stages=event.stages))),
+            num_cached_tokens=event.num_cached_tokens, stages=event.stages), CALLS)),
     ]  # fmt: skip
     print("# CPU per call")
     for name, us in rows:
