@@ -275,7 +275,7 @@ class TextCodec:
         if self._special_pattern is not None:
             for match in self._special_pattern.finditer(text):
                 begin, end = match.span()
-                if not any(s < end and begin < e for s, e in spans):
+                if _outside(begin, end, spans):
                     cuts.append((begin, end, self._special_ids[match.group()]))
         parts: list[tuple[int, int]] = []  # (start, end) of the text between the specials kept
         position = 0
@@ -285,7 +285,7 @@ class TextCodec:
         parts.append((position, len(text)))
         # A part outside every span is the template's own text: its ids are kept, since each
         # call of the tokenizer costs several microseconds however short its text.
-        fixed = [not any(s < end and begin < e for s, e in spans) for begin, end in parts]
+        fixed = [_outside(begin, end, spans) for begin, end in parts]
         known: list[Sequence[int] | None] = [
             self._fixed_parts.get(text[begin:end]) if is_fixed else None
             for (begin, end), is_fixed in zip(parts, fixed, strict=True)
@@ -325,6 +325,11 @@ class TextCodec:
     ) -> Detokenizer:
         """A fresh incremental detokenizer for one request's output."""
         return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
+
+
+def _outside(begin: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
+    """Whether text[begin:end] overlaps none of `spans` (the message contents)."""
+    return not any(s < end and begin < e for s, e in spans)
 
 
 _FIXED_PARTS = 256  # template-only prompt parts whose token ids a TextCodec keeps
