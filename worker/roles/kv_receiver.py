@@ -269,8 +269,11 @@ class KvReceiver:
                 raise RequestFailed("duplicate_job")
             wait_until = min(deadline, published + self.settings.remote_prefill_timeout_s)
             remaining = wait_until - time.monotonic()
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a
+            # cancel (the client's) arrives as the completion lands, and the cancel is lost.
             try:
-                done, landed = await asyncio.wait_for(asyncio.shield(future), max(remaining, 0.0))
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    done, landed = await asyncio.shield(future)
             except TimeoutError as err:  # the job's deadline, or our patience with it
                 raise RequestFailed("deadline" if wait_until == deadline else "kv_timeout") from err
         finally:

@@ -8,10 +8,12 @@ tests/integration/test_worker_disaggregated.py, with hostile jobs on a real queu
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any, cast
 
+import pytest
 from nats.aio.msg import Msg
 
 from kvrail.codec import decode
@@ -29,6 +31,7 @@ from kvrail.settings import Settings
 from kvrail.worker.engine.fence import PASSED, DeviceFence
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
+from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
 
 JOB = PrefillJob(
@@ -197,3 +200,30 @@ async def test_a_restarted_prefill_worker_fails_pending_jobs_a_drained_one_does_
     rp._on_peer_change("prefill-0", old, replace(old, incarnation=2))  # restarted
     error = pending.exception()
     assert isinstance(error, RequestFailed) and error.reason == "prefill_worker_lost"
+
+
+async def test_a_cancel_that_comes_with_the_completion_is_not_lost() -> None:
+    """The client's cancel and the prefill worker's completion reach the decode worker in the
+    same turn of its event loop: the wait ends cancelled, never with the completion (Python
+    3.11's asyncio.wait_for returned the result there, and the request then ran to its end)."""
+    rp = remote_prefill()
+
+    async def publish(_job: PrefillJob, to_worker: str | None = None) -> bool:
+        return True
+
+    rp.prefill_queue = cast(Any, SimpleNamespace(publish=publish))
+    rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
+    now = time.monotonic()
+    waiting = asyncio.create_task(rp._run_job(JOB, PASSED, None, StageTimes(), now, now + 60))
+    while JOB.request_id not in rp._pending:  # noqa: ASYNC110 (the job is being published)
+        await asyncio.sleep(0)
+    done = PrefillDone(
+        request_id=JOB.request_id, fingerprint=JOB.fingerprint, dest_incarnation=7,
+        block_ids=JOB.dest_block_ids, first_token_id=42, num_prompt_tokens=5,
+        prefill_worker_id="prefill-0", prefill_incarnation=1,
+    )  # fmt: skip
+    rp._on_notification(done.encode())
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert JOB.request_id not in rp._pending
