@@ -164,8 +164,8 @@ class QueuedJob:
             yield
         finally:
             task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            # gather, not `suppress(CancelledError)`: that would swallow a cancel of our own.
+            await asyncio.gather(task, return_exceptions=True)
 
     async def drop(self) -> None:
         """Never run this job (past its deadline, stale destination): no redelivery."""

@@ -11,7 +11,6 @@ peers drop the stale NIXL agent then, not after a TTL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -121,8 +120,8 @@ class Registration:
     async def close(self) -> None:
         if self._task:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            # gather, not `suppress(CancelledError)`: that would swallow a cancel of our own.
+            await asyncio.gather(self._task, return_exceptions=True)
         if self._lease is not None:
             await self._lease.revoke()
             self._lease = None

@@ -250,8 +250,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await debug_sub.unsubscribe()
             peers_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await peers_task
+            await asyncio.gather(peers_task, return_exceptions=True)  # ours still propagates
             try:
                 if not deregistered:  # a failed worker deregistered first thing
                     await registration.close()
