@@ -37,6 +37,7 @@ from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
 from kvrail.messages import PrefillJob
 from kvrail.settings import Settings, read_secret
+from kvrail.tasks import cancel_and_wait
 from kvrail.tls import nats_ssl_context, require_nats_tls
 
 log = logging.getLogger(__name__)
@@ -163,9 +164,7 @@ class QueuedJob:
         try:
             yield
         finally:
-            task.cancel()
-            # gather, not `suppress(CancelledError)`: that would swallow a cancel of our own.
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_and_wait(task)
 
     async def drop(self) -> None:
         """Never run this job (past its deadline, stale destination): no redelivery."""

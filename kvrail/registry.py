@@ -26,6 +26,7 @@ from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
 from kvrail.messages import WorkerRecord
 from kvrail.settings import Settings, read_secret
+from kvrail.tasks import cancel_and_wait
 from kvrail.tls import etcd_credentials
 
 log = logging.getLogger(__name__)
@@ -119,9 +120,7 @@ class Registration:
 
     async def close(self) -> None:
         if self._task:
-            self._task.cancel()
-            # gather, not `suppress(CancelledError)`: that would swallow a cancel of our own.
-            await asyncio.gather(self._task, return_exceptions=True)
+            await cancel_and_wait(self._task)
         if self._lease is not None:
             await self._lease.revoke()
             self._lease = None

@@ -40,6 +40,7 @@ from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
+from kvrail.tasks import cancel_and_wait
 from kvrail.worker import health, metrics
 from kvrail.worker.engine.config import DTYPES, EngineConfig, kv_cache_dtype
 from kvrail.worker.ranks.build import BuiltEngine, check_split
@@ -249,8 +250,7 @@ class Worker:
         finally:
             with contextlib.suppress(Exception):
                 await debug_sub.unsubscribe()
-            peers_task.cancel()
-            await asyncio.gather(peers_task, return_exceptions=True)  # ours still propagates
+            await cancel_and_wait(peers_task)
             try:
                 if not deregistered:  # a failed worker deregistered first thing
                     await registration.close()

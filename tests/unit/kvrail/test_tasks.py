@@ -1,7 +1,7 @@
-"""A prefill job's heartbeat (`QueuedJob.working`) stops with its block and never swallows a
-cancel of the task that ran the block (the prefill role relies on that cancel when a drain runs
-out of time). The heartbeat's exchange with a real JetStream runs in
-tests/integration/test_bus.py."""
+"""Stopping a helper task (`cancel_and_wait`): what it died of is raised, and a cancel of the
+task that stops it is never swallowed. The prefill job's heartbeat (`QueuedJob.working`) is
+the case that matters: the prefill role relies on that cancel when a drain runs out of time.
+The heartbeat's exchange with a real JetStream runs in tests/integration/test_bus.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from nats.aio.msg import Msg
 
 from kvrail.bus import QueuedJob
+from kvrail.tasks import cancel_and_wait
 
 
 async def test_a_cancel_that_comes_as_the_heartbeat_stops_is_not_lost() -> None:
@@ -38,3 +39,16 @@ async def test_a_cancel_that_comes_as_the_heartbeat_stops_is_not_lost() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert not after_block.is_set()
+
+
+async def test_the_error_a_stopped_task_died_of_is_raised() -> None:
+    async def broken() -> None:
+        raise RuntimeError("a bug")
+
+    task = asyncio.create_task(broken())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="a bug"):
+        await cancel_and_wait(task)
+    idle = asyncio.create_task(asyncio.sleep(60))
+    await cancel_and_wait(idle)  # cancelled as asked: nothing to raise
+    assert idle.cancelled()
