@@ -63,6 +63,10 @@ _PACKED: dict[str, tuple[str, int]] = {
 }
 
 
+compact_json = json.JSONEncoder(separators=(",", ":")).encode
+"""`json.dumps(value, separators=(",", ":"))`, without building an encoder on every call."""
+
+
 @dataclass(frozen=True, slots=True)
 class Message:
     kind: ClassVar[str] = ""
@@ -70,7 +74,7 @@ class Message:
     def encode(self) -> bytes:
         body: dict[str, Any] = {"v": WIRE_VERSION, "kind": self.kind}
         body.update(_encode_fields(self))
-        data = json.dumps(body, separators=(",", ":")).encode()
+        data = compact_json(body).encode()
         if len(data) > MAX_MESSAGE_BYTES:
             raise MessageError(f"{self.kind} message of {len(data)} bytes exceeds the limit")
         return data

@@ -336,22 +336,23 @@ class TokenEventBatch(Message):
                 raise codec.MessageError(f"a batch holds 1 to {MAX_EVENTS_PER_BATCH} events")
             at, end = _BATCH_HEAD.size, len(data)
             events = []
+            head, head_size = _EVENT_HEAD.unpack_from, _EVENT_HEAD.size
             for _ in range(count):
-                rid_len, wid_len, seq, num_tokens, rest_len = _EVENT_HEAD.unpack_from(data, at)
-                at += _EVENT_HEAD.size
+                rid_len, wid_len, seq, num_tokens, rest_len = head(data, at)
+                at += head_size
                 tokens_at = at + rid_len + wid_len
                 rest_at = tokens_at + 4 * num_tokens
                 after = rest_at + rest_len
                 if after > end or num_tokens > codec.MAX_TOKENS:
                     raise codec.MessageError("token event batch is truncated")
-                tokens = array("I", data[tokens_at:rest_at])
-                if _LITTLE_ENDIAN is False:
-                    tokens.byteswap()
-                rest = _event_fields(data[rest_at:after]) if rest_len else {}
-                events.append(TokenEvent(
-                    data[at : at + rid_len].decode(), seq, tuple(tokens),
-                    worker_id=data[at + rid_len : tokens_at].decode(), **rest,
-                ))  # fmt: skip
+                tokens = struct.unpack_from(f"<{num_tokens}I", data, tokens_at)
+                request_id = data[at : at + rid_len].decode()
+                worker_id = data[at + rid_len : tokens_at].decode()
+                if rest_len:  # the first or the last event: every field checked
+                    rest = _event_fields(data[rest_at:after])
+                    events.append(TokenEvent(request_id, seq, tokens, worker_id=worker_id, **rest))
+                else:
+                    events.append(_plain_event(request_id, seq, tokens, worker_id))
                 at = after
             if at != end:
                 raise codec.MessageError("token event batch has bytes after its last event")
@@ -377,7 +378,34 @@ def _event_rest(event: TokenEvent) -> bytes:
         value = getattr(event, name)
         if value != default:
             rest[name] = codec.encode_value(value)
-    return json.dumps(rest, separators=(",", ":")).encode() if rest else b""
+    return codec.compact_json(rest).encode() if rest else b""
+
+
+def _plain_event(
+    request_id: str, seq: int, token_ids: tuple[int, ...], worker_id: str
+) -> TokenEvent:
+    """A decoded event whose other fields are their defaults, its slots set directly. A frozen
+    dataclass's `__init__` sets each of its nine fields through `object.__setattr__` and then
+    runs `__post_init__`: 1.1 us an event, against 0.5 here (2-vCPU VM), and a router decodes
+    one per streamed token. What `__post_init__` checks holds already: `seq` was a u32."""
+    event = _new_event(TokenEvent)
+    _set_request_id(event, request_id)
+    _set_seq(event, seq)
+    _set_token_ids(event, token_ids)
+    _set_worker_id(event, worker_id)
+    for set_default, default in _DEFAULT_SLOTS:
+        set_default(event, default)
+    return event
+
+
+_new_event = object.__new__
+_set_request_id = TokenEvent.__dict__["request_id"].__set__
+_set_seq = TokenEvent.__dict__["seq"].__set__
+_set_token_ids = TokenEvent.__dict__["token_ids"].__set__
+_set_worker_id = TokenEvent.__dict__["worker_id"].__set__
+_DEFAULT_SLOTS = tuple(
+    (TokenEvent.__dict__[name].__set__, default) for name, default in _REST_DEFAULTS.items()
+)
 
 
 def _event_fields(raw: bytes) -> dict[str, Any]:

@@ -26,17 +26,30 @@ TEXTS = [
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 @pytest.mark.parametrize("include_usage", [False, True])
-def test_the_text_events_template_writes_the_same_bytes_as_the_full_chunk(
-    kind: str, include_usage: bool
+@pytest.mark.parametrize("served_name", ['model "x"', "SmolLM2-135M-Instruct", "modèle\\日本"])
+def test_the_chunk_templates_write_the_same_bytes_as_the_full_chunk(
+    kind: str, include_usage: bool, served_name: str
 ) -> None:
-    reply = Reply(kind, "chatcmpl-1", 'model "x"', 1_733_000_000, 12, include_usage)  # type: ignore[arg-type]
-    for text in TEXTS:
-        assert reply.text_event(text) == _event(reply.chunk(text, None)), text
-        body = json.loads(reply.text_event(text).removeprefix(b"data: "))
-        got = (
-            body["choices"][0]["delta"]["content"] if kind == "chat" else body["choices"][0]["text"]
-        )
-        assert got == text
+    for response_id, created in (("chatcmpl-1", 1_733_000_000), ('odd "id" \u2028', 0)):
+        reply = Reply(kind, response_id, served_name, created, 12, include_usage)  # type: ignore[arg-type]
+        for text in TEXTS:
+            assert reply.text_event(text) == _event(reply.chunk(text, None)), text
+            body = json.loads(reply.text_event(text).removeprefix(b"data: "))
+            choice = body["choices"][0]
+            assert (choice["delta"]["content"] if kind == "chat" else choice["text"]) == text
+        if kind == "chat":
+            assert reply.role_event() == _event(reply.chunk("", None, first=True))
+        for finish in ("stop", "length"):
+            assert reply.finish_event(finish) == _event(reply.chunk(None, finish))
+        for piece in (Piece("", None, 0), Piece("x", "length", 7, num_cached_tokens=3)):
+            usage = reply.usage(piece)
+            assert reply.usage_event(usage) == _event(reply.chunk(None, None, usage=usage))
+
+
+def test_a_model_name_equal_to_a_template_hole_is_refused() -> None:
+    reply = Reply("chat", "chatcmpl-1", "\ue000kvrail-value\ue001", 1, 3)
+    with pytest.raises(ValueError, match="model name"):
+        reply.text_event("x")
 
 
 async def _written(reply: Reply, pieces: list[Piece], fail: ApiError | None = None) -> list[Any]:
