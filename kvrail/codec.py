@@ -88,7 +88,9 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
     body: dict[str, Any] = {}
     for name in _info(type(obj)).names:
         value = getattr(obj, name)
-        if name in _PACKED:
+        if type(value) in _SCALARS:  # most fields: no further look
+            body[name] = value
+        elif name in _PACKED:
             body[name] = _pack(tuple(value), _PACKED[name][0])
         elif isinstance(value, tuple):
             body[name] = [
@@ -101,6 +103,8 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
             body[name] = value
     return body
 
+
+_SCALARS = frozenset({str, int, float, bool, type(None)})
 
 # Per dataclass (message or nested), computed once: the fields and, for each, a checker made
 # from its type hint. `typing.get_type_hints` evaluates every annotation's string (`from

@@ -89,19 +89,13 @@ class Reply:
     def _fill(self, shape: _Shape, value: bytes) -> bytes:
         bound = self._bound.get(shape)
         if bound is None:  # this response's id and `created` put in the shape's template
-            parts, holes = _template(self.kind, self.served_name, self.include_usage, shape)
-            known = self._known
-            halves: list[list[bytes]] = [[parts[0]], []]
-            side = 0  # before the value, then after it
-            for hole, part in zip(holes, parts[1:], strict=True):
-                if hole == _VALUE:
-                    side = 1
-                else:
-                    halves[side].append(known[hole])
-                halves[side].append(part)
-            bound = self._bound[shape] = (b"".join(halves[0]), b"".join(halves[1]))
-        head, tail = bound
-        return head + value + tail
+            before_id, before_created, before_value, after_value = _template(
+                self.kind, self.served_name, self.include_usage, shape
+            )
+            rid, created = self._known
+            bound = (before_id + rid + before_created + created + before_value, after_value)
+            self._bound[shape] = bound
+        return bound[0] + value + bound[1]
 
     def usage(self, piece: Piece) -> dict[str, Any]:
         """Usage as of `piece`, with the prompt tokens the prefix cache served (vLLM's
@@ -199,19 +193,19 @@ def _event(body: dict[str, Any]) -> bytes:
 
 
 _Shape = Literal["role", "text", "finish", "usage"]
-# What a template's holes stand for: the response id, its `created`, the chunk's one value
-# (`_VALUE`). Private-use text no real value holds.
+# What a template's holes stand for: the response id, its `created`, the chunk's one value.
+# Private-use text no real value holds.
 _HOLES = ("\ue000kvrail-id\ue001", "\ue000kvrail-created\ue001", "\ue000kvrail-value\ue001")
-_VALUE = 2
-_HOLE_AT = re.compile("(" + "|".join(re.escape(json.dumps(h)) for h in _HOLES) + ")")
+_HOLE_AT = re.compile("|".join(re.escape(json.dumps(h)) for h in _HOLES))
 
 
 @functools.lru_cache(maxsize=64)
 def _template(
     kind: Kind, served_name: str, include_usage: bool, shape: _Shape
-) -> tuple[tuple[bytes, ...], tuple[int, ...]]:
-    """A chunk of `shape` as `_event` writes it, cut at its holes: its literal parts, and which
-    value (`_HOLES`' index) goes between each two."""
+) -> tuple[bytes, bytes, bytes, bytes]:
+    """A chunk of `shape` as `_event` writes it, cut at its holes, which come in `_HOLES`' order
+    (the id and `created` lead every chunk): what comes before the id, before `created`,
+    before the value and after it (a role chunk has no value: the last part is empty)."""
     rid, created, value = _HOLES
     reply = Reply(kind, rid, served_name, cast(int, created), 0, include_usage)
     if shape == "role":
@@ -223,11 +217,13 @@ def _template(
     else:
         body = reply.chunk(None, None, usage={})
         body["usage"] = value
-    pieces = _HOLE_AT.split(_event(body).decode())
-    holes = tuple(_HOLES.index(json.loads(hole)) for hole in pieces[1::2])
-    if sorted(holes) != ([0, 1] if shape == "role" else [0, 1, 2]):  # a name equal to a hole
+    text = _event(body).decode()
+    holes = [json.loads(hole) for hole in _HOLE_AT.findall(text)]
+    if holes != list(_HOLES[: 2 if shape == "role" else 3]):  # a name equal to a hole
         raise ValueError(f"cannot make a chunk template for the model name {served_name!r}")
-    return tuple(part.encode() for part in pieces[0::2]), holes
+    parts = [part.encode() for part in _HOLE_AT.split(text)]
+    before_id, before_created, before_value, *rest = parts
+    return before_id, before_created, before_value, rest[0] if rest else b""
 
 
 async def sse(
