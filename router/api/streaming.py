@@ -62,7 +62,7 @@ class Reply:
     num_prompt_tokens: int
     include_usage: bool = False
     continuous_usage_stats: bool = False
-    _known: tuple[bytes, bytes] = (b"", b"")
+    _known: tuple[bytes, bytes] = field(init=False)
     """The response id and `created` as they are written in a chunk."""
     _bound: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
     """Per shape: the chunk's bytes before and after its value, for this response."""
