@@ -22,7 +22,7 @@ import ssl
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import nats
 import nats.errors
@@ -47,6 +47,8 @@ TOKENS_HEADER = "Kvrail-Tokens"
 """Prompt tokens of a queued job, so the planner sums the backlog without decoding payloads."""
 ATTEMPTS_HEADER = "Kvrail-Attempts"
 """Deliveries a handed-over job had before it was republished (absent: none)."""
+UNSUBSCRIBE_S = 2.0
+"""How long `unsubscribe` waits for the connection to take an unsubscription."""
 
 
 async def connect(settings: Settings, name: str, **options: Any) -> NatsClient:
@@ -97,6 +99,24 @@ async def connect(settings: Settings, name: str, **options: Any) -> NatsClient:
         raise
     connected = True
     return nc
+
+
+class Subscribed(Protocol):
+    """A core NATS subscription or a JetStream pull subscription."""
+
+    async def unsubscribe(self) -> None: ...
+
+
+async def unsubscribe(sub: Subscribed | None, timeout_s: float = UNSUBSCRIBE_S) -> None:
+    """End `sub` as its owner stops, waiting at most `timeout_s`: nats-py stops its deliveries,
+    then sends the unsubscription; a connection that is closed or draining refuses it (its
+    subscriptions end with it) and one that stalls must not keep a process from stopping, so
+    neither raises here. A cancellation of the caller goes on up."""
+    if sub is None:
+        return
+    with contextlib.suppress(nats.errors.Error, TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            await sub.unsubscribe()
 
 
 async def _close_quietly(nc: NatsClient) -> None:
@@ -302,7 +322,7 @@ class PrefillConsumer:
             with contextlib.suppress(nats.errors.Error):
                 await queued.msg.nak()
         for sub in self._subs:
-            await sub.unsubscribe()
+            await unsubscribe(sub)
 
 
 async def _parse(msg: Msg) -> QueuedJob:

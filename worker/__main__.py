@@ -34,7 +34,7 @@ import torch
 import uvloop
 from nats.aio.msg import Msg
 
-from kvrail.bus import PrefillQueue, connect
+from kvrail.bus import PrefillQueue, connect, unsubscribe
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
@@ -248,8 +248,7 @@ class Worker:
                 for role in roles:
                     await role.drain(settings.drain_timeout_s)
         finally:
-            with contextlib.suppress(Exception):
-                await debug_sub.unsubscribe()
+            await unsubscribe(debug_sub)
             await cancel_and_wait(peers_task)
             try:
                 if not deregistered:  # a failed worker deregistered first thing

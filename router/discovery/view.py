@@ -34,14 +34,13 @@ The event callback never awaits: it only updates memory and starts fetch tasks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from collections.abc import Callable, Collection, Mapping, Sequence
 
-import nats.errors
 from nats.aio.client import Client as NatsClient
 from nats.aio.subscription import Subscription
 
+from kvrail.bus import unsubscribe
 from kvrail.errors import DeadlineExceededError
 from kvrail.keys import PoolKeys
 from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
@@ -54,7 +53,6 @@ STATE_TIMEOUT_S = 2.0
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 10.0
 RESYNC_INTERVAL_S = 30.0
-UNSUBSCRIBE_S = 2.0  # how long `stop` waits for NATS to take the unsubscription
 
 
 class WorkerView(RecordFollower):
@@ -114,13 +112,9 @@ class WorkerView(RecordFollower):
         ]
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            # Bounded: the subscription stops delivering before the unsubscription is sent, and
-            # a send that never completes (a clean-clone CI run once waited 600 s here, while a
-            # state fetch kept retrying) must not keep the view's tasks alive.
-            with contextlib.suppress(nats.errors.Error, TimeoutError):
-                async with asyncio.timeout(UNSUBSCRIBE_S):
-                    await self._sub.unsubscribe()
+        # Bounded (a clean-clone CI run once waited 600 s in a plain unsubscribe here, while a
+        # state fetch kept retrying): a send that never completes must not keep the tasks alive.
+        await unsubscribe(self._sub)
         tasks = [*self._tasks, *self._fetches.values()]
         self._tasks = []
         self._fetches.clear()

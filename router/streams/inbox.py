@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 from typing import Final
 
@@ -25,6 +24,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.bus import unsubscribe
 from kvrail.codec import MessageError, decode
 from kvrail.messages import TokenEvent, TokenEventBatch
 
@@ -100,10 +100,8 @@ class EventInbox:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
+        sub, self._sub = self._sub, None
+        await unsubscribe(sub)
 
     async def _tick(self) -> None:
         while True:

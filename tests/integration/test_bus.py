@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -9,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.bus import PrefillQueue, connect
+from kvrail.bus import PrefillQueue, connect, unsubscribe
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import NatsServer
 from kvrail.messages import PrefillJob
@@ -49,6 +50,7 @@ async def test_a_job_is_pulled_acked_and_gone(queue: PrefillQueue) -> None:
     await got.ack()
     assert await consumer.fetch(timeout_s=0.5) is None
     assert await queue.backlog() == 0
+    await consumer.close()
 
 
 async def test_a_duplicate_publish_is_dropped_by_the_server(queue: PrefillQueue) -> None:
@@ -65,6 +67,8 @@ async def test_an_addressed_job_reaches_only_its_worker(queue: PrefillQueue) -> 
     got = await mine.fetch(timeout_s=2)
     assert got is not None and got.job is not None and got.job.request_id == "for-p1"
     await got.ack()
+    await other.close()
+    await mine.close()
 
 
 async def test_a_nakd_job_is_redelivered_until_max_deliver(queue: PrefillQueue) -> None:
@@ -77,6 +81,7 @@ async def test_a_nakd_job_is_redelivered_until_max_deliver(queue: PrefillQueue) 
     assert second is not None and second.num_delivered == 2
     await second.nak(delay_s=0.1)
     assert await consumer.fetch(timeout_s=1.5) is None  # max_deliver=2 reached
+    await consumer.close()
 
 
 async def test_an_invalid_payload_is_terminated_not_redelivered(queue: PrefillQueue) -> None:
@@ -85,6 +90,7 @@ async def test_an_invalid_payload_is_terminated_not_redelivered(queue: PrefillQu
     got = await consumer.fetch(timeout_s=2)
     assert got is not None and got.job is None and "lacks field" in got.error
     assert await consumer.fetch(timeout_s=1.0) is None
+    await consumer.close()
 
 
 async def test_a_dropped_job_is_never_redelivered(queue: PrefillQueue) -> None:
@@ -94,6 +100,7 @@ async def test_a_dropped_job_is_never_redelivered(queue: PrefillQueue) -> None:
     assert got is not None
     await got.drop()
     assert await consumer.fetch(timeout_s=1.0) is None
+    await consumer.close()
 
 
 async def test_a_job_worked_on_longer_than_the_ack_wait_is_not_redelivered(
@@ -118,6 +125,35 @@ async def test_a_job_worked_on_longer_than_the_ack_wait_is_not_redelivered(
         again = await other.fetch(timeout_s=3.0)
         assert again is not None and again.num_delivered == 2
         await again.ack()
+        await worker.close()
+        await other.close()
     finally:
         await q.delete_stream()
         await nc.close()
+
+
+async def test_unsubscribe_ends_deliveries_and_is_quiet_once_the_connection_closed(
+    nats_server: NatsServer,
+) -> None:
+    nc = await connect(Settings(nats_url=nats_server.url), name="test")
+    subject = f"t.{uuid.uuid4().hex[:8]}"
+    got: list[bytes] = []
+
+    async def cb(msg: Any) -> None:
+        got.append(msg.data)
+
+    sub = await nc.subscribe(subject, cb=cb)
+    await nc.publish(subject, b"before")
+    await nc.flush()
+    for _ in range(100):
+        if got:
+            break
+        await asyncio.sleep(0.01)
+    await unsubscribe(sub)
+    await nc.publish(subject, b"after")
+    await nc.flush()
+    await asyncio.sleep(0.2)
+    assert got == [b"before"]
+    late = await nc.subscribe(subject + ".late", cb=cb)
+    await nc.close()
+    await unsubscribe(late)  # nats-py refuses it on a closed connection; nothing is raised

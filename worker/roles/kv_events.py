@@ -30,7 +30,6 @@ the rest until their events come again. A NATS `max_payload` of 8 MiB (kvrail's
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 
@@ -39,6 +38,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.bus import unsubscribe
 from kvrail.codec import MAX_BLOCKS, MessageError
 from kvrail.keys import PoolKeys
 from kvrail.messages import KvEvent
@@ -165,10 +165,8 @@ class KvEventPublisher:
 
     async def close(self) -> None:
         """Stop answering, publish what is queued (bounded wait), stop the task."""
-        if self._sub is not None:
-            with contextlib.suppress(nats.errors.Error):
-                await self._sub.unsubscribe()
-            self._sub = None
+        sub, self._sub = self._sub, None
+        await unsubscribe(sub)
         if self._task is None:
             return
         self._queue.put_nowait(None)

@@ -31,6 +31,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
+from kvrail.bus import unsubscribe
 from kvrail.codec import MessageError, decode
 from kvrail.errors import TransferError
 from kvrail.messages import (
@@ -118,8 +119,7 @@ class KvReceiver:
     async def stop(self) -> None:
         """Stop listening and free every quarantined reservation (the process is leaving)."""
         for sub in self._subs:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            await unsubscribe(sub)
         if self._poller is not None:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)

@@ -44,7 +44,7 @@ import nats.errors
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from kvrail.bus import PrefillConsumer, QueuedJob
+from kvrail.bus import PrefillConsumer, QueuedJob, unsubscribe
 from kvrail.codec import MessageError, decode
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
@@ -132,8 +132,7 @@ class PrefillRole:
             task.cancel()
         await asyncio.gather(*self._jobs, return_exceptions=True)
         for sub in self._subs:
-            with contextlib.suppress(nats.errors.Error):
-                await sub.unsubscribe()
+            await unsubscribe(sub)
         if self._consumer is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._consumer.close()
