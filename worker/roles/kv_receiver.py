@@ -57,8 +57,15 @@ from kvrail.worker.transfer.envelope import Reservation, validate
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.002  # NIXL notification polling interval while a remote prefill is pending
-_IDLE_POLL_S = 0.05  # otherwise (late completions only lift quarantines)
+# NIXL notifications are polled (NIXL offers no wait): every _WRITE_POLL_S while a write this
+# worker granted may land at any moment (a copy takes milliseconds, so this costs little, and a
+# completion is seen about 0.5 ms sooner than at _POLL_S), every _POLL_S while a remote prefill
+# is pending and not yet granted (its prefill is being computed), every _IDLE_POLL_S otherwise
+# (late completions only lift quarantines). Not below 1 ms: uvloop's timers count whole
+# milliseconds, and a shorter sleep returns at once (a busy loop).
+_WRITE_POLL_S = 0.001
+_POLL_S = 0.002
+_IDLE_POLL_S = 0.05
 _QUARANTINE_MARGIN_S = 1.0
 
 Outcome = Literal["installed", "local", "recompute"]
@@ -342,7 +349,14 @@ class KvReceiver:
             if now >= next_sweep:
                 next_sweep = now + 0.1
                 await self._sweep_quarantine(now)
-            await asyncio.sleep(_POLL_S if self._pending else _IDLE_POLL_S)
+            await asyncio.sleep(self._poll_interval())
+
+    def _poll_interval(self) -> float:
+        if not self._pending:
+            return _IDLE_POLL_S
+        if any(job_id in self._pending for job_id in self._granted):
+            return _WRITE_POLL_S
+        return _POLL_S
 
     def _on_notification(self, payload: bytes) -> None:
         try:

@@ -29,6 +29,7 @@ from kvrail.messages import (
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 from kvrail.worker.engine.fence import PASSED, DeviceFence
+from kvrail.worker.roles import kv_receiver
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
 from kvrail.worker.roles.stages import StageTimes
@@ -153,6 +154,25 @@ async def test_an_abandoned_job_never_granted_frees_its_blocks_at_once() -> None
     rp._granted.add("r-2")
     await rp._quarantine_or_release("r-2", ["r-2"], deadline=2e9)
     assert aborted == ["r-1"] and rp.is_quarantined("r-2")
+
+
+async def test_completions_are_polled_fastest_while_a_granted_write_may_land() -> None:
+    """Idle, then pending (the prefill computes), then granted (the copy may land any moment),
+    then pending again once that write reported; a granted job no longer waited for (it was
+    abandoned, its reservation quarantined) does not keep the polling fast."""
+    rp, _ = remote_prefill_recording_aborts()
+    assert rp._poll_interval() == kv_receiver._IDLE_POLL_S
+    wait_for(rp, JOB)
+    assert rp._poll_interval() == kv_receiver._POLL_S
+    rp._granted.add(JOB.request_id)
+    assert rp._poll_interval() == kv_receiver._WRITE_POLL_S < kv_receiver._POLL_S
+    wait_for(rp, replace(JOB, request_id="r-2"))
+    rp._granted.discard(JOB.request_id)  # as its completion does
+    assert rp._poll_interval() == kv_receiver._POLL_S
+    rp._pending.clear()
+    rp._granted.add("r-3")
+    assert rp._poll_interval() == kv_receiver._IDLE_POLL_S
+    assert kv_receiver._WRITE_POLL_S >= 0.001  # uvloop's timers: a shorter sleep busy-loops
 
 
 def test_digests_tell_prompts_apart() -> None:
