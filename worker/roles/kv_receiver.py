@@ -58,11 +58,11 @@ from kvrail.worker.transfer.envelope import Reservation, validate
 log = logging.getLogger(__name__)
 
 # NIXL notifications are polled (NIXL offers no wait): every _WRITE_POLL_S while a write this
-# worker granted may land at any moment (a copy takes milliseconds, so this costs little, and a
-# completion is seen about 0.5 ms sooner than at _POLL_S), every _POLL_S while a remote prefill
-# is pending and not yet granted (its prefill is being computed), every _IDLE_POLL_S otherwise
-# (late completions only lift quarantines). Not below 1 ms: uvloop's timers count whole
-# milliseconds, and a shorter sleep returns at once (a busy loop).
+# worker granted may land at any moment (a copy takes milliseconds, so this costs little; the
+# handoff's copy stage measured 1 ms shorter than with _POLL_S, bench/sweep/README.md), every
+# _POLL_S while a remote prefill is pending and not yet granted (its prefill is being computed),
+# every _IDLE_POLL_S otherwise (late completions only lift quarantines). Not below 1 ms:
+# uvloop's timers count whole milliseconds, and a shorter sleep returns at once (a busy loop).
 _WRITE_POLL_S = 0.001
 _POLL_S = 0.002
 _IDLE_POLL_S = 0.05
