@@ -31,6 +31,16 @@ _WORKER = [sys.executable, "-P", "-m", "kvrail.worker"]
 _ROUTER = [sys.executable, "-P", "-m", "kvrail.router"]
 
 
+async def flushed(nc: NatsClient) -> None:
+    """Every command sent on `nc` so far has reached the server, so another connection sees its
+    subscriptions and publishes. Two round trips: nats-py 2.16 writes a flush's PING ahead of the
+    commands still pending, so one PONG can come back before the server read them (a CI run of
+    test_decode_drain saw none of its requests arrive; a plain nats-py loop of that test lost
+    messages in 3 of 300 tries, none with two flushes). The first flush gets them written."""
+    await nc.flush()
+    await nc.flush()
+
+
 class LocalPool:
     def __init__(
         self,

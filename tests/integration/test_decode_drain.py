@@ -24,6 +24,7 @@ from kvrail.keys import PoolKeys
 from kvrail.local.servers import NatsServer
 from kvrail.messages import GenerateRequest, TokenEventBatch
 from kvrail.sampling import SamplingParams
+from kvrail.testing.pool import flushed
 from kvrail.worker.roles.decode import DecodeRole
 
 
@@ -44,16 +45,6 @@ def _context(nc: nats.NATS, keys: PoolKeys) -> Any:
     )  # fmt: skip
 
 
-async def _flushed(nc: nats.NATS) -> None:
-    """Every command sent on `nc` so far has reached the server. Two round trips: nats-py 2.16
-    writes a flush's PING ahead of the commands still pending, so one PONG can come back before
-    the server read them (a CI run saw none of the requests arrive: they, or the subscription,
-    came after the drain's unsubscription; a plain nats-py loop of this test lost messages in 3
-    of 300 tries, none with two flushes). The first flush gets the pending commands written."""
-    await nc.flush()
-    await nc.flush()
-
-
 async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: NatsServer) -> None:
     keys = PoolKeys("default", f"drain-{uuid.uuid4().hex[:8]}")
     worker_nc = await nats.connect(nats_server.url)
@@ -70,7 +61,7 @@ async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: Na
 
     role._on_request = on_request  # type: ignore[method-assign]
     await role.start()
-    await _flushed(worker_nc)  # the server has the worker's subscriptions
+    await flushed(worker_nc)  # the server has the worker's subscriptions
     answers: dict[str, str] = {}
     answered = asyncio.Event()
     ids = [f"r{i}-{uuid.uuid4().hex[:8]}" for i in range(20)]
@@ -88,7 +79,7 @@ async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: Na
                                   SamplingParams(max_tokens=4))  # fmt: skip
         await router_nc.publish(keys.decode_requests("decode-0"), request.encode(),
                                 reply=f"{inbox}.r.{request_id}")  # fmt: skip
-    await _flushed(router_nc)  # NATS has routed them all to the worker's connection
+    await flushed(router_nc)  # NATS has routed them all to the worker's connection
     # The drain begins before the worker's connection has handed them to its callback: the
     # moment a SIGTERM that comes with the requests picks.
     drain = asyncio.create_task(role.drain(timeout_s=5.0))

@@ -38,6 +38,7 @@ from kvrail.router.policy import Chooser
 from kvrail.router.streams.dispatcher import Dispatcher, DispatchError, Job
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
+from kvrail.testing.pool import flushed
 
 FINGERPRINT = "f" * 64
 BLOCK_SIZE = 4
@@ -105,7 +106,7 @@ class FakeWorker:
 
     async def serve_state(self) -> FakeWorker:
         self._sub = await self.nc.subscribe(self.keys.kv_state(self.worker_id), cb=self._answer)
-        await self.nc.flush()
+        await flushed(self.nc)  # the view, on another connection, finds it answering
         return self
 
     async def stop(self) -> None:
