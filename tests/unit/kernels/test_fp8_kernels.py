@@ -225,7 +225,7 @@ def test_norms_that_quantize_write_what_quantizing_their_output_would(
 
 
 @pytest.mark.parametrize("static", [False, True])
-@pytest.mark.parametrize("inter", [14336, 1000])
+@pytest.mark.parametrize("inter", [14336, 1000, 28672])  # one pass, one pass, two passes
 def test_silu_and_mul_that_quantizes_writes_what_quantizing_its_output_would(
     static: bool, inter: int
 ) -> None:
