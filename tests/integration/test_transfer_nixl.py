@@ -9,13 +9,14 @@ from functools import partial
 from multiprocessing.connection import Connection
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from kvrail.errors import TransferError
 from kvrail.messages import PrefillDone
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import coalesce
+from kvrail.worker.transfer.blocks import coalesce, run_starts
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, block_checksums, validate
 from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.testing import recv, start_decode_peer
@@ -71,6 +72,8 @@ def test_bad_block_ids_and_unknown_peers_fail_before_anything_moves(
             ([-1], [0], "source block"),
             ([0, 1], [5, 5], "repeat"),
             ([], [], "at least one"),
+            ([0, 1], [2], "2 source blocks, 1 destination"),
+            ([1.0], [0], "not integers"),
         ):
             with pytest.raises(TransferError, match=message):
                 prefill.write(peer, src_ids, dst_ids, b"x", deadline)
@@ -105,6 +108,67 @@ def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:
     assert coalesce([], []) == []
     with pytest.raises(ValueError, match="destination"):
         coalesce([1], [])
+
+
+def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 7, 64):
+        for src, dst in (
+            (np.arange(n), np.arange(n) + 5),  # one run
+            (np.arange(n), rng.permutation(64)[:n]),  # scattered
+            (rng.permutation(64)[:n], np.arange(n)),
+        ):
+            runs = coalesce(src.tolist(), dst.tolist())
+            starts = run_starts(src, dst)
+            assert [int(src[i]) for i in starts] == [s for s, _, _ in runs]
+            assert [int(dst[i]) for i in starts] == [d for _, d, _ in runs]
+    assert run_starts(np.arange(0), np.arange(0)) == []
+
+
+@pytest.fixture
+def cuda_decode_peer() -> Iterator[Connection]:
+    if not torch.cuda.is_available():
+        pytest.skip("CUDA IPC needs a GPU (runs on the lent H200)")
+    conn, proc = start_decode_peer("decode-0-3", NUM_BLOCKS, BLOCK_ELEMS, device="cuda")
+    yield conn
+    with contextlib.suppress(OSError):
+        conn.send("bye")
+    proc.join(timeout=30)
+    if proc.is_alive():
+        proc.kill()
+
+
+def test_blocks_written_over_cuda_ipc_arrive_intact_in_runs_and_scattered(
+    cuda_decode_peer: Connection,
+) -> None:
+    """A few runs go as one copy each, many through the copy kernel: both land every byte,
+    and the notification comes once the bytes are there."""
+    gen = torch.Generator().manual_seed(1)
+    src = torch.randn(NUM_BLOCKS, BLOCK_ELEMS, generator=gen).cuda()
+    region = KVCache(src, NUM_BLOCKS)
+    prefill = KvConnector("prefill-0-9", region)
+    try:
+        peer = prefill.add_peer(recv(cuda_decode_peer))  # type: ignore[arg-type]
+        assert prefill.transport_to(peer) == "cuda-ipc"
+        cuda_decode_peer.send(prefill.metadata())
+        runs_src, runs_dst = [0, 1, 2, 9, 10], [30, 31, 32, 5, 6]  # two runs
+        scattered_src = list(range(12, 44))
+        scattered_dst = torch.randperm(NUM_BLOCKS, generator=gen)[:32].tolist()
+        scattered_dst = [d for d in scattered_dst if d not in runs_dst][:20]
+        scattered_src = scattered_src[: len(scattered_dst)]
+        deadline = time.monotonic() + 30
+        for i, (s_ids, d_ids) in enumerate(((runs_src, runs_dst), (scattered_src, scattered_dst))):
+            stats = prefill.write(peer, s_ids, d_ids, f"w{i}".encode(), deadline)
+            assert stats.transport == "cuda-ipc"
+            assert stats.num_bytes == len(s_ids) * region.block_bytes
+        time.sleep(0.5)
+        cuda_decode_peer.send(runs_dst + scattered_dst)
+        notes, landed_sums, landed = recv(cuda_decode_peer)  # type: ignore[misc]
+        assert notes == [("prefill-0-9", b"w0"), ("prefill-0-9", b"w1")]
+        assert torch.equal(landed, src[runs_src + scattered_src].cpu())
+        assert landed_sums == block_checksums(region, runs_src + scattered_src)
+    finally:
+        prefill.close()
 
 
 def _done(**kw: Any) -> PrefillDone:

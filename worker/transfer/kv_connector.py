@@ -17,6 +17,7 @@ warning, never silently.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import socket
@@ -26,12 +27,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvrail.errors import TransferError
 from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import TransferStats, coalesce
+from kvrail.worker.transfer.blocks import TransferStats, coalesce, run_starts
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
 
@@ -118,6 +120,7 @@ class KvConnector:
         self._reg = self._agent.register_memory(region.tensor)
         self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
         self._peers: dict[str, _Peer] = {}
+        self._staging: torch.Tensor | None = None  # pinned block ids, see _ids_on_device
 
     @property
     def block_bytes(self) -> int:
@@ -211,11 +214,13 @@ class KvConnector:
         remote = self._peers.get(peer)
         if remote is None:
             raise TransferError(f"unknown or removed peer {peer}")
-        _check_ids(src_block_ids, self.region.num_blocks, "source")
-        _check_ids(dst_block_ids, remote.num_blocks, "destination")
-        runs = coalesce(src_block_ids, dst_block_ids)
+        src_ids = _checked_ids(src_block_ids, self.region.num_blocks, "source")
+        dst_ids = _checked_ids(dst_block_ids, remote.num_blocks, "destination")
+        if src_ids.shape != dst_ids.shape:
+            raise TransferError(f"{src_ids.size} source blocks, {dst_ids.size} destination blocks")
         if remote.ipc is not None:
-            return self._write_ipc(peer, remote.ipc, runs, notification)
+            return self._write_ipc(peer, remote.ipc, src_ids, dst_ids, notification)
+        runs = coalesce(src_block_ids, dst_block_ids)
         size = self.region.block_bytes
         base, dev = self.region.base_address, self.region.device_id
         src = [(base + s * size, n * size, dev) for s, _, n in runs]
@@ -245,29 +250,44 @@ class KvConnector:
         return TransferStats(len(src_block_ids) * size, seconds, self.transport)
 
     def _write_ipc(
-        self, peer: str, ipc: ImportedRegion, runs: list[tuple[int, int, int]], note: bytes
+        self, peer: str, ipc: ImportedRegion, src_ids: Any, dst_ids: Any, note: bytes
     ) -> TransferStats:
         size = self.region.block_bytes
         src = self.region.tensor.view(-1).view(torch.uint8)
         started = time.perf_counter()
-        if len(runs) <= _MAX_COPY_CALLS:
-            for s, d, n in runs:
-                ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
-        else:  # many scattered runs: one kernel launch instead of one copy per run
-            src_ids = [s + k for s, _, n in runs for k in range(n)]
-            dst_ids = [d + k for _, d, n in runs for k in range(n)]
-            device = self.region.tensor.device
-            words = torch.int64 if size % 8 == 0 else torch.uint8
-            dispatch.copy_blocks(
-                src.view(words).view(self.region.num_blocks, -1),
-                ipc.tensor.view(words).view(-1, size // words.itemsize),
-                torch.tensor(src_ids, dtype=torch.int64, device=device),
-                torch.tensor(dst_ids, dtype=torch.int64, device=device),
-            )
-        torch.cuda.current_stream(self.region.tensor.device).synchronize()
+        starts = run_starts(src_ids, dst_ids)
+        try:
+            if len(starts) <= _MAX_COPY_CALLS:
+                for a, b in itertools.pairwise([*starts, src_ids.size]):
+                    s, d, n = int(src_ids[a]), int(dst_ids[a]), b - a
+                    ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
+            else:  # many scattered runs: one kernel launch instead of one copy per run
+                words = torch.int64 if size % 8 == 0 else torch.uint8
+                ids = self._ids_on_device(src_ids, dst_ids)
+                dispatch.copy_blocks(
+                    src.view(words).view(self.region.num_blocks, -1),
+                    ipc.tensor.view(words).view(-1, size // words.itemsize),
+                    ids[0],
+                    ids[1],
+                )
+        finally:  # every byte landed (and the ids' staging buffer is free) before the note
+            torch.cuda.current_stream(self.region.tensor.device).synchronize()
         self._agent.send_notif(peer, note)
         seconds = time.perf_counter() - started
-        return TransferStats(sum(n for _, _, n in runs) * size, seconds, "cuda-ipc")
+        return TransferStats(src_ids.size * size, seconds, "cuda-ipc")
+
+    def _ids_on_device(self, src_ids: Any, dst_ids: Any) -> torch.Tensor:
+        """[2, n] int64 on the region's device: the source ids, then the destination ids, staged
+        through one pinned buffer and copied without blocking. A write waits for its stream
+        before it returns, so the next write may refill the buffer."""
+        n = src_ids.size
+        if self._staging is None or self._staging.numel() < 2 * n:
+            self._staging = torch.empty(max(2 * n, 1024), dtype=torch.int64, pin_memory=True)
+        staged = self._staging[: 2 * n]
+        host = staged.numpy()
+        host[:n] = src_ids
+        host[n:] = dst_ids
+        return staged.to(self.region.tensor.device, non_blocking=True).view(2, n)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []
@@ -281,11 +301,17 @@ class KvConnector:
         self._agent.deregister_memory(self._reg)
 
 
-def _check_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> None:
-    if not block_ids:
+def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> Any:
+    """The ids as an int64 array, once each is in [0, num_blocks) and none repeats."""
+    ids = np.asarray(block_ids)
+    if ids.ndim != 1 or not ids.size:
         raise TransferError("a transfer needs at least one block")
-    for b in block_ids:
-        if not 0 <= b < num_blocks:
-            raise TransferError(f"{side} block {b} outside [0, {num_blocks})")
-    if len(set(block_ids)) != len(block_ids):
+    if ids.dtype.kind not in "iu":
+        raise TransferError(f"{side} block ids are {ids.dtype}, not integers")
+    ids = ids.astype(np.int64, copy=False)
+    outside = ids[(ids < 0) | (ids >= num_blocks)]
+    if outside.size:
+        raise TransferError(f"{side} block {int(outside[0])} outside [0, {num_blocks})")
+    if np.unique(ids).size != ids.size:
         raise TransferError(f"{side} block ids repeat")
+    return ids

@@ -25,10 +25,13 @@ def recv(conn: Connection, timeout_s: float = 60.0) -> object:
     return conn.recv()
 
 
-def _decode_peer(conn: Connection, agent_name: str, num_blocks: int, block_elems: int) -> None:
+def _decode_peer(
+    conn: Connection, agent_name: str, num_blocks: int, block_elems: int, device: str
+) -> None:
     """Sends its metadata, loads the writer's, collects notifications until asked which blocks
-    to report on, answers (notifications, checksums, block contents), then exits on any word."""
-    region = KVCache(torch.zeros(num_blocks, block_elems), num_blocks)
+    to report on, answers (notifications, checksums, block contents on the CPU), then exits on
+    any word."""
+    region = KVCache(torch.zeros(num_blocks, block_elems, device=device), num_blocks)
     nixl = KvConnector(agent_name, region)
     conn.send(nixl.metadata())
     nixl.add_peer(recv(conn))  # type: ignore[arg-type]
@@ -39,18 +42,21 @@ def _decode_peer(conn: Connection, agent_name: str, num_blocks: int, block_elems
     block_ids = recv(conn)
     notes += nixl.notifications()
     assert isinstance(block_ids, list)
-    conn.send((notes, block_checksums(region, block_ids), region.tensor[block_ids].clone()))
+    conn.send((notes, block_checksums(region, block_ids), region.tensor[block_ids].cpu()))
     recv(conn)
     nixl.close()
 
 
 def start_decode_peer(
-    agent_name: str, num_blocks: int, block_elems: int
+    agent_name: str, num_blocks: int, block_elems: int, device: str = "cpu"
 ) -> tuple[Connection, BaseProcess]:
+    """The peer's region is `num_blocks` float32 blocks of `block_elems` on `device`."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(
-        target=_decode_peer, args=(child, agent_name, num_blocks, block_elems), daemon=True
+        target=_decode_peer,
+        args=(child, agent_name, num_blocks, block_elems, device),
+        daemon=True,
     )
     proc.start()
     return parent, proc
