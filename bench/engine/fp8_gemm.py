@@ -2,7 +2,6 @@
 
     python3 -P bench/engine/fp8_gemm.py | tee bench/engine/fp8_gemm.txt
     python3 -P bench/engine/fp8_gemm.py --sweep    # also the skinny kernel's configurations
-    python3 -P bench/engine/fp8_gemm.py --sweep-decode   # fp8_gemm_decode_sweep.txt
 
 Decode rows (1, 32): the skinny kernel over bf16 weights against the same kernel over e4m3
 weights (`kvrail.kernels.skinny_gemm`), with the default configuration
@@ -21,18 +20,12 @@ weight bytes per second.
 
     python3 -P bench/engine/fp8_gemm.py --prefill-only   # fp8_gemm_accum.txt
     python3 -P bench/engine/fp8_gemm.py --quantization-error
-
-`--sweep-decode` times the configurations of `_decode_candidates` for one row (batch-1 decode) as
-the engine calls the kernel: QKV and gate/up on e4m3 rows as the RMSNorms write them (gate/up
-through `gated_linear`), the output and down projections on bf16 rows, each beside
-`pick_config`'s choice. `--rows` sets other row counts.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -45,8 +38,6 @@ from kvrail.kernels import fp8_gemm, reference, skinny_gemm
 sys.path.insert(0, str(Path(__file__).parent))
 from gemm_layouts import SHAPES  # the Llama-3-8B projections, name: (N, K)
 from skinny_gemm import _candidates, _time
-
-from kvrail.kernels.skinny_gemm import SkinnyConfig
 
 FP8 = torch.float8_e4m3fn
 
@@ -85,53 +76,6 @@ def _row(label: str, seconds: float, nbytes: int) -> str:
     return f"{label:44s} {seconds * 1e6:9.1f} us {nbytes / seconds / 1e12:6.2f} TB/s"
 
 
-def _decode_candidates(n: int, k: int) -> list[SkinnyConfig]:
-    """Wider than skinny_gemm.py's set: 32-256-row tiles, K tiles of 128 and 256, 1-16 splits,
-    4 warps (4 stages) or 8; one to eight waves of programs, each split two K tiles at least."""
-    out = []
-    for block_n, block_k, splits, (warps, stages) in itertools.product(
-        (32, 64, 128, 256), (128, 256), (1, 2, 4, 8, 16), ((4, 4), (8, 4))
-    ):
-        programs = -(-n // block_n) * splits
-        if not 132 <= programs <= 1056 or k % (splits * block_k) or k // splits < 2 * block_k:
-            continue
-        out.append(SkinnyConfig(block_n, block_k, splits, warps, stages))
-    return out
-
-
-def sweep_decode(rows: int) -> None:
-    """Each projection at `rows` rows, as the engine feeds it, over `_decode_candidates`."""
-    for name, (n, k) in SHAPES.items():
-        if name != "lm_head":
-            _sweep_projection(name, n, k, rows)
-            torch.cuda.empty_cache()
-
-
-def _sweep_projection(name: str, n: int, k: int, rows: int) -> None:
-    fp8 = _fp8_weights(n, k)
-    x = torch.randn(rows, k, dtype=torch.bfloat16, device="cuda")
-    launch = skinny_gemm.gated_linear if name == "gate_up" else skinny_gemm.linear
-    # QKV and gate/up read the e4m3 rows their RMSNorm wrote; the others bf16 rows
-    xin = fp8_gemm.quantize_rows(x) if name in ("qkv", "gate_up") else x
-
-    def run(c: SkinnyConfig | None) -> float:
-        return _time_fp8(lambda w, s: launch(xin, w, None, c, s), fp8)
-
-    default = skinny_gemm.pick_config(rows, n, k, 1)
-    t0 = run(None)
-    print(_row(f"{name:8s} [{n}x{k}] m={rows} default", t0, n * k) + f"  {default}")
-    timed = []
-    for c in _decode_candidates(n, k):
-        try:
-            timed.append((run(c), c))
-        except Exception as err:  # a configuration the compiler or the kernel refuses
-            print(f"#   {c}: {type(err).__name__}")
-    timed.sort(key=lambda p: p[0])
-    for t, c in timed[:5]:
-        print(_row(f"{name:8s} [{n}x{k}] m={rows} {t0 / t:.2f}x", t, n * k) + f"  {c}")
-    sys.stdout.flush()
-
-
 def quantization_error() -> None:
     """On the CPU: what rounding both operands to e4m3 (x per token, the weight per row) costs a
     projection against its bf16 operands, sums in float32 (the reference FP8 GEMM), to set the
@@ -154,13 +98,7 @@ def main() -> int:
     parser.add_argument(
         "--quantization-error", action="store_true", help="on the CPU: e4m3 against bf16 operands"
     )
-    parser.add_argument("--sweep-decode", action="store_true", help="see the module's docstring")
-    parser.add_argument("--rows", type=int, default=1, help="with --sweep-decode")
     args = parser.parse_args()
-    if args.sweep_decode:
-        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
-        sweep_decode(args.rows)
-        return 0
     if args.quantization_error:
         quantization_error()
         return 0

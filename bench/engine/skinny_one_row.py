@@ -12,6 +12,11 @@ a CUDA graph over enough weight copies (1 GiB or more) that none stays in L2, be
 
 skinny_one_row.txt was written by this script at 202aef9, which also swept an `fma` mode (one
 row on the CUDA cores, no tensor cores). It was no faster and was removed.
+
+    python3 -P bench/engine/skinny_one_row.py --engine-rows   # skinny_one_row_2026-12-05.txt
+
+With `--engine-rows` QKV and gate/up take their row as e4m3 values and a scale
+(`QuantizedRows`), as the FP8 RMSNorms write it for the engine, instead of in bf16.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvrail.kernels import skinny_gemm
+from kvrail.kernels import fp8_gemm, skinny_gemm
 from kvrail.kernels.skinny_gemm import SkinnyConfig
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -33,9 +38,13 @@ from gemm_layouts import SHAPES  # the Llama-3-8B projections, name: (N, K)
 from skinny_gemm import _time
 
 
-def _timer(n: int, k: int, fp8: bool, gated: bool) -> Callable[[SkinnyConfig | None], float]:
-    """Seconds per launch over 1 GiB of weight copies (FP8 with its row scales), one row of x."""
-    x = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+def _timer(
+    n: int, k: int, fp8: bool, gated: bool, quantized: bool = False
+) -> Callable[[SkinnyConfig | None], float]:
+    """Seconds per launch over 1 GiB of weight copies (FP8 with its row scales), one row of x
+    (`quantized`: as e4m3 rows)."""
+    row = torch.randn(1, k, dtype=torch.bfloat16, device="cuda")
+    x = fp8_gemm.quantize_rows(row) if quantized else row
     fn = skinny_gemm.gated_linear if gated else skinny_gemm.linear
     if fp8:
         pairs = _fp8_weights(n, k)
@@ -65,6 +74,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--fp8-shapes", default="qkv,o_proj,gate_up,down")
     parser.add_argument("--bf16-shapes", default="lm_head")
+    parser.add_argument("--engine-rows", action="store_true", help="see the module's docstring")
     args = parser.parse_args()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
     stream = torch.empty(1 << 29, dtype=torch.bfloat16, device="cuda")
@@ -75,7 +85,8 @@ def main() -> int:
         fp8 = dtype == "fp8"
         for name in filter(None, names.split(",")):
             n, k = SHAPES[name]
-            time = _timer(n, k, fp8, gated=name == "gate_up")
+            quantized = args.engine_rows and fp8 and name in ("qkv", "gate_up")
+            time = _timer(n, k, fp8, gated=name == "gate_up", quantized=quantized)
             nbytes = n * k * (1 if fp8 else 2)
             print(_row(f"{name} [{n}x{k}] {dtype} pick_config", time(None), nbytes))
             print(f"#   {skinny_gemm.pick_config(1, n, k, 1 if fp8 else 2)}")
