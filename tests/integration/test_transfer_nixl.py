@@ -24,15 +24,23 @@ from kvrail.worker.transfer.testing import recv, start_decode_peer
 NUM_BLOCKS, BLOCK_ELEMS = 64, 4096  # 64 blocks of 16 KiB (float32)
 
 
+@contextlib.contextmanager
+def _peer(agent_name: str, device: str = "cpu") -> Iterator[Connection]:
+    conn, proc = start_decode_peer(agent_name, NUM_BLOCKS, BLOCK_ELEMS, device=device)
+    try:
+        yield conn
+    finally:
+        with contextlib.suppress(OSError):
+            conn.send("bye")
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.kill()
+
+
 @pytest.fixture
 def decode_peer() -> Iterator[Connection]:
-    conn, proc = start_decode_peer("decode-0-1", NUM_BLOCKS, BLOCK_ELEMS)
-    yield conn
-    with contextlib.suppress(OSError):
-        conn.send("bye")
-    proc.join(timeout=30)
-    if proc.is_alive():
-        proc.kill()
+    with _peer("decode-0-1") as conn:
+        yield conn
 
 
 def test_blocks_written_to_another_process_arrive_intact_with_one_notification(
@@ -129,13 +137,8 @@ def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
 def cuda_decode_peer() -> Iterator[Connection]:
     if not torch.cuda.is_available():
         pytest.skip("CUDA IPC needs a GPU (runs on the lent H200)")
-    conn, proc = start_decode_peer("decode-0-3", NUM_BLOCKS, BLOCK_ELEMS, device="cuda")
-    yield conn
-    with contextlib.suppress(OSError):
-        conn.send("bye")
-    proc.join(timeout=30)
-    if proc.is_alive():
-        proc.kill()
+    with _peer("decode-0-3", device="cuda") as conn:
+        yield conn
 
 
 def test_blocks_written_over_cuda_ipc_arrive_intact_in_runs_and_scattered(
