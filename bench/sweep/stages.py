@@ -13,15 +13,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+Key = tuple[str, str, float]  # setup, workload, offered rate
 
-def collect(paths: list[Path]) -> dict[tuple[str, float], dict[str, list[float]]]:
-    """(setup, offered rate) -> figure -> its p50 in each run, in ms."""
-    out: dict[tuple[str, float], dict[str, list[float]]] = {}
+
+def collect(paths: list[Path]) -> dict[Key, dict[str, list[float]]]:
+    """(setup, workload, offered rate) -> figure -> its p50 in each run, in ms. The workload is
+    the point's sweep (`chat`, `long`)."""
+    out: dict[Key, dict[str, list[float]]] = {}
     for path in paths:
         result: dict[str, Any] = json.loads(path.read_text())
         for setup in result["setups"]:
             for point in setup["points"]:
-                key = (setup["setup"], float(point["point"]["rate"]))
+                workload = str(point["sweep"])
+                key = (setup["setup"], workload, float(point["point"]["rate"]))
                 figures = out.setdefault(key, {})
                 figures.setdefault("TTFT", []).append(point["summary"]["ttft_s"]["p50"] * 1000)
                 for stage, value in point["servers"]["stages_s"].items():
@@ -30,13 +34,16 @@ def collect(paths: list[Path]) -> dict[tuple[str, float], dict[str, list[float]]
     return out
 
 
-def markdown(table: dict[tuple[str, float], dict[str, list[float]]]) -> str:
-    lines = ["| setup | rate | figure (p50, ms) | each run | median |", "|---|---:|---|---|---:|"]
-    for (setup, rate), figures in sorted(table.items()):
+def markdown(table: dict[Key, dict[str, list[float]]]) -> str:
+    lines = [
+        "| setup | workload | rate | figure (p50, ms) | each run | median |",
+        "|---|---|---:|---|---|---:|",
+    ]
+    for (setup, workload, rate), figures in sorted(table.items()):
         for name, values in figures.items():
             runs = ", ".join(f"{v:.1f}" for v in values)
             median = statistics.median(values)
-            lines.append(f"| {setup} | {rate:g} | {name} | {runs} | {median:.1f} |")
+            lines.append(f"| {setup} | {workload} | {rate:g} | {name} | {runs} | {median:.1f} |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@ directory's tokenizer and weight list, and the report's SLO verdicts."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,25 @@ def test_routers_and_client_processes_are_checked() -> None:
     for bad in (["--routers", "0"], ["--routers", "3", "--client-processes", "2"]):
         with pytest.raises(SystemExit):
             run.parse_args(bad)
+
+
+def test_the_stage_table_keeps_each_workload_of_a_rate_apart(tmp_path: Path) -> None:
+    stages: Any = load_script("kvrail_bench_sweep_stages", SWEEP / "stages.py")
+
+    def point(sweep: str, ttft_s: float, copy_s: float) -> dict[str, Any]:
+        return {
+            "label": "poisson 16/s", "sweep": sweep, "point": {"rate": 16.0},
+            "summary": {"ttft_s": {"p50": ttft_s}},
+            "servers": {"stages_s": {"copy_s": {"p50": copy_s}, "cached_tokens": {"p50": 0}}},
+        }  # fmt: skip
+
+    for i, (chat, long) in enumerate(((0.080, 0.050), (0.070, 0.054))):
+        points = [point("chat", chat, 0.004), point("long", long, 0.005)]
+        run_json = {"setups": [{"setup": "disaggregated", "points": points}]}
+        (tmp_path / f"run-{i}.json").write_text(json.dumps(run_json))
+    table = stages.collect(sorted(tmp_path.glob("*.json")))
+    assert table[("disaggregated", "chat", 16.0)]["TTFT"] == pytest.approx([80.0, 70.0])
+    assert table[("disaggregated", "long", 16.0)]["TTFT"] == pytest.approx([50.0, 54.0])
+    assert table[("disaggregated", "long", 16.0)]["copy_s"] == pytest.approx([5.0, 5.0])
+    assert "cached_tokens" not in table[("disaggregated", "chat", 16.0)]
+    assert "| disaggregated | long | 16 | TTFT | 50.0, 54.0 | 52.0 |" in stages.markdown(table)
