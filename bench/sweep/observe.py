@@ -45,8 +45,15 @@ def server_summary(
 ) -> dict[str, Any]:
     """The workers' view of a point's measured requests: prefill modes, transports, which worker
     decoded them (where known), and p50/p99 of each logged stage."""
-    mine = [logged[r["response_id"]] for r in records
-            if not r["is_warmup"] and r["response_id"] in logged]  # fmt: skip
+    measured = [r for r in records if not r["is_warmup"] and r["response_id"] in logged]
+    mine = [logged[r["response_id"]] for r in measured]
+    # The client's TTFT less the decode worker's time with the request: the router, NATS and
+    # the client, one request at a time (p50s of the two would not subtract).
+    outside = [
+        r["ttft_s"] - seen["in_worker_s"]
+        for r in measured
+        if r.get("ttft_s") is not None and "in_worker_s" in (seen := logged[r["response_id"]])
+    ]
     modes: dict[str, int] = {}
     transports: dict[str, int] = {}
     decoded_by: dict[str, int] = {}
@@ -62,6 +69,10 @@ def server_summary(
     for k in keys:
         values = [e[k] for e in mine if k in e]
         stages[k] = {"p50": lg.percentile(values, 50), "p99": lg.percentile(values, 99)}
+    if outside:
+        stages["outside_worker_s"] = {
+            "p50": lg.percentile(outside, 50), "p99": lg.percentile(outside, 99),
+        }  # fmt: skip
     return {"num_logged": len(mine), "prefill_modes": modes, "transports": transports,
             "decoded_by": decoded_by, "stages_s": stages}  # fmt: skip
 

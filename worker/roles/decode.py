@@ -58,6 +58,9 @@ class _Stream:
     closed: bool = False
     submitted: float | None = None
     """When a local prefill was submitted; its first update times `prefill_compute_s`."""
+    arrived: float | None = None
+    """When the request reached this worker: the first token's log line says how long it spent
+    here in all (`in_worker_s`), which the stages only partly cover."""
     first_update_at: float | None = None
     held: list[Update] | None = field(default_factory=list)
     """Updates that came before `start` (None once started)."""
@@ -100,10 +103,13 @@ class _Stream:
         timed = self.stages.timed()
         for stage, seconds in timed.items():
             metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
+        logged = dict(timed)
+        if self.arrived is not None:  # not a stage: it spans them (and what none of them times)
+            logged["in_worker_s"] = time.monotonic() - self.arrived
         log.info(
             "first token request_id=%s mode=%s prompt_tokens=%d cached_tokens=%d %s",
             self.request.request_id, self.mode, len(self.request.token_ids),
-            self.num_cached_tokens, " ".join(f"{k}={v:.4f}" for k, v in sorted(timed.items())),
+            self.num_cached_tokens, " ".join(f"{k}={v:.4f}" for k, v in sorted(logged.items())),
         )  # fmt: skip
 
     def _publish(
@@ -203,7 +209,7 @@ class DecodeRole:
             task.cancel()
 
     async def _serve(self, request: GenerateRequest, stream: _Stream) -> None:
-        arrived = time.monotonic()
+        arrived = stream.arrived = time.monotonic()
         deadline = arrived + (request.deadline_unix_s - time.time())
         engine_id = request.request_id
         try:

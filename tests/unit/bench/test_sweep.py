@@ -81,10 +81,11 @@ def test_the_vllm_setup_has_no_kvrail_worker_and_serves_the_same_model_dir(tmp_p
 def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> None:
     decode = (
         "2026-11-29 16:02:07,000 INFO kvrail.worker.roles.decode first token request_id=chatcmpl-a "
-        "mode=remote prompt_tokens=8194 admission_s=0.0078 copy_s=0.0150 "
+        "mode=remote prompt_tokens=8194 admission_s=0.0078 copy_s=0.0150 in_worker_s=1.8300 "
         "prefill_compute_s=1.7963\n"
         "2026-11-29 16:02:08,000 INFO kvrail.worker.roles.decode first token request_id=chatcmpl-b "
-        "mode=local prompt_tokens=300 admission_s=0.0000 prefill_compute_s=0.1000\n"
+        "mode=local prompt_tokens=300 admission_s=0.0000 in_worker_s=0.1200 "
+        "prefill_compute_s=0.1000\n"
     )
     prefill = (
         "2026-11-29 16:02:06,900 INFO kvrail.worker.roles.prefill prefill written "
@@ -97,18 +98,21 @@ def test_worker_log_lines_join_decode_and_prefill_sides_on_the_request_id() -> N
             logged.setdefault(request_id, {}).update(seen)
     assert logged["chatcmpl-a"] == {
         "mode": "remote", "admission_s": 0.0078, "copy_s": 0.015, "prefill_compute_s": 1.7963,
-        "transfer_s": 0.005, "transport": "cuda-ipc", "prefill_compute_s_remote": 0.3,
+        "in_worker_s": 1.83, "transfer_s": 0.005, "transport": "cuda-ipc",
+        "prefill_compute_s_remote": 0.3,
     }  # fmt: skip
     records = [
-        {"response_id": "chatcmpl-a", "is_warmup": False},
-        {"response_id": "chatcmpl-b", "is_warmup": False},
-        {"response_id": "chatcmpl-w", "is_warmup": True},
+        {"response_id": "chatcmpl-a", "is_warmup": False, "ttft_s": 1.86},
+        {"response_id": "chatcmpl-b", "is_warmup": False, "ttft_s": 0.13},
+        {"response_id": "chatcmpl-w", "is_warmup": True, "ttft_s": 9.0},
     ]
     summary = run.observe.server_summary(records, logged)
     assert summary["num_logged"] == 2
     assert summary["prefill_modes"] == {"remote": 1, "local": 1}
     assert summary["transports"] == {"cuda-ipc": 1}
     assert summary["stages_s"]["transfer_s"] == {"p50": 0.005, "p99": 0.005}
+    # the client's TTFT less the worker's time, request by request: 0.03 and 0.01 s
+    assert summary["stages_s"]["outside_worker_s"]["p50"] == pytest.approx(0.02)
 
 
 def test_the_vocabulary_names_roles_and_words_then_numbers_every_other_id() -> None:
