@@ -4,6 +4,8 @@ is the integration tests' (`tests/integration/test_worker_disaggregated.py`, `te
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import Any
 
 import pytest
@@ -97,3 +99,22 @@ async def test_a_failing_publish_fails_only_its_own_request() -> None:
     outbox.add = broken  # type: ignore[method-assign]
     stream.on_update(Update("r-1", (7,)))  # the service's callback returns: other requests go on
     assert stream.done.done() and isinstance(stream.done.exception(), ValueError)
+
+
+async def test_the_first_tokens_log_line_gives_the_requests_whole_time_in_the_worker(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`in_worker_s` is logged (bench/sweep subtracts it from the client's TTFT) but is not a
+    stage: the first event's stages and the stage metric do not carry it."""
+    stream, outbox = _stream()
+    stream.mode = "local"
+    stream.arrived = time.monotonic() - 0.5
+    stream.submitted = stream.arrived + 0.1
+    with caplog.at_level(logging.INFO, logger="kvrail.worker.roles.decode"):
+        stream.start()
+        stream.on_update(Update("r-1", (7,), num_cached_tokens=0))
+    [line] = [r.getMessage() for r in caplog.records if "first token" in r.getMessage()]
+    logged = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
+    assert 0.5 <= float(logged["in_worker_s"]) < 5.0
+    first = outbox.events[0][1]
+    assert first.stages is not None and not hasattr(first.stages, "in_worker_s")
