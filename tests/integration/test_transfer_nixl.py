@@ -118,6 +118,17 @@ def test_coalesce_merges_runs_contiguous_on_both_sides() -> None:
         coalesce([1], [])
 
 
+def _runs_one_by_one(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """The runs found block by block: the reference `coalesce` and `run_starts` must match."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
 def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
     rng = np.random.default_rng(0)
     for n in (1, 2, 7, 64):
@@ -125,8 +136,10 @@ def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
             (np.arange(n), np.arange(n) + 5),  # one run
             (np.arange(n), rng.permutation(64)[:n]),  # scattered
             (rng.permutation(64)[:n], np.arange(n)),
+            (np.r_[np.arange(n), 70 + np.arange(n)], np.r_[np.arange(n), 90 + np.arange(n)]),
         ):
-            runs = coalesce(src.tolist(), dst.tolist())
+            runs = _runs_one_by_one(src.tolist(), dst.tolist())
+            assert coalesce(src.tolist(), dst.tolist()) == runs
             starts = run_starts(src, dst)
             assert [int(src[i]) for i in starts] == [s for s, _, _ in runs]
             assert [int(dst[i]) for i in starts] == [d for _, d, _ in runs]

@@ -6,6 +6,7 @@ A worker's KV cache is one contiguous region of `num_blocks` blocks of `block_by
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,15 +32,8 @@ def coalesce(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, 
     sides, so a transport issues one descriptor per run instead of one per block."""
     if len(src_ids) != len(dst_ids):
         raise ValueError(f"{len(src_ids)} source blocks but {len(dst_ids)} destination blocks")
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
+    src, dst = np.asarray(src_ids, dtype=np.int64), np.asarray(dst_ids, dtype=np.int64)
+    return runs_at(src, dst, run_starts(src, dst))
 
 
 def run_starts(src_ids: Any, dst_ids: Any) -> list[int]:
@@ -47,3 +41,9 @@ def run_starts(src_ids: Any, dst_ids: Any) -> list[int]:
     (vectorized: a handoff of an 8k prompt has 512 blocks)."""
     breaks = (np.diff(src_ids) != 1) | (np.diff(dst_ids) != 1)
     return [0, *(np.flatnonzero(breaks) + 1).tolist()] if src_ids.size else []
+
+
+def runs_at(src_ids: Any, dst_ids: Any, starts: list[int]) -> list[tuple[int, int, int]]:
+    """The runs `(src_start, dst_start, length)` that begin at `starts` (`run_starts`)."""
+    bounds = itertools.pairwise([*starts, src_ids.size])
+    return [(int(src_ids[a]), int(dst_ids[a]), b - a) for a, b in bounds]

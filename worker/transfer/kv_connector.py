@@ -17,7 +17,6 @@ warning, never silently.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import socket
@@ -33,7 +32,7 @@ import torch
 from kvrail.errors import TransferError
 from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import TransferStats, coalesce, run_starts
+from kvrail.worker.transfer.blocks import TransferStats, coalesce, run_starts, runs_at
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
 
@@ -220,7 +219,7 @@ class KvConnector:
             raise TransferError(f"{src_ids.size} source blocks, {dst_ids.size} destination blocks")
         if remote.ipc is not None:
             return self._write_ipc(peer, remote.ipc, src_ids, dst_ids, notification)
-        runs = coalesce(src_block_ids, dst_block_ids)
+        runs = coalesce(src_ids, dst_ids)
         size = self.region.block_bytes
         base, dev = self.region.base_address, self.region.device_id
         src = [(base + s * size, n * size, dev) for s, _, n in runs]
@@ -258,8 +257,7 @@ class KvConnector:
         starts = run_starts(src_ids, dst_ids)
         try:
             if len(starts) <= _MAX_COPY_CALLS:
-                for a, b in itertools.pairwise([*starts, src_ids.size]):
-                    s, d, n = int(src_ids[a]), int(dst_ids[a]), b - a
+                for s, d, n in runs_at(src_ids, dst_ids, starts):
                     ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
             else:  # many scattered runs: one kernel launch instead of one copy per run
                 words = torch.int64 if size % 8 == 0 else torch.uint8
