@@ -11,6 +11,7 @@
 #   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
 #     (RATES=16: the chat sweep at 16 req/s only; ROUNDS=2: this tree's two runs twice;
 #     SKIP_OLD=1: without build/old's run)
+#   bash bench/serving/h200.sh remote-local   # the 500-token workload remote, then local
 #   SETUPS=colocated,disaggregated bash bench/serving/h200.sh vs-vllm   # the chat sweep; then,
 #   SETUPS=vllm bash bench/serving/h200.sh vs-vllm    # once vLLM is in /tmp/vsite, vllm serve on
 #     the same model, client and requests (bench/sweep/README.md has the lease's call sequence)
@@ -121,6 +122,18 @@ case "${1:?what to run}" in
         --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local$sfx.json" \
         > "$OUT/local$sfx.log" 2>&1
       tail -n 8 "$OUT/local$sfx.log"
+    done
+    ;;
+  remote-local)  # issue 23's remote-prefill target alone (the 500-token workload at 16 req/s):
+    # every prompt prefilled remotely, then every prompt locally on the decode worker
+    source bench/sweep/device-setup.sh || exit 1
+    long=(--workloads long --long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160
+          --long-tail-s 10 --budget-s 190)
+    for min in 0 100000; do
+      name=$([ "$min" = 0 ] && echo remote || echo local)
+      timeout 200 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens \
+        "$min" --tag="-$name" "${long[@]}" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      tail -n 6 "$OUT/$name.log"
     done
     ;;
   vs-vllm)  # issue 23's side by side: the chat sweep of run.py's setups in $SETUPS; its `vllm`

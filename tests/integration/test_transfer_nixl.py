@@ -187,6 +187,45 @@ def test_blocks_written_over_cuda_ipc_arrive_intact_in_runs_and_scattered(
         prefill.close()
 
 
+def test_a_write_does_not_wait_for_work_queued_on_the_engines_stream(
+    cuda_decode_peer: Connection,
+) -> None:
+    """A prefill worker computes its next prompt while it writes the last one's blocks: the
+    write and the checksums of those blocks must not queue behind that work (here a sleep of
+    about two seconds on the default stream)."""
+    src = torch.arange(NUM_BLOCKS * BLOCK_ELEMS, dtype=torch.float32).view(NUM_BLOCKS, -1).cuda()
+    region = KVCache(src, NUM_BLOCKS)
+    prefill = KvConnector("prefill-0-8", region)
+    try:
+        peer = prefill.add_peer(recv(cuda_decode_peer))  # type: ignore[arg-type]
+        cuda_decode_peer.send(prefill.metadata())
+        src_ids, dst_ids = list(range(2, 40, 2)), list(range(40, 21, -1))  # the kernel's path
+        deadline = time.monotonic() + 30
+        prefill.write(peer, src_ids, dst_ids, b"w0", deadline)  # the kernel compiled before
+        prefill.block_checksums(src_ids)
+        calibrate = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        calibrate[0].record()
+        torch.cuda._sleep(10**7)
+        calibrate[1].record()
+        calibrate[1].synchronize()
+        cycles_per_s = 10**7 / (calibrate[0].elapsed_time(calibrate[1]) / 1e3)
+        torch.cuda._sleep(int(2 * cycles_per_s))  # the engine's next step, on its stream
+        started = time.monotonic()
+        stats = prefill.write(peer, src_ids, dst_ids, b"w1", deadline)
+        sums = prefill.block_checksums(src_ids)
+        took = time.monotonic() - started
+        torch.cuda.synchronize()
+        assert took < 1.0, f"the write waited {took:.2f} s for the default stream"
+        assert stats.transport == "cuda-ipc"
+        cuda_decode_peer.send(dst_ids)
+        notes, landed_sums, landed = recv(cuda_decode_peer)  # type: ignore[misc]
+        assert notes == [("prefill-0-8", b"w0"), ("prefill-0-8", b"w1")]
+        assert torch.equal(landed, src[src_ids].cpu())
+        assert landed_sums == sums == block_checksums(region, src_ids)
+    finally:
+        prefill.close()
+
+
 def _done(**kw: Any) -> PrefillDone:
     base: dict[str, Any] = dict(
         request_id="r", fingerprint="f", dest_incarnation=2, block_ids=(1, 2),

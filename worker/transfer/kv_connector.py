@@ -9,7 +9,13 @@ DRAM (shared memory or CMA between processes), across nodes over RDMA when the f
 
 Between two GPU processes on one node the data goes over CUDA IPC instead (`cuda_ipc.py`: the
 peer's region is mapped once and blocks are copied device to device), and only the completion
-notification uses NIXL. Which path a peer gets is decided when it is added and reported by
+notification uses NIXL. Those copies and the checksums' reads run on the connector's own CUDA
+stream: on the default one they queued behind whatever the engine launched since (a prefill
+worker computes its next prompt while it writes the last), and a 64 MB write took 1.5-2.4 ms
+instead of a fraction of one. Nothing needs to wait for the engine's stream: blocks are handed
+over after the step that wrote them has been read back (its first token).
+
+Which path a peer gets is decided when it is added and reported by
 `transport_to(peer)` and in every `TransferStats`; a failed IPC mapping falls back to NIXL with a
 warning, never silently.
 """
@@ -120,6 +126,7 @@ class KvConnector:
         self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
         self._peers: dict[str, _Peer] = {}
         self._staging: torch.Tensor | None = None  # pinned block ids, see _ids_on_device
+        self._stream = torch.cuda.Stream(region.tensor.device) if region.tensor.is_cuda else None
 
     @property
     def block_bytes(self) -> int:
@@ -127,7 +134,14 @@ class KvConnector:
 
     def block_checksums(self, block_ids: Sequence[int]) -> tuple[str, ...]:
         """The checksums of these blocks of the region (`envelope.block_checksums`)."""
-        return block_checksums(self.region, block_ids)
+        with self._own_stream():
+            return block_checksums(self.region, block_ids)
+
+    def _own_stream(self) -> contextlib.AbstractContextManager[object]:
+        """Run what follows on the connector's stream (see the module's docstring)."""
+        if self._stream is None:
+            return contextlib.nullcontext()
+        return torch.cuda.stream(self._stream)
 
     def rank_metadata(self) -> tuple[bytes, ...]:
         return ()
@@ -256,20 +270,22 @@ class KvConnector:
         started = time.perf_counter()
         starts = run_starts(src_ids, dst_ids)
         try:
-            if len(starts) <= _MAX_COPY_CALLS:
-                for s, d, n in runs_at(src_ids, dst_ids, starts):
-                    ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
-            else:  # many scattered runs: one kernel launch instead of one copy per run
-                words = torch.int64 if size % 8 == 0 else torch.uint8
-                ids = self._ids_on_device(src_ids, dst_ids)
-                dispatch.copy_blocks(
-                    src.view(words).view(self.region.num_blocks, -1),
-                    ipc.tensor.view(words).view(-1, size // words.itemsize),
-                    ids[0],
-                    ids[1],
-                )
+            with self._own_stream():
+                if len(starts) <= _MAX_COPY_CALLS:
+                    for s, d, n in runs_at(src_ids, dst_ids, starts):
+                        ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
+                else:  # many scattered runs: one kernel launch instead of one copy per run
+                    words = torch.int64 if size % 8 == 0 else torch.uint8
+                    ids = self._ids_on_device(src_ids, dst_ids)
+                    dispatch.copy_blocks(
+                        src.view(words).view(self.region.num_blocks, -1),
+                        ipc.tensor.view(words).view(-1, size // words.itemsize),
+                        ids[0],
+                        ids[1],
+                    )
         finally:  # every byte landed (and the ids' staging buffer is free) before the note
-            torch.cuda.current_stream(self.region.tensor.device).synchronize()
+            assert self._stream is not None  # a CUDA region
+            self._stream.synchronize()
         self._agent.send_notif(peer, note)
         seconds = time.perf_counter() - started
         return TransferStats(src_ids.size * size, seconds, "cuda-ipc")
