@@ -3,8 +3,10 @@
 # benchmarks: its image has torch, triton, transformers, numpy, httpx, pyyaml, grpcio, protobuf,
 # prometheus-client and uvloop, but not pydantic (every kvrail.settings import needs it), NIXL,
 # the clients and servers of the full stack (aetcd, NATS, FastAPI, uvicorn, openai), pytest
-# (the GPU tests) or py-spy (the profiles). CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the list is complete on purpose. Run from
-# the repository root; name `.whl` in the device run's `carry`, then `source hack/device-env.sh`.
+# (the GPU tests), py-spy (the profiles) or the cuDNN frontend (FP8 attention: its graph API over
+# the cuDNN that torch ships). CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the
+# list is complete on purpose. Run from the repository root; name `.whl` in the device run's
+# `carry`, then `source hack/device-env.sh`.
 #
 #   hack/device-wheels.sh            # about 45 MB; a rerun downloads nothing new
 set -euo pipefail
@@ -22,6 +24,7 @@ wheels=(
   openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 jiter==0.19.0 truststore==0.10.5
   opentelemetry-api==1.45.2 distro==1.9.0
   py-spy==0.4.3 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4
+  nvidia-cudnn-frontend==1.18.0
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${plat[@]}" -d "$dest" "${wheels[@]}"

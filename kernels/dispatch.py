@@ -245,6 +245,41 @@ def rotary_write_kv(
     return out
 
 
+def rotary_write_kv_fp8(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = _triton("rotary_kv") if q.is_cuda else reference
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = impl.rotary_write_kv_fp8(
+        positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping
+    )
+    return out
+
+
+def fp8_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_amax: torch.Tensor,
+    num_seqs: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> QuantizedRows:
+    """cuDNN's FP8 flash attention (`kvrail.kernels.fp8_attention`), CUDA only; the engine
+    does not call it yet (`bench/engine/fp8_attention_wiring.patch` would, on Hopper only)."""
+    rows: QuantizedRows = _triton("fp8_attention").causal_attention(
+        q, k, v, v_amax, num_seqs, scale, dtype
+    )
+    return rows
+
+
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,

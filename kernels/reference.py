@@ -84,6 +84,11 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> Q
     return QuantizedRows(to_cache_dtype(xf / scales[..., None], FP8_WEIGHT_DTYPE), scales, x.dtype)
 
 
+def dequantize_rows(rows: QuantizedRows) -> torch.Tensor:
+    """The activations that `rows` quantized, back in their dtype."""
+    return (rows.values.float() * rows.scales[:, None]).to(rows.dtype)
+
+
 def fp8_linear(
     x: torch.Tensor | QuantizedRows,
     weight: torch.Tensor,
@@ -233,6 +238,27 @@ def rotary_write_kv(
     k_rot = k * c + _rotate_half(k) * s
     write_kv(k_rot, v, k_cache, v_cache, slot_mapping)
     return q_rot, k_rot
+
+
+def rotary_write_kv_fp8(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_write_kv` into an FP8 cache, whose (q, k) and v come back in the cache's dtype
+    as it holds them, with v's largest magnitude there (float32 [1])."""
+    if k_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"FP8 outputs need an FP8 cache, not {k_cache.dtype}")
+    q_rot, k_rot = rotary_write_kv(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping)
+    q8, k8, v8 = (to_cache_dtype(x, k_cache.dtype) for x in (q_rot, k_rot, v))
+    v_amax = v8.float().abs().amax().reshape(1) if v8.numel() else v8.new_zeros(1).float()
+    return q8, k8, v8, v_amax
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

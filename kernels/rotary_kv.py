@@ -7,6 +7,10 @@ Same contract as `kvrail.kernels.reference.rotary_write_kv`: q [T, Hq, D], k/v [
 One program per token handles all its heads. Rounding follows torch's op by op in the
 activation dtype (cos/sin cast first, each product rounded, then the sum), so bf16 matches.
 Into an FP8 cache K and V saturate as in `kvrail.kernels.kv_write.to_cache`.
+
+`rotary_write_kv_fp8` is the same pass for attention in FP8 (`kvrail.kernels.fp8_attention`):
+rotated q and k, and v, come back contiguous in the FP8 cache's dtype, each value as the cache
+holds it (a scale of 1, saturated), with the largest magnitude of v's values (float32 [1]).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -20,6 +24,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvrail.kernels.kv_write import fp8_limit, to_cache
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.reference import FP8_DTYPES
 
 
 @triton.jit
@@ -45,6 +50,8 @@ def _rotary_kv_kernel(
     sin,
     q_out,
     k_out,
+    v_out,
+    v_amax,
     k_cache,
     v_cache,
     slot_mapping,
@@ -70,6 +77,7 @@ def _rotary_kv_kernel(
     HKV_PAD: tl.constexpr,
     LIMIT: tl.constexpr,
     PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch
         gdc_wait()
@@ -87,11 +95,17 @@ def _rotary_kv_kernel(
     qr, hq, q_mask = _rotate(
         q + t * stride_qt, stride_qh, num_heads, head_dim, c, s, d, partner, sign, HQ_PAD
     )
+    if FP8_OUT:
+        qr = to_cache(qr, q_out, LIMIT)
     tl.store(q_out + (t * num_heads + hq) * head_dim + d[None, :], qr, mask=q_mask)
     kr, hk, k_mask = _rotate(
         k + t * stride_kt, stride_kh, num_kv_heads, head_dim, c, s, d, partner, sign, HKV_PAD
     )
-    tl.store(k_out + (t * num_kv_heads + hk) * head_dim + d[None, :], kr, mask=k_mask)
+    k_dst = k_out + (t * num_kv_heads + hk) * head_dim + d[None, :]
+    if FP8_OUT:
+        tl.store(k_dst, to_cache(kr, k_out, LIMIT), mask=k_mask)
+    else:
+        tl.store(k_dst, kr, mask=k_mask)
     # v and the slot are loaded up front and the stores masked, rather than branching on the
     # slot: a branch would wait for the slot before it even asked for v
     val = tl.load(v + t * stride_vt + hk * stride_vh + d[None, :], mask=k_mask, other=0.0)
@@ -104,6 +118,10 @@ def _rotary_kv_kernel(
     tl.store(kc, to_cache(kr, k_cache, LIMIT), mask=write)
     vc = v_cache + blk * stride_vcb + off * stride_vcs + hk * stride_vch + d[None, :]
     tl.store(vc, to_cache(val, v_cache, LIMIT), mask=write)
+    if FP8_OUT:
+        v8 = to_cache(val, v_out, LIMIT)
+        tl.store(v_out + (t * num_kv_heads + hk) * head_dim + d[None, :], v8, mask=k_mask)
+        tl.atomic_max(v_amax, tl.max(tl.max(tl.abs(v8.to(tl.float32)), axis=1), axis=0))
 
 
 def rotary_write_kv(
@@ -117,6 +135,50 @@ def rotary_write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    _launch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_out, k_out, None, None)
+    return q_out, k_out
+
+
+def rotary_write_kv_fp8(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `rotary_write_kv` into an FP8 cache -> (q, k, v in its dtype, v's largest magnitude)."""
+    if k_cache.dtype not in FP8_DTYPES:
+        raise ValueError(f"FP8 outputs need an FP8 cache, not {k_cache.dtype}")
+    q_out = torch.empty(q.shape, dtype=k_cache.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k_cache.dtype, device=k.device)
+    v_out = torch.empty(v.shape, dtype=k_cache.dtype, device=v.device)
+    v_amax = torch.zeros(1, dtype=torch.float32, device=v.device)
+    _launch(positions, q, k, v, cos, sin, k_cache, v_cache, slot_mapping, q_out, k_out, v_out,
+            v_amax)  # fmt: skip
+    return q_out, k_out, v_out, v_amax
+
+
+def _launch(
+    positions: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor | None,
+    v_amax: torch.Tensor | None,
+) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if k.shape != v.shape or k.shape[0] != num_tokens or k.shape[2] != head_dim:
@@ -136,10 +198,8 @@ def rotary_write_kv(
         raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
     if v_cache.stride(-1) != 1 or cos.stride() != sin.stride():
         raise ValueError("v_cache needs a unit innermost stride; cos and sin the same strides")
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if num_tokens == 0:
-        return q_out, k_out
+        return
     on = pdl(q.device)
     _rotary_kv_kernel[(num_tokens,)](
         q,
@@ -150,6 +210,8 @@ def rotary_write_kv(
         sin,
         q_out,
         k_out,
+        q_out if v_out is None else v_out,
+        q_out if v_amax is None else v_amax,
         k_cache,
         v_cache,
         slot_mapping,
@@ -175,6 +237,6 @@ def rotary_write_kv(
         HKV_PAD=triton.next_power_of_2(num_kv_heads),
         LIMIT=fp8_limit(k_cache),
         PDL=on,
+        FP8_OUT=v_out is not None,
         launch_pdl=on,
     )
-    return q_out, k_out

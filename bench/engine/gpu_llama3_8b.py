@@ -281,6 +281,12 @@ def main() -> int:
     parser.add_argument("--quantization", choices=("none", "fp8"), default="none")
     parser.add_argument("--kv-dtype", default="auto", help="the measured engine's KV dtype")
     parser.add_argument("--correctness-only", action="store_true", help="stop before timing")
+    parser.add_argument("--prefill-only", action="store_true", help="time the 8k prefill alone")
+    parser.add_argument(
+        "--correctness-lengths", default="17,100,333,512",
+        help="prompt lengths of the correctness part (from 4,096 on a prefill of the FP8 engine "
+        "attends in FP8)",
+    )  # fmt: skip
     parser.add_argument("--max-batched-tokens", type=int, default=8192, help="step token budget")
     args = parser.parse_args()
     global DEVICE, QUANTIZATION, KV_DTYPE
@@ -327,7 +333,8 @@ def main() -> int:
         rounded = build_engine(
             hf, config, 4.0, graphs, "none", dequantized=True, kv_dtype="auto", **budget
         )
-        for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
+        lengths = [int(n) for n in args.correctness_lengths.split(",")]
+        for i, prompt in enumerate(prompts(1, max(lengths), 1)[0][:n] for n in lengths):
             ours = step_logits(engine, prompt)
             base = step_logits(bf16_engine, prompt)
             same_weights = step_logits(rounded, prompt)
@@ -426,6 +433,15 @@ def main() -> int:
         assert request.num_output_tokens == 257 and not engine.has_unfinished_requests()
         return 256 / seconds
 
+    if not args.prefill_only:
+        decode_benchmarks(args, modes, batch1, use, hf_generate)
+    prefill_benchmark(args, use, hf)
+    return 0
+
+
+def decode_benchmarks(args: Any, modes: Any, batch1: Any, use: Any, hf_generate: Any) -> None:
+    """2. batch-1 decode; 3./4. 32 and 256 concurrent requests."""
+
     # 2. batch-1 decode: time per decode step after the first token.
     result = alternate(modes, batch1)
     for name, values in result.items():
@@ -462,8 +478,12 @@ def main() -> int:
             _, hf_s = timed(partial(hf_generate, prompts(n, 512, 3 + n), 128))
             print(f"{n:3d} x 512/128 output tok/s    transformers  {n * 128 / hf_s:10.1f}")
 
-    # 5. prefill of 8,192 tokens to the first token: the median of three prompts (each new, so
-    # no prefix-cache hit), for kvrail and transformers alike.
+
+def prefill_benchmark(args: Any, use: Any, hf: Any) -> None:
+    """5. prefill of 8,192 tokens to the first token: the median of three prompts (each new,
+    so no prefix-cache hit), for kvrail and transformers alike."""
+    from kvrail.sampling import SamplingParams
+
     engine = use("kvrail")
     length = 8192 if DEVICE == "cuda" else 600
     warm = prompts(1, 1024, 5)[0]  # not a prefix of the timed prompts
@@ -487,7 +507,6 @@ def main() -> int:
             f"prefill 8192 tokens seconds   transformers  {sorted(theirs)[1]:10.3f}"
             f"  (runs {fmt(theirs, '.3f')})"
         )
-    return 0
 
 
 if __name__ == "__main__":

@@ -101,3 +101,34 @@ def test_producers_quantize_for_fp8_projections_as_the_projection_would(static: 
     )
     with pytest.raises(ValueError, match="quantized rows are for FP8 weights"):
         dispatch.linear(act, torch.randn(64, 48), None)
+
+
+def test_the_fp8_rotary_pass_returns_what_an_fp8_cache_holds_and_rows_dequantize() -> None:
+    """On a CPU: the same cache bytes as the plain rotary pass, q, k and v rounded as the cache
+    rounds them (a k beyond e4m3's range saturates at 448), and v's largest magnitude; e4m3
+    rows come back as their values times their scales."""
+    g = torch.Generator().manual_seed(4)
+    fp8 = torch.float8_e4m3fn
+    q, k = torch.randn(6, 4, 16, generator=g), torch.randn(6, 2, 16, generator=g) * 300
+    v = torch.randn(6, 2, 16, generator=g)
+    positions = torch.tensor([0, 1, 2, 7, 8, 9])
+    angles = torch.outer(torch.arange(16).float(), 1.0 / 10000 ** (torch.arange(0, 16, 2) / 16))
+    cos, sin = (torch.cat((f(angles), f(angles)), -1) for f in (torch.cos, torch.sin))
+    caches = [torch.zeros(4, 4, 2, 16, dtype=fp8) for _ in range(4)]
+    slots = torch.tensor([3, 4, 5, 9, 10, -1])
+    q8, k8, v8, v_amax = dispatch.rotary_write_kv_fp8(
+        positions, q, k, v, cos, sin, caches[0], caches[1], slots
+    )
+    q_rot, k_rot = dispatch.rotary_write_kv(
+        positions, q, k, v, cos, sin, caches[2], caches[3], slots
+    )
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in ((caches[0], caches[2]), (caches[1], caches[3])))  # fmt: skip
+    for got, want in ((q8, q_rot), (k8, k_rot), (v8, v)):
+        assert got.dtype == fp8
+        assert torch.equal(got.float(), want.clamp(-448, 448).to(fp8).float())
+    assert k8.float().abs().max() == 448
+    assert v_amax.shape == (1,) and v_amax.item() == v8.float().abs().max().item()
+    rows = reference.QuantizedRows(q8.view(6, -1), torch.full((6,), 0.5), torch.float32)
+    back = reference.dequantize_rows(rows)
+    assert back.dtype == torch.float32 and torch.equal(back, q8.view(6, -1).float() * 0.5)

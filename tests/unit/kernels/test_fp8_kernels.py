@@ -104,6 +104,70 @@ def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
     assert torch.equal(_bytes(v_cache), _bytes(ev))
 
 
+def _rotary_inputs(num_tokens: int, hq: int, hkv: int, d: int, g: torch.Generator):
+    q, k, v = (
+        _randn(num_tokens, hq, d, g=g),
+        _randn(num_tokens, hkv, d, g=g, scale=200.0),  # some saturate in e4m3
+        _randn(num_tokens, hkv, d, g=g, scale=3.0),
+    )
+    positions = torch.arange(num_tokens, device="cuda") % 256
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(256).float(), inv)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).cuda()
+    sin = torch.cat((angles.sin(), angles.sin()), -1).cuda()
+    return positions, q, k, v, cos, sin
+
+
+def test_rotary_kv_fp8_outputs_are_what_the_cache_holds() -> None:
+    """The FP8-output mode (attention in FP8) stores the same cache bytes as the plain one, and
+    returns q, k and v rounded exactly as the cache rounds them, with v's largest magnitude."""
+    from kvrail.kernels import rotary_kv
+
+    g = _gen(12)
+    num_tokens, d = 37, 128
+    positions, q, k, v, cos, sin = _rotary_inputs(num_tokens, 8, 2, d, g)
+    slots = torch.randperm(128, generator=g)[:num_tokens].cuda()
+    _, k_cache, v_cache = _caches(8, 16, 2, d, torch.float8_e4m3fn, g)
+    ek, ev = k_cache.clone(), v_cache.clone()
+    q8, k8, v8, v_amax = rotary_kv.rotary_write_kv_fp8(
+        positions, q, k, v, cos, sin, k_cache, v_cache, slots
+    )
+    qr, kr = rotary_kv.rotary_write_kv(positions, q, k, v, cos, sin, ek, ev, slots)
+    assert torch.equal(_bytes(k_cache), _bytes(ek)) and torch.equal(_bytes(v_cache), _bytes(ev))
+    for got, want in ((q8, qr), (k8, kr), (v8, v)):
+        assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+        assert torch.equal(_bytes(got), _bytes(reference.to_cache_dtype(want, got.dtype)))
+    assert v_amax.item() == v8.float().abs().max().item()
+
+
+@pytest.mark.parametrize("num_seqs,length", [(1, 4096), (2, 4160)])
+def test_fp8_causal_attention_matches_attention_over_the_same_fp8_values(num_seqs, length):
+    """cuDNN's FP8 attention (training-mode graph on Hopper) against float32 attention over the
+    e4m3 q, k and v it was given: the probabilities and the output are rounded to e4m3 on the
+    way, so within a few percent, and every sequence attends to itself only."""
+    from kvrail.kernels import fp8_attention
+
+    if not fp8_attention.supported(torch.device("cuda")):
+        pytest.skip("cuDNN's FP8 attention needs compute capability 9.0+")
+    g = _gen(13)
+    hq, hkv, d = 8, 2, 128
+    total = num_seqs * length
+    q8, k8, v8 = (
+        reference.to_cache_dtype(_randn(total, h, d, g=g, scale=2.0), torch.float8_e4m3fn)
+        for h in (hq, hkv, hkv)
+    )
+    v_amax = v8.float().abs().amax().reshape(1)
+    rows = fp8_attention.causal_attention(q8, k8, v8, v_amax, num_seqs, d**-0.5, BF16)
+    assert rows.values.shape == (total, hq * d) and rows.scales.shape == (total,)
+    got = reference.dequantize_rows(rows).float().view(num_seqs, length, hq, d)
+    qs, ks, vs = (x.float().view(num_seqs, length, -1, d).transpose(1, 2) for x in (q8, k8, v8))
+    ks, vs = (x.repeat_interleave(hq // hkv, dim=1) for x in (ks, vs))
+    want = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+    want = want.transpose(1, 2)
+    rel = (got - want).norm() / want.norm()
+    assert rel < 0.05, f"relative RMS error {rel:.4f}"
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 @pytest.mark.parametrize("num_splits", [None, 1, 4])
 @pytest.mark.parametrize("words", [True, False])

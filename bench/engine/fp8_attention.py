@@ -1,0 +1,123 @@
+"""Causal prefill attention at Llama-3-8B's shape (32 query heads, 8 KV heads, 128 wide) on the
+GPU: torch's bf16 `scaled_dot_product_attention` on cuDNN (what the engine runs from 4,096 tokens
+on) and on flash attention, against kvrail's FP8 attention (`kvrail.kernels.fp8_attention`:
+cuDNN's FP8 flash attention over e4m3 q/k/v as the FP8 KV cache rounds them, the output e4m3
+over 448 / amax(v)).
+
+    python3 -P bench/engine/fp8_attention.py      # needs nvidia-cudnn-frontend (1.18.0)
+
+Per length: milliseconds per call (best of five CUDA-event timings of 10 calls) and TFLOP/s of
+the causal attention's two matmuls; for FP8, the call as the engine makes it (its output scale
+computed, its rows' scales written) and the time to build the plan of a new shape; and the error
+of each against float32 attention over the bf16 inputs on four heads (relative RMS and largest
+absolute error): for FP8 it includes rounding q, k and v to e4m3.
+bench/engine/fp8_attention.txt has a run.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch.nn import functional
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from kvrail.kernels import fp8_attention
+from kvrail.kernels import reference as ref_ops
+
+HQ, HKV, D = 32, 8, 128
+FP8 = torch.float8_e4m3fn
+
+
+def timed(fn, calls: int = 10) -> float:
+    """Seconds per call: best of five timings of `calls` calls."""
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / calls)
+    return best
+
+
+def reference(q, k, v, heads: int = 4) -> torch.Tensor:
+    """float32 causal attention of the first `heads` query heads -> [L, heads, D]."""
+    length = q.shape[0]
+    group = HQ // HKV
+    mask = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
+    outs = []
+    for h in range(heads):
+        qh, kh, vh = q[:, h].float(), k[:, h // group].float(), v[:, h // group].float()
+        s = (qh @ kh.T) / math.sqrt(D)
+        s.masked_fill_(~mask, float("-inf"))
+        outs.append(torch.softmax(s, dim=-1) @ vh)
+    return torch.stack(outs, dim=1)
+
+
+def error(out: torch.Tensor, ref: torch.Tensor) -> str:
+    diff = out.float() - ref
+    rel = diff.norm() / ref.norm()
+    return f"rel RMS {rel.item():.4f}, max abs {diff.abs().max().item():.4f}"
+
+
+def bench_length(length: int) -> None:
+    q = torch.randn(length, HQ, D, dtype=torch.bfloat16, device="cuda") * 2
+    k = torch.randn(length, HKV, D, dtype=torch.bfloat16, device="cuda") * 2
+    v = torch.randn(length, HKV, D, dtype=torch.bfloat16, device="cuda")
+    flops = 4 * length * length / 2 * D * HQ
+    scale = 1 / math.sqrt(D)
+
+    def bf16(backend):
+        qs, ks, vs = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel([backend]):
+            return functional.scaled_dot_product_attention(
+                qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+            ).transpose(1, 2)[0]
+
+    ref = reference(q, k, v)
+    print(f"\nlength {length}: {flops / 1e9:.0f} GFLOP a layer")
+    for name, backend in (("cuDNN bf16", SDPBackend.CUDNN_ATTENTION),
+                          ("flash bf16", SDPBackend.FLASH_ATTENTION)):  # fmt: skip
+        try:
+            t = timed(lambda b=backend: bf16(b))
+        except RuntimeError as err:  # e.g. no kernel of this backend for GQA
+            print(f"  {name:12s} not run: {str(err)[:300]}")
+            continue
+        print(f"  {name:12s} {t * 1e3:7.3f} ms  {flops / t / 1e12:6.0f} TFLOP/s  "
+              f"{error(bf16(backend)[:, :4], ref)}")  # fmt: skip
+    q8, k8, v8 = (ref_ops.to_cache_dtype(x, FP8) for x in (q, k, v))
+    v_amax = v8.float().abs().amax().reshape(1)
+
+    def fp8():
+        return fp8_attention.causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
+
+    started = time.perf_counter()
+    fp8()
+    torch.cuda.synchronize()
+    built = time.perf_counter() - started
+    t = timed(fp8)
+    out = ref_ops.dequantize_rows(fp8()).view(length, HQ, D)
+    print(f"  {'kvrail FP8':12s} {t * 1e3:7.3f} ms  {flops / t / 1e12:6.0f} TFLOP/s  "
+          f"{error(out[:, :4], ref)}; first call (the plan) {built * 1e3:.0f} ms")  # fmt: skip
+
+
+def main() -> int:
+    import cudnn
+
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"# cuDNN backend {cudnn.backend_version()}, frontend {cudnn.__version__}")
+    torch.manual_seed(0)
+    for length in (4096, 8192, 16384):
+        bench_length(length)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# FP8 prefill attention on a lent H200, in one device command (outputs under $OUT): the engine's
+# wiring (fp8_attention_wiring.patch) applied to the device's copy of the tree, its GPU tests,
+# bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this tree and of
+# build/old (`git archive REV kvrail operator worker router kernels agent cli local testing
+# bench/engine | tar -x -C build/old`; its gpu_llama3_8b.py replaced by this tree's), the 8k
+# prefill timed (the path does not engage below 4,096 tokens), then this tree's logits and
+# greedy tokens against the bf16 engine's for a 512- and an 8,192-token prompt (the second
+# attends in FP8). Carry `.whl` and `build/old`; from the repository root:
+#   bash bench/engine/fp8_attention_ab.sh
+set -uo pipefail
+source hack/device-env.sh >/dev/null || exit 1
+git apply bench/engine/fp8_attention_wiring.patch 2>/dev/null \
+  || patch -p1 -N -s < bench/engine/fp8_attention_wiring.patch || exit 1
+cp bench/engine/gpu_llama3_8b.py build/old/bench/engine/  # its --prefill-only
+rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
+for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
+for d in operator worker router kernels agent cli local testing; do
+  ln -s "$PWD/build/old/$d" "/tmp/view-old/kvrail/$d"
+done
+timeout 120 python3 -P -m pytest -q -p no:cacheprovider tests/unit/kernels/test_fp8_kernels.py \
+  tests/unit/worker/test_attention.py -k "rotary or fp8_causal or attend_in_fp8 or mixed_batch" \
+  2>&1 | tail -n 6 | tee "$OUT/tests.txt"
+timeout 90 python3 -P bench/engine/fp8_attention.py 2>&1 | tee "$OUT/fp8_attention.txt"
+fp8=(--quantization fp8 --kv-dtype float8_e4m3fn)
+for tree in new old; do
+  echo "## engine $tree"
+  if [ "$tree" = new ]; then path=/tmp/view; dir=.; else path=/tmp/view-old; dir=build/old; fi
+  (cd "$dir" && PYTHONPATH="$path:/tmp/site" timeout 120 python3 -P bench/engine/gpu_llama3_8b.py \
+    --skip-transformers --skip-correctness --prefill-only "${fp8[@]}" --kv-gib 30)
+done 2>&1 | tee "$OUT/engine_ab.txt"
+echo "## correctness new" | tee "$OUT/correctness.txt"
+PYTHONPATH="/tmp/view:/tmp/site" timeout 150 python3 -P bench/engine/gpu_llama3_8b.py \
+  --skip-transformers --correctness-only --baseline bf16 --kv-gib 12 "${fp8[@]}" \
+  --correctness-lengths 512,8192 2>&1 | grep -v "^#" | tee -a "$OUT/correctness.txt"
