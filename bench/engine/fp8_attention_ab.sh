@@ -2,8 +2,8 @@
 # FP8 prefill attention on a lent H200, in one device command (outputs under $OUT): the engine's
 # wiring (fp8_attention_wiring.patch) applied to the device's copy of the tree, its GPU tests,
 # bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this tree and of
-# build/old (`git archive REV kvrail operator worker router kernels agent cli local testing
-# bench/engine | tar -x -C build/old`; its gpu_llama3_8b.py replaced by this tree's), the 8k
+# build/old (`git archive HEAD kvrail operator worker router kernels agent cli local testing
+# bench/engine | tar -x -C build/old`: the tree without the wiring), the 8k
 # prefill timed (the path does not engage below 4,096 tokens), then this tree's logits and
 # greedy tokens against the bf16 engine's for a 512- and an 8,192-token prompt (the second
 # attends in FP8). Carry `.whl` and `build/old`; from the repository root:
