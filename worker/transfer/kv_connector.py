@@ -11,9 +11,9 @@ Between two GPU processes on one node the data goes over CUDA IPC instead (`cuda
 peer's region is mapped once and blocks are copied device to device), and only the completion
 notification uses NIXL. Those copies and the checksums' reads run on the connector's own CUDA
 stream: on the default one they queued behind whatever the engine launched since (a prefill
-worker computes its next prompt while it writes the last), and a 64 MB write took 1.5-2.4 ms
-instead of a fraction of one. Nothing needs to wait for the engine's stream: blocks are handed
-over after the step that wrote them has been read back (its first token).
+worker computes its next prompt while it writes the last one's blocks). Nothing needs to wait
+for the engine's stream: blocks are handed over after the step that wrote them has been read
+back (its first token).
 
 Which path a peer gets is decided when it is added and reported by
 `transport_to(peer)` and in every `TransferStats`; a failed IPC mapping falls back to NIXL with a
