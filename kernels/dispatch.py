@@ -272,11 +272,10 @@ def fp8_causal_attention(
     scale: float,
     dtype: torch.dtype,
 ) -> QuantizedRows:
-    """cuDNN's FP8 flash attention (`kvrail.kernels.fp8_attention`), CUDA only; the engine
-    does not call it yet (`bench/engine/fp8_attention_wiring.patch` would, on Hopper only)."""
-    rows: QuantizedRows = _triton("fp8_attention").causal_attention(
-        q, k, v, v_amax, num_seqs, scale, dtype
-    )
+    """Causal attention of fresh sequences over e4m3 q/k/v: cuDNN's FP8 flash attention on
+    CUDA (`kvrail.kernels.fp8_attention`), float32 over the same values on CPU."""
+    impl = _triton("fp8_attention") if q.is_cuda else reference
+    rows: QuantizedRows = impl.fp8_causal_attention(q, k, v, v_amax, num_seqs, scale, dtype)
     return rows
 
 

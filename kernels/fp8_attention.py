@@ -1,12 +1,14 @@
 """Causal attention of fresh prefill sequences in FP8, on cuDNN's flash attention (Hopper).
 
-Not yet part of the engine: its wiring (`bench/engine/fp8_attention_wiring.patch`) waits for the
-GPU run of `bench/engine/fp8_attention_ab.sh`, which applies it to the device's copy, runs the GPU
-tests of this module, `bench/engine/fp8_attention.py`, the 8k prefill of the FP8 engine beside
-the tree before, and the logits against the bf16 engine's.
+Not yet used on a GPU: the engine's layers call it on CUDA only once `_FP8_ON_CUDA` in
+`kvrail.worker.layers.attention` is set, after the GPU run of
+`bench/engine/fp8_attention_ab.sh` (which sets it in the device's copy, runs the GPU tests of
+this module, `bench/engine/fp8_attention.py`, the 8k prefill of the FP8 engine beside the tree
+without it, and the logits against the bf16 engine's). Meanwhile the CPU runs the same path over
+the reference (`kvrail.kernels.reference.fp8_causal_attention`).
 
-With an FP8 KV cache, a prompt that starts at position 0 would attend over exactly the K and V
-the cache holds: `kvrail.kernels.rotary_kv.rotary_write_kv_fp8` hands q, k and v over in e4m3 (a
+With an FP8 KV cache, a prompt that starts at position 0 attends over exactly the K and V the
+cache holds: `kvrail.kernels.rotary_kv.rotary_write_kv_fp8` hands q, k and v over in e4m3 (a
 scale of 1, saturated, as the cache stores them) with the largest magnitude of v. cuDNN's FP8
 SDPA multiplies them on FP8 tensor cores: the probabilities are quantized over a scale of 448
 (they lie in [0, 1]), and the output over 448 / amax(v), exact as a bound since every output row
@@ -22,7 +24,7 @@ speed and accuracy are what the next GPU run measures.
 
 cuDNN builds a plan for every new shape (60-90 ms on the H200 in that run; the first in a
 process about a second), as torch's own cuDNN attention does, so graphs are cached by shape and
-only sequences of 4,096 tokens or more would come here.
+only sequences of 4,096 tokens or more come here.
 
 Needs the `nvidia-cudnn-frontend` package, 1.18 (its graph API over the cuDNN that torch loads;
 `hack/device-wheels.sh` carries it to the lent GPU).
@@ -136,7 +138,7 @@ def _graph(shape: _Shape, device: torch.device) -> tuple[_Device, _Graph]:
     return state, graph
 
 
-def causal_attention(
+def fp8_causal_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -261,6 +261,37 @@ def rotary_write_kv_fp8(
     return q8, k8, v8, v_amax
 
 
+def fp8_causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    v_amax: torch.Tensor,
+    num_seqs: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> QuantizedRows:
+    """`kvrail.kernels.fp8_attention.causal_attention`'s contract, in float32: `num_seqs`
+    equal-length sequences packed in e4m3 q [n*L, Hq, D], k/v [n*L, Hkv, D], each attending
+    causally to itself; the output's rows [n*L, Hq*D] in e4m3 over 448 / v_amax (every row a
+    convex combination of rows of v), with that scale's inverse for every row."""
+    total, num_heads, head_dim = q.shape
+    if num_seqs < 1 or total % num_seqs:
+        raise ValueError(f"{total} tokens are not {num_seqs} sequences of one length")
+    length = total // num_seqs
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # [n, H, L, D] in float32
+        return x.float().reshape(num_seqs, length, x.shape[1], head_dim).transpose(1, 2)
+
+    out = torch.nn.functional.scaled_dot_product_attention(
+        heads(q), heads(k), heads(v), is_causal=True, scale=scale,
+        enable_gqa=k.shape[1] != num_heads,
+    )  # fmt: skip
+    amax = v_amax.float().reshape(()).clamp(min=1e-6)
+    rows = out.transpose(1, 2).reshape(total, num_heads * head_dim) * (FP8_MAX / amax)
+    values = to_cache_dtype(rows, FP8_WEIGHT_DTYPE)
+    return QuantizedRows(values, (amax / FP8_MAX).expand(total).contiguous(), dtype)
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """Pack the given blocks of a [num_blocks, ...] cache into a new contiguous [n, ...] buffer."""
     return kv_cache[block_ids.long()].contiguous()

@@ -98,7 +98,7 @@ def bench_length(length: int) -> None:
     v_amax = v8.float().abs().amax().reshape(1)
 
     def fp8():
-        return fp8_attention.causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
+        return fp8_attention.fp8_causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
 
     started = time.perf_counter()
     fp8()
@@ -160,7 +160,7 @@ def bench_layouts(length: int) -> None:
         q8, k8, v8 = (ref_ops.to_cache_dtype(x, FP8) for x in (q, k, v_packed))
         v_amax = v8.float().abs().amax().reshape(1)
         t = cold(
-            lambda: fp8_attention.causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
+            lambda: fp8_attention.fp8_causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
         )
         print(f"  {'kvrail FP8':44s} {t * 1e3:7.3f} ms  {flops / t / 1e12:6.0f} TFLOP/s")
     except Exception as err:  # the bf16 figures stand on their own

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# FP8 prefill attention on a lent H200, in one device command (outputs under $OUT): the engine's
-# wiring (fp8_attention_wiring.patch) applied to the device's copy of the tree, its GPU tests,
-# bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this tree and of
-# build/old (`git archive HEAD kvrail operator worker router kernels agent cli local testing
-# bench/engine | tar -x -C build/old`: the tree without the wiring), the 8k
+# FP8 prefill attention on a lent H200, in one device command (outputs under $OUT): CUDA steps
+# switched to it in the device's copy of the tree (`_FP8_ON_CUDA` in worker/layers/attention.py),
+# its GPU tests, bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this
+# copy and of build/old (`git archive HEAD kvrail operator worker router kernels agent cli local
+# testing bench/engine | tar -x -C build/old`: the tree as committed, without it), the 8k
 # prefill timed (the path does not engage below 4,096 tokens), then this tree's logits and
 # greedy tokens against the bf16 engine's for a 512- and an 8,192-token prompt (the second
 # attends in FP8). Carry `.whl` and `build/old`; from the repository root:
 #   bash bench/engine/fp8_attention_ab.sh
 set -uo pipefail
 source hack/device-env.sh >/dev/null || exit 1
-git apply bench/engine/fp8_attention_wiring.patch 2>/dev/null \
-  || patch -p1 -N -s < bench/engine/fp8_attention_wiring.patch || exit 1
+sed -i 's/^_FP8_ON_CUDA = False$/_FP8_ON_CUDA = True/' worker/layers/attention.py
+grep -q '^_FP8_ON_CUDA = True$' worker/layers/attention.py || { echo "no _FP8_ON_CUDA to set"; exit 1; }
 cp bench/engine/gpu_llama3_8b.py build/old/bench/engine/  # its --prefill-only
 rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
 for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done

@@ -10,6 +10,14 @@ kernel, which skips the others. A captured mixed step (`prefill_tiles` set: see
 `kvrail.worker.engine.cuda_graph`) has no decode part: its decode tokens are one-token chunks, and
 one tiled launch of the paged kernel computes every chunk. Kernels come from
 `kvrail.kernels.dispatch` (Triton on CUDA, torch references on CPU).
+
+Over an e4m3 KV cache, a step that is nothing but fresh prompts of one length from
+`_CUDNN_MIN_LEN` tokens on (`fp8_prefill_sequences`) attends in FP8 instead: the model's layer
+takes q, k and v from the rotary pass in e4m3 as the cache rounds them, and the output goes to
+the output projection still quantized (e4m3 rows over 448 / the largest |v|). On the CPU the
+reference computes it in float32 over those values. On CUDA it is cuDNN's FP8 flash attention
+(`kvrail.kernels.fp8_attention`), which has not run in this form on a GPU yet, so CUDA steps keep
+the bfloat16 path until it has (`_FP8_ON_CUDA`; `bench/engine/fp8_attention_ab.sh` is the run).
 """
 
 from __future__ import annotations
@@ -77,6 +85,37 @@ def fresh_runs(query_lens: list[int], num_computed: list[int]) -> tuple[tuple[in
 # bench/engine/sdpa_shapes.txt has the figures.
 _CUDNN_MIN_LEN = 4096
 _NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+# Whether CUDA steps attend in FP8 (on Hopper): not until cuDNN's FP8 graph, built in its training
+# mode after its inference mode gave wrong outputs on the H200, has passed its GPU tests and been
+# measured (bench/engine/README.md).
+_FP8_ON_CUDA = False
+
+
+def fp8_prefill_sequences(
+    metadata: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor
+) -> int:
+    """How many sequences this step's attention computes in FP8: all of them when the step is
+    one run of fresh prefill chunks of `_CUDNN_MIN_LEN` tokens or more (nothing cached before
+    them, no decode tokens) over an e4m3 KV cache, on the CPU or (with `_FP8_ON_CUDA`) on a GPU
+    that has the kernel; else 0."""
+    runs = metadata.prefill_fresh_runs
+    if (
+        k_cache.dtype != torch.float8_e4m3fn
+        or metadata.num_decode_tokens
+        or metadata.prefill_tiles is not None
+        or len(runs) != 1
+    ):
+        return 0
+    _, length, count = runs[0]
+    if length * count != num_tokens or length < _CUDNN_MIN_LEN:
+        return 0
+    if k_cache.device.type == "cpu":
+        return count
+    from kvrail.kernels import fp8_attention  # its cuDNN import waits for the first call
+
+    return count if _FP8_ON_CUDA and fp8_attention.supported(k_cache.device) else 0
 
 
 def causal_self_attention(

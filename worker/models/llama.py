@@ -33,9 +33,13 @@ from torch import nn
 
 from kvrail.errors import ConfigError
 from kvrail.kernels import dispatch
-from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, quantize_fp8_rows
+from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, dequantize_rows, quantize_fp8_rows
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.layers.attention import AttentionMetadata, paged_attention
+from kvrail.worker.layers.attention import (
+    AttentionMetadata,
+    fp8_prefill_sequences,
+    paged_attention,
+)
 from kvrail.worker.layers.linear import GatedLinear, Linear, Projection, RowParallelLinear
 from kvrail.worker.layers.rms_norm import RMSNorm
 from kvrail.worker.layers.rotary import RotaryEmbedding, rope_settings
@@ -154,11 +158,18 @@ class DecoderLayer(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         rotary = self.rotary[0]
-        q, k = dispatch.rotary_write_kv(
-            positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache, metadata.slot_mapping
-        )
-        attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
-        x = self.o_proj(attn.reshape(num_tokens, self.q_size))
+        rotary_args = (positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache,
+                       metadata.slot_mapping)  # fmt: skip
+        num_seqs = fp8_prefill_sequences(metadata, num_tokens, k_cache)
+        if num_seqs:  # fresh prompts over an FP8 cache: attention in FP8, its output quantized
+            q8, k8, v8, v_amax = dispatch.rotary_write_kv_fp8(*rotary_args)
+            rows = dispatch.fp8_causal_attention(q8, k8, v8, v_amax, num_seqs, self.scale, x.dtype)
+            attn_out = rows if self.o_proj.takes_quantized_rows(rows) else dequantize_rows(rows)
+        else:
+            q, k = dispatch.rotary_write_kv(*rotary_args)
+            attn = paged_attention(q, k, v, k_cache, v_cache, metadata, self.scale)
+            attn_out = attn.reshape(num_tokens, self.q_size)
+        x = self.o_proj(attn_out)
         h, residual = self.post_attention_layernorm.into(self.gate_up_proj, x, residual)
         x = self.down_proj(self.gate_up_proj.into(self.down_proj, h))  # silu(gate) * up
         return x, residual

@@ -157,7 +157,7 @@ def test_fp8_causal_attention_matches_attention_over_the_same_fp8_values(num_seq
         for h in (hq, hkv, hkv)
     )
     v_amax = v8.float().abs().amax().reshape(1)
-    rows = fp8_attention.causal_attention(q8, k8, v8, v_amax, num_seqs, d**-0.5, BF16)
+    rows = fp8_attention.fp8_causal_attention(q8, k8, v8, v_amax, num_seqs, d**-0.5, BF16)
     assert rows.values.shape == (total, hq * d) and rows.scales.shape == (total,)
     got = reference.dequantize_rows(rows).float().view(num_seqs, length, hq, d)
     qs, ks, vs = (x.float().view(num_seqs, length, -1, d).transpose(1, 2) for x in (q8, k8, v8))

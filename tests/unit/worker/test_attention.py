@@ -89,3 +89,54 @@ def test_mixed_batch_with_sdpa_and_paged_prefill_equals_the_references_on_cpu() 
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.bfloat16, 2e-2), (torch.float32, 1e-4)])
 def test_mixed_batch_with_sdpa_and_paged_prefill_equals_the_references_on_gpu(dtype, tol) -> None:
     _check_mixed_batch("cuda", dtype, tol, hkv=8, d=128)
+
+
+def _fresh_step(device: str, lengths: list[int], num_decode: int = 0) -> AttentionMetadata:
+    i32 = {"dtype": torch.int32, "device": device}
+    empty = torch.zeros(0, 1, **i32)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(num_decode + sum(lengths), dtype=torch.int64, device=device),
+        num_decode_tokens=num_decode,
+        decode_block_tables=empty,
+        decode_seq_lens=torch.zeros(0, **i32),
+        prefill_block_tables=empty,
+        prefill_query_start_loc=torch.tensor([0, *lengths], **i32).cumsum(0),
+        prefill_seq_lens=torch.tensor(lengths, **i32),
+        prefill_max_query_len=max(lengths),
+        prefill_fresh_runs=fresh_runs(lengths, [0] * len(lengths)),
+        prefill_has_prefix=False,
+    )
+
+
+def _fp8_cases() -> list[tuple[list[int], int, torch.dtype, int]]:
+    """(prompt lengths, decode tokens, cache dtype, sequences attending in FP8)."""
+    fp8 = torch.float8_e4m3fn
+    return [
+        ([8192], 0, fp8, 1),
+        ([4096, 4096], 0, fp8, 2),
+        ([4095], 0, fp8, 0),  # short: flash attention, no plan per length
+        ([4096, 5000], 0, fp8, 0),  # two lengths: not one run
+        ([4096], 3, fp8, 0),  # decode tokens in the step
+        ([8192], 0, torch.float8_e5m2, 0),  # e5m2 cache: the bfloat16 path
+        ([8192], 0, torch.bfloat16, 0),
+    ]
+
+
+@pytest.mark.parametrize("case", range(7))
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_only_steps_of_fresh_long_prompts_over_an_e4m3_cache_attend_in_fp8(case, device) -> None:
+    """On the CPU exactly the steps named; on CUDA none until cuDNN's FP8 graph has run on a GPU
+    (`_FP8_ON_CUDA`), then those named on Hopper."""
+    from kvrail.kernels import fp8_attention
+    from kvrail.worker.layers import attention
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lengths, num_decode, dtype, expected = _fp8_cases()[case]
+    metadata = _fresh_step(device, lengths, num_decode)
+    cache = torch.zeros(2, 16, 1, 16, dtype=dtype, device=device)
+    if device == "cuda" and not (
+        attention._FP8_ON_CUDA and fp8_attention.supported(torch.device(device))
+    ):
+        expected = 0
+    assert attention.fp8_prefill_sequences(metadata, num_decode + sum(lengths), cache) == expected

@@ -135,3 +135,59 @@ def test_fp8_blocks_moved_between_engines_decode_like_the_colocated_fp8_engine()
     assert request.output_token_ids == expected
     for engine in (colocated, prefill, decode):
         assert_engine_empty(engine)
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_a_long_fresh_prompt_over_an_e4m3_cache_attends_in_fp8_through_its_output_projection(
+    monkeypatch: pytest.MonkeyPatch, quantization: str
+) -> None:
+    """A 4,096-token prompt over an e4m3 cache attends in FP8 in every layer (the CPU reference:
+    float32 over the e4m3 q, k and v, the output rounded to e4m3 rows), and those rows go to
+    the output projection: as they are into FP8 weights, widened for float ones. Its prefill
+    logits stay near the same engine's attending in float32 over the same cache."""
+    from transformers import AutoModelForCausalLM
+
+    from kvrail.kernels import dispatch
+    from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
+    from kvrail.worker.models import llama
+    from kvrail.worker.testing import make_engine_config
+
+    hf_config = tiny_llama_config(max_position_embeddings=4352)
+    torch.manual_seed(7)
+    hf = AutoModelForCausalLM.from_config(hf_config).eval()
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    prompt = [
+        int(t) for t in torch.randint(3, 97, (4096,), generator=torch.Generator().manual_seed(8))
+    ]
+    calls: list[int] = []
+    fp8_attention = dispatch.fp8_causal_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fp8_attention(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "fp8_causal_attention", counted)
+
+    def prefill_logits() -> torch.Tensor:
+        model = llama.LlamaForCausalLM.build(
+            hf_config, state, dtype=torch.float32, device="cpu", quantization=quantization
+        )
+        config = make_engine_config(
+            kv_dtype="float8_e4m3fn", block_size=16, num_blocks=300, max_model_len=4352,
+            max_num_batched_tokens=4096,
+        )  # fmt: skip
+        engine = LLMEngine(model, config, make_fingerprint(model, config, "w", "t"))
+        engine.add_request("r", prompt, SamplingParams(max_tokens=1))
+        out = engine.scheduler.schedule()
+        logits, _ = engine.runner.execute(out)
+        engine.scheduler.update_from_output(out, {"r": 11})
+        assert_engine_empty(engine)
+        return logits[0].float()
+
+    in_fp8 = prefill_logits()
+    assert len(calls) == hf_config.num_hidden_layers
+    monkeypatch.setattr(llama, "fp8_prefill_sequences", lambda *_: 0)
+    in_float = prefill_logits()
+    assert len(calls) == hf_config.num_hidden_layers
+    assert not torch.equal(in_fp8, in_float)
+    assert (in_fp8 - in_float).norm() < 0.05 * in_float.norm()
