@@ -63,12 +63,11 @@ class _Shape:
 
 
 class _Graph:
-    """One built cuDNN graph: its tensors, in the order `run` binds them."""
+    """One built cuDNN graph and the tensors `fp8_causal_attention` binds to it."""
 
     def __init__(self, shape: _Shape, handle: Any) -> None:
         import cudnn
 
-        self.handle = handle
         e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
         n, length, d = shape.num_seqs, shape.length, shape.head_dim
         graph = cudnn.pygraph(

@@ -93,16 +93,15 @@ _NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 _FP8_ON_CUDA = False
 
 
-def fp8_prefill_sequences(
-    metadata: AttentionMetadata, num_tokens: int, k_cache: torch.Tensor
-) -> int:
+def fp8_prefill_sequences(metadata: AttentionMetadata, num_tokens: int, cache: torch.Tensor) -> int:
     """How many sequences this step's attention computes in FP8: all of them when the step is
     one run of fresh prefill chunks of `_CUDNN_MIN_LEN` tokens or more (nothing cached before
-    them, no decode tokens) over an e4m3 KV cache, on the CPU or (with `_FP8_ON_CUDA`) on a GPU
-    that has the kernel; else 0."""
+    them, no decode tokens) over an e4m3 KV cache (`cache`: the whole region or a layer's), on
+    the CPU or (with `_FP8_ON_CUDA`) on a GPU that has the kernel; else 0. One decision a step:
+    every layer's cache has the same dtype and device."""
     runs = metadata.prefill_fresh_runs
     if (
-        k_cache.dtype != torch.float8_e4m3fn
+        cache.dtype != torch.float8_e4m3fn
         or metadata.num_decode_tokens
         or metadata.prefill_tiles is not None
         or len(runs) != 1
@@ -111,11 +110,11 @@ def fp8_prefill_sequences(
     _, length, count = runs[0]
     if length * count != num_tokens or length < _CUDNN_MIN_LEN:
         return 0
-    if k_cache.device.type == "cpu":
+    if cache.device.type == "cpu":
         return count
     from kvrail.kernels import fp8_attention  # its cuDNN import waits for the first call
 
-    return count if _FP8_ON_CUDA and fp8_attention.supported(k_cache.device) else 0
+    return count if _FP8_ON_CUDA and fp8_attention.supported(cache.device) else 0
 
 
 def causal_self_attention(

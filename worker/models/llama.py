@@ -146,9 +146,11 @@ class DecoderLayer(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCache,
+        fp8_sequences: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, residual) -> (this layer's MLP output, the residual stream before it). The sum
-        of the two is the layer's output; the next norm adds them (fused with the norm)."""
+        of the two is the layer's output; the next norm adds them (fused with the norm). With
+        `fp8_sequences` (the step's `fp8_prefill_sequences`), attention runs in FP8."""
         num_tokens = x.shape[0]
         h, residual = self.input_layernorm.into(self.qkv_proj, x, residual)
         qkv = self.qkv_proj(h)
@@ -160,10 +162,11 @@ class DecoderLayer(nn.Module):
         rotary = self.rotary[0]
         rotary_args = (positions, q, k, v, rotary.cos, rotary.sin, k_cache, v_cache,
                        metadata.slot_mapping)  # fmt: skip
-        num_seqs = fp8_prefill_sequences(metadata, num_tokens, k_cache)
-        if num_seqs:  # fresh prompts over an FP8 cache: attention in FP8, its output quantized
+        if fp8_sequences:  # fresh prompts over an FP8 cache: attention in FP8, output quantized
             q8, k8, v8, v_amax = dispatch.rotary_write_kv_fp8(*rotary_args)
-            rows = dispatch.fp8_causal_attention(q8, k8, v8, v_amax, num_seqs, self.scale, x.dtype)
+            rows = dispatch.fp8_causal_attention(
+                q8, k8, v8, v_amax, fp8_sequences, self.scale, x.dtype
+            )
             attn_out = rows if self.o_proj.takes_quantized_rows(rows) else dequantize_rows(rows)
         else:
             q, k = dispatch.rotary_write_kv(*rotary_args)
@@ -229,8 +232,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         residual = None
+        fp8_sequences = fp8_prefill_sequences(metadata, x.shape[0], kv_cache.tensor)  # the step's
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, metadata, kv_cache)
+            x, residual = layer(x, residual, positions, metadata, kv_cache, fp8_sequences)
         assert residual is not None, "a model has at least one layer"
         normed: tuple[torch.Tensor, torch.Tensor] = self.norm(x, residual)
         return normed[0]
