@@ -25,6 +25,8 @@ old_view() {  # /tmp/view-old: the kvrail.* import view of the tree in $1, its c
   for f in "$src"/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
   for d in "$@"; do ln -s "$src/$d" "/tmp/view-old/kvrail/$d"; done
 }
+# issue 23's remote-prefill workload: 500-token prompts, 200 tokens out, 16 req/s, 160 requests
+LONG=(--long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
 case "${1:?what to run}" in
   service-step)
     if [ -d .old ]; then  # the old tree, through a view of its own layout
@@ -103,9 +105,8 @@ case "${1:?what to run}" in
     # remote): the tree in build/old, then this one, then this one prefilling every prompt locally
     # on the decode worker (same processes) as the TTFT baseline. "long" is a 500-token workload.
     source bench/sweep/device-setup.sh || exit 1
-    long=(--long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
     work=(--workloads chat,long --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-16,32,inf}"
-          "${long[@]}")
+          "${LONG[@]}")
     if [ -z "${SKIP_OLD:-}" ]; then  # SKIP_OLD=1: this tree only (a second call of one lease)
       old_view build/old operator worker router kernels agent cli local testing
       PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
@@ -119,7 +120,7 @@ case "${1:?what to run}" in
         "${work[@]}" --budget-s 200 --out "$OUT/remote_after$sfx.json" > "$OUT/remote_after$sfx.log" 2>&1
       tail -n 12 "$OUT/remote_after$sfx.log"
       timeout 150 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens 100000 \
-        --tag=-local --workloads long "${long[@]}" --budget-s 140 --out "$OUT/local$sfx.json" \
+        --tag=-local --workloads long "${LONG[@]}" --budget-s 140 --out "$OUT/local$sfx.json" \
         > "$OUT/local$sfx.log" 2>&1
       tail -n 8 "$OUT/local$sfx.log"
     done
@@ -127,8 +128,7 @@ case "${1:?what to run}" in
   remote-local)  # issue 23's remote-prefill target alone (the 500-token workload at 16 req/s):
     # every prompt prefilled remotely, then every prompt locally on the decode worker
     source bench/sweep/device-setup.sh || exit 1
-    long=(--workloads long --long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160
-          --long-tail-s 10 --budget-s 190)
+    long=(--workloads long "${LONG[@]}" --budget-s 190)
     for min in 0 100000; do
       name=$([ "$min" = 0 ] && echo remote || echo local)
       timeout 200 python3 -P bench/sweep/run.py --setups disaggregated --min-remote-prefill-tokens \
