@@ -74,6 +74,15 @@ def test_kv_write_stores_the_references_fp8_bytes_saturating_and_keeping_nan(dty
     assert k_cache.float().abs().max() == torch.finfo(dtype).max  # saturated, not inf or NaN
 
 
+def _cos_sin(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half cos/sin tables [256, d] on the GPU."""
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    angles = torch.outer(torch.arange(256).float(), inv)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).cuda()
+    sin = torch.cat((angles.sin(), angles.sin()), -1).cuda()
+    return cos, sin
+
+
 @pytest.mark.parametrize("dtype", FP8, ids=str)
 def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
     from kvrail.kernels import rotary_kv
@@ -86,10 +95,7 @@ def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
         _randn(num_tokens, 2, d, g=g),
     )
     positions = torch.tensor([0, 5, 9, 100, 3, 2, 1], device="cuda")
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    angles = torch.outer(torch.arange(256).float(), inv)
-    cos = torch.cat((angles.cos(), angles.cos()), -1).cuda()
-    sin = torch.cat((angles.sin(), angles.sin()), -1).cuda()
+    cos, sin = _cos_sin(d)
     slots = torch.tensor([0, 1, 2, -1, 30, 31, 12], dtype=torch.int64, device="cuda")
     _, k_cache, v_cache = _caches(8, 4, 2, d, dtype, g)
     ek, ev = k_cache.clone(), v_cache.clone()
@@ -104,20 +110,6 @@ def test_rotary_kv_write_stores_the_references_fp8_bytes(dtype) -> None:
     assert torch.equal(_bytes(v_cache), _bytes(ev))
 
 
-def _rotary_inputs(num_tokens: int, hq: int, hkv: int, d: int, g: torch.Generator):
-    q, k, v = (
-        _randn(num_tokens, hq, d, g=g),
-        _randn(num_tokens, hkv, d, g=g, scale=200.0),  # some saturate in e4m3
-        _randn(num_tokens, hkv, d, g=g, scale=3.0),
-    )
-    positions = torch.arange(num_tokens, device="cuda") % 256
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
-    angles = torch.outer(torch.arange(256).float(), inv)
-    cos = torch.cat((angles.cos(), angles.cos()), -1).cuda()
-    sin = torch.cat((angles.sin(), angles.sin()), -1).cuda()
-    return positions, q, k, v, cos, sin
-
-
 def test_rotary_kv_fp8_outputs_are_what_the_cache_holds() -> None:
     """The FP8-output mode (attention in FP8) stores the same cache bytes as the plain one, and
     returns q, k and v rounded exactly as the cache rounds them, with v's largest magnitude."""
@@ -125,7 +117,13 @@ def test_rotary_kv_fp8_outputs_are_what_the_cache_holds() -> None:
 
     g = _gen(12)
     num_tokens, d = 37, 128
-    positions, q, k, v, cos, sin = _rotary_inputs(num_tokens, 8, 2, d, g)
+    q, k, v = (
+        _randn(num_tokens, 8, d, g=g),
+        _randn(num_tokens, 2, d, g=g, scale=200.0),  # some saturate in e4m3
+        _randn(num_tokens, 2, d, g=g, scale=3.0),
+    )
+    positions = torch.arange(num_tokens, device="cuda")
+    cos, sin = _cos_sin(d)
     slots = torch.randperm(128, generator=g)[:num_tokens].cuda()
     _, k_cache, v_cache = _caches(8, 16, 2, d, torch.float8_e4m3fn, g)
     ek, ev = k_cache.clone(), v_cache.clone()
