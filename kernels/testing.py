@@ -1,7 +1,10 @@
 """Test helper: the Triton kernel modules, interpreted on CPU when there is no CUDA.
 
 Triton picks its interpreter when a kernel is defined (TRITON_INTERPRET), so `load_kernels` sets
-the variable and reloads kernel modules that were defined compiled. Never used in production code.
+the variable and reloads kernel modules that were defined compiled. Its own library (`tl.sum`,
+`tl.max`...) is defined when triton is first imported, and cannot be reloaded: without CUDA the
+variable must be set before that (the test suite's conftest does), and `load_kernels` refuses a
+process where it was not. Never used in production code.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def load_kernels() -> dict[str, ModuleType]:
     has_cuda = torch.cuda.is_available()
     if not has_cuda:
         os.environ["TRITON_INTERPRET"] = "1"
+        _check_library_interpreted()
     modules = {}
     for name in KERNEL_MODULES:
         full = f"kvrail.kernels.{name}"
@@ -42,6 +46,17 @@ def load_kernels() -> dict[str, ModuleType]:
             module = importlib.reload(module)
         modules[name] = module
     return modules
+
+
+def _check_library_interpreted() -> None:
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(tl.standard.sum, InterpretedFunction):
+        raise RuntimeError(
+            "triton was imported before TRITON_INTERPRET=1 was set, so its library is compiled "
+            "and cannot run interpreted: set TRITON_INTERPRET=1 before anything imports triton"
+        )
 
 
 def _is_interpreted(module: ModuleType) -> bool:

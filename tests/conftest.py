@@ -29,6 +29,19 @@ from kvrail.testing.real_cluster import RealCluster
 from kvrail.testing.real_cluster import real_cluster as real_cluster_of
 
 IN_CI = os.environ.get("CI") == "true"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Without CUDA, Triton runs interpreted. It chooses at each `@triton.jit` definition,
+    its own library's (`tl.sum`...) included, so the choice is made before a test imports
+    triton, which transformers may do through torch; `kvrail.kernels.testing` refuses a
+    process where it was not."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 _LOG_DIRS: list[Path] = []
 
 
