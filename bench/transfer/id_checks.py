@@ -1,9 +1,11 @@
 """The host work of a CUDA IPC handoff before its copy is launched, on the CPU: both block-id lists
-checked (`kv_connector._checked_ids`: integers, in range, no repeats), their runs found
-(`blocks.run_starts`) and the ids staged in one buffer, for an 8k prompt's 512 scattered blocks
-of a 30,720-block pool. The repeat check as it was (`np.unique`) and as it is (one sort that
-also gives the bounds), alternating in one run; microseconds per handoff, the median of 9
-rounds of 2,000.
+checked (`kv_connector._checked_ids`: integers, in range, no repeats), their runs found or
+counted, and the ids staged in one buffer, for an 8k prompt's 512 scattered blocks of a
+30,720-block pool. Three versions alternating in one run: the repeat check with `np.unique`
+and the runs' starts listed (`blocks.run_starts`: before the eighth session), one sort that
+also gives the bounds (eighth session), and the runs only counted (`blocks.count_runs`: a
+write copies block by block only when there are few); microseconds per handoff, the median
+of 9 rounds of 2,000.
 
     .venv/bin/python -P bench/transfer/id_checks.py      # bench/transfer/id_checks.txt
 """
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from kvrail.errors import TransferError
-from kvrail.worker.transfer.blocks import run_starts
+from kvrail.worker.transfer.blocks import count_runs, run_starts
 from kvrail.worker.transfer.kv_connector import _checked_ids
 
 NUM_BLOCKS, N = 30720, 512
@@ -41,7 +43,9 @@ def checked_with_unique(block_ids: Sequence[int], num_blocks: int, side: str) ->
     return ids
 
 
-def handoff_host_work(check: Callable[..., Any]) -> Callable[[], None]:
+def handoff_host_work(
+    check: Callable[..., Any], runs: Callable[[Any, Any], Any]
+) -> Callable[[], None]:
     rng = random.Random(0)
     src = tuple(rng.sample(range(NUM_BLOCKS), N))
     dst = tuple(rng.sample(range(NUM_BLOCKS), N))
@@ -50,7 +54,7 @@ def handoff_host_work(check: Callable[..., Any]) -> Callable[[], None]:
     def once() -> None:
         s = check(src, NUM_BLOCKS, "source")
         d = check(dst, NUM_BLOCKS, "destination")
-        run_starts(s, d)
+        runs(s, d)
         staging[:N] = s
         staging[N:] = d
 
@@ -65,18 +69,25 @@ def per_call_us(fn: Callable[[], None], calls: int = 2000) -> float:
 
 
 def main() -> int:
-    cases = {"np.unique (before)": checked_with_unique, "one sort (now)": _checked_ids}
-    work = {name: handoff_host_work(check) for name, check in cases.items()}
+    cases = {
+        "np.unique, run starts": (checked_with_unique, run_starts),
+        "one sort, run starts": (_checked_ids, run_starts),
+        "one sort, runs counted": (_checked_ids, count_runs),
+    }
+    work = {name: handoff_host_work(*parts) for name, parts in cases.items()}
     for fn in work.values():
         per_call_us(fn, 200)
     rounds: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(9):
         for name, fn in work.items():
             rounds[name].append(per_call_us(fn))
-    print(f"# {N} scattered blocks of {NUM_BLOCKS}: both lists checked, runs found, ids staged")
+    print(
+        f"# {N} scattered blocks of {NUM_BLOCKS}: both lists checked, runs found or counted, "
+        "ids staged"
+    )
     for name, values in rounds.items():
         spread = f"{min(values):.1f}-{max(values):.1f}"
-        print(f"{name:20s} {statistics.median(values):6.1f} us per handoff (rounds {spread})")
+        print(f"{name:24s} {statistics.median(values):6.1f} us per handoff (rounds {spread})")
     return 0
 
 

@@ -16,7 +16,7 @@ import torch
 from kvrail.errors import TransferError
 from kvrail.messages import PrefillDone
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import coalesce, run_starts
+from kvrail.worker.transfer.blocks import coalesce, count_runs, run_starts
 from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, block_checksums, validate
 from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.testing import recv, start_decode_peer
@@ -129,7 +129,7 @@ def _runs_one_by_one(src: list[int], dst: list[int]) -> list[tuple[int, int, int
     return runs
 
 
-def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
+def test_run_starts_and_counts_are_where_and_how_many_runs_coalesce_finds() -> None:
     rng = np.random.default_rng(0)
     for n in (1, 2, 7, 64):
         for src, dst in (
@@ -143,7 +143,9 @@ def test_run_starts_are_where_coalesce_starts_its_runs() -> None:
             starts = run_starts(src, dst)
             assert [int(src[i]) for i in starts] == [s for s, _, _ in runs]
             assert [int(dst[i]) for i in starts] == [d for _, d, _ in runs]
+            assert count_runs(src, dst) == len(runs)
     assert run_starts(np.arange(0), np.arange(0)) == []
+    assert count_runs(np.arange(0), np.arange(0)) == 0
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ import torch
 from kvrail.errors import TransferError
 from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import TransferStats, coalesce, run_starts, runs_at
+from kvrail.worker.transfer.blocks import TransferStats, coalesce, count_runs
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
 
@@ -268,11 +268,10 @@ class KvConnector:
         size = self.region.block_bytes
         src = self.region.tensor.view(-1).view(torch.uint8)
         started = time.perf_counter()
-        starts = run_starts(src_ids, dst_ids)
         try:
             with self._own_stream():
-                if len(starts) <= _MAX_COPY_CALLS:
-                    for s, d, n in runs_at(src_ids, dst_ids, starts):
+                if count_runs(src_ids, dst_ids) <= _MAX_COPY_CALLS:
+                    for s, d, n in coalesce(src_ids, dst_ids):
                         ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
                 else:  # many scattered runs: one kernel launch instead of one copy per run
                     words = torch.int64 if size % 8 == 0 else torch.uint8
