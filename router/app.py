@@ -191,14 +191,15 @@ class RouterApp(FastAPI):
             too_big = _declared_too_big(scope)
             if too_big is not None:
                 raise too_big
+            # the key before the body: a client without one gets nothing parsed
+            tenant = _authenticate(state, asgi.header(scope, b"authorization"))
             raw = await asgi.read_body(receive, MAX_BODY_BYTES)
             try:
                 body = model.model_validate(
-                    asgi.json_body(raw, asgi.header(scope, b"content-type"))
+                    asgi.json_body(raw, asgi.header(scope, b"content-type"), _max_commas(state))
                 )
             except ValidationError as err:
                 raise api_errors.validation_error(err) from None
-            tenant = _authenticate(state, asgi.header(scope, b"authorization"))
             _check_model(state, body.model)
             response = await handler(state, body, tenant, receive, request_id)
         except asgi.ClientLeft:
@@ -252,6 +253,13 @@ def _documented_routes() -> list[APIRoute]:
         APIRoute(COMPLETIONS_PATH, completions, methods=["POST"],
                  response_model=responses.Completion, responses=_ERROR_RESPONSES),
     ]  # fmt: skip
+
+
+def _max_commas(state: RouterState) -> int:
+    """The most commas a generation request's body may have: a few per token of the context (a
+    prompt of token ids has one each, a chat a few per message, each message at least a token),
+    and room for text that has them. 8,176 tokens: 98,240, parsed in at most about 10 ms."""
+    return 4 * context_len(state) + 65_536
 
 
 def _declared_too_big(scope: Scope) -> ApiError | None:

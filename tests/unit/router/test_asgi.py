@@ -46,19 +46,22 @@ def test_the_body_is_read_whole_and_refused_past_the_limit_without_a_content_len
     asyncio.run(main())
 
 
-def test_the_body_is_parsed_as_fastapi_parses_it() -> None:
-    assert asgi.json_body(b'{"a": 1}', None) == {"a": 1}
-    assert asgi.json_body(b'{"a": 1}', "application/json; charset=utf-8") == {"a": 1}
-    assert asgi.json_body(b'{"a": 1}', "application/vnd.x+json") == {"a": 1}
-    assert asgi.json_body(b'{"a": 1}', "text/plain") == b'{"a": 1}'  # validation refuses it
+def test_the_body_is_parsed_as_fastapi_parses_it_within_bounds() -> None:
+    assert asgi.json_body(b'{"a": 1}', None, 0) == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "application/json; charset=utf-8", 0) == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "application/vnd.x+json", 0) == {"a": 1}
+    assert asgi.json_body(b'{"a": 1}', "text/plain", 0) == b'{"a": 1}'  # validation refuses it
+    assert asgi.json_body(b"[1, 2, 3]", None, 2) == [1, 2, 3]
     cases = [(b"", "the request body is missing"),
              (b'{"a": ', "not valid JSON"),
-             (b"\xff\xfe{", "not valid JSON")]  # fmt: skip
+             (b"\xff\xfe{", "not valid JSON"),
+             (b"[" * 100_000 + b"]" * 100_000, "not valid JSON (nested too deeply)"),
+             (b"[1, 2, 3, 4]", "has 3 commas, more than a request")]  # fmt: skip
     for raw, fragment in cases:
         with pytest.raises(ApiError) as refused:
-            asgi.json_body(raw, "application/json")
+            asgi.json_body(raw, "application/json", 2)
         assert refused.value.status == 400 and fragment in refused.value.message, raw
-    nan = asgi.json_body(b'{"t": NaN}', None)  # Python's JSON, as FastAPI: the schema refuses it
+    nan = asgi.json_body(b'{"t": NaN}', None, 0)  # Python's JSON, as FastAPI: the schema refuses it
     assert json.dumps(nan) == '{"t": NaN}'
 
 
