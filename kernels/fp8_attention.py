@@ -10,10 +10,12 @@ the reference (`kvrail.kernels.reference.fp8_causal_attention`).
 With an FP8 KV cache, a prompt that starts at position 0 attends over exactly the K and V the
 cache holds: `kvrail.kernels.rotary_kv.rotary_write_kv_fp8` hands q, k and v over in e4m3 (a
 scale of 1, saturated, as the cache stores them) with the largest magnitude of v. cuDNN's FP8
-SDPA multiplies them on FP8 tensor cores: the probabilities are quantized over a scale of 448
-(they lie in [0, 1]), and the output over 448 / amax(v), exact as a bound since every output row
-is a convex combination of rows of v. The output comes back as `QuantizedRows` for the output
-projection (one scale for every row), so it is never widened to bfloat16 and quantized again.
+SDPA multiplies them on FP8 tensor cores: the probabilities are quantized over a scale of 256
+(they lie in [0, 1]), and the output over 256 / amax(v), a bound since every output row is a
+convex combination of rows of v (`FP8_ATTENTION_RANGE`: below e4m3's 448, with room for the
+rounding of the probabilities, which the first run's scales of 448 left none; cuDNN's tests
+leave more). The output comes back as `QuantizedRows` for the output projection (one scale for
+every row), so it is never widened to bfloat16 and quantized again.
 
 What one H200 run showed (`bench/engine/fp8_attention_inference_2026-12-05.txt`, Llama-3-8B's
 shape, a graph of cuDNN's inference mode): 0.58 ms a layer at 8,192 tokens (950 TFLOP/s) against
@@ -38,7 +40,7 @@ from typing import Any
 
 import torch
 
-from kvrail.kernels.reference import FP8_MAX, QuantizedRows
+from kvrail.kernels.reference import FP8_ATTENTION_RANGE, QuantizedRows
 
 E4M3 = torch.float8_e4m3fn
 MIN_CAPABILITY = (9, 0)  # Hopper: cuDNN's FP8 flash attention
@@ -60,6 +62,10 @@ class _Shape:
     num_kv_heads: int
     head_dim: int
     scale: float
+    out_dtype: torch.dtype  # e4m3, or bfloat16 / float16 for an output that is not quantized
+
+
+_CUDNN_TYPES = {E4M3: "FP8_E4M3", torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
 
 
 class _Graph:
@@ -69,6 +75,7 @@ class _Graph:
         import cudnn
 
         e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+        out_type = getattr(cudnn.data_type, _CUDNN_TYPES[shape.out_dtype])
         n, length, d = shape.num_seqs, shape.length, shape.head_dim
         graph = cudnn.pygraph(
             io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle
@@ -92,7 +99,7 @@ class _Graph:
             attn_scale=shape.scale, use_causal_mask=True, name="causal_fp8",
         )  # fmt: skip
         dim, stride = packed(shape.num_heads)
-        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(e4m3)
+        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(out_type)
         stats.set_output(True).set_dim([n, shape.num_heads, length, 1]).set_stride(
             [shape.num_heads * length, length, 1, 1]
         ).set_data_type(f32)
@@ -118,7 +125,8 @@ class _Device:
         with torch.cuda.device(device):
             self.handle = cudnn.create_handle()
         one = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=device)
-        self.one, self.p_scale, self.p_descale = one, one * FP8_MAX, one / FP8_MAX
+        self.one, self.p_scale = one, one * FP8_ATTENTION_RANGE
+        self.p_descale = one / FP8_ATTENTION_RANGE
         self.graphs: dict[_Shape, _Graph] = {}
 
 
@@ -150,6 +158,29 @@ def fp8_causal_attention(
     scale of 1), each attending causally to itself; v_amax: float32 [1], the largest |v|. Returns
     the output's rows [n*L, Hq*D] in e4m3 with their float32 scales [n*L] (all the same), as
     activations of `dtype`."""
+    descale_o = v_amax.reshape(1, 1, 1, 1).clamp(min=1e-6) / FP8_ATTENTION_RANGE
+    out = _attend(q, k, v, num_seqs, scale, E4M3, descale_o)
+    return QuantizedRows(out, descale_o.reshape(1).expand(q.shape[0]).contiguous(), dtype)
+
+
+def fp8_causal_attention_widened(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """The same attention with its output rows [n*L, Hq*D] in `dtype` (bfloat16 or float16),
+    not quantized: the configuration cuDNN's FP8 tests also run, measured beside the quantized
+    output by bench/engine/fp8_attention.py."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"an output in {dtype}: bfloat16 or float16 only")
+    one = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q.device)
+    return _attend(q, k, v, num_seqs, scale, dtype, one)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float,
+    out_dtype: torch.dtype, descale_o: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """The output rows [n*L, Hq*D] in `out_dtype`, stored over 1 / `descale_o`."""
     import cudnn
 
     total, num_heads, head_dim = q.shape
@@ -166,12 +197,10 @@ def fp8_causal_attention(
         raise ValueError("cuDNN's FP8 attention needs a GPU of compute capability 9.0+")
     shape = _Shape(
         q.device.index or 0, num_seqs, total // num_seqs, num_heads, k.shape[1], head_dim,
-        float(scale),
+        float(scale), out_dtype,
     )  # fmt: skip
     state, graph = _graph(shape, q.device)
-    amax = v_amax.reshape(1, 1, 1, 1).clamp(min=1e-6)
-    descale_o = amax / FP8_MAX
-    out = torch.empty(total, num_heads * head_dim, dtype=E4M3, device=q.device)
+    out = torch.empty(total, num_heads * head_dim, dtype=out_dtype, device=q.device)
     stats = torch.empty(graph.stats_shape, dtype=torch.float32, device=q.device)
     workspace = torch.empty(graph.workspace_bytes, dtype=torch.uint8, device=q.device)
     amaxes = torch.empty(2, dtype=torch.float32, device=q.device)
@@ -184,4 +213,4 @@ def fp8_causal_attention(
     }  # fmt: skip
     cudnn.set_stream(handle=state.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
     graph.graph.execute(pack, workspace, handle=state.handle)
-    return QuantizedRows(out, descale_o.reshape(1).expand(total).contiguous(), dtype)
+    return out

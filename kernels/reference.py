@@ -52,6 +52,11 @@ def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 FP8_WEIGHT_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_WEIGHT_DTYPE).max)  # 448
 FP8_MIN_SCALE = 1e-12  # an all-zero row or token: its values stay 0
+FP8_ATTENTION_RANGE = 256.0
+"""The largest magnitude FP8 attention gives its probabilities (over [0, 1]) and its output rows
+(over the largest |v|): a power of two below e4m3's 448, so that P rounded up (by up to 1/16)
+and an output row computed from it stay in range (e4m3 has no infinity: beyond 448 is NaN
+unless saturated). cuDNN's own FP8 attention tests leave more room still."""
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -272,8 +277,8 @@ def fp8_causal_attention(
 ) -> QuantizedRows:
     """`kvrail.kernels.fp8_attention.causal_attention`'s contract, in float32: `num_seqs`
     equal-length sequences packed in e4m3 q [n*L, Hq, D], k/v [n*L, Hkv, D], each attending
-    causally to itself; the output's rows [n*L, Hq*D] in e4m3 over 448 / v_amax (every row a
-    convex combination of rows of v), with that scale's inverse for every row."""
+    causally to itself; the output's rows [n*L, Hq*D] in e4m3 over FP8_ATTENTION_RANGE / v_amax
+    (every row a convex combination of rows of v), with that scale's inverse for every row."""
     total, num_heads, head_dim = q.shape
     if num_seqs < 1 or total % num_seqs:
         raise ValueError(f"{total} tokens are not {num_seqs} sequences of one length")
@@ -287,9 +292,9 @@ def fp8_causal_attention(
         enable_gqa=k.shape[1] != num_heads,
     )  # fmt: skip
     amax = v_amax.float().reshape(()).clamp(min=1e-6)
-    rows = out.transpose(1, 2).reshape(total, num_heads * head_dim) * (FP8_MAX / amax)
+    rows = out.transpose(1, 2).reshape(total, num_heads * head_dim) * (FP8_ATTENTION_RANGE / amax)
     values = to_cache_dtype(rows, FP8_WEIGHT_DTYPE)
-    return QuantizedRows(values, (amax / FP8_MAX).expand(total).contiguous(), dtype)
+    return QuantizedRows(values, (amax / FP8_ATTENTION_RANGE).expand(total).contiguous(), dtype)
 
 
 def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

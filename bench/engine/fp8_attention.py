@@ -2,7 +2,7 @@
 GPU: torch's bf16 `scaled_dot_product_attention` on cuDNN (what the engine runs from 4,096 tokens
 on) and on flash attention, against kvrail's FP8 attention (`kvrail.kernels.fp8_attention`:
 cuDNN's FP8 flash attention over e4m3 q/k/v as the FP8 KV cache rounds them, the output e4m3
-over 448 / amax(v)).
+over 256 / amax(v), `reference.FP8_ATTENTION_RANGE`).
 
     python3 -P bench/engine/fp8_attention.py      # needs nvidia-cudnn-frontend (1.18.0)
 
@@ -10,11 +10,12 @@ First, for 4,096 and 8,192 tokens, each call after an L2 flush: bf16 cuDNN atten
 strided view of the QKV output as the engine passes it, with v contiguous, and with v copied
 first; and the FP8 attention. Then per length: milliseconds per call (best of five CUDA-event
 timings of 10 calls) and TFLOP/s of the causal attention's two matmuls; for FP8, the call as the
-engine would make it (its output scale computed, its rows' scales written) and the time to build
-the plan of a new shape; and the error of each against float32 attention over the bf16 inputs
-on four heads (relative RMS and largest absolute error): for FP8 it includes rounding q, k and v
-to e4m3. Not yet run in this form; a first version's run (cuDNN's inference mode):
-fp8_attention_inference_2026-12-05.txt.
+engine would make it (its output scale computed, its rows' scales written), with its output in
+bf16 instead of e4m3, and with K and V expanded to every query head (the last two tell apart the
+causes of a wrong result), and the time to build the plan of a new shape; and the error of each
+against float32 attention over the bf16 inputs on four heads (relative RMS and largest absolute
+error): for FP8 it includes rounding q, k and v to e4m3. Not yet run in this form; a first
+version's run (cuDNN's inference mode, scales of 448): fp8_attention_inference_2026-12-05.txt.
 """
 
 from __future__ import annotations
@@ -96,18 +97,34 @@ def bench_length(length: int) -> None:
               f"{error(bf16(backend)[:, :4], ref)}")  # fmt: skip
     q8, k8, v8 = (ref_ops.to_cache_dtype(x, FP8) for x in (q, k, v))
     v_amax = v8.float().abs().amax().reshape(1)
-
-    def fp8():
-        return fp8_attention.fp8_causal_attention(q8, k8, v8, v_amax, 1, scale, torch.bfloat16)
-
-    started = time.perf_counter()
-    fp8()
-    torch.cuda.synchronize()
-    built = time.perf_counter() - started
-    t = timed(fp8)
-    out = ref_ops.dequantize_rows(fp8()).view(length, HQ, D)
-    print(f"  {'kvrail FP8':12s} {t * 1e3:7.3f} ms  {flops / t / 1e12:6.0f} TFLOP/s  "
-          f"{error(out[:, :4], ref)}; first call (the plan) {built * 1e3:.0f} ms")  # fmt: skip
+    k8x, v8x = (x.repeat_interleave(HQ // HKV, dim=1).contiguous() for x in (k8, v8))
+    variants = {  # what the engine calls, then two that tell a failure's cause apart
+        "kvrail FP8": lambda: fp8_attention.fp8_causal_attention(
+            q8, k8, v8, v_amax, 1, scale, torch.bfloat16
+        ),
+        "FP8, bf16 out": lambda: fp8_attention.fp8_causal_attention_widened(
+            q8, k8, v8, 1, scale, torch.bfloat16
+        ),
+        "FP8, K/V expanded to 32 heads": lambda: fp8_attention.fp8_causal_attention(
+            q8, k8x, v8x, v_amax, 1, scale, torch.bfloat16
+        ),
+    }
+    for name, fn in variants.items():
+        try:
+            started = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            built = time.perf_counter() - started
+            t = timed(fn)
+            out = fn()
+            if isinstance(out, ref_ops.QuantizedRows):
+                out = ref_ops.dequantize_rows(out)
+            out = out.view(length, HQ, D)
+        except Exception as err:  # report and go on with the next variant
+            print(f"  {name} failed: {type(err).__name__}: {str(err)[:300]}")
+            continue
+        print(f"  {name:12s} {t * 1e3:7.3f} ms  {flops / t / 1e12:6.0f} TFLOP/s  "
+              f"{error(out[:, :4], ref)}; first call (the plan) {built * 1e3:.0f} ms")  # fmt: skip
 
 
 def cold(fn, calls: int = 10) -> float:

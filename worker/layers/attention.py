@@ -14,7 +14,7 @@ one tiled launch of the paged kernel computes every chunk. Kernels come from
 Over an e4m3 KV cache, a step that is nothing but fresh prompts of one length from
 `_CUDNN_MIN_LEN` tokens on (`fp8_prefill_sequences`) attends in FP8 instead: the model's layer
 takes q, k and v from the rotary pass in e4m3 as the cache rounds them, and the output goes to
-the output projection still quantized (e4m3 rows over 448 / the largest |v|). On the CPU the
+the output projection still quantized (e4m3 rows over 256 / the largest |v|). On the CPU the
 reference computes it in float32 over those values. On CUDA it is cuDNN's FP8 flash attention
 (`kvrail.kernels.fp8_attention`), which has not run in this form on a GPU yet, so CUDA steps keep
 the bfloat16 path until it has (`_FP8_ON_CUDA`; `bench/engine/fp8_attention_ab.sh` is the run).
