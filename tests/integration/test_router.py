@@ -352,19 +352,24 @@ def test_chat_without_max_tokens_gets_the_room_the_workers_hold(pool: LocalPool)
 
 
 @pytest.mark.parametrize(
-    ("path", "body", "code"),
+    ("path", "body", "code", "fragment"),
     [
         ("/v1/chat/completions",
          {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2_000_000}]},
-         "context_length_exceeded"),
+         "context_length_exceeded", "10000000 bytes of text"),
         # 8 MB of token ids: refused by its commas, before Python's parser holds the event loop
         # for the 3 million numbers (0.45 s for 16 MiB of them on a 2-vCPU VM)
-        ("/v1/completions", {"model": MODEL, "prompt": [1] * 3_000_000}, "request_too_complex"),
+        ("/v1/completions", {"model": MODEL, "prompt": [1] * 3_000_000},
+         "request_too_complex", "3000000 commas"),
+        # more messages than the context has tokens: refused before each is validated
+        ("/v1/chat/completions",
+         {"model": MODEL, "messages": [{"role": "user", "content": "a"}] * 20_000},
+         "context_length_exceeded", "20000 messages"),
     ],
-    ids=["10 MB of text", "3 million token ids"],
+    ids=["10 MB of text", "3 million token ids", "20,000 messages"],
 )  # fmt: skip
 def test_a_huge_prompt_is_refused_at_once_and_never_stalls_others(
-    pool: LocalPool, path: str, body: dict[str, Any], code: str
+    pool: LocalPool, path: str, body: dict[str, Any], code: str, fragment: str
 ) -> None:
     """A prompt over any context by its size alone is refused without tokenizing or even
     parsing it all, while /health keeps answering at once."""
@@ -396,6 +401,7 @@ def test_a_huge_prompt_is_refused_at_once_and_never_stalls_others(
         latencies = [c.result() for c in checks]
     for status, answer, seconds in results:
         assert status == 400 and answer["error"]["code"] == code
+        assert fragment in answer["error"]["message"], answer
         assert seconds < 10, seconds
     assert max(latencies) < 1.0, latencies
 
