@@ -1,11 +1,8 @@
 """Causal attention of fresh prefill sequences in FP8, on cuDNN's flash attention (Hopper).
 
-Not yet used on a GPU: the engine's layers call it on CUDA only once `_FP8_ON_CUDA` in
-`kvrail.worker.layers.attention` is set, after the GPU run of
-`bench/engine/fp8_attention_ab.sh` (which sets it in the device's copy, runs the GPU tests of
-this module, `bench/engine/fp8_attention.py`, the 8k prefill of the FP8 engine beside the tree
-without it, and the logits against the bf16 engine's). Meanwhile the CPU runs the same path over
-the reference (`kvrail.kernels.reference.fp8_causal_attention`).
+The engine's layers take this path over an e4m3 KV cache for steps of fresh prompts of 4,096
+tokens or more (`kvrail.worker.layers.attention.fp8_prefill_sequences`); the CPU runs the same
+path over the reference (`kvrail.kernels.reference.fp8_causal_attention`).
 
 With an FP8 KV cache, a prompt that starts at position 0 attends over exactly the K and V the
 cache holds: `kvrail.kernels.rotary_kv.rotary_write_kv_fp8` hands q, k and v over in e4m3 (a
@@ -17,12 +14,13 @@ rounding of the probabilities, which the first run's scales of 448 left none; cu
 leave more). The output comes back as `QuantizedRows` for the output projection (one scale for
 every row), so it is never widened to bfloat16 and quantized again.
 
-What one H200 run showed (`bench/engine/fp8_attention_inference_2026-12-05.txt`, Llama-3-8B's
-shape, a graph of cuDNN's inference mode): 0.58 ms a layer at 8,192 tokens (950 TFLOP/s) against
-0.91 for cuDNN's bf16 attention, but wrong outputs (a relative error of 1.25; NaN with K and V
-expanded to every head). cuDNN's own tests run Hopper's FP8 attention in training mode only, so
-this module builds that graph (it also writes the softmax statistics, to a scratch buffer); its
-speed and accuracy are what the next GPU run measures.
+On an H100 (`bench/engine/fp8_attention_2026-12-05.txt`, Llama-3-8B's 32/8 heads): 0.625 ms a
+layer at 8,192 tokens (880 TFLOP/s) against 0.921 for cuDNN's bf16 attention, within 5% RMS of
+float32 attention over the same e4m3 q, k and v (its GPU tests). A first version built cuDNN's
+inference-mode graph with scales of 448, and its outputs were wrong on the H200 (a relative error
+of 1.25; `fp8_attention_inference_2026-12-05.txt`); this one builds the training-mode graph
+(which also writes the softmax statistics, to a scratch buffer) with the headroom above. An
+output in bf16 instead of e4m3 is refused by cuDNN 9.19 on Hopper.
 
 cuDNN builds a plan for every new shape (60-90 ms on the H200 in that run; the first in a
 process about a second), as torch's own cuDNN attention does, so graphs are cached by shape and
@@ -62,10 +60,6 @@ class _Shape:
     num_kv_heads: int
     head_dim: int
     scale: float
-    out_dtype: torch.dtype  # e4m3, or bfloat16 / float16 for an output that is not quantized
-
-
-_CUDNN_TYPES = {E4M3: "FP8_E4M3", torch.bfloat16: "BFLOAT16", torch.float16: "HALF"}
 
 
 class _Graph:
@@ -75,7 +69,6 @@ class _Graph:
         import cudnn
 
         e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
-        out_type = getattr(cudnn.data_type, _CUDNN_TYPES[shape.out_dtype])
         n, length, d = shape.num_seqs, shape.length, shape.head_dim
         graph = cudnn.pygraph(
             io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle
@@ -99,7 +92,7 @@ class _Graph:
             attn_scale=shape.scale, use_causal_mask=True, name="causal_fp8",
         )  # fmt: skip
         dim, stride = packed(shape.num_heads)
-        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(out_type)
+        o.set_output(True).set_dim(dim).set_stride(stride).set_data_type(e4m3)
         stats.set_output(True).set_dim([n, shape.num_heads, length, 1]).set_stride(
             [shape.num_heads * length, length, 1, 1]
         ).set_data_type(f32)
@@ -158,29 +151,6 @@ def fp8_causal_attention(
     scale of 1), each attending causally to itself; v_amax: float32 [1], the largest |v|. Returns
     the output's rows [n*L, Hq*D] in e4m3 with their float32 scales [n*L] (all the same), as
     activations of `dtype`."""
-    descale_o = v_amax.reshape(1, 1, 1, 1).clamp(min=1e-6) / FP8_ATTENTION_RANGE
-    out = _attend(q, k, v, num_seqs, scale, E4M3, descale_o)
-    return QuantizedRows(out, descale_o.reshape(1).expand(q.shape[0]).contiguous(), dtype)
-
-
-def fp8_causal_attention_widened(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float,
-    dtype: torch.dtype,
-) -> torch.Tensor:  # fmt: skip
-    """The same attention with its output rows [n*L, Hq*D] in `dtype` (bfloat16 or float16),
-    not quantized: the configuration cuDNN's FP8 tests also run, measured beside the quantized
-    output by bench/engine/fp8_attention.py."""
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"an output in {dtype}: bfloat16 or float16 only")
-    one = torch.ones(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-    return _attend(q, k, v, num_seqs, scale, dtype, one)
-
-
-def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_seqs: int, scale: float,
-    out_dtype: torch.dtype, descale_o: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """The output rows [n*L, Hq*D] in `out_dtype`, stored over 1 / `descale_o`."""
     import cudnn
 
     total, num_heads, head_dim = q.shape
@@ -197,10 +167,11 @@ def _attend(
         raise ValueError("cuDNN's FP8 attention needs a GPU of compute capability 9.0+")
     shape = _Shape(
         q.device.index or 0, num_seqs, total // num_seqs, num_heads, k.shape[1], head_dim,
-        float(scale), out_dtype,
+        float(scale),
     )  # fmt: skip
     state, graph = _graph(shape, q.device)
-    out = torch.empty(total, num_heads * head_dim, dtype=out_dtype, device=q.device)
+    descale_o = v_amax.reshape(1, 1, 1, 1).clamp(min=1e-6) / FP8_ATTENTION_RANGE
+    out = torch.empty(total, num_heads * head_dim, dtype=E4M3, device=q.device)
     stats = torch.empty(graph.stats_shape, dtype=torch.float32, device=q.device)
     workspace = torch.empty(graph.workspace_bytes, dtype=torch.uint8, device=q.device)
     amaxes = torch.empty(2, dtype=torch.float32, device=q.device)
@@ -213,4 +184,4 @@ def _attend(
     }  # fmt: skip
     cudnn.set_stream(handle=state.handle, stream=torch.cuda.current_stream(q.device).cuda_stream)
     graph.graph.execute(pack, workspace, handle=state.handle)
-    return out
+    return QuantizedRows(out, descale_o.reshape(1).expand(total).contiguous(), dtype)

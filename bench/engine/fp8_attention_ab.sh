@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# FP8 prefill attention on a lent H200, in one device command (outputs under $OUT): CUDA steps
-# switched to it in the device's copy of the tree (`_FP8_ON_CUDA` in worker/layers/attention.py),
-# its GPU tests, bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this
-# copy and of build/old (`git archive HEAD kvrail operator worker router kernels agent cli local
-# testing bench/engine | tar -x -C build/old`: the tree as committed, without it), the 8k
-# prefill timed (the path does not engage below 4,096 tokens), then this tree's logits and
-# greedy tokens against the bf16 engine's for a 512- and an 8,192-token prompt (the second
-# attends in FP8). Carry `.whl` and `build/old`; from the repository root:
+# FP8 prefill attention on a lent Hopper GPU, in one device command (outputs under $OUT): its GPU
+# tests, bench/engine/fp8_attention.py, then the FP8 engine (FP8 weights, e4m3 KV) of this tree
+# and of build/old with FP8 attention switched off in its copy (`_FP8_ON_CUDA` in
+# worker/layers/attention.py; build/old: `git archive HEAD kvrail operator worker router kernels
+# agent cli local testing bench/engine | tar -x -C build/old`), the 8k prefill timed (the path does
+# not engage below 4,096 tokens), then this tree's logits and greedy tokens against the bf16
+# engine's for a 512- and an 8,192-token prompt (the second attends in FP8; this step needs an
+# H200's memory). First run, when the switch was still off in the tree and set here instead:
+# bench/engine/fp8_attention_2026-12-05.txt (an H100). Carry `.whl` and `build/old`; from the
+# repository root:
 #   bash bench/engine/fp8_attention_ab.sh
 set -uo pipefail
 source hack/device-env.sh >/dev/null || exit 1
-sed -i 's/^_FP8_ON_CUDA = False$/_FP8_ON_CUDA = True/' worker/layers/attention.py
-grep -q '^_FP8_ON_CUDA = True$' worker/layers/attention.py || { echo "no _FP8_ON_CUDA to set"; exit 1; }
+sed -i 's/^_FP8_ON_CUDA = True$/_FP8_ON_CUDA = False/' build/old/worker/layers/attention.py
+grep -q '^_FP8_ON_CUDA = False$' build/old/worker/layers/attention.py || { echo "no _FP8_ON_CUDA"; exit 1; }
 cp bench/engine/gpu_llama3_8b.py build/old/bench/engine/  # its --prefill-only
 rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
 for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done

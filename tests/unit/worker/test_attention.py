@@ -125,8 +125,8 @@ def _fp8_cases() -> list[tuple[list[int], int, torch.dtype, int]]:
 @pytest.mark.parametrize("case", range(7))
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_only_steps_of_fresh_long_prompts_over_an_e4m3_cache_attend_in_fp8(case, device) -> None:
-    """On the CPU exactly the steps named; on CUDA none until cuDNN's FP8 graph has run on a GPU
-    (`_FP8_ON_CUDA`), then those named on Hopper."""
+    """On the CPU exactly the steps named; on CUDA those named on Hopper (none before it, or
+    with `_FP8_ON_CUDA` off)."""
     from kvrail.kernels import fp8_attention
     from kvrail.worker.layers import attention
 
