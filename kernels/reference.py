@@ -275,7 +275,7 @@ def fp8_causal_attention(
     scale: float,
     dtype: torch.dtype,
 ) -> QuantizedRows:
-    """`kvrail.kernels.fp8_attention.causal_attention`'s contract, in float32: `num_seqs`
+    """`kvrail.kernels.fp8_attention.fp8_causal_attention`'s contract, in float32: `num_seqs`
     equal-length sequences packed in e4m3 q [n*L, Hq, D], k/v [n*L, Hkv, D], each attending
     causally to itself; the output's rows [n*L, Hq*D] in e4m3 over FP8_ATTENTION_RANGE / v_amax
     (every row a convex combination of rows of v), with that scale's inverse for every row."""

@@ -114,10 +114,7 @@ def bench_length(length: int) -> None:
             torch.cuda.synchronize()
             built = time.perf_counter() - started
             t = timed(fn)
-            out = fn()
-            if isinstance(out, ref_ops.QuantizedRows):
-                out = ref_ops.dequantize_rows(out)
-            out = out.view(length, HQ, D)
+            out = ref_ops.dequantize_rows(fn()).view(length, HQ, D)
         except Exception as err:  # report and go on with the next variant
             print(f"  {name} failed: {type(err).__name__}: {str(err)[:300]}")
             continue
