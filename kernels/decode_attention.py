@@ -1,25 +1,32 @@
 """Triton kernel: paged decode attention, one query token per sequence, split-K (flash-decoding).
 
-Same contract as `kvrail.kernels.reference.paged_decode_attention`. The grid is (sequence, KV
-head, split): each program takes all the query heads of its KV head's group (K and V are loaded
-once per group) over one contiguous slice of the context, walking it in BLOCK_N-token tiles
-through the block table with an online softmax (float32 accumulators). With one split the
-program normalises and stores the output directly; with several, each writes its partial
-(max, sum, unnormalised acc) and `_reduce_kernel` merges the splits in a fixed order, so results
-are deterministic. The split count is chosen on the host from the batch and a static context
-bound (the block table's width), never from `seq_lens`, so a launch is CUDA-graph capturable;
-a slice's length is derived from the sequence's own length inside the kernel. An FP8 cache is
-read as stored (half the bytes of bf16) and each tile converted to float16, which holds every
-e4m3 and e5m2 value exactly, for dots with a float16 query that carries the softmax scale (so
-the scores need no multiply; a query beyond float16's range saturates). Converting to float16
-is cheaper than to bf16 and keeps three more bits of the query: at 256 sequences of 512-640
-tokens one layer took 177 us against 195 (bench/engine/decode_attention_sweep.txt, which also
-tried an e4m3 query against e4m3 K: 185 us at ten times the error). Where the layout allows
-(`words_fit`: the engine's always does), the tiles are loaded as int32 words of four values and
-converted in registers (`_fp8_tile`), so they reach shared memory, on their way to the dots,
-already 16-bit: loaded as bytes, the compiler converts them after shared memory, and V, which
-the second dot takes transposed, was read from there a byte at a time (256 sequences: 156.8
-against 177.8 us a layer).
+Same contract as `kvrail.kernels.reference.paged_decode_attention`. The grid is (KV head,
+sequence, split), the KV head fastest, so the programs that run together read the same blocks'
+token rows (one block holds every head's row of a token side by side): each program takes all
+the query heads of its KV head's group (K and V are loaded once per group) over one contiguous
+slice of the context, walking it in BLOCK_N-token tiles through the block table with an online
+softmax (float32 accumulators). With one split the program normalises and stores the output
+directly; with several, each writes its partial (max, sum, unnormalised acc) and
+`_reduce_kernel` merges the splits in a fixed order, so results are deterministic. The split
+count is chosen on the host from the batch and a static context bound (the block table's width),
+never from `seq_lens`, so a launch is CUDA-graph capturable; a slice's length is derived from
+the sequence's own length inside the kernel. An FP8 cache is read as stored (half the bytes of
+bf16) and each tile converted to float16, which holds every e4m3 and e5m2 value exactly, for
+dots with a float16 query that carries the softmax scale (so the scores need no multiply; a
+query beyond float16's range saturates). Converting to float16 is cheaper than to bf16 and keeps
+three more bits of the query: at 256 sequences of 512-640 tokens one layer took 177 us against
+195 (bench/engine/decode_attention_sweep.txt, which also tried an e4m3 query against e4m3 K: 185
+us at ten times the error). Where the layout allows (`words_fit`: the engine's always does), the
+tiles are loaded as int32 words of four values and converted in registers (`_fp8_convert`), so
+they reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the
+compiler converts them after shared memory, and V, which the second dot takes transposed, was
+read from there a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is
+loaded together with K's (`V_EARLY`), so both are in flight before the first dot waits, except
+for an FP8 cache read as bytes, where that was slower. On an H100, the grid's order and V's
+early load together took 256 sequences' FP8 layer from 138.9-139.0 to 136.2-136.6 us and bf16's
+from 214.0 to 211.1-211.2 (the grid order alone: 138.5-138.9 and 211.5-211.6); loading the next
+tile's K and V while one tile is multiplied was much slower (181 and 256 us:
+bench/engine/decode_attention_sweep.txt).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -62,20 +69,69 @@ def _fp8_words_to_f16(words, E5M2: tl.constexpr):
 
 
 @triton.jit
-def _fp8_tile(cache, rows, n_mask, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """A [BLOCK_N, D_PAD] tile of an FP8 cache in float16: token i's head row starts at word
-    `rows[i]` of `cache` read as int32 words. Read as words and converted in registers, so the
-    tile reaches shared memory (on its way to the dot) already 16-bit, not as bytes that a
-    transposed operand would read one at a time."""
+def _fp8_words(cache, rows, n_mask, D_PAD: tl.constexpr):
+    """The int32 words of a [len(rows), D_PAD] tile of an FP8 cache: token i's head row starts
+    at word `rows[i]` of `cache` read as int32 words (`_fp8_convert` makes them float16)."""
     w = tl.arange(0, D_PAD // 4)
-    words = tl.load(
+    return tl.load(
         cache.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] + w[None, :],
         mask=n_mask[:, None],
         other=0,
     )
-    a, b, c, d = _fp8_words_to_f16(words, cache.dtype.element_ty == tl.float8e5)
+
+
+@triton.jit
+def _fp8_convert(words, E5M2: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """`_fp8_words`'s words as the [BLOCK_N, D_PAD] float16 tile, converted in registers, so the
+    tile reaches shared memory (on its way to the dot) already 16-bit, not as bytes that a
+    transposed operand would read one at a time."""
+    a, b, c, d = _fp8_words_to_f16(words, E5M2)
     quads = tl.join(tl.join(a, c), tl.join(b, d))  # [.., w, 2, 2]: a, b, c, d in order
     return tl.reshape(quads, [BLOCK_N, D_PAD])
+
+
+@triton.jit
+def paged_load(
+    cache,
+    phys,
+    within,
+    kvh,
+    stride_b,
+    stride_s,
+    stride_h,
+    d,
+    n_mask,
+    d_mask,
+    WORDS: tl.constexpr,
+    D_PAD: tl.constexpr,
+):
+    """KV head `kvh`'s rows at tokens in blocks `phys`, offsets `within`, as loaded: the tile as
+    stored or, with WORDS (an FP8 cache, strides counted in int32 words), its words;
+    `paged_convert` gives the tile the dots take. Both attention kernels load K and V so."""
+    if WORDS:  # a constexpr branch: one return, the two differ in type and shape
+        raw = _fp8_words(cache, phys * stride_b + within * stride_s + kvh * stride_h, n_mask,
+                         D_PAD)  # fmt: skip
+    else:
+        raw = tl.load(
+            cache
+            + phys[:, None] * stride_b
+            + within[:, None] * stride_s
+            + kvh * stride_h
+            + d[None, :],
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+    return raw
+
+
+@triton.jit
+def paged_convert(raw, cache, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
+    """`paged_load`'s result as the [BLOCK_N, D_PAD] tile: WORDS in float16, else as it is."""
+    if WORDS:
+        tile = _fp8_convert(raw, cache.dtype.element_ty == tl.float8e5, BLOCK_N, D_PAD)
+    else:
+        tile = raw
+    return tile
 
 
 @triton.jit
@@ -94,23 +150,10 @@ def paged_tile(
     BLOCK_N: tl.constexpr,
     D_PAD: tl.constexpr,
 ):
-    """The [BLOCK_N, D_PAD] tile of KV head `kvh` at tokens in blocks `phys`, offsets `within`:
-    as stored, or with WORDS (an FP8 cache, strides counted in int32 words) in float16
-    (`_fp8_tile`). Both attention kernels load K and V through it."""
-    if WORDS:  # a constexpr branch: one return, the tile's type differs between the two
-        tile = _fp8_tile(cache, phys * stride_b + within * stride_s + kvh * stride_h, n_mask,
-                         BLOCK_N, D_PAD)  # fmt: skip
-    else:
-        tile = tl.load(
-            cache
-            + phys[:, None] * stride_b
-            + within[:, None] * stride_s
-            + kvh * stride_h
-            + d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-    return tile
+    """`paged_convert(paged_load(...))`: the tile, loaded and converted at once."""
+    raw = paged_load(cache, phys, within, kvh, stride_b, stride_s, stride_h, d, n_mask, d_mask,
+                     WORDS, D_PAD)  # fmt: skip
+    return paged_convert(raw, cache, WORDS, BLOCK_N, D_PAD)
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
@@ -149,12 +192,13 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_WORDS: tl.constexpr,
+    V_EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
         gdc_wait()
-    s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(0)  # fastest: a sequence's KV heads share its blocks' rows
+    s = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + s)
     chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
@@ -182,8 +226,12 @@ def _decode_kernel(
         n_mask = n < hi
         phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
         within = (n % block_size).to(tl.int64)
-        k = paged_tile(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
-                       d_mask, KV_WORDS, BLOCK_N, D_PAD)  # fmt: skip
+        k_raw = paged_load(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
+                           d_mask, KV_WORDS, D_PAD)  # fmt: skip
+        if V_EARLY:  # V's load issued with K's: both in flight before the first dot waits
+            v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
+                               n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
+        k = paged_convert(k_raw, k_cache, KV_WORDS, BLOCK_N, D_PAD)
         if KV_FP8:  # read in FP8, multiplied in float16 (already, read as words)
             k = k.to(tl.float16)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
@@ -197,8 +245,10 @@ def _decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = paged_tile(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d, n_mask,
-                       d_mask, KV_WORDS, BLOCK_N, D_PAD)  # fmt: skip
+        if not V_EARLY:
+            v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
+                               n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
+        v = paged_convert(v_raw, v_cache, KV_WORDS, BLOCK_N, D_PAD)
         if KV_FP8:
             v = v.to(tl.float16)
         if IEEE:
@@ -303,7 +353,7 @@ def compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
 
 
 def words_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
-    """Whether an FP8 cache can be read as int32 words of four values (`_fp8_tile`): every
+    """Whether an FP8 cache can be read as int32 words of four values (`_fp8_words`): every
     head row whole words on a 16-byte boundary, and the head dimension a power of two of at
     least 16 (no column mask)."""
     if k_cache.dtype not in FP8_DTYPES or head_dim < 16 or head_dim & (head_dim - 1):
@@ -385,7 +435,7 @@ def paged_decode_attention(
         part_acc = torch.empty(
             num_seqs, num_heads, num_splits, d_pad, dtype=f32, device=query.device
         )
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query,
         k_cache,
         v_cache,
@@ -418,6 +468,7 @@ def paged_decode_attention(
         IEEE=compute_dtype(query, k_cache) == torch.float32,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
         KV_WORDS=words,
+        V_EARLY=words or k_cache.dtype not in FP8_DTYPES,  # see the module's docstring
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,
