@@ -73,16 +73,20 @@ def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
 def _copy_between_kernel(src, dst, src_ids, dst_ids, block_numel, CHUNK: tl.constexpr):
     i = tl.program_id(0)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < block_numel
-    s = tl.load(src_ids + i).to(tl.int64) * block_numel
-    d = tl.load(dst_ids + i).to(tl.int64) * block_numel
+    s_id = tl.load(src_ids + i).to(tl.int64)
+    d_id = tl.load(dst_ids + i).to(tl.int64)
+    mask = offs < tl.where(tl.minimum(s_id, d_id) < 0, 0, block_numel)  # negative: padding
+    s = s_id * block_numel
+    d = d_id * block_numel
     tl.store(dst + d + offs, tl.load(src + s + offs, mask=mask), mask=mask)
 
 
 def copy_blocks(
     src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
 ) -> None:
-    """dst[dst_ids[i]] = src[src_ids[i]] for every i; both regions [num_blocks, ...] alike."""
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i where neither id is negative (padding, so
+    a captured launch can serve fewer blocks than it was captured for); both regions
+    [num_blocks, ...] alike."""
     block_numel = _check(src, src_ids)
     if _check(dst, dst_ids) != block_numel or src.dtype != dst.dtype:
         raise ValueError("source and destination blocks differ in size or dtype")

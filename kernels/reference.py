@@ -310,9 +310,11 @@ def scatter_blocks(buffer: torch.Tensor, kv_cache: torch.Tensor, block_ids: torc
 def copy_blocks(
     src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor
 ) -> None:
-    """dst[dst_ids[i]] = src[src_ids[i]] for every i (block ids index dim 0 of both)."""
+    """dst[dst_ids[i]] = src[src_ids[i]] for every i where neither id is negative (padding:
+    skipped); block ids index dim 0 of both."""
     if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
         raise ValueError("source and destination blocks differ in size or dtype")
     if src_ids.shape != dst_ids.shape:
         raise ValueError(f"{src_ids.shape[0]} source ids but {dst_ids.shape[0]} destination ids")
-    dst[dst_ids.long()] = src[src_ids.long()]
+    keep = (src_ids >= 0) & (dst_ids >= 0)
+    dst[dst_ids[keep].long()] = src[src_ids[keep].long()]

@@ -1,8 +1,9 @@
 """Where one CUDA IPC handoff's wall time goes, on the GPU: `handoff.py`'s `kvrail-cuda-ipc`
-mode (writer here, reader in another process) with the writer's `_write_ipc` and its
-`copy_blocks` call timed from the outside: host time before the kernel's launch (run starts,
-ids staged), the launch itself, the GPU time from just before the launch to the kernel's end
-(CUDA events), and the host time after the launch (waiting for the stream, the notification).
+mode (writer here, reader in another process) with the writer's `_write_ipc` and its copy
+(`GraphedBlockCopy.copy`: ids staged, the graph replayed) timed from the outside: host time
+before the copy (runs counted), the copy call itself, the GPU time from just before it to the
+kernel's end (CUDA events on the connector's stream), and the host time after it (waiting for
+the stream, the notification).
 
     python3 -P bench/transfer/ipc_split.py     # an 8k prompt's KV in FP8 (512 x 1 MiB) and bf16
 
@@ -26,18 +27,18 @@ sys.path.insert(0, str(Path(__file__).parent))
 def main() -> int:
     import handoff
 
-    from kvrail.worker.transfer import kv_connector
+    from kvrail.worker.transfer import ipc_copy, kv_connector
 
     rows: list[tuple[float, ...]] = []
     last: dict[str, Any] = {}
-    copy_blocks, write_ipc = kv_connector.dispatch.copy_blocks, kv_connector.KvConnector._write_ipc
+    copy, write_ipc = ipc_copy.GraphedBlockCopy.copy, kv_connector.KvConnector._write_ipc
 
-    def timed_copy(*args: Any) -> None:
+    def timed_copy(self: Any, *args: Any) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         last["before"] = time.perf_counter()
-        start.record()
-        copy_blocks(*args)
-        end.record()
+        start.record(self._stream)
+        copy(self, *args)
+        end.record(self._stream)
         last["after"], last["events"] = time.perf_counter(), (start, end)
 
     def timed_write(self: Any, *args: Any) -> Any:
@@ -51,9 +52,9 @@ def main() -> int:
         ))  # fmt: skip
         return out
 
-    kv_connector.dispatch = argparse.Namespace(copy_blocks=timed_copy)  # type: ignore[assignment]
+    ipc_copy.GraphedBlockCopy.copy = timed_copy  # type: ignore[method-assign]
     kv_connector.KvConnector._write_ipc = timed_write  # type: ignore[method-assign]
-    names = ("before launch", "launch", "GPU (events)", "after launch", "total")
+    names = ("before the copy", "copy call", "GPU (events)", "after the call", "total")
     for mib, kib in ((512, 1024), (1024, 2048)):
         rows.clear()
         args = argparse.Namespace(

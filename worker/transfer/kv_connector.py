@@ -8,12 +8,13 @@ NIXL WRITE operations over UCX with the completion notification attached; on CPU
 DRAM (shared memory or CMA between processes), across nodes over RDMA when the fabric has it.
 
 Between two GPU processes on one node the data goes over CUDA IPC instead (`cuda_ipc.py`: the
-peer's region is mapped once and blocks are copied device to device), and only the completion
-notification uses NIXL. Those copies and the checksums' reads run on the connector's own CUDA
-stream: on the default one they queued behind whatever the engine launched since (a prefill
-worker computes its next prompt while it writes the last one's blocks). Nothing needs to wait
-for the engine's stream: blocks are handed over after the step that wrote them has been read
-back (its first token).
+peer's region is mapped once and blocks are copied device to device: a few runs one copy each,
+many scattered blocks by one kernel replayed from a CUDA graph, `ipc_copy.py`), and only the
+completion notification uses NIXL. Those copies and the checksums' reads run on the connector's
+own CUDA stream: on the default one they queued behind whatever the engine launched since (a
+prefill worker computes its next prompt while it writes the last one's blocks). Nothing needs to
+wait for the engine's stream: blocks are handed over after the step that wrote them has been
+read back (its first token).
 
 Which path a peer gets is decided when it is added and reported by
 `transport_to(peer)` and in every `TransferStats`; a failed IPC mapping falls back to NIXL with a
@@ -36,11 +37,11 @@ import numpy as np
 import torch
 
 from kvrail.errors import TransferError
-from kvrail.kernels import dispatch
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.transfer.blocks import TransferStats, coalesce, count_runs
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
+from kvrail.worker.transfer.ipc_copy import GraphedBlockCopy
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class _Peer:
     num_blocks: int
     device_id: int
     ipc: ImportedRegion | None = None
+    copier: GraphedBlockCopy | None = None  # into `ipc`, made by the first scattered write
 
 
 def _frame(header: dict[str, object], agent_metadata: bytes) -> bytes:
@@ -125,7 +127,6 @@ class KvConnector:
         self._reg = self._agent.register_memory(region.tensor)
         self._mem = "VRAM" if region.tensor.is_cuda else "DRAM"
         self._peers: dict[str, _Peer] = {}
-        self._staging: torch.Tensor | None = None  # pinned block ids, see _ids_on_device
         self._stream = torch.cuda.Stream(region.tensor.device) if region.tensor.is_cuda else None
 
     @property
@@ -211,6 +212,8 @@ class KvConnector:
     def remove_peer(self, agent_name: str) -> None:
         remote = self._peers.pop(agent_name, None)
         if remote is not None:
+            if remote.copier is not None:  # its graphs hold the mapping's addresses
+                remote.copier.close()
             if remote.ipc is not None:
                 remote.ipc.close()
             self._agent.remove_remote_agent(agent_name)
@@ -232,7 +235,7 @@ class KvConnector:
         if src_ids.shape != dst_ids.shape:
             raise TransferError(f"{src_ids.size} source blocks, {dst_ids.size} destination blocks")
         if remote.ipc is not None:
-            return self._write_ipc(peer, remote.ipc, src_ids, dst_ids, notification)
+            return self._write_ipc(peer, remote, src_ids, dst_ids, notification)
         runs = coalesce(src_ids, dst_ids)
         size = self.region.block_bytes
         base, dev = self.region.base_address, self.region.device_id
@@ -263,44 +266,32 @@ class KvConnector:
         return TransferStats(len(src_block_ids) * size, seconds, self.transport)
 
     def _write_ipc(
-        self, peer: str, ipc: ImportedRegion, src_ids: Any, dst_ids: Any, note: bytes
+        self, peer: str, remote: _Peer, src_ids: Any, dst_ids: Any, note: bytes
     ) -> TransferStats:
+        assert remote.ipc is not None and self._stream is not None  # a CUDA region's peer
         size = self.region.block_bytes
         src = self.region.tensor.view(-1).view(torch.uint8)
         started = time.perf_counter()
         try:
-            with self._own_stream():
-                if count_runs(src_ids, dst_ids) <= _MAX_COPY_CALLS:
+            if count_runs(src_ids, dst_ids) <= _MAX_COPY_CALLS:
+                with self._own_stream():
                     for s, d, n in coalesce(src_ids, dst_ids):
-                        ipc.tensor[d * size : (d + n) * size].copy_(src[s * size : (s + n) * size])
-                else:  # many scattered runs: one kernel launch instead of one copy per run
+                        dst = remote.ipc.tensor[d * size : (d + n) * size]
+                        dst.copy_(src[s * size : (s + n) * size])
+            else:  # many scattered runs: one kernel, replayed from a graph (ipc_copy.py)
+                if remote.copier is None:
                     words = torch.int64 if size % 8 == 0 else torch.uint8
-                    ids = self._ids_on_device(src_ids, dst_ids)
-                    dispatch.copy_blocks(
+                    remote.copier = GraphedBlockCopy(
                         src.view(words).view(self.region.num_blocks, -1),
-                        ipc.tensor.view(words).view(-1, size // words.itemsize),
-                        ids[0],
-                        ids[1],
+                        remote.ipc.tensor.view(words).view(-1, size // words.itemsize),
+                        self._stream,
                     )
-        finally:  # every byte landed (and the ids' staging buffer is free) before the note
-            assert self._stream is not None  # a CUDA region
+                remote.copier.copy(src_ids, dst_ids)
+        finally:  # every byte landed (and the copier's pinned ids were read) before the note
             self._stream.synchronize()
         self._agent.send_notif(peer, note)
         seconds = time.perf_counter() - started
         return TransferStats(src_ids.size * size, seconds, "cuda-ipc")
-
-    def _ids_on_device(self, src_ids: Any, dst_ids: Any) -> torch.Tensor:
-        """[2, n] int64 on the region's device: the source ids, then the destination ids, staged
-        through one pinned buffer and copied without blocking. A write waits for its stream
-        before it returns, so the next write may refill the buffer."""
-        n = src_ids.size
-        if self._staging is None or self._staging.numel() < 2 * n:
-            self._staging = torch.empty(max(2 * n, 1024), dtype=torch.int64, pin_memory=True)
-        staged = self._staging[: 2 * n]
-        host = staged.numpy()
-        host[:n] = src_ids
-        host[n:] = dst_ids
-        return staged.to(self.region.tensor.device, non_blocking=True).view(2, n)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         out: list[tuple[str, bytes]] = []

@@ -194,6 +194,23 @@ def test_copy_blocks_moves_scattered_blocks_between_two_regions_in_one_launch() 
     assert not dst[untouched.to(DEVICE)].any()  # nothing else was written
 
 
+def test_copy_blocks_skips_padding_pairs() -> None:
+    """A negative id pads a captured launch's id list (worker/transfer/ipc_copy.py): that pair
+    copies nothing, in the kernel as in the reference."""
+    g = torch.Generator().manual_seed(5)
+    src = torch.randn(40, 2, 24, generator=g).to(DEVICE)
+    src_ids = torch.tensor([7, -1, 3, -1], dtype=torch.int64, device=DEVICE)
+    dst_ids = torch.tensor([1, -1, 30, -1], dtype=torch.int64, device=DEVICE)
+    dst = torch.zeros(40, 2, 24, device=DEVICE)
+    BLOCK_COPY.copy_blocks(src, dst, src_ids, dst_ids)
+    expected = torch.zeros_like(dst)
+    reference.copy_blocks(src, expected, src_ids, dst_ids)
+    assert torch.equal(dst, expected)
+    assert torch.equal(dst[[1, 30]], src[[7, 3]])
+    dst[[1, 30]] = 0
+    assert not dst.any()  # the padding wrote nothing (no block -1, the last, either)
+
+
 BAD_CALLS: list[tuple[str, Callable[[], object]]] = [
     (
         "decode with heads not a multiple of KV heads",
