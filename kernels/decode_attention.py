@@ -107,7 +107,8 @@ def paged_load(
 ):
     """KV head `kvh`'s rows at tokens in blocks `phys`, offsets `within`, as loaded: the tile as
     stored or, with WORDS (an FP8 cache, strides counted in int32 words), its words;
-    `paged_convert` gives the tile the dots take. Both attention kernels load K and V so."""
+    `paged_convert` gives the tile the dots take. Both attention kernels load K and V so (the
+    prefill kernel as stored)."""
     if WORDS:  # a constexpr branch: one return, the two differ in type and shape
         raw = _fp8_words(cache, phys * stride_b + within * stride_s + kvh * stride_h, n_mask,
                          D_PAD)  # fmt: skip
@@ -132,28 +133,6 @@ def paged_convert(raw, cache, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD:
     else:
         tile = raw
     return tile
-
-
-@triton.jit
-def paged_tile(
-    cache,
-    phys,
-    within,
-    kvh,
-    stride_b,
-    stride_s,
-    stride_h,
-    d,
-    n_mask,
-    d_mask,
-    WORDS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """`paged_convert(paged_load(...))`: the tile, loaded and converted at once."""
-    raw = paged_load(cache, phys, within, kvh, stride_b, stride_s, stride_h, d, n_mask, d_mask,
-                     WORDS, D_PAD)  # fmt: skip
-    return paged_convert(raw, cache, WORDS, BLOCK_N, D_PAD)
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never

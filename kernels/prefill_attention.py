@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrail.kernels.decode_attention import check_paged_inputs, compute_dtype, paged_tile
+from kvrail.kernels.decode_attention import check_paged_inputs, compute_dtype, paged_load
 from kvrail.kernels.reference import FP8_DTYPES
 from kvrail.kernels.tile_map import LONG_BLOCK_M, SHORT_BLOCK_M, tile_rows
 
@@ -115,8 +115,8 @@ def _prefill_kernel(
         n_mask = n < seq_len
         phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
         within = (n % block_size).to(tl.int64)
-        k = paged_tile(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
-                       d_mask, False, BLOCK_N, D_PAD)  # fmt: skip
+        k = paged_load(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
+                       d_mask, False, D_PAD)  # fmt: skip
         if KV_FP8:  # read in FP8, computed in the query's dtype
             k = k.to(q.dtype)
         if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
@@ -129,8 +129,8 @@ def _prefill_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = paged_tile(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d, n_mask,
-                       d_mask, False, BLOCK_N, D_PAD)  # fmt: skip
+        v = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d, n_mask,
+                       d_mask, False, D_PAD)  # fmt: skip
         if KV_FP8:
             v = v.to(q.dtype)
         if IEEE:
