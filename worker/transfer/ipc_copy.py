@@ -2,8 +2,8 @@
 
 A CUDA IPC write of many scattered blocks is one `copy_blocks` kernel. Launched from Python, each
 write paid host time that does not shrink with its bytes: the ids' upload and the kernel's launch
-took 130-250 us of a lent H200's host beside the 297 us the kernel copies an 8k prompt's FP8 KV
-in (bench/transfer/README.md). Here every bucket of block counts (a power of two, at least
+took 100-260 us of lent H200s' hosts beside the 297 us the kernel copies an 8k prompt's FP8 KV in
+(bench/transfer/README.md). Here every bucket of block counts (a power of two, at least
 `MIN_BUCKET`) gets a CUDA graph, captured on the connector's stream the first time a write needs
 it: the ids' upload from a pinned buffer, then the kernel over the bucket's length. A write puts
 its ids into that buffer, pads the rest with -1 (pairs the kernel skips) and replays the graph.
