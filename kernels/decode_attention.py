@@ -21,7 +21,7 @@ tiles are loaded as int32 words of four values and converted in registers (`_fp8
 they reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the
 compiler converts them after shared memory, and V, which the second dot takes transposed, was
 read from there a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is
-loaded together with K's (`V_EARLY`), so both are in flight before the first dot waits, except
+loaded together with K's, so both are in flight before the first dot waits, except
 for an FP8 cache read as bytes, where that was slower. On an H100, the grid's order and V's
 early load together took 256 sequences' FP8 layer from 138.9-139.0 to 136.2-136.6 us and bf16's
 from 214.0 to 211.1-211.2 (the grid order alone: 138.5-138.9 and 211.5-211.6); loading the next
@@ -171,7 +171,6 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_WORDS: tl.constexpr,
-    V_EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
@@ -207,7 +206,9 @@ def _decode_kernel(
         within = (n % block_size).to(tl.int64)
         k_raw = paged_load(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
                            d_mask, KV_WORDS, D_PAD)  # fmt: skip
-        if V_EARLY:  # V's load issued with K's: both in flight before the first dot waits
+        # V's load issued with K's, both in flight before the first dot waits, except for an FP8
+        # cache read as bytes (slower there: see the module's docstring)
+        if KV_WORDS or not KV_FP8:
             v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
                                n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
         k = paged_convert(k_raw, k_cache, KV_WORDS, BLOCK_N, D_PAD)
@@ -224,7 +225,7 @@ def _decode_kernel(
         p = tl.exp(scores - m_new[:, None])
         alpha = tl.exp(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        if not V_EARLY:
+        if KV_FP8 and not KV_WORDS:  # not loaded above
             v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
                                n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
         v = paged_convert(v_raw, v_cache, KV_WORDS, BLOCK_N, D_PAD)
@@ -447,7 +448,6 @@ def paged_decode_attention(
         IEEE=compute_dtype(query, k_cache) == torch.float32,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
         KV_WORDS=words,
-        V_EARLY=words or k_cache.dtype not in FP8_DTYPES,  # see the module's docstring
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,
