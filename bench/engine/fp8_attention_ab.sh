@@ -15,11 +15,7 @@ source hack/device-env.sh >/dev/null || exit 1
 sed -i 's/^_FP8_ON_CUDA = True$/_FP8_ON_CUDA = False/' build/old/worker/layers/attention.py
 grep -q '^_FP8_ON_CUDA = False$' build/old/worker/layers/attention.py || { echo "no _FP8_ON_CUDA"; exit 1; }
 cp bench/engine/gpu_llama3_8b.py build/old/bench/engine/  # its --prefill-only
-rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
-for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
-for d in operator worker router kernels agent cli local testing; do
-  ln -s "$PWD/build/old/$d" "/tmp/view-old/kvrail/$d"
-done
+kvrail_view "$PWD/build/old" /tmp/view-old || exit 1
 timeout 120 python3 -P -m pytest -q -p no:cacheprovider tests/unit/kernels/test_fp8_kernels.py \
   tests/unit/worker/test_attention.py -k "rotary or fp8_causal or attend_in_fp8 or mixed_batch" \
   2>&1 | tail -n 6 | tee "$OUT/tests.txt"

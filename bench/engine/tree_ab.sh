@@ -21,12 +21,7 @@ read -r -a trees <<< "${AB_TREES:-new old}"
 read -r -a engine_trees <<< "${AB_ENGINE_TREES:-${trees[*]}}"
 read -r -a handoff_trees <<< "${AB_HANDOFF_TREES:-new old}"
 for tree in "${trees[@]}"; do
-  [ "$tree" = new ] && continue
-  rm -rf "/tmp/view-$tree" && mkdir -p "/tmp/view-$tree/kvrail"
-  for f in "$PWD/build/$tree"/kvrail/*; do ln -s "$f" "/tmp/view-$tree/kvrail/"; done
-  for d in operator worker router kernels agent cli local testing; do
-    ln -s "$PWD/build/$tree/$d" "/tmp/view-$tree/kvrail/$d"
-  done
+  [ "$tree" = new ] || kvrail_view "$PWD/build/$tree" "/tmp/view-$tree" || exit 1
 done
 run_in() {  # tree, then the command
   local tree=$1 path=/tmp/view dir=.
