@@ -18,19 +18,12 @@
 set -uo pipefail
 source hack/device-env.sh || exit 1
 export PYTHONUNBUFFERED=1
-old_view() {  # /tmp/view-old: the kvrail.* import view of the tree in $1, its component folders after
-  local src="$PWD/$1"
-  shift
-  rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
-  for f in "$src"/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
-  for d in "$@"; do ln -s "$src/$d" "/tmp/view-old/kvrail/$d"; done
-}
 # issue 23's remote-prefill workload: 500-token prompts, 200 tokens out, 16 req/s, 160 requests
 LONG=(--long-prompt 500 --long-output 200 --long-rates 16 --long-requests 160 --long-tail-s 10)
 case "${1:?what to run}" in
   service-step)
     if [ -d .old ]; then  # the old tree, through a view of its own layout
-      old_view .old operator worker router kernels
+      kvrail_view "$PWD/.old" /tmp/view-old || exit 1
       (cd .old && PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/engine/gpu_service_step.py \
          --sizes 32,128,256) | tee "$OUT/service_step_before.txt"
     fi
@@ -45,7 +38,7 @@ case "${1:?what to run}" in
   serving-ab)  # the stack of build/old (`git archive REV kvrail operator worker router kernels
     # agent cli local testing | tar -x -C build/old`) then this tree's, on one random model
     source bench/sweep/device-setup.sh || exit 1
-    old_view build/old operator worker router kernels agent cli local testing
+    kvrail_view "$PWD/build/old" /tmp/view-old || exit 1
     args=(--device cuda --shape llama3-8b --routers 4 --steps "${STEPS:-100}")
     PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/serving/run.py "${args[@]}" \
       --concurrency "${OLD_CONCURRENCY:-32,256}" --modes stack --work /tmp/s-old \
@@ -108,7 +101,7 @@ case "${1:?what to run}" in
     work=(--workloads chat,long --chat-prompt 600 --chat-output 200 --chat-rates "${RATES:-16,32,inf}"
           "${LONG[@]}")
     if [ -z "${SKIP_OLD:-}" ]; then  # SKIP_OLD=1: this tree only (a second call of one lease)
-      old_view build/old operator worker router kernels agent cli local testing
+      kvrail_view "$PWD/build/old" /tmp/view-old || exit 1
       PYTHONPATH=/tmp/view-old:/tmp/site timeout 230 python3 -P bench/sweep/run.py --setups disaggregated \
         --min-remote-prefill-tokens 0 --tag=-before "${work[@]}" --budget-s 200 \
         --out "$OUT/remote_before.json" > "$OUT/remote_before.log" 2>&1

@@ -16,11 +16,7 @@ common=(--cpu --shape tiny --model-dir /tmp/kvrail-sweep/tiny --setups disaggreg
   --warmup-requests 8)
 py=.venv/bin/python
 if [ -d build/old ]; then
-  rm -rf /tmp/view-old && mkdir -p /tmp/view-old/kvrail
-  for f in "$PWD"/build/old/kvrail/*; do ln -s "$f" /tmp/view-old/kvrail/; done
-  for d in operator worker router kernels agent cli local testing; do
-    ln -s "$PWD/build/old/$d" "/tmp/view-old/kvrail/$d"
-  done
+  source hack/kvrail-view.sh && kvrail_view "$PWD/build/old" /tmp/view-old || exit 1
 fi
 for round in $(seq 1 "${ROUNDS:-3}"); do
   if [ -d build/old ]; then
