@@ -374,13 +374,16 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    max_registers: int | None = None,
     fp8_words: bool | None = None,
 ) -> torch.Tensor:
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
     context, so no host sync and the same choice on every replay of a captured graph).
-    `block_n`, `num_warps`, `num_stages`: tuning knobs (None: the defaults; see
-    bench/engine/decode_attention_sweep.py). `fp8_words`: read an FP8 cache as int32 words
-    (None: wherever its strides and alignment allow, `words_fit`; False: as bytes)."""
+    `block_n`, `num_warps`, `num_stages`, `max_registers` (a cap on registers per thread, which
+    can fit more programs on an SM at the cost of spills): tuning knobs (None: the defaults; see
+    bench/engine/decode_attention_sweep.py and kernel_sass.py). `fp8_words`: read an FP8 cache
+    as int32 words (None: wherever its strides and alignment allow, `words_fit`; False: as
+    bytes)."""
     num_seqs = query.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)
     out = torch.empty_like(query)
@@ -393,6 +396,8 @@ def paged_decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, num_sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be at least 1, got {num_splits}")
+    if max_registers is not None and not 24 <= max_registers <= 255:
+        raise ValueError(f"max_registers must be within 24..255, got {max_registers}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
     direct = num_splits == 1
     on = pdl(query.device)
@@ -452,6 +457,7 @@ def paged_decode_attention(
         launch_pdl=on,
         num_warps=num_warps or warps,
         num_stages=num_stages or stages,
+        **({} if max_registers is None else {"maxnreg": max_registers}),
     )
     if not direct:
         _reduce_kernel[(num_seqs, num_heads)](

@@ -8,7 +8,9 @@ over the engine's KV layout (one layer's view of the whole-worker region, blocks
 bf16 or FP8), times every combination of split count, tile length, warps and pipeline stages,
 replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`), and prints the default's time
 and largest error against the float32 reference, the best five and the bytes per second each
-reaches (K and V of every context token read once).
+reaches (K and V of every context token read once). `--max-registers 96 80` also times the
+default launch with those caps on registers per thread (more programs per SM, some spills:
+kernel_sass.py counts both without a GPU), each beside the default again.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ def case(
 
 
 def sweep(
-    batch: int, generator: torch.Generator, fine: bool, kv_dtype: torch.dtype, default_only: bool
+    batch: int,
+    generator: torch.Generator,
+    fine: bool,
+    kv_dtype: torch.dtype,
+    default_only: bool,
+    register_caps: list[int],
 ) -> None:
     query, k, v, tables, lens = case(batch, generator, kv_dtype)
     nbytes = int(lens.sum()) * HKV * D * 2 * k.element_size()  # K and V
@@ -97,6 +104,14 @@ def sweep(
             f"  {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s  splits={n} block_n={bn} "
             f"warps={warps} stages={stages}"
         )
+    for cap in register_caps:  # the default launch, its registers capped (kernel_sass.py)
+        capped = dec.paged_decode_attention(query, k, v, tables, lens, 0.088, max_registers=cap)
+        cap_err = float((capped.float() - want).abs().max())
+        ms = run(max_registers=cap)
+        print(
+            f"  {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s  default, at most {cap} "
+            f"registers (default alternating: {run() * 1e3:.1f} us), error {cap_err:.2e}"
+        )
 
 
 def main() -> int:
@@ -105,6 +120,13 @@ def main() -> int:
     parser.add_argument("--fine", action="store_true", help="more tiles, stages, top 12")
     parser.add_argument("--default-only", action="store_true", help="no sweep, the default only")
     parser.add_argument(
+        "--max-registers",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the default launch with these caps on registers per thread",
+    )
+    parser.add_argument(
         "--kv-dtype", default="bfloat16", choices=("bfloat16", "float8_e4m3fn", "float8_e5m2")
     )
     args = parser.parse_args()
@@ -112,7 +134,8 @@ def main() -> int:
     name = torch.cuda.get_device_name()
     print(f"# {name}, torch {torch.__version__}, triton {triton.__version__}")
     for batch in args.batches:
-        sweep(batch, generator, args.fine, getattr(torch, args.kv_dtype), args.default_only)
+        kv_dtype = getattr(torch, args.kv_dtype)
+        sweep(batch, generator, args.fine, kv_dtype, args.default_only, args.max_registers)
         torch.cuda.empty_cache()
     return 0
 

@@ -189,6 +189,9 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(
     assert decode_attention.words_fit(k_cache, v_cache, 128)
     got = decode_attention.paged_decode_attention(*args, num_splits=num_splits, fp8_words=words)
     torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-2, rtol=2e-2)
+    if many and num_splits is None:  # a register cap (the sweep's knob) spills, same result
+        capped = decode_attention.paged_decode_attention(*args, fp8_words=words, max_registers=64)
+        torch.testing.assert_close(capped, got, atol=1e-3, rtol=1e-3)
     if not words:
         return
     # the same tiles both ways (the defaults differ), so only the loads differ

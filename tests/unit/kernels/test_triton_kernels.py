@@ -81,6 +81,11 @@ def test_split_k_decode_merges_uneven_and_empty_splits_exactly(num_splits: int) 
     _close(split, reference.paged_decode_attention(*args))
     _close(split, DECODE.paged_decode_attention(*args, num_splits=1))
     assert torch.equal(split, DECODE.paged_decode_attention(*args, num_splits=num_splits))
+    # a register cap (a tuning knob: spills on a GPU, nothing interpreted) computes the same
+    capped = DECODE.paged_decode_attention(*args, num_splits=num_splits, max_registers=64)
+    _close(capped, split)
+    with pytest.raises(ValueError, match="max_registers"):
+        DECODE.paged_decode_attention(*args, max_registers=8)
 
 
 def test_split_count_fills_the_gpu_and_never_splits_below_a_minimum_slice() -> None:
