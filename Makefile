@@ -113,9 +113,7 @@ node: setup k8s-binaries image
 lint: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	rm -rf build/view && mkdir -p build/view/kvrail
-	for f in kvrail/*; do ln -s ../../../$$f build/view/kvrail/; done
-	for d in operator worker router kernels agent cli local testing; do ln -s ../../../$$d build/view/kvrail/$$d; done
+	bash -c 'source hack/kvrail-view.sh && kvrail_view "$(CURDIR)" build/view'
 	cd build/view && ../../$(VENV)/bin/mypy --config-file ../../pyproject.toml -p kvrail
 	cd build/view && ../../$(VENV)/bin/lint-imports ../../pyproject.toml
 

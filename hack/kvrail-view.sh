@@ -1,7 +1,7 @@
 # Sourced: `kvrail_view TREE VIEW` makes VIEW/kvrail import as kvrail.* from TREE's component
-# folders (the layout `make lint` builds), through symlinks, without installing TREE: how the
-# device scripts import this tree (hack/device-env.sh) and the A/B scripts an older one
-# (build/old, .old). TREE is an absolute path.
+# folders, through symlinks, without installing TREE: the package layout `make lint` checks
+# (build/view), how the device scripts import this tree (hack/device-env.sh) and the A/B scripts
+# an older one (build/old, .old). TREE is an absolute path.
 kvrail_view() {
   rm -rf "$2" && mkdir -p "$2/kvrail" || return 1
   for f in "$1"/kvrail/*; do ln -s "$f" "$2/kvrail/"; done
