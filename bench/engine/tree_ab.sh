@@ -9,6 +9,8 @@
 #   bench/transfer/ipc_split.py in this tree;
 # - unless AB_MICRO=0, decode attention's default launch at 1, 32 and 256 sequences over an FP8
 #   and a bf16 cache (decode_attention_sweep.py --default-only), the trees alternating twice;
+#   AB_REGISTER_CAPS="96 80" also times this tree's launch with those register caps
+#   (--max-registers);
 # - unless AB_ENGINE=0, the FP8 engine (FP8 weights, e4m3 KV: batch 1, 32 and 256 x 512/128, the
 #   8k prefill) of each tree in AB_ENGINE_TREES (default: AB_TREES).
 # Carry `.whl` and the build/ trees; from the repository root:
@@ -47,10 +49,12 @@ fi
 for round in 1 2; do
   [ "${AB_MICRO:-1}" = 0 ] && break
   for tree in "${trees[@]}"; do
+    caps=()  # an older tree's sweep has no --max-registers
+    [ "$tree" = new ] && [ -n "${AB_REGISTER_CAPS:-}" ] && caps=(--max-registers $AB_REGISTER_CAPS)
     for kv in float8_e4m3fn bfloat16; do
       echo "## decode attention, round $round, tree $tree, $kv cache"
       run_in "$tree" timeout 120 python3 -P bench/engine/decode_attention_sweep.py \
-        --default-only --kv-dtype "$kv" --batches 1 32 256
+        --default-only --kv-dtype "$kv" --batches 1 32 256 "${caps[@]}"
     done
   done
 done 2>&1 | tee "$OUT/decode_attention_ab.txt"
