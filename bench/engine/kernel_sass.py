@@ -78,7 +78,7 @@ def compile_kernel(triton: ModuleType, dec: ModuleType, cfg: Config) -> tuple[by
         "G_PAD": 16, "D_PAD": D, "BLOCK_N": cfg.block_n, "DIRECT": True, "IEEE": False,
         "KV_FP8": fp8, "KV_WORDS": fp8, "PDL": True,
     }  # fmt: skip
-    not_specialized = {"stride_bt", "num_splits"}  # the kernel's do_not_specialize
+    not_specialized = {fn.arg_names[a] if isinstance(a, int) else a for a in fn.do_not_specialize}
     signature, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in constants:

@@ -50,8 +50,8 @@ class GraphedBlockCopy:
     """
 
     def __init__(self, src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        if src.shape[1:] != dst.shape[1:] or src.dtype != dst.dtype:
-            raise ValueError("source and destination blocks differ in size or dtype")
+        # the regions' shapes and dtypes are checked by `copy_blocks`, which the first capture
+        # runs once before capturing
         self._src, self._dst, self._stream = src, dst, stream
         self._graphs: dict[int, _Captured] = {}
 
