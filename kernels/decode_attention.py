@@ -380,8 +380,9 @@ def paged_decode_attention(
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
     context, so no host sync and the same choice on every replay of a captured graph).
     `block_n`, `num_warps`, `num_stages`, `max_registers` (a cap on registers per thread, which
-    can fit more programs on an SM at the cost of spills): tuning knobs (None: the defaults; see
-    bench/engine/decode_attention_sweep.py and kernel_sass.py). `fp8_words`: read an FP8 cache
+    can fit more programs on an SM at the cost of spills; at 96 and 80 slower than the default
+    at 256 sequences on an H100, decode_attention_sweep.txt): tuning knobs (None: the defaults;
+    see bench/engine/decode_attention_sweep.py and kernel_sass.py). `fp8_words`: read an FP8 cache
     as int32 words (None: wherever its strides and alignment allow, `words_fit`; False: as
     bytes)."""
     num_seqs = query.shape[0]
