@@ -1,12 +1,12 @@
 """The wire codec: how every message crossing NATS or etcd is encoded, decoded and validated.
 
-A message is a frozen dataclass deriving from `Message` (the types are in `kvrail.messages`),
-encoded as JSON with its integer arrays (token and block ids) packed as base64 of little-endian
-int64 values; a class may have a binary form of its own as well (`BINARY_MAGIC`; only
-`TokenEventBatch` does). `decode()` never trusts its input: a wrong version, a
-missing or mistyped field, a negative id or an oversized payload raises `MessageError` and
-nothing else, so a hostile job on the queue is rejected and counted without touching any
-request's blocks.
+A message is a frozen dataclass deriving from `Message` (the types are in `kvrail.messages` and
+`kvrail.outputs`), encoded as JSON with its integer arrays (token and block ids) packed as base64
+of little-endian int64 values; a class may have a binary form of its own as well
+(`BINARY_MAGIC`; only `TokenEventBatch` does, laid out by `kvrail.binary_codec`). `decode()`
+never trusts its input: a wrong version, a missing or mistyped field, a negative id or an
+oversized payload raises `MessageError` and nothing else, so a hostile job on the queue is
+rejected and counted without touching any request's blocks.
 """
 
 from __future__ import annotations

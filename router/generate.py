@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse
 from starlette.types import Receive
 
 from kvrail.router.api import asgi, streaming
-from kvrail.router.api.errors import ApiError
+from kvrail.router.api.errors import ApiError, dispatch_error
 from kvrail.router.api.sampling import Defaults, Requested
 from kvrail.router.api.streaming import Kind
 from kvrail.router.discovery.view import WorkerView
@@ -35,17 +35,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048  # when neither the settings nor any worker says
 TOKENIZER_THREADS = 2  # prompts tokenized at once; more wait (tokenizing releases the GIL)
-
-# Worker and dispatcher error codes -> (HTTP status, OpenAI error type).
-_ERRORS: dict[str, tuple[int, str]] = {
-    "invalid_request": (400, "invalid_request_error"),
-    "deadline": (504, "timeout_error"),
-    "no_worker": (503, "service_unavailable_error"),
-    "prefill_failed": (503, "service_unavailable_error"),
-    "protocol_error": (502, "server_error"),
-    "shutting_down": (503, "service_unavailable_error"),
-    "worker_lost": (503, "service_unavailable_error"),
-}
 
 
 def _tokenizer_threads() -> TokenizerThreads:
@@ -176,37 +165,37 @@ async def _generate(
             last = started
             try:
                 async for event in stream:
+                    output = event.output
                     now = time.monotonic()
                     if event.seq == 0:
                         m.first_event(event, now - started)
-                        num_cached = event.num_cached_tokens
-                    elif event.token_ids:
-                        n = len(event.token_ids)
+                        num_cached = output.num_cached_tokens
+                    elif output.token_ids:
+                        n = len(output.token_ids)
                         m.itl.observe((now - last) / n, n)
                     last = now
-                    if event.error is not None:
-                        raise DispatchError(event.error)
-                    num_tokens += len(event.token_ids)
-                    text = detok.feed(event.token_ids)
+                    if output.error is not None:
+                        raise DispatchError(output.error)
+                    num_tokens += len(output.token_ids)
+                    text = detok.feed(output.token_ids)
                     if detok.stopped:
                         await stream.cancel("stop")
                         outcome = "stop"
-                        yield streaming.Piece(text, "stop", num_tokens, num_cached)
+                        yield streaming.Piece(text, "stop", num_tokens, num_cached, output)
                         return
                     finish = None
-                    if event.finish_reason is not None:
-                        if event.finish_reason not in ("stop", "length"):
+                    if output.finish_reason is not None:
+                        if output.finish_reason not in ("stop", "length"):
                             raise DispatchError("aborted")
-                        finish = event.finish_reason
+                        finish = output.finish_reason
                         text += detok.flush()
                         outcome = finish
-                    yield streaming.Piece(text, finish, num_tokens, num_cached)
+                    yield streaming.Piece(text, finish, num_tokens, num_cached, output)
             except DispatchError as err:
                 await stream.cancel("deadline" if err.code == "deadline" else "error")
                 log.info("request failed request_id=%s worker=%s code=%s",
                          job.request_id, stream.worker_id, err.code)  # fmt: skip
-                status, type_ = _ERRORS.get(err.code, (500, "server_error"))
-                raise ApiError(status, _message(err.code), type_, code=err.code) from err
+                raise dispatch_error(err.code) from err
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise
@@ -215,15 +204,3 @@ async def _generate(
         m.generation_tokens.labels(tenant.name).inc(num_tokens)
         m.duration.labels(outcome).observe(time.monotonic() - started)
         ticket.release(len(job.token_ids) + num_tokens)
-
-
-def _message(code: str) -> str:
-    return {
-        "deadline": "the request did not finish within its deadline",
-        "no_worker": "no decode worker is ready to take the request; retry later",
-        "invalid_request": "a worker refused the request as invalid",
-        "prefill_failed": "no prefill worker could prefill the prompt; retry later",
-        "protocol_error": "a worker answered in a form the router does not understand",
-        "shutting_down": "the decode worker shut down before the request finished; retry it",
-        "worker_lost": "the decode worker went away before the request finished; retry it",
-    }.get(code, f"the request failed ({code})")

@@ -17,7 +17,7 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
 from kvrail import metrics
-from kvrail.messages import TokenEvent
+from kvrail.outputs import TokenEvent
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.policy import Decision
 

@@ -21,7 +21,8 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import BlockCounts, GenerateRequest, TokenEvent, TokenEventBatch, WorkerRecord
+from kvrail.messages import BlockCounts, GenerateRequest, WorkerRecord
+from kvrail.outputs import TokenEvent, TokenEventBatch
 from kvrail.registry import Registry, etcd_client
 from kvrail.sampling import SamplingParams
 from kvrail.settings import load_settings
@@ -187,5 +188,5 @@ async def generate(
 
 def tokens_of(events: list[TokenEvent]) -> list[int]:
     """The generated tokens of a request that ended without an error."""
-    assert events[-1].error is None, events[-1].error
-    return [t for e in events for t in e.token_ids]
+    assert events[-1].output.error is None, events[-1].output.error
+    return [t for e in events for t in e.output.token_ids]

@@ -116,7 +116,8 @@ def make_engine(
 ) -> Any:
     """An engine over a model built from `hf_config`, with `state_dict` (transformers names) or
     random weights; `overrides` go to EngineConfig (defaults: make_engine_config's)."""
-    from kvrail.worker.engine.engine import LLMEngine, make_fingerprint
+    from kvrail.worker.engine.engine import LLMEngine
+    from kvrail.worker.engine.fingerprint import make_fingerprint
     from kvrail.worker.models.llama import LlamaForCausalLM
 
     model = LlamaForCausalLM(hf_config)

@@ -360,7 +360,7 @@ def main() -> int:
         # Each engine sees the same prompts in the same order, so the same prefix-cache hits.
         eager = build_engine(hf, config, 8.0, graphs=False, **budget)
         synchronous = build_engine(hf, config, 8.0, graphs, **budget)
-        synchronous.async_scheduling = False
+        synchronous.pipeline.async_scheduling = False
         for i, prompt in enumerate(prompts(1, 512, 1)[0][:n] for n in (17, 100, 333, 512)):
             expected = hf_generate([prompt], 64)[0, len(prompt) :].tolist()
             params = SamplingParams(max_tokens=64, ignore_eos=True)
@@ -412,7 +412,7 @@ def main() -> int:
         else:
             os.environ.pop("KVRAIL_PDL", None)
         chosen = engines[name]
-        chosen.async_scheduling = modes[name]
+        chosen.pipeline.async_scheduling = modes[name]
         return chosen
 
     batch1_runs = iter(range(100))

@@ -2,7 +2,9 @@
 
 `ApiError` is an error as the OpenAI API reports it, an HTTP status and
 `{"error": {"message", "type", "param", "code"}}` (`responses.ErrorBody` is that shape for the
-OpenAPI schema). `api_error_of` is the one mapping from kvrail's exceptions to HTTP.
+OpenAPI schema). The mappings to HTTP are here, and only here: `api_error_of` for kvrail's
+exceptions, `dispatch_error` for the codes a request fails with on its way through the workers
+(a worker's event error, or the dispatcher's own).
 `validation_error` turns the first problem pydantic or FastAPI found in a request body (the
 models in `schemas`) into a 400 naming the field; no message ever contains prompt or message
 text.
@@ -77,6 +79,42 @@ def api_error_of(err: KvrailError) -> ApiError:
     if isinstance(err, DeadlineExceededError):
         return ApiError(504, "the request did not finish within its deadline", "timeout_error")
     return ApiError(500, "internal error", "server_error")
+
+
+# A failed request's code -> (HTTP status, OpenAI error type, message). The codes are worker
+# event errors and the dispatcher's own; each is metric-safe and never quotes the request.
+_DISPATCH_ERRORS: dict[str, tuple[int, str, str]] = {
+    "deadline": (504, "timeout_error", "the request did not finish within its deadline"),
+    "invalid_request": (400, "invalid_request_error", "a worker refused the request as invalid"),
+    "no_worker": (
+        503, "service_unavailable_error",
+        "no decode worker is ready to take the request; retry later",
+    ),
+    "prefill_failed": (
+        503, "service_unavailable_error",
+        "no prefill worker could prefill the prompt; retry later",
+    ),
+    "protocol_error": (
+        502, "server_error", "a worker answered in a form the router does not understand",
+    ),
+    "shutting_down": (
+        503, "service_unavailable_error",
+        "the decode worker shut down before the request finished; retry it",
+    ),
+    "worker_lost": (
+        503, "service_unavailable_error",
+        "the decode worker went away before the request finished; retry it",
+    ),
+}  # fmt: skip
+
+
+def dispatch_error(code: str) -> ApiError:
+    """The error a request that failed with `code` gets: a known code's status and message, any
+    other a 500 naming the code."""
+    status, type_, message = _DISPATCH_ERRORS.get(
+        code, (500, "server_error", f"the request failed ({code})")
+    )
+    return ApiError(status, message, type_, code=code)
 
 
 def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -> ApiError:

@@ -1,16 +1,16 @@
 """How a request's text pieces reach its client: server-sent events or one JSON body.
 
-`generate.serve` yields `Piece`s (text, its finish reason on the last, the output tokens so
-far, the prompt tokens served from the prefix cache); `Reply` builds the OpenAI-shaped bodies
-from them. Streamed, `sse` sends a chat response's first chunk with the role, a chunk per piece
-with text, one with the finish reason, the usage chunk when `stream_options.include_usage` asks
-(and usage in every chunk when `continuous_usage_stats` does), and always ends with
-`data: [DONE]`; an error while streaming is sent before it as an event in OpenAI's error shape.
-`EventStream` closes the pieces however the response ends, so a client that disconnects (before
-the first byte included) cancels the request on every worker at once. Not streamed, `collect`
-joins the pieces and `until_disconnect` cancels them if the client leaves meanwhile. Every
-response is counted in `kvrail_requests_total` with its status (499 for a client that left
-mid-stream).
+`generate.serve` yields `Piece`s (text, its finish reason on the last, the output tokens so far,
+the prompt tokens served from the prefix cache, the engine's output record); `Reply` builds the
+OpenAI-shaped bodies from them. Streamed, `sse` sends a chat response's first chunk with the
+role, a chunk per piece with text, one with the finish reason, the usage chunk when
+`stream_options.include_usage` asks (and usage in every chunk when `continuous_usage_stats`
+does), and always ends with `data: [DONE]`; an error while streaming is sent before it as an
+event in OpenAI's error shape. `EventStream` closes the pieces however the response ends, so a
+client that disconnects (before the first byte included) cancels the request on every worker at
+once. Not streamed, `collect` joins the pieces and `until_disconnect` cancels them if the client
+leaves meanwhile. Every response is counted in `kvrail_requests_total` with its status (499 for
+a client that left mid-stream).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from typing import Any, Final, Literal, TypeVar, cast
 from starlette.types import Receive, Scope, Send
 
 from kvrail.codec import compact_json
+from kvrail.outputs import RequestOutput
 from kvrail.router.api import asgi, responses
 from kvrail.router.api.errors import ApiError
 
@@ -38,10 +39,16 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Piece:
+    """What one chunk of a response says: its text (detokenized, stop strings applied), its
+    finish reason on the last, the output tokens so far and the prompt tokens the prefix cache
+    served, and the engine's `RequestOutput` it came from (`output`: the record whose further
+    fields a renderer reads)."""
+
     text: str
     finish_reason: str | None
     num_tokens: int
     num_cached_tokens: int = 0
+    output: RequestOutput | None = None
 
 
 @dataclass(slots=True)

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from kvrail.messages import TokenEvent
+from kvrail.outputs import TokenEvent
 from kvrail.router.policy import Decision, NoWorkerError
 from kvrail.router.streams.job import AttemptFailed, DispatchError, Engine, Job, Workers
 

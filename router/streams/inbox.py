@@ -26,7 +26,7 @@ from nats.aio.subscription import Subscription
 
 from kvrail.bus import unsubscribe
 from kvrail.codec import MessageError, decode
-from kvrail.messages import TokenEvent, TokenEventBatch
+from kvrail.outputs import TokenEvent, TokenEventBatch
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvrail.messages import TokenEvent, WorkerRecord
+from kvrail.messages import WorkerRecord
+from kvrail.outputs import TokenEvent
 from kvrail.router.policy import Candidate, Decision
 from kvrail.sampling import SamplingParams
 

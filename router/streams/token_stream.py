@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NatsClient
 
 from kvrail.keys import PoolKeys
-from kvrail.messages import Cancel, GenerateRequest, TokenEvent
+from kvrail.messages import Cancel, GenerateRequest
+from kvrail.outputs import TokenEvent, merged
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
 from kvrail.router.streams.inbox import NO_RESPONDERS, TICK, EventInbox, Mailbox
@@ -119,33 +120,26 @@ class TokenStream:
                 return event
 
     def _with_queued(self, event: TokenEvent) -> TokenEvent:
-        """`event` and the events already queued behind it as one: their tokens in order, the
-        finish or error of the last. A stream that fell behind (a busy router) catches up in
-        one chunk to its client instead of one per engine step, so its cost per token falls
-        as the load rises. Never waits; a failure found behind `event` is held for the next
-        `_next`, so that `event`'s tokens still reach the client first."""
+        """`event` and the events already queued behind it as one, their outputs `merged`: the
+        tokens in order, the finish or error of the last. A stream that fell behind (a busy
+        router) catches up in one chunk to its client instead of one per engine step, so its
+        cost per token falls as the load rises. Never waits; a failure found behind `event` is
+        held for the next `_next`, so that `event`'s tokens still reach the client first."""
         queue = self._queue
         assert queue is not None
-        tokens = list(event.token_ids)
-        last = event
-        while not last.is_last and not queue.empty():
+        outputs = [event.output]
+        while not outputs[-1].is_last and not queue.empty():
             try:
                 queued = self._accept(queue.get_nowait())
             except DispatchError as err:
                 self._held = err
                 break
             if queued is not None:
-                tokens += queued.token_ids
-                last = queued
-        if last is event:
+                outputs.append(queued.output)
+        if len(outputs) == 1:
             return event
-        # Built whole, not with `dataclasses.replace`: 1.5 us against 2.5 (bench/router/
-        # loop_parts.txt).
-        return TokenEvent(
-            event.request_id, event.seq, tuple(tokens), finish_reason=last.finish_reason,
-            error=last.error, worker_id=event.worker_id, prefill_mode=event.prefill_mode,
-            num_cached_tokens=event.num_cached_tokens, stages=event.stages,
-        )  # fmt: skip
+        return TokenEvent(merged(outputs), event.seq, event.worker_id, event.prefill_mode,
+                          event.stages)  # fmt: skip
 
     def _accept(self, item: TokenEvent | str) -> TokenEvent | None:
         """The queue's next item checked: the attempt's next event, or None for an item that
@@ -166,8 +160,9 @@ class TokenStream:
             return None  # a late event of an earlier attempt
         if event.seq != self._seq:
             raise DispatchError("lost_events", f"expected event {self._seq}, got {event.seq}")
-        if self._seq == 0 and event.error in _NOT_TAKEN:
-            raise AttemptFailed(event.error or "")
+        error = event.output.error
+        if self._seq == 0 and error in _NOT_TAKEN:
+            raise AttemptFailed(error or "")
         self._seq += 1
         return event
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvrail.messages import PrefillMode
+from kvrail.outputs import PrefillMode
 from kvrail.router.streams.job import AttemptFailed
 
 

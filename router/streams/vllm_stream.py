@@ -8,7 +8,8 @@ with kvrail's engine) and speaks vLLM's disaggregated protocol with token ids
    cannot see vLLM's prefix cache, so every prompt token counts) and a ready vLLM prefill server
    of the decode server's fingerprint exists: a non-streaming completion whose answer carries
    `kv_transfer_params`. Otherwise the decode server prefills locally.
-2. Decode: a streaming completion with those params; its chunks become `TokenEvent`s. The first
+2. Decode: a streaming completion with those params; its chunks become `RequestOutput`s, each
+   in a `TokenEvent`. The first
    says `prefill_mode` (`remote`, `local`, or `recompute` after failed prefills).
 
 Guarantees:
@@ -47,7 +48,8 @@ from typing import Any, TypeVar
 
 import httpx
 
-from kvrail.messages import FirstTokenStages, TokenEvent, WorkerRecord
+from kvrail.messages import WorkerRecord
+from kvrail.outputs import FirstTokenStages, RequestOutput, TokenEvent
 from kvrail.router.policy import Decision
 from kvrail.router.streams.attempts import Attempts
 from kvrail.router.streams.job import AttemptFailed, CancelReason, DispatchError, Job, Workers
@@ -257,10 +259,9 @@ class VllmStream:
         first = self._seq == 0
         prefilled = self._prefilled
         assert prefilled is not None
+        output = RequestOutput(self.job.request_id, delta.token_ids, delta.finish_reason)
         event = TokenEvent(
-            request_id=self.job.request_id, seq=self._seq, token_ids=delta.token_ids,
-            finish_reason=delta.finish_reason, worker_id=self.worker_id,
-            prefill_mode=prefilled.mode if first else "",
+            output, self._seq, self.worker_id, prefill_mode=prefilled.mode if first else "",
             # NOTE: measured at the router (the whole prefill request, network included), not on
             # the prefill server's clock like kvrail's own stage durations.
             stages=FirstTokenStages(prefill_compute_s=prefilled.seconds) if first else None,

@@ -22,7 +22,8 @@ from nats.aio.msg import Msg
 from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import NatsServer
-from kvrail.messages import GenerateRequest, TokenEventBatch
+from kvrail.messages import GenerateRequest
+from kvrail.outputs import TokenEventBatch
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import flushed
 from kvrail.worker.roles.decode import DecodeRole
@@ -68,7 +69,7 @@ async def test_a_drain_answers_the_requests_sent_before_it_began(nats_server: Na
 
     async def on_events(msg: Msg) -> None:
         for event in decode(msg.data, TokenEventBatch).events:
-            answers[event.request_id] = event.error or "tokens"
+            answers[event.request_id] = event.output.error or "tokens"
         if len(answers) == len(ids):
             answered.set()
 

@@ -23,14 +23,8 @@ from nats.aio.subscription import Subscription
 from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import (
-    Cancel,
-    GenerateRequest,
-    KvEvent,
-    TokenEvent,
-    TokenEventBatch,
-    WorkerRecord,
-)
+from kvrail.messages import Cancel, GenerateRequest, KvEvent, WorkerRecord
+from kvrail.outputs import TokenEvent, TokenEventBatch
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
@@ -366,7 +360,7 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
             time.time() + 10,
         )
         async with dispatcher.open(job) as stream:
-            return [t for event in [e async for e in stream] for t in event.token_ids]
+            return [t for event in [e async for e in stream] for t in event.output.token_ids]
 
     for name in ("dup", "reordered"):
         with pytest.raises(DispatchError) as err:
@@ -417,13 +411,13 @@ async def test_events_queued_behind_a_slow_reader_arrive_as_one_and_a_failure_af
 
     ten: list[TokenEvent] = []
     await read("ten", ten)
-    assert [e.token_ids for e in ten] == [(100,), tuple(range(101, 110))]
-    assert [e.seq for e in ten] == [0, 1] and ten[-1].finish_reason == "length"
+    assert [e.output.token_ids for e in ten] == [(100,), tuple(range(101, 110))]
+    assert [e.seq for e in ten] == [0, 1] and ten[-1].output.finish_reason == "length"
     dup: list[TokenEvent] = []
     with pytest.raises(DispatchError) as err:
         await read("dup", dup)
     assert err.value.code == "lost_events"
-    assert [e.token_ids for e in dup] == [(100,), (101, 102)]
+    assert [e.output.token_ids for e in dup] == [(100,), (101, 102)]
     await sub.unsubscribe()
     await reg.close()
 

@@ -28,7 +28,8 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, TokenEvent, TokenEventBatch, WorkerRecord
+from kvrail.messages import GenerateRequest, WorkerRecord
+from kvrail.outputs import TokenEvent, TokenEventBatch
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
@@ -277,11 +278,14 @@ async def test_a_long_prompt_is_prefilled_remotely_and_the_params_reach_the_deco
     j = job()
     events, worker = await run(pool.dispatcher("kv-aware"), j)  # no KV index: load decides
     assert worker == "d-0"
-    assert [e.seq for e in events] == [0, 1] and [e.token_ids for e in events] == [(7, 8), (9,)]
+    assert [e.seq for e in events] == [0, 1] and [e.output.token_ids for e in events] == [
+        (7, 8),
+        (9,),
+    ]
     stages = events[0].stages
     assert events[0].prefill_mode == "remote" and stages is not None
     assert stages.prefill_compute_s > 0
-    assert events[-1].finish_reason == "length" and events[-1].is_last
+    assert events[-1].output.finish_reason == "length" and events[-1].is_last
     (p,), (d,) = prefill.seen, decode.seen
     assert p.path == d.path == "/v1/completions"
     assert p.headers["x-request-id"] == d.headers["x-request-id"] == j.request_id
@@ -310,7 +314,10 @@ async def test_failed_prefills_are_retried_then_recomputed_or_failed_by_policy(p
     p2 = await pool.server("p-2", "prefill", reply(200, {"id": "x", "choices": []}))
     decode = await pool.server("d-0", "decode", stream([7], [9]))
     events, _ = await run(pool.dispatcher(), job())
-    assert events[0].prefill_mode == "recompute" and [e.token_ids for e in events] == [(7,), (9,)]
+    assert events[0].prefill_mode == "recompute" and [e.output.token_ids for e in events] == [
+        (7,),
+        (9,),
+    ]
     assert "kv_transfer_params" not in decode.seen[0].body
     assert sorted(pool.prefill_failures) == ["bad_response", "connect", "status_5xx"]
     assert len(p0.seen) == len(p2.seen) == 1
@@ -338,7 +345,7 @@ async def test_a_decode_server_failing_before_its_first_token_is_replaced_with_f
     await pool.register("d-1", "decode", f"http://127.0.0.1:{free_port()}")
     d2 = await pool.server("d-2", "decode", stream([7], [9]))
     events, worker = await run(pool.dispatcher(), job())
-    assert worker == "d-2" and [e.token_ids for e in events] == [(7,), (9,)]
+    assert worker == "d-2" and [e.output.token_ids for e in events] == [(7,), (9,)]
     assert events[0].worker_id == "d-2" and events[0].prefill_mode == "remote"
     assert len(d0.seen) == len(d2.seen) == 1
     assert len(prefill.seen) == 2  # once for d-0, once more for d-1 and d-2
@@ -359,7 +366,7 @@ async def test_decode_attempts_are_bounded_and_a_death_after_the_first_token_is_
     got: list[TokenEvent] = []
     with pytest.raises(DispatchError) as err:
         await collect(pool.dispatcher(), job(SHORT), got)
-    assert err.value.code == "worker_lost" and [e.token_ids for e in got] == [(7,), (8,)]
+    assert err.value.code == "worker_lost" and [e.output.token_ids for e in got] == [(7,), (8,)]
 
 
 async def test_a_decode_server_whose_record_vanishes_before_its_first_token_is_replaced(
@@ -371,7 +378,7 @@ async def test_a_decode_server_whose_record_vanishes_before_its_first_token_is_r
     await asyncio.wait_for(d0.requested.wait(), WAIT_S)
     await pool.unregister("d-0")
     events, worker = await asyncio.wait_for(task, WAIT_S)
-    assert worker == "d-1" and events[0].token_ids == (7,)
+    assert worker == "d-1" and events[0].output.token_ids == (7,)
     await asyncio.wait_for(d0.left_early.wait(), WAIT_S)  # and d-0's request was closed
 
 
@@ -380,7 +387,7 @@ async def test_leaving_the_stream_early_closes_the_upstream_connection(pool: Poo
     dispatcher = pool.dispatcher()
     async with dispatcher.open(job(SHORT)) as s:
         async for event in s:
-            assert event.token_ids == (7,)
+            assert event.output.token_ids == (7,)
             break  # a client that disconnects, or a stop string
     await asyncio.wait_for(decode.left_early.wait(), WAIT_S)
     assert dispatcher.in_flight == {}

@@ -31,13 +31,8 @@ from kvrail.hashing import block_hashes, root_hash
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import (
-    Cancel,
-    KvEvent,
-    PrefillJob,
-    TokenEvent,
-    WorkerRecord,
-)
+from kvrail.messages import Cancel, KvEvent, PrefillJob, WorkerRecord
+from kvrail.outputs import TokenEvent
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool, tokens_of
 from kvrail.testing.pool import generate as pool_generate
@@ -112,7 +107,7 @@ async def test_remote_prefill_decodes_exactly_like_a_colocated_worker(
     assert disaggregated[0].prefill_mode == "remote"
     assert len(tokens_of(colocated)) == 8
     assert tokens_of(disaggregated) == tokens_of(colocated)
-    assert disaggregated[-1].finish_reason == "length"
+    assert disaggregated[-1].output.finish_reason == "length"
     stages = disaggregated[0].stages
     assert stages is not None and stages.prefill_compute_s > 0 and stages.validation_s > 0
     await assert_all_blocks_free(nc, pool)
@@ -141,7 +136,7 @@ async def test_a_request_past_its_deadline_fails_cleanly_and_frees_everything(
     pool: Pool, nc: NatsClient
 ) -> None:
     events = await generate(nc, "decode-0", prompt(LONG_PROMPT, seed=3), deadline_s=-1.0)
-    assert events[-1].error == "deadline"
+    assert events[-1].output.error == "deadline"
     await assert_all_blocks_free(nc, pool)
 
 
@@ -158,7 +153,7 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
     await wait_for_job(queue)
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-remote").encode())
     events = await asyncio.wait_for(remote, 30)
-    assert events[-1].error == "cancelled"
+    assert events[-1].output.error == "cancelled"
     decoding = asyncio.Event()
     local = asyncio.create_task(
         generate(nc, "decode-0", prompt(SHORT_PROMPT, seed=9), max_tokens=400,
@@ -169,7 +164,7 @@ async def test_a_cancel_releases_a_request_while_its_kv_is_remote_or_decoding(
     await asyncio.wait_for(decoding.wait(), 30)
     await nc.publish(KEYS.cancel, Cancel(request_id="cancel-local").encode())
     events = await asyncio.wait_for(local, 30)
-    assert events[-1].error == "cancelled"
+    assert events[-1].output.error == "cancelled"
     # Well before the 30 s deadline: the prefill worker's refusal (or its late completion)
     # lifts the quarantine of the remote request's blocks.
     await assert_all_blocks_free(nc, pool, timeout_s=15.0)
@@ -195,7 +190,7 @@ async def test_a_cancel_that_overtakes_its_request_ends_it_at_once(
             generate(nc, "decode-0", token_ids, max_tokens=400, request_id=request_id), 30
         )
         assert time.monotonic() - started < 10.0
-        assert events[-1].error == "cancelled"
+        assert events[-1].output.error == "cancelled"
         assert not tokens_of_any(events)
     port, rejected = pool.metrics_ports["prefill-0"], "kvrail_prefill_jobs_rejected_total"
     before = counter(port, rejected, "cancelled")
@@ -385,7 +380,7 @@ async def test_reroute_retries_on_another_prefill_worker_then_fails_cleanly(
         await asyncio.to_thread(pool.wait_ready, name)
     request_id = f"rr-{uuid.uuid4().hex[:8]}"
     events = await generate(nc, "decode-rr", prompt(LONG_PROMPT, seed=31), request_id=request_id)
-    assert events[-1].error == "kv_invalid" and not tokens_of_any(events)
+    assert events[-1].output.error == "kv_invalid" and not tokens_of_any(events)
     writers = {name: pool.procs[name].log_path.read_text() for name in ("prefill-0", "prefill-1")}
     first = [n for n, text in writers.items() if f"request_id={request_id} " in text]
     second = [n for n, text in writers.items() if f"request_id={request_id}~r1 " in text]
@@ -407,7 +402,7 @@ async def test_a_failed_write_is_handed_over_to_another_prefill_worker(
     for attempt in range(16):
         token_ids = prompt(LONG_PROMPT, seed=51 + attempt)
         events = await generate(nc, "decode-0", token_ids)
-        assert events[0].prefill_mode == "remote" and events[-1].error is None
+        assert events[0].prefill_mode == "remote" and events[-1].output.error is None
         if "handed_to=prefill-0" in bad.log_path.read_text():
             break
     else:
@@ -419,7 +414,7 @@ async def test_a_failed_write_is_handed_over_to_another_prefill_worker(
 
 
 def tokens_of_any(events: list[TokenEvent]) -> list[int]:
-    return [t for e in events for t in e.token_ids]
+    return [t for e in events for t in e.output.token_ids]
 
 
 async def test_a_worker_that_cannot_use_rdma_where_the_pool_requires_it_is_never_ready(
@@ -452,10 +447,10 @@ async def test_killing_the_decode_worker_mid_request_leaves_the_prefill_side_cle
     # The prefill worker still serves the others, and the restarted worker (a new incarnation,
     # so a new NIXL agent under the same worker id) once it registers.
     events = await generate(nc, "decode-0", prompt(LONG_PROMPT, seed=5))
-    assert events[0].prefill_mode == "remote" and events[-1].error is None
+    assert events[0].prefill_mode == "remote" and events[-1].output.error is None
     await asyncio.to_thread(pool.wait_ready, "decode-1")
     events = await generate(nc, "decode-1", prompt(LONG_PROMPT, seed=7))
-    assert events[0].prefill_mode == "remote" and events[-1].error is None
+    assert events[0].prefill_mode == "remote" and events[-1].output.error is None
     await assert_all_blocks_free(nc, pool)
 
 
@@ -475,6 +470,6 @@ async def test_killing_the_prefill_worker_mid_job_recomputes_or_fails_by_policy(
     assert tokens_of(events) == expected
     assert time.monotonic() - started < 15
     events = await asyncio.wait_for(fail, timeout=25)  # decode-1: kvLoadFailurePolicy fail
-    assert len(events) == 1 and events[0].error == "prefill_worker_lost"
-    assert events[0].token_ids == ()
+    assert len(events) == 1 and events[0].output.error == "prefill_worker_lost"
+    assert events[0].output.token_ids == ()
     await assert_all_blocks_free(nc, pool, timeout_s=25.0)

@@ -163,7 +163,7 @@ async def test_a_cancel_during_a_remote_prefill_frees_every_block_on_both_worker
         await asyncio.sleep(0.01)
     await nc.publish(KEYS.cancel, Cancel(request_id=request_id).encode())
     events = await asyncio.wait_for(request, 30)
-    assert events[-1].error == "cancelled"
+    assert events[-1].output.error == "cancelled"
     await pool.assert_all_blocks_free(nc, timeout_s=15.0)
 
 
@@ -211,8 +211,8 @@ async def test_a_decode_rank_killed_mid_request_fails_the_request_and_the_whole_
     os.kill(rank, signal.SIGKILL)
     killed = time.monotonic()
     events = await asyncio.wait_for(request, timeout=20)
-    assert events[-1].error in ("engine_error", "shutting_down"), events[-1]
-    assert len(events) > 1 and events[-1].finish_reason is None
+    assert events[-1].output.error in ("engine_error", "shutting_down"), events[-1]
+    assert len(events) > 1 and events[-1].output.finish_reason is None
     assert await wait_gone(pool, "decode-0", timeout_s=10) < 5
     proc = pool.procs["decode-0"]
     while proc.is_running():

@@ -5,18 +5,9 @@ request whose known tokens are now all computed. The engine is single-threaded; 
 drive it. Finished requests leave the engine holding no blocks.
 
 With `async_scheduling` (the default on CUDA) a step is queued on the device before the previous
-one has finished: `step()` schedules the next step ahead (`Scheduler.schedule_ahead`) and queues
-it, then waits for the running step's tokens and returns that step's outputs. The host's work for
-a step (scheduling, input preparation, the graph launch, stop checks) thus overlaps the device's.
-Each `step()` still returns one step's outputs, and every request gets the tokens it would get
-without it; only the batches can differ (scheduling ahead cannot yet see which requests finish
-or free blocks in the running step). At most one step is in flight between calls. Its writes
-land in the blocks of the requests it was queued for, which stay valid on the device even if the
-host frees them meanwhile (device work is ordered); the one writer outside that order, a remote
-KV transfer, gets blocks only through `reserve_remote`, whose reservation carries a fence behind
-the step in flight (`DeviceFence`): the writer starts only once it has passed. While `step`
-waits for a step's tokens it calls `step_waiter`; `EngineService` runs its commands then, so a
-reservation or an install does not wait for the step to end.
+one has finished (`step_pipeline.StepPipeline` says how, and what it guarantees); while `step`
+waits for a step's tokens it calls `pipeline.step_waiter`, during which `EngineService` runs its
+commands, so a reservation or an install does not wait for the step to end.
 
 Tensor parallelism: the model is rank 0's shard and `peers` are the worker's other ranks
 (`RankPeers`, driven by rank 0). The scheduler, the block manager and the sampler stay here, once;
@@ -30,7 +21,7 @@ engine is unusable after that and the worker fails as a whole.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -41,18 +32,21 @@ from kvrail.errors import ConfigError, InvalidRequestError
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
 from kvrail.model_files import ModelSource
+from kvrail.outputs import RequestOutput
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
 from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.fence import DeviceFence
-from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
+from kvrail.worker.engine.fingerprint import make_fingerprint
+from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
-from kvrail.worker.engine.scheduler_output import RemoteReservation, SchedulerOutput
+from kvrail.worker.engine.scheduler_output import RemoteReservation
 from kvrail.worker.engine.staging import to_device
+from kvrail.worker.engine.step_pipeline import StepPipeline
 from kvrail.worker.engine.stop import StopChecker
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.models.llama import LlamaForCausalLM
@@ -64,65 +58,15 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
-class RequestOutput:
-    """What one step did to a request: the tokens it sampled for it (only those: a request's
-    whole output is the concatenation over its outputs), and why it finished, if it did."""
+class Counts:
+    """Blocks (null block excluded) and requests the engine holds right now."""
 
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | None
-    num_cached_tokens: int = 0
-    """Prompt tokens whose KV came from the prefix cache (vLLM's `cached_tokens`)."""
-
-
-@dataclass(slots=True)
-class _Launched:
-    """A step queued on the device: what was scheduled, the requests its rows sample for, and
-    its tokens (on the device, and in host memory once `done` has passed)."""
-
-    out: SchedulerOutput
-    requests: list[Request]
-    sampled: SampledOnDevice
-    host_tokens: torch.Tensor
-    done: torch.cuda.Event | None
-
-
-StepWaiter = Callable[[torch.cuda.Event | None], None]
-"""How `step` waits for a launched step's tokens: called with the step's CUDA event (None on
-the CPU, where the step has already run), it returns once the event has passed. Whatever it
-does meanwhile runs with the step (and, with async scheduling, the step after it) queued on
-the device and that step's outputs not yet applied, the state any caller between two `step`s
-sees, but with one more step in flight: a request aborted now is skipped when the step's
-outputs are applied, and a `reserve_remote` fence records behind both steps."""
-
-
-def synchronize(done: torch.cuda.Event | None) -> None:
-    """The default `StepWaiter`: block until the step's tokens are on the host."""
-    if done is not None:
-        done.synchronize()
-
-
-def make_fingerprint(
-    model: LlamaForCausalLM, config: EngineConfig, weights_id: str, tokenizer_id: str
-) -> ModelFingerprint:
-    shape = model.shape
-    param = next(model.parameters())
-    return ModelFingerprint(
-        tensor_parallel_size=model.group.size,
-        weights_id=weights_id,
-        tokenizer_id=tokenizer_id,
-        dtype=dtype_name(param.dtype),
-        kv_dtype=dtype_name(kv_cache_dtype(config.kv_dtype, param.dtype, param.device.type)),
-        quantization=model.quantization,
-        block_size=config.block_size,
-        num_layers=shape.num_layers,
-        num_kv_heads=shape.num_kv_heads,
-        head_dim=shape.head_dim,
-        rope_theta=shape.rope_theta,
-        rope_scaling=tuple((k, str(v)) for k, v in shape.rope_scaling),
-    )
+    num_blocks: int
+    num_free_blocks: int
+    num_requests: int
+    num_retained: int
+    num_running: int
+    num_waiting: int
 
 
 class LLMEngine:
@@ -185,17 +129,16 @@ class LLMEngine:
             if peers is not None:  # the graphs hold collectives: every rank captures together
                 peers.send(capture)
             graphs.capture()
-        self.runner = ModelRunner(model, self.kv_cache, self.device, graphs, peers)
-        self.sampler = Sampler(eos_token_id)
-        self.async_scheduling = (
+        self.runner = runner = ModelRunner(model, self.kv_cache, self.device, graphs, peers)
+        async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None
             else self.device.type == "cuda"
         )
-        self._in_flight: _Launched | None = None
+        self.pipeline = StepPipeline(
+            self.scheduler, runner, Sampler(eos_token_id), async_scheduling
+        )
         self._num_generate_calls = 0
-        self.step_waiter: StepWaiter = synchronize
-        """Replaced by `EngineService`, which runs its commands while a step runs."""
         logger.info(
             "engine ready fingerprint=%s blocks=%d kv_bytes=%d device=%s tensor_parallel=%d",
             fingerprint.short,
@@ -309,8 +252,12 @@ class LLMEngine:
             return None
         return replace(reservation, fence=DeviceFence.now(self.device))
 
-    def install_remote(self, request_id: str, first_token_id: int) -> None:
-        self.scheduler.install_remote(request_id, first_token_id)
+    def install_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
+        """Make a reserved request runnable: its prompt KV landed (and was validated) and
+        `first_token_id` was sampled from it elsewhere. Returns the request's first output, as
+        a step would have made it (it may already be finished). Raises KeyError when the
+        request is not waiting for remote KV."""
+        return _output(self.scheduler.install_remote(request_id, first_token_id))
 
     def _hash_root(self, tenant_salt: str) -> bytes | None:
         if not tenant_salt:
@@ -355,71 +302,24 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.scheduler.requests)
 
+    def counts(self) -> Counts:
+        """What the KV pool and the scheduler hold right now."""
+        scheduler = self.scheduler
+        pool = scheduler.kv_cache_manager.block_pool
+        _used, cached, free = pool.counts()
+        return Counts(
+            num_blocks=pool.num_blocks - 1,
+            num_free_blocks=cached + free,
+            num_requests=len(scheduler.requests),
+            num_retained=len(scheduler.retained),
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+        )
+
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got a token. With
         `async_scheduling` it leaves the next step queued on the device."""
-        try:
-            return self._step()
-        except BaseException:
-            self._in_flight = None  # its requests are failed by the caller
-            raise
-
-    def _step(self) -> list[RequestOutput]:
-        running = self._in_flight
-        self._in_flight = None
-        if running is None:
-            running = self._launch(self.scheduler.schedule())
-            if running is None:
-                return []
-        if not self.async_scheduling:
-            return self._resolve(running)
-        ahead = self.scheduler.schedule_ahead()
-        if ahead is None:  # it would preempt: only with the running step's tokens known
-            outputs = self._resolve(running)
-            self._in_flight = self._launch(self.scheduler.schedule())
-            return outputs
-        self._in_flight = self._launch(ahead, running.sampled)
-        return self._resolve(running)
-
-    def _launch(
-        self, out: SchedulerOutput, previous: SampledOnDevice | None = None
-    ) -> _Launched | None:
-        """Queue a scheduled step on the device (on the CPU it runs now); None if it is empty."""
-        if out.is_empty:
-            return None
-        logits, requests = self.runner.execute(out, previous)
-        tokens = (
-            self.sampler.sample(logits, requests)
-            if requests
-            else logits.new_empty(0, dtype=torch.int64)
-        )
-        tokens = self.runner.share_tokens(tokens)  # every rank feeds them to the next step
-        sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
-        if self.device.type != "cuda":
-            return _Launched(out, requests, sampled, tokens, None)
-        host = torch.empty(tokens.shape, dtype=torch.int64, device="cpu", pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return _Launched(out, requests, sampled, host, done)
-
-    def _resolve(self, launched: _Launched) -> list[RequestOutput]:
-        """Wait for a launched step's tokens and apply them to its requests."""
-        self.step_waiter(launched.done)
-        token_ids = launched.host_tokens.tolist()
-        sampled = {r.request_id: t for r, t in zip(launched.requests, token_ids, strict=True)}
-        advanced = self.scheduler.update_from_output(launched.out, sampled)
-        return [
-            RequestOutput(
-                r.request_id,
-                (r.output_token_ids[-1],),
-                r.is_finished,
-                r.status.finish_reason,
-                r.stop_reason,
-                r.num_cached_tokens,
-            )
-            for r in advanced
-        ]
+        return [_output(r) for r in self.pipeline.step()]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -435,3 +335,17 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         return [r.output_token_ids for r in requests]
+
+
+def _output(request: Request) -> RequestOutput:
+    """The output of the step that just gave `request` its last token (the first output also
+    says how many prompt tokens the prefix cache served)."""
+    first = request.num_output_tokens == 1
+    return RequestOutput(
+        request.request_id,
+        (request.output_token_ids[-1],),
+        request.status.finish_reason,
+        request.stop_reason,
+        None,
+        request.num_cached_tokens if first else 0,
+    )

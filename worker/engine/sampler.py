@@ -4,8 +4,17 @@ Rows are first adjusted where their request asks for it: the end-of-sequence tok
 token ids masked while `min_tokens` is not reached, and the repetition, presence and frequency
 penalties applied over the request's tokens so far. Then greedy rows take the argmax; the others
 are scaled by their temperature, masked by their top-k, top-p and min-p, and drawn from what
-remains. A request with a seed draws from its own `torch.Generator`, created on its first draw
-and kept on the request, so its samples do not depend on the rest of the batch or on preemption.
+remains. A request with a seed draws each token from its own `torch.Generator` (kept on the
+request), seeded anew for that token from the request's seed and the token's position in the
+output (`draw_seed`), so its samples depend neither on the rest of the batch nor on preemption,
+nor on which worker drew its earlier tokens: after a remote prefill the decode worker draws the
+second token from the same seed as a colocated worker would, with nothing but the first token
+crossing the handoff.
+
+Per-request sampler state is therefore a function of what both sides of a handoff know (the
+request's parameters and its output so far); every output token, sampled here or installed from
+a remote prefill, joins the request through `Scheduler._append_token`, which is where such state
+advances.
 The sampler never mutates the logits it is given, and `sample` never waits for the device: its
 tokens stay there until the caller copies them.
 
@@ -183,14 +192,30 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     return drawn
 
 
-def _generator(request: Request, device: torch.device) -> torch.Generator | None:
+_MASK_64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of a seeded request's draw for output token `position` (0-based): SplitMix64's
+    finalizer over the request's seed and the position, so neighbouring positions and seeds get
+    unrelated streams."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK_64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK_64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK_64
+    return z ^ (z >> 31)
+
+
+def _generator(request: Request, device: torch.device) -> torch.Generator:
+    """The request's generator, seeded for the token this row samples: output token number
+    `num_output_tokens + num_in_flight - 1` (`num_in_flight` counts this step's token, and a
+    step still on the device)."""
     seed = request.sampling_params.seed
-    if seed is None:
-        return None
+    assert seed is not None
     if request.generator is None:
-        request.generator = torch.Generator(device=device).manual_seed(seed)
+        request.generator = torch.Generator(device=device)
     generator: torch.Generator = request.generator
-    return generator
+    position = request.num_output_tokens + request.num_in_flight - 1
+    return generator.manual_seed(draw_seed(seed, position))
 
 
 def _distribution(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -291,6 +291,8 @@ class Scheduler:
         return advanced
 
     def _append_token(self, request: Request, token_id: int) -> None:
+        """The one way an output token joins a request, sampled by a step here or installed from
+        a remote prefill: per-request sampler state advances here (see `sampler`)."""
         request.output_token_ids.append(token_id)
         status = self.stop_checker.check(request)
         if status is not None:

@@ -17,35 +17,35 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.codec import MessageError, decode
 from kvrail.errors import InvalidRequestError
-from kvrail.messages import Cancel, GenerateRequest, PrefillMode, TokenEvent
+from kvrail.messages import Cancel, GenerateRequest
+from kvrail.outputs import PrefillMode, RequestOutput, TokenEvent
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.kv_receiver import KvReceiver, Outcome, RequestFailed
 from kvrail.worker.roles.outbox import TokenOutbox
 from kvrail.worker.roles.stages import StageTimes
-from kvrail.worker.service import Update
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class _Stream:
-    """Publishes one request's TokenEvents in order (through the role's outbox, which batches a
-    step's events per router); the first carries the TTFT stages.
+    """Publishes one request's outputs in order, each in a numbered `TokenEvent` (through the
+    role's outbox, which batches a step's events per router); the first carries the TTFT stages.
 
-    `on_update` is the engine service's callback, on the event loop: once `start`ed, it turns an
-    update into its event at once, in the callback that delivers the whole step, so no
-    per-request task wakes up per token. Before `start` (while the request's task still sets the
-    first event's fields, e.g. after a remote prefill installed it) updates are held, in order.
-    `done` resolves with the last event.
+    `on_output` is the engine service's callback, on the event loop: once `start`ed, it sends an
+    output at once, in the callback that delivers the whole step, so no per-request task wakes up
+    per token. Before `start` (while the request's task still sets the first event's fields,
+    e.g. after a remote prefill installed it) outputs are held, in order. `done` resolves with
+    the last event.
     """
 
     outbox: TokenOutbox
@@ -57,49 +57,51 @@ class _Stream:
     seq: int = 0
     closed: bool = False
     submitted: float | None = None
-    """When a local prefill was submitted; its first update times `prefill_compute_s`."""
+    """When a local prefill was submitted; its first output times `prefill_compute_s`."""
     arrived: float | None = None
     """When the request reached this worker: the first token's log line says how long it spent
     here in all (`in_worker_s`), which the stages only partly cover."""
-    first_update_at: float | None = None
-    held: list[Update] | None = field(default_factory=list)
-    """Updates that came before `start` (None once started)."""
+    first_output_at: float | None = None
+    held: list[RequestOutput] | None = field(default_factory=list)
+    """Outputs that came before `start` (None once started)."""
     done: asyncio.Future[None] = field(
         default_factory=lambda: asyncio.get_running_loop().create_future()
     )
 
-    def on_update(self, update: Update) -> None:
-        if self.first_update_at is None:
-            self.first_update_at = time.monotonic()
+    def on_output(self, output: RequestOutput) -> None:
+        if self.first_output_at is None:
+            self.first_output_at = time.monotonic()
         if self.held is not None:
-            self.held.append(update)
+            self.held.append(output)
         elif not self.closed:
-            self._send(update)
+            self._send(output)
 
     def start(self) -> None:
-        """Publish the held updates, then every later one as it comes."""
+        """Publish the held outputs, then every later one as it comes."""
         held, self.held = self.held or [], None
-        for update in held:
+        for output in held:
             if not self.closed:
-                self._send(update)
+                self._send(output)
 
     def fail(self, reason: str) -> None:
         if not self.closed:
-            self._publish((), None, reason)
+            self._publish(RequestOutput(self.request.request_id, error=reason))
 
-    def _send(self, update: Update) -> None:
+    def _send(self, output: RequestOutput) -> None:
         try:
             if self.seq == 0:
-                self._first_token(update)
-            self._publish(update.new_token_ids, update.finish_reason, update.error)
+                output = self._first_token(output)
+            self._publish(output)
         except Exception as err:  # a bug: the request's task fails with it, the others go on
             if not self.done.done():
                 self.done.set_exception(err)
 
-    def _first_token(self, update: Update) -> None:
-        if self.submitted is not None and self.first_update_at is not None:
-            self.stages.prefill_compute_s = self.first_update_at - self.submitted
-            self.num_cached_tokens = update.num_cached_tokens
+    def _first_token(self, output: RequestOutput) -> RequestOutput:
+        """Times and logs the first token; its output, with the prompt tokens that were cached
+        (a local prefill's own count, or what a remote handoff found cached here)."""
+        if self.submitted is not None and self.first_output_at is not None:
+            self.stages.prefill_compute_s = self.first_output_at - self.submitted
+            self.num_cached_tokens = output.num_cached_tokens
         timed = self.stages.timed()
         for stage, seconds in timed.items():
             metrics.TTFT_STAGE_SECONDS.labels(stage.removesuffix("_s")).observe(seconds)
@@ -111,15 +113,14 @@ class _Stream:
             self.request.request_id, self.mode, len(self.request.token_ids),
             self.num_cached_tokens, " ".join(f"{k}={v:.4f}" for k, v in sorted(logged.items())),
         )  # fmt: skip
+        if output.num_cached_tokens == self.num_cached_tokens:
+            return output
+        return replace(output, num_cached_tokens=self.num_cached_tokens)
 
-    def _publish(
-        self, token_ids: tuple[int, ...], finish_reason: str | None, error: str | None
-    ) -> None:
+    def _publish(self, output: RequestOutput) -> None:
         first = self.seq == 0
         event = TokenEvent(
-            self.request.request_id, self.seq, token_ids, finish_reason, error, self.worker_id,
-            prefill_mode=self.mode if first else "",
-            num_cached_tokens=self.num_cached_tokens if first else 0,
+            output, self.seq, self.worker_id, prefill_mode=self.mode if first else "",
             stages=self.stages.message() if first else None,
         )  # fmt: skip
         self.seq += 1
@@ -220,7 +221,7 @@ class DecodeRole:
             if self.receiver.wants(request):
                 stream.mode = "remote"
                 handoff = await self.receiver.prefill(
-                    request, params, stream.on_update, stream.stages, arrived, deadline
+                    request, params, stream.on_output, stream.stages, arrived, deadline
                 )
                 outcome, stream.num_cached_tokens = handoff.outcome, handoff.num_cached_tokens
                 if self.receiver.is_quarantined(engine_id):
@@ -231,7 +232,7 @@ class DecodeRole:
                 stream.stages.admission_s = stream.submitted - arrived
                 try:
                     await self.service.submit(
-                        engine_id, request.token_ids, params, stream.on_update,
+                        engine_id, request.token_ids, params, stream.on_output,
                         deadline_monotonic=deadline, tenant_salt=request.tenant_salt,
                     )  # fmt: skip
                 except InvalidRequestError as err:
@@ -257,9 +258,9 @@ class DecodeRole:
                 await asyncio.shield(self.service.abort(engine_id))
 
     async def _stream(self, stream: _Stream, deadline: float) -> None:
-        """Let the stream publish its updates (held ones first) until its last."""
+        """Let the stream publish its outputs (held ones first) until its last."""
         stream.start()
-        # The service aborts at the deadline; this is the backstop should no update come.
+        # The service aborts at the deadline; this is the backstop should no output come.
         remaining = deadline - time.monotonic() + 1.0
         try:
             async with asyncio.timeout(max(remaining, 0.0)):

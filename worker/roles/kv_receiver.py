@@ -44,6 +44,7 @@ from kvrail.messages import (
     WriteGrantRequest,
     tokens_digest,
 )
+from kvrail.outputs import RequestOutput
 from kvrail.sampling import SamplingParams
 from kvrail.worker import metrics
 from kvrail.worker.engine.fence import DeviceFence
@@ -52,7 +53,6 @@ from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.quarantine import Quarantine
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
-from kvrail.worker.service import Update
 from kvrail.worker.transfer.envelope import Reservation, validate
 
 log = logging.getLogger(__name__)
@@ -173,13 +173,13 @@ class KvReceiver:
         self,
         request: GenerateRequest,
         params: SamplingParams,
-        on_update: Callable[[Update], None],
+        on_output: Callable[[RequestOutput], None],
         stages: StageTimes,
         arrived: float,
         deadline: float,
     ) -> Handoff:
         """Prefill on a prefill worker into reserved blocks. `installed`: the request runs, its
-        tokens flow to `on_update`; `local`: nothing was tried, prefill locally; `recompute`: the
+        tokens flow to `on_output`; `local`: nothing was tried, prefill locally; `recompute`: the
         remote prefill failed, prefill locally (under another engine id if `is_quarantined`).
         Raises RequestFailed under the `fail` and `reroute` policies. TTFT stages go to `stages`."""
         rid = request.request_id
@@ -232,7 +232,7 @@ class KvReceiver:
                     if await self._validate(done, job, request, stages):
                         installed_at = time.monotonic()
                         await self.service.install(
-                            rid, done.first_token_id, on_update, deadline_monotonic=deadline
+                            rid, done.first_token_id, on_output, deadline_monotonic=deadline
                         )
                         stages.admission_s = (stages.admission_s or 0.0) + (
                             time.monotonic() - installed_at

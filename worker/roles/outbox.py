@@ -17,7 +17,7 @@ from collections import defaultdict
 import nats.errors
 from nats.aio.client import Client as NatsClient
 
-from kvrail.messages import MAX_EVENTS_PER_BATCH, TokenEvent, TokenEventBatch
+from kvrail.outputs import MAX_EVENTS_PER_BATCH, TokenEvent, TokenEventBatch
 
 log = logging.getLogger(__name__)
 

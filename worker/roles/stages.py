@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from kvrail.messages import FirstTokenStages
+from kvrail.outputs import FirstTokenStages
 
 
 @dataclass(slots=True)

@@ -1,10 +1,13 @@
-"""The request-plane messages of issue 4: GenerateRequest, TokenEvent, BlockCounts."""
+"""The request-plane messages: GenerateRequest, TokenEvent (and the RequestOutput it carries),
+BlockCounts."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import struct
+import typing
 from typing import Any
 
 import pytest
@@ -13,14 +16,14 @@ from hypothesis import strategies as st
 
 from kvrail.codec import BINARY_MAGIC, WIRE_VERSION, Message, MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import (
+from kvrail.messages import BlockCounts, GenerateRequest, PrefillDone
+from kvrail.outputs import (
     MAX_EVENTS_PER_BATCH,
-    BlockCounts,
     FirstTokenStages,
-    GenerateRequest,
-    PrefillDone,
+    RequestOutput,
     TokenEvent,
     TokenEventBatch,
+    merged,
 )
 from kvrail.sampling import SamplingParams
 
@@ -32,6 +35,22 @@ def request(**overrides: Any) -> GenerateRequest:
     )  # fmt: skip
     base.update(overrides)
     return GenerateRequest(**base)
+
+
+def event(
+    request_id: str, seq: int, token_ids: tuple[int, ...] = (), worker_id: str = "",
+    prefill_mode: Any = "", stages: FirstTokenStages | None = None, **output: Any,
+) -> TokenEvent:  # fmt: skip
+    """A TokenEvent carrying the output of `request_id` with `token_ids` and `output`'s fields."""
+    return TokenEvent(
+        RequestOutput(request_id, token_ids, **output), seq, worker_id, prefill_mode, stages
+    )
+
+
+def _tamper_output(message: TokenEvent, **changes: Any) -> bytes:
+    body = json.loads(message.encode())
+    body["output"].update(changes)
+    return json.dumps(body).encode()
 
 
 def _tamper(message: Any, **changes: Any) -> bytes:
@@ -62,16 +81,16 @@ def _tamper_sampling(**changes: Any) -> bytes:
             ),
             tenant_salt="tenant-a",
         ),
-        TokenEvent(
-            request_id="r",
-            seq=0,
-            token_ids=(5, 6),
+        event(
+            "r",
+            0,
+            (5, 6),
             prefill_mode="remote",
             num_cached_tokens=32,
             stages=FirstTokenStages(queue_wait_s=0.01, prefill_compute_s=0.2, copy_s=0.003),
         ),
-        TokenEvent(request_id="r", seq=3, finish_reason="length"),
-        TokenEvent(request_id="r", seq=1, error="deadline"),
+        event("r", 3, finish_reason="length", stop_reason=2),
+        event("r", 1, error="deadline"),
         BlockCounts(
             worker_id="d-0",
             incarnation=9,
@@ -103,8 +122,8 @@ def test_every_request_plane_message_round_trips(message: Any) -> None:
 def test_prompt_and_new_tokens_travel_packed() -> None:
     body = json.loads(request(token_ids=tuple(range(5000))).encode())
     assert isinstance(body["token_ids"], str)
-    body = json.loads(TokenEvent(request_id="r", seq=0, token_ids=(1, 2)).encode())
-    assert isinstance(body["token_ids"], str)
+    body = json.loads(event("r", 0, (1, 2)).encode())
+    assert isinstance(body["output"]["token_ids"], str)
 
 
 def test_a_prefill_done_without_the_stage_fields_still_decodes() -> None:
@@ -119,9 +138,9 @@ def test_a_prefill_done_without_the_stage_fields_still_decodes() -> None:
 
 
 def test_only_the_last_event_is_last() -> None:
-    assert not TokenEvent(request_id="r", seq=0, token_ids=(1,)).is_last
-    assert TokenEvent(request_id="r", seq=1, finish_reason="stop").is_last
-    assert TokenEvent(request_id="r", seq=1, error="kv_load_failed").is_last
+    assert not event("r", 0, (1,)).is_last
+    assert event("r", 1, finish_reason="stop").is_last
+    assert event("r", 1, error="kv_load_failed").is_last
 
 
 @pytest.mark.parametrize(
@@ -138,10 +157,11 @@ def test_only_the_last_event_is_last() -> None:
         (_tamper_sampling(seed=1.5), GenerateRequest, "seed"),
         (_tamper_sampling(ignore_eos=1), GenerateRequest, "ignore_eos"),
         (_tamper(request(), sampling=None), GenerateRequest, "sampling"),
-        (_tamper(TokenEvent(request_id="r", seq=0), num_cached_tokens=-1), TokenEvent, "cached"),
-        (_tamper(TokenEvent(request_id="r", seq=0), seq=-1), TokenEvent, "seq"),
-        (_tamper(TokenEvent(request_id="r", seq=0), prefill_mode="guess"), TokenEvent, "prefill"),
-        (_tamper(TokenEvent(request_id="r", seq=0), error=7), TokenEvent, "error"),
+        (_tamper_output(event("r", 0), num_cached_tokens=-1), TokenEvent, "cached"),
+        (_tamper(event("r", 0), seq=-1), TokenEvent, "seq"),
+        (_tamper(event("r", 0), prefill_mode="guess"), TokenEvent, "prefill"),
+        (_tamper_output(event("r", 0), error=7), TokenEvent, "error"),
+        (_tamper(event("r", 0), output=None), TokenEvent, "output"),
     ],
 )
 def test_malformed_request_plane_messages_raise_message_error(
@@ -160,9 +180,9 @@ def test_the_debug_and_refusal_subjects_are_scoped_per_worker() -> None:
 
 
 def test_a_steps_events_travel_as_one_batch_and_a_bad_batch_is_refused() -> None:
-    events = tuple(
-        TokenEvent(request_id=f"r-{i}", seq=3, token_ids=(i,), worker_id="d-0") for i in range(50)
-    ) + (TokenEvent(request_id="r-0", seq=4, finish_reason="length", worker_id="d-0"),)
+    events = tuple(event(f"r-{i}", 3, (i,), worker_id="d-0") for i in range(50)) + (
+        event("r-0", 4, finish_reason="length", worker_id="d-0"),
+    )
     batch = TokenEventBatch(events)
     assert decode(batch.encode(), TokenEventBatch) == batch
     body = json.loads(Message.encode(batch))  # the JSON form, which decoding still accepts
@@ -174,16 +194,21 @@ def test_a_steps_events_travel_as_one_batch_and_a_bad_batch_is_refused() -> None
 
 
 _ids = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=40)
-_events = st.builds(
-    TokenEvent,
+_outputs = st.builds(
+    RequestOutput,
     request_id=_ids,
-    seq=st.integers(0, 2**32 - 1),
     token_ids=st.lists(st.integers(0, 2**32 - 1), max_size=20).map(tuple),
     finish_reason=st.sampled_from([None, "stop", "length", "abort"]),
+    stop_reason=st.none() | st.integers(0, 2**31),
     error=st.sampled_from([None, "deadline", "worker_lost"]),
+    num_cached_tokens=st.integers(0, 10**6),
+)
+_events = st.builds(
+    TokenEvent,
+    output=_outputs,
+    seq=st.integers(0, 2**32 - 1),
     worker_id=_ids,
     prefill_mode=st.sampled_from(["", "local", "remote", "recompute"]),
-    num_cached_tokens=st.integers(0, 10**6),
     stages=st.none() | st.builds(FirstTokenStages, queue_wait_s=st.floats(0, 10)),
 )
 
@@ -197,9 +222,9 @@ def test_the_binary_batch_carries_every_field_of_every_event(events: list[TokenE
 
 
 def test_a_damaged_binary_batch_raises_message_error_and_nothing_else() -> None:
-    first = TokenEvent("r-0", 0, (5, 6), worker_id="d-0", prefill_mode="local",
-                       stages=FirstTokenStages(copy_s=0.25))  # fmt: skip
-    data = TokenEventBatch((first, TokenEvent("r-1", 3, (7,), "length", worker_id="d-0"))).encode()
+    first = event("r-0", 0, (5, 6), worker_id="d-0", prefill_mode="local",
+                  stages=FirstTokenStages(copy_s=0.25))  # fmt: skip
+    data = TokenEventBatch((first, event("r-1", 3, (7,), "d-0", finish_reason="length"))).encode()
     for cut in range(len(data)):  # every truncation
         with pytest.raises(MessageError):
             decode(data[:cut], TokenEventBatch)
@@ -234,4 +259,52 @@ def test_a_damaged_binary_batch_raises_message_error_and_nothing_else() -> None:
         assert with_rest(b"") != bad, name
     assert decode(with_rest(b""), TokenEventBatch).events[0].request_id == "r"
     with pytest.raises(MessageError, match="2\\*\\*32"):
-        TokenEventBatch((TokenEvent("r", 0, (2**32,), worker_id="d"),)).encode()
+        TokenEventBatch((event("r", 0, (2**32,), worker_id="d"),)).encode()
+
+
+def _non_default(hint: Any) -> Any:
+    """A value of type `hint` (a field's annotation) other than the field's default."""
+    kinds = {typing.get_origin(hint)} | set(typing.get_args(hint)) | {hint}
+    if tuple in kinds:
+        return (3, 4)
+    if str in kinds:
+        return "x"
+    if int in kinds:
+        return 7
+    if float in kinds:
+        return 0.5
+    if FirstTokenStages in kinds:
+        return FirstTokenStages(copy_s=0.5)
+    return "remote"  # the prefill mode's literal
+
+
+@pytest.mark.parametrize(
+    "cls,name",
+    [(RequestOutput, f.name) for f in dataclasses.fields(RequestOutput)]
+    + [(TokenEvent, f.name) for f in dataclasses.fields(TokenEvent) if f.name != "output"],
+)
+def test_every_field_of_the_record_and_its_event_travels_in_the_binary_batch(
+    cls: Any, name: str
+) -> None:
+    """Derived from the types: a field added to `RequestOutput` (or `TokenEvent`) is carried by
+    the binary form with no change to its codec."""
+    hint = typing.get_type_hints(cls)[name]
+    value = _non_default(hint)
+    output = RequestOutput("r", (1,))
+    if cls is RequestOutput:
+        output = dataclasses.replace(output, **{name: value})
+        one = TokenEvent(output, 0, "d-0")
+    else:
+        one = dataclasses.replace(TokenEvent(output, 0, "d-0"), **{name: value})
+    data = TokenEventBatch((one,)).encode()
+    assert decode(data, TokenEventBatch).events == (one,)
+
+
+def test_merged_outputs_concatenate_tokens_and_keep_the_latest_of_the_rest() -> None:
+    first = RequestOutput("r", (1, 2), num_cached_tokens=16)
+    middle = RequestOutput("r", (3,))
+    last = RequestOutput("r", (4,), finish_reason="stop", stop_reason=4)
+    assert merged([first]) is first
+    assert merged([first, middle, last]) == RequestOutput(
+        "r", (1, 2, 3, 4), finish_reason="stop", stop_reason=4, num_cached_tokens=16
+    )

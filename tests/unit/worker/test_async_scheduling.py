@@ -64,7 +64,7 @@ def _run(engine: LLMEngine, params: list[SamplingParams]) -> dict[str, tuple[lis
     while engine.has_unfinished_requests():
         for output in engine.step():
             assert output.request_id not in outputs, "an output after the request finished"
-            tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
             if output.finished:
                 assert output.finish_reason is not None
                 outputs[output.request_id] = (tokens[output.request_id], output.finish_reason)
@@ -112,7 +112,9 @@ def test_an_abort_of_a_request_in_the_step_in_flight_frees_its_blocks_and_drops_
     kept_request = engine.add_request("kept", [11, 12], params)
     for _ in range(3):
         engine.step()
-    assert engine._in_flight is not None and "gone" in engine._in_flight.sampled.rows
+    assert (
+        engine.pipeline._in_flight is not None and "gone" in engine.pipeline._in_flight.sampled.rows
+    )
     assert engine.abort("gone")
     engine.scheduler.check_invariants()
     kept = []

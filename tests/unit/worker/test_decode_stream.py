@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvrail.messages import GenerateRequest, TokenEvent
+from kvrail.messages import GenerateRequest
+from kvrail.outputs import RequestOutput, TokenEvent
 from kvrail.sampling import SamplingParams
 from kvrail.worker.roles.decode import _Stream
-from kvrail.worker.service import Update
 
 
 class ListOutbox:
@@ -32,21 +32,24 @@ def _stream() -> tuple[_Stream, ListOutbox]:
 
 
 def _tokens(outbox: ListOutbox) -> list[tuple[int, tuple[int, ...], Any]]:
-    return [(e.seq, e.token_ids, e.finish_reason or e.error) for _, e in outbox.events]
+    return [
+        (e.seq, e.output.token_ids, e.output.finish_reason or e.output.error)
+        for _, e in outbox.events
+    ]
 
 
 async def test_updates_before_start_are_held_then_published_in_order() -> None:
     stream, outbox = _stream()
     stream.mode = "remote"
-    stream.on_update(Update("r-1", (7,), num_cached_tokens=0))
-    stream.on_update(Update("r-1", (8,)))
+    stream.on_output(RequestOutput("r-1", (7,), num_cached_tokens=0))
+    stream.on_output(RequestOutput("r-1", (8,)))
     assert outbox.events == []  # the task has not set the first event's fields yet
     stream.num_cached_tokens = 16  # as after a remote prefill's install
     stream.start()
-    stream.on_update(Update("r-1", (9,), finished=True, finish_reason="length"))
+    stream.on_output(RequestOutput("r-1", (9,), finish_reason="length"))
     assert _tokens(outbox) == [(0, (7,), None), (1, (8,), None), (2, (9,), "length")]
     first = outbox.events[0][1]
-    assert (first.prefill_mode, first.num_cached_tokens, first.worker_id) == (
+    assert (first.prefill_mode, first.output.num_cached_tokens, first.worker_id) == (
         "remote",
         16,
         "decode-0",
@@ -61,20 +64,20 @@ async def test_a_local_prefill_times_its_compute_from_submit_to_the_first_update
     stream, outbox = _stream()
     stream.mode = "local"
     stream.submitted = 100.0
-    stream.first_update_at = 100.25  # the first update came before the task started the stream
-    stream.held = [Update("r-1", (7,), num_cached_tokens=32)]
+    stream.first_output_at = 100.25  # the first update came before the task started the stream
+    stream.held = [RequestOutput("r-1", (7,), num_cached_tokens=32)]
     stream.start()
     first = outbox.events[0][1]
     assert first.stages is not None and first.stages.prefill_compute_s == pytest.approx(0.25)
-    assert first.num_cached_tokens == 32
+    assert first.output.num_cached_tokens == 32
 
 
 async def test_nothing_follows_a_failure_and_a_failure_ends_the_stream_once() -> None:
     stream, outbox = _stream()
     stream.start()
-    stream.on_update(Update("r-1", (7,)))
+    stream.on_output(RequestOutput("r-1", (7,)))
     stream.fail("cancelled")
-    stream.on_update(Update("r-1", (8,)))  # a step that raced with the abort
+    stream.on_output(RequestOutput("r-1", (8,)))  # a step that raced with the abort
     stream.fail("internal_error")
     assert _tokens(outbox) == [(0, (7,), None), (1, (), "cancelled")]
     assert stream.done.done()
@@ -83,8 +86,8 @@ async def test_nothing_follows_a_failure_and_a_failure_ends_the_stream_once() ->
 async def test_an_error_update_is_the_last_event() -> None:
     stream, outbox = _stream()
     stream.start()
-    stream.on_update(Update("r-1", (), error="deadline"))
-    stream.on_update(Update("r-1", (5,)))
+    stream.on_output(RequestOutput("r-1", (), error="deadline"))
+    stream.on_output(RequestOutput("r-1", (5,)))
     assert _tokens(outbox) == [(0, (), "deadline")]
     assert stream.done.done()
 
@@ -97,7 +100,9 @@ async def test_a_failing_publish_fails_only_its_own_request() -> None:
         raise ValueError("a bug")
 
     outbox.add = broken  # type: ignore[method-assign]
-    stream.on_update(Update("r-1", (7,)))  # the service's callback returns: other requests go on
+    stream.on_output(
+        RequestOutput("r-1", (7,))
+    )  # the service's callback returns: other requests go on
     assert stream.done.done() and isinstance(stream.done.exception(), ValueError)
 
 
@@ -112,7 +117,7 @@ async def test_the_first_tokens_log_line_gives_the_requests_whole_time_in_the_wo
     stream.submitted = stream.arrived + 0.1
     with caplog.at_level(logging.INFO, logger="kvrail.worker.roles.decode"):
         stream.start()
-        stream.on_update(Update("r-1", (7,), num_cached_tokens=0))
+        stream.on_output(RequestOutput("r-1", (7,), num_cached_tokens=0))
     [line] = [r.getMessage() for r in caplog.records if "first token" in r.getMessage()]
     logged = dict(kv.split("=", 1) for kv in line.split() if "=" in kv)
     assert 0.5 <= float(logged["in_worker_s"]) < 5.0

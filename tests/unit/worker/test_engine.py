@@ -37,7 +37,7 @@ def test_step_reports_each_new_token_and_the_finish_reason() -> None:
     outputs = []
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
-    assert [len(o.new_token_ids) for o in outputs] == [1, 1, 1]  # only the new token, each step
+    assert [len(o.token_ids) for o in outputs] == [1, 1, 1]  # only the new token, each step
     assert [o.finished for o in outputs] == [False, False, True]
     assert outputs[-1].finish_reason == "length"
     assert engine.step() == []
@@ -57,7 +57,7 @@ def test_zero_kv_on_release_leaves_no_finished_request_in_memory() -> None:
         done: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
             for o in engine.step():
-                done.setdefault(o.request_id, []).extend(o.new_token_ids)
+                done.setdefault(o.request_id, []).extend(o.token_ids)
         outputs.append(done)
     assert outputs[0] == outputs[1]
     assert plain.kv_cache.tensor.abs().sum() > 0 and plain.cached_block_hashes()

@@ -10,8 +10,15 @@ from kvrail.worker.testing import make_request
 
 
 def sample(logits: torch.Tensor, requests: list[Request]) -> list[int]:
-    """One token per row, on the host."""
+    """One token per row, on the host, as an engine step samples them: each request's token is
+    in flight while it is drawn, then joins its output (a seeded draw depends on its position)."""
+    unique = list({id(r): r for r in requests}.values())
+    for request in unique:
+        request.num_in_flight += 1
     token_ids: list[int] = Sampler().sample(logits, requests).tolist()
+    for request in unique:
+        request.num_in_flight -= 1
+        request.output_token_ids.append(token_ids[requests.index(request)])
     return token_ids
 
 
@@ -59,6 +66,20 @@ def test_same_seed_gives_the_same_tokens_whatever_the_batch() -> None:
 
     assert draw([0]) == draw([0, 1, 2])
     assert len(set(draw([0]))) > 1  # it really samples
+
+
+def test_a_seeded_draw_depends_on_its_position_not_on_who_drew_the_earlier_tokens() -> None:
+    """After a remote prefill the decode worker holds the first token without having drawn it:
+    its draw for the second token equals the one a request that drew the first itself makes."""
+    logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(4))
+    drew_first = make_request(2, temperature=1.0, seed=77)
+    first, second = sample(logits, [drew_first]), sample(logits, [drew_first])
+    installed = make_request(2, temperature=1.0, seed=77)
+    installed.output_token_ids.append(first[0])  # what `install_remote` does
+    assert sample(logits, [installed]) == second
+    other_seed = make_request(2, temperature=1.0, seed=78)
+    draws = [sample(logits, [other_seed])[0] for _ in range(8)]
+    assert draws != [sample(logits, [drew_first])[0] for _ in range(8)]
 
 
 def test_high_temperature_sampling_only_returns_tokens_inside_top_k() -> None:

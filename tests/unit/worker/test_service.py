@@ -12,9 +12,10 @@ import pytest
 
 from kvrail.errors import DeadlineExceededError, InvalidRequestError
 from kvrail.hashing import block_hashes, root_hash
+from kvrail.outputs import RequestOutput
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
-from kvrail.worker.service import EngineService, Update
+from kvrail.worker.service import EngineService
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
 PROMPT = list(range(10, 31))  # 21 tokens: 5 full 4-token blocks and a partial one
@@ -40,24 +41,24 @@ async def service() -> AsyncIterator[EngineService]:
 
 class Collector:
     def __init__(self) -> None:
-        self.updates: list[Update] = []
+        self.updates: list[RequestOutput] = []
         self.done = asyncio.Event()
 
-    def __call__(self, update: Update) -> None:
+    def __call__(self, update: RequestOutput) -> None:
         assert asyncio.get_running_loop()  # delivered on the event loop, not the engine thread
         assert not self.done.is_set(), "an update arrived after the last one"
         self.updates.append(update)
         if update.is_last:
             self.done.set()
 
-    async def wait(self, timeout_s: float = 30.0) -> Update:
+    async def wait(self, timeout_s: float = 30.0) -> RequestOutput:
         await asyncio.wait_for(self.done.wait(), timeout_s)
         return self.updates[-1]
 
     @property
     def output_token_ids(self) -> tuple[int, ...]:
         """Every token delivered so far (each update carries only its new ones)."""
-        return tuple(t for u in self.updates for t in u.new_token_ids)
+        return tuple(t for u in self.updates for t in u.token_ids)
 
 
 async def test_a_submitted_request_streams_the_tokens_generate_would_give(
@@ -70,7 +71,7 @@ async def test_a_submitted_request_streams_the_tokens_generate_would_give(
     assert last.finished and last.finish_reason == "length"
     assert list(got.output_token_ids) == expected
     # Only new tokens travel: one per step, never the history again.
-    assert [len(u.new_token_ids) for u in got.updates] == [1] * 6
+    assert [len(u.token_ids) for u in got.updates] == [1] * 6
 
 
 async def test_a_callback_that_raises_costs_the_other_requests_nothing(
@@ -78,9 +79,9 @@ async def test_a_callback_that_raises_costs_the_other_requests_nothing(
 ) -> None:
     """A step's updates reach the loop together; one subscriber's exception is logged and the
     rest of the step's callbacks still run."""
-    calls: list[Update] = []
+    calls: list[RequestOutput] = []
 
-    def broken(update: Update) -> None:
+    def broken(update: RequestOutput) -> None:
         calls.append(update)
         raise RuntimeError("subscriber bug")
 
@@ -92,7 +93,7 @@ async def test_a_callback_that_raises_costs_the_other_requests_nothing(
     last = await good.wait()
     assert last.finished and len(good.output_token_ids) == 6
     assert len(calls) == 6 and calls[-1].finished  # every update was still offered to it
-    assert "update callback failed request_id=broken" in caplog.text
+    assert "output callback failed request_id=broken" in caplog.text
 
 
 async def test_an_invalid_request_raises_and_keeps_nothing(service: EngineService) -> None:
@@ -122,7 +123,7 @@ async def test_a_reserved_request_runs_only_once_installed(service: EngineServic
     await service.install("r", 42, got)
     last = await got.wait()
     assert last.finished and got.output_token_ids[0] == 42 and len(got.output_token_ids) == 6
-    assert got.updates[0].new_token_ids == (42,)
+    assert got.updates[0].token_ids == (42,)
 
 
 async def test_an_abandoned_reservation_is_freed_by_abort(service: EngineService) -> None:
@@ -215,7 +216,7 @@ async def test_kv_changes_reach_the_loop_before_the_first_token_and_mirror_the_c
 
     got = Collector()
 
-    def on_update(update: Update) -> None:
+    def on_update(update: RequestOutput) -> None:
         if not got.updates:  # the first token
             seen_at_first_token.append(set(mirror.cached))
         got(update)
@@ -243,7 +244,7 @@ async def test_an_installed_remote_prompt_is_reported_before_its_first_token() -
     seen: list[set[bytes]] = []
     got = Collector()
 
-    def on_update(update: Update) -> None:
+    def on_update(update: RequestOutput) -> None:
         seen.append(set(mirror.cached))
         got(update)
 
@@ -274,8 +275,8 @@ class Gate:
 
 def gated(svc: EngineService, gate: Gate) -> None:
     """Every step of `svc`'s engine now waits on `gate`, through the service's own waiter."""
-    serve_while_waiting = svc.engine.step_waiter
-    svc.engine.step_waiter = lambda done: serve_while_waiting(gate)
+    serve_while_waiting = svc.engine.pipeline.step_waiter
+    svc.engine.pipeline.step_waiter = lambda done: serve_while_waiting(gate)
 
 
 async def test_commands_run_while_a_step_runs_on_the_device() -> None:
@@ -313,7 +314,7 @@ async def test_commands_run_while_a_step_runs_on_the_device() -> None:
 
 async def test_a_step_whose_device_wait_fails_fails_its_requests_not_the_service() -> None:
     svc = EngineService(engine(), asyncio.get_running_loop()).start()
-    serve_while_waiting = svc.engine.step_waiter
+    serve_while_waiting = svc.engine.pipeline.step_waiter
     gate = Gate(fail=True)
     gated(svc, gate)
     gate.opened.set()
@@ -321,7 +322,7 @@ async def test_a_step_whose_device_wait_fails_fails_its_requests_not_the_service
         failed = Collector()
         await svc.submit("r1", PROMPT, GREEDY, failed)
         assert (await failed.wait()).error == "engine_error"
-        svc.engine.step_waiter = serve_while_waiting  # the device is well again
+        svc.engine.pipeline.step_waiter = serve_while_waiting  # the device is well again
         ok = Collector()
         await svc.submit("r2", PROMPT, GREEDY, ok)
         assert (await ok.wait()).finished

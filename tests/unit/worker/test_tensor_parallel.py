@@ -170,7 +170,7 @@ def test_on_gpus_a_split_model_with_graphs_and_async_decodes_like_one_gpu(
     needs_gpus(size)
     expected = generate(tp_engine(str(random_model), 1, "cuda"), PROMPTS, 12)
     split = tp_engine(str(random_model), size, "cuda")  # CUDA: graphs and async by default
-    assert split.engine.runner.graphs is not None and split.engine.async_scheduling
+    assert split.engine.runner.graphs is not None and split.engine.pipeline.async_scheduling
     got = generate(split, PROMPTS, 12)
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
 
