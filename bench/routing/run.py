@@ -8,7 +8,7 @@ What runs: real etcd and NATS (`kvrail.local.servers`), then for each rate and e
 pool (`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role
 colocated`, colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`.
 The workers are new processes for every (rate, policy), so each starts from empty prefix caches and
-no policy benefits from a cache another one warmed. The load generator (`bench/loadgen.py`,
+no policy benefits from a cache another one warmed. The load generator (`bench/loadgen/`,
 imported) then sends a Poisson stream of chat requests: one of `--prefixes` system prompts of
 `--prefix-tokens` words (one word is one SmolLM2 token) followed by a short unique question, and
 `--output-tokens` tokens out. Every policy gets the same requests at the same times (same seed; each
@@ -79,7 +79,7 @@ BLOCK_SIZE = 16
 
 
 HERE = Path(__file__).resolve().parent
-lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
+lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen" / "__init__.py")
 reporting = load_script("kvrail_bench_routing_report", HERE / "report.py")
 
 

@@ -1,6 +1,7 @@
 """Can the load generator keep up? Its own cost per streamed chunk, and what it does to the ITL.
 
-    .venv/bin/python -P bench/loadgen_cost.py --rate 20 --requests 150 --processes 1,2 --rounds 2
+    .venv/bin/python -P bench/studies/client/loadgen_cost.py --rate 20 --requests 150 \\
+        --processes 1,2 --rounds 2
 
 A stand-in server (this script with `--standin`, in its own process) answers every chat
 completion with `--tokens` chunks, one every `--gap-ms`, exactly, as an OpenAI-compatible
@@ -31,7 +32,9 @@ from typing import Any
 from kvrail.local.procs import ManagedProcess, free_port, port_in_use
 from kvrail.testing.scripts import load_script
 
-lg = load_script("kvrail_bench_loadgen", Path(__file__).resolve().parent / "loadgen.py")
+lg = load_script(
+    "kvrail_bench_loadgen", Path(__file__).resolve().parents[2] / "loadgen" / "__init__.py"
+)
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
