@@ -1,7 +1,7 @@
 """What a request id costs the event loop while another thread runs Python: one
 `secrets.token_hex(16)` per id against `RandomIds` (ids read from the OS 256 at a time).
 
-    .venv/bin/python -P bench/router/ids_gil.py | tee bench/router/ids_gil.txt
+    .venv/bin/python -P bench/studies/router/ids_gil.py | tee bench/studies/router/ids_gil.txt
 
 `os.urandom` lets go of the GIL; with a thread busy in Python (as a tokenizer thread can be),
 taking it back can wait for the interpreter's switch interval (5 ms).

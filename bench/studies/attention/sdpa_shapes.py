@@ -1,6 +1,6 @@
 """Does the prefill attention pay a setup per new prompt length? (lent H200; issue 23)
 
-    python3 -P bench/engine/sdpa_shapes.py
+    python3 -P bench/studies/attention/sdpa_shapes.py
 
 `causal_self_attention` (worker/layers/attention.py) calls torch's scaled_dot_product_attention
 on [n, H, L, D] views; on Hopper torch picks cuDNN's fused attention, which builds an execution

@@ -1,7 +1,7 @@
 """What a token event costs to encode (decode worker) and decode (router): one event alone, and
 one event of a 256-event `TokenEventBatch` (a decode worker's step at 256 running requests).
 
-    .venv/bin/python -P bench/router/codec.py | tee bench/router/codec.txt
+    .venv/bin/python -P bench/studies/router/codec.py | tee bench/studies/router/codec.txt
 
 A decode worker encodes every running request's event each engine step and a router decodes
 one per token it streams: at 20,000 streamed tokens/s these are paid 20,000 times a second.

@@ -1,6 +1,6 @@
 """The router's per-request and per-token hand-offs, each beside what it replaced: CPU per call.
 
-    taskset -c 1 .venv/bin/python -P bench/router/loop_parts.py   # output: loop_parts.txt
+    taskset -c 1 .venv/bin/python -P bench/studies/router/loop_parts.py   # output: loop_parts.txt
 
 In-process on uvloop, the figures the 2026-12-04 changes quote (bench/router/README.md):
 - a tokenizer hand-off of a call that does nothing: `run_in_executor` on a two-thread pool

@@ -1,7 +1,7 @@
 """FP8 projections of the Llama-3-8B shape against bf16, on the GPU.
 
-    python3 -P bench/engine/fp8_gemm.py | tee bench/engine/fp8_gemm.txt
-    python3 -P bench/engine/fp8_gemm.py --sweep    # also the skinny kernel's configurations
+    python3 -P bench/studies/gemm/fp8_gemm.py | tee bench/studies/gemm/fp8_gemm.txt
+    python3 -P bench/studies/gemm/fp8_gemm.py --sweep    # also the skinny kernel's configurations
 
 Decode rows (1, 32): the skinny kernel over bf16 weights against the same kernel over e4m3
 weights (`kvrail.kernels.skinny_gemm`), with the default configuration
@@ -18,8 +18,8 @@ CPU) prints what rounding the operands to e4m3 costs beside it. Timing as in ski
 CUDA graph over enough weight copies (1 GiB or more) that none stays in L2, best of three, the
 weight bytes per second.
 
-    python3 -P bench/engine/fp8_gemm.py --prefill-only   # fp8_gemm_accum.txt
-    python3 -P bench/engine/fp8_gemm.py --quantization-error
+    python3 -P bench/studies/gemm/fp8_gemm.py --prefill-only   # fp8_gemm_accum.txt
+    python3 -P bench/studies/gemm/fp8_gemm.py --quantization-error
 """
 
 from __future__ import annotations

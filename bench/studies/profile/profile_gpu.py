@@ -1,6 +1,6 @@
 """Where does an engine step spend its time on the GPU? (diagnostics for bench/engine tuning)
 
-    python3 -P bench/engine/profile_gpu.py [--layers 32] [--batches 1 32] [--prefill]
+    python3 -P bench/studies/profile/profile_gpu.py [--layers 32] [--batches 1 32] [--prefill]
                                            [--max-batched-tokens N]
                                            [--quantization fp8] [--kv-dtype float8_e4m3fn]
                                            [--mixed 0 1 3]
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "engine"))  # gpu_llama3_8b
 import gpu_llama3_8b as base
 
 from kvrail.sampling import SamplingParams

@@ -1,10 +1,10 @@
 """The skinny split-K GEMM (`kvrail.kernels.skinny_gemm`) against cuBLAS on the Llama-3-8B decode
 projections, on the GPU (the sweep `pick_config` was derived from).
 
-    python3 -P bench/engine/skinny_gemm.py | tee bench/engine/skinny_gemm.txt
-    python3 -P bench/engine/skinny_gemm.py --sweep   # also every configuration at 32 rows
-    python3 -P bench/engine/skinny_gemm.py --chain 1,32   # only the layer chain below
-    python3 -P bench/engine/skinny_gemm.py --chain 1 --fp8   # the chain over e4m3 weights
+    python3 -P bench/studies/gemm/skinny_gemm.py | tee bench/studies/gemm/skinny_gemm.txt
+    python3 -P bench/studies/gemm/skinny_gemm.py --sweep   # also every configuration at 32 rows
+    python3 -P bench/studies/gemm/skinny_gemm.py --chain 1,32   # only the layer chain below
+    python3 -P bench/studies/gemm/skinny_gemm.py --chain 1 --fp8   # the chain over e4m3 weights
 
 `--chain` times what the kernels do together: 32 Llama-3-8B layers without attention (residual
 add + RMSNorm, QKV, output projection of the first 4,096 QKV columns, add + RMSNorm, gate/up,

@@ -4,7 +4,7 @@ on) and on flash attention, against kvrail's FP8 attention (`kvrail.kernels.fp8_
 cuDNN's FP8 flash attention over e4m3 q/k/v as the FP8 KV cache rounds them, the output e4m3
 over 256 / amax(v), `reference.FP8_ATTENTION_RANGE`).
 
-    python3 -P bench/engine/fp8_attention.py      # needs nvidia-cudnn-frontend (1.18.0)
+    python3 -P bench/studies/attention/fp8_attention.py      # needs nvidia-cudnn-frontend (1.18.0)
 
 First, for 4,096 and 8,192 tokens, each call after an L2 flush: bf16 cuDNN attention with v a
 strided view of the QKV output as the engine passes it, with v contiguous, and with v copied

@@ -1,6 +1,6 @@
 """How fast can 256 requests of 512 prompt / 128 output tokens be on this GPU in bf16, at best?
 
-    python3 -P bench/engine/flops_ceiling.py | tee bench/engine/flops_ceiling.txt
+    python3 -P bench/studies/gemm/flops_ceiling.py | tee bench/studies/gemm/flops_ceiling.txt
 
 Counts the floating-point work of gpu_llama3_8b.py's 256-request case on the Llama-3-8B shape
 (every projection of every prompt and generated token, the LM head of every sampled token, causal

@@ -7,7 +7,7 @@ also gives the bounds (eighth session), and the runs only counted (`blocks.count
 write copies block by block only when there are few); microseconds per handoff, the median
 of 9 rounds of 2,000.
 
-    .venv/bin/python -P bench/transfer/id_checks.py      # bench/transfer/id_checks.txt
+    .venv/bin/python -P bench/studies/handoff/id_checks.py   # output: id_checks.txt
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The router's fixed work per chat request, part by part, in-process: CPU time per call.
 
-    taskset -c 1 .venv/bin/python -P bench/router/request_parts.py   # output: request_parts.txt
+    taskset -c 1 .venv/bin/python -P bench/studies/router/request_parts.py  # request_parts.txt
 
 Each part runs 3,000 times on `overhead.py`'s chat request (the same body and prompt), with the
 real tokenizer of the default model; what it does not time (HTTP, tasks, NATS, metrics, system
@@ -26,7 +26,7 @@ from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import load_settings
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "router"))  # overhead, lean_http
 from overhead import MESSAGES, MODEL
 
 

@@ -1,7 +1,7 @@
 """Decode-step GEMMs of the Llama-3-8B shape on the GPU: does the weight layout change what
 cuBLAS does? (diagnostics for bench/engine tuning)
 
-    python3 -P bench/engine/gemm_layouts.py | tee bench/engine/gemm_layouts.txt
+    python3 -P bench/studies/gemm/gemm_layouts.py | tee bench/studies/gemm/gemm_layouts.txt
 
 For batches of 1, 32 and 256 tokens, times `F.linear(x, W)` with W [N, K] (the model's layout)
 and `x @ Wt` with Wt [K, N] contiguous, replayed from a CUDA graph, and prints the weight bytes

@@ -5,7 +5,7 @@ before the copy (runs counted), the copy call itself, the GPU time from just bef
 kernel's end (CUDA events on the connector's stream), and the host time after it (waiting for
 the stream, the notification).
 
-    python3 -P bench/transfer/ipc_split.py     # an 8k prompt's KV in FP8 (512 x 1 MiB) and bf16
+    python3 -P bench/studies/handoff/ipc_split.py  # an 8k prompt's KV, FP8 (512 x 1 MiB) and bf16
 
 Results: bench/transfer/handoff-ab-2026-12-05/ipc_split.txt.
 """
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "transfer"))  # handoff
 
 
 def main() -> int:

@@ -2,9 +2,9 @@
 MLP's activation before its down projection, on the GPU: microseconds per call and the bytes it
 must move (bf16 gate and up in, e4m3 out) per second, at Llama-3-8B's intermediate size.
 
-    python3 -P bench/engine/silu_fp8.py            # the tree on PYTHONPATH
+    python3 -P bench/studies/gemm/silu_fp8.py            # the tree on PYTHONPATH
 
-Run it over two trees in one device command to compare them (bench/engine/silu_fp8.txt).
+Run it over two trees in one device command to compare them (bench/studies/gemm/silu_fp8.txt).
 Timing: a CUDA graph of 20 calls over inputs that together exceed L2, best of five replays.
 """
 

@@ -2,7 +2,7 @@
 projection in FP8 (e4m3 with a scale per row; the LM head, which stays in the model's dtype, in
 bf16).
 
-    python3 -P bench/engine/skinny_one_row.py | tee bench/engine/skinny_one_row.txt
+    python3 -P bench/studies/gemm/skinny_one_row.py | tee bench/studies/gemm/skinny_one_row.txt
 
 For each projection it prints `pick_config`'s choice, then the fastest configuration of a sweep,
 with the weight bytes per second each reached. The gate/up projection runs as the model runs it
@@ -13,7 +13,7 @@ a CUDA graph over enough weight copies (1 GiB or more) that none stays in L2, be
 skinny_one_row.txt was written by this script at 202aef9, which also swept an `fma` mode (one
 row on the CUDA cores, no tensor cores). It was no faster and was removed.
 
-    python3 -P bench/engine/skinny_one_row.py --engine-rows   # skinny_one_row_2026-12-05.txt
+    python3 -P bench/studies/gemm/skinny_one_row.py --engine-rows   # skinny_one_row_2026-12-05.txt
 
 With `--engine-rows` QKV and gate/up take their row as e4m3 values and a scale
 (`QuantizedRows`), as the FP8 RMSNorms write it for the engine, instead of in bf16.

@@ -1,7 +1,7 @@
 """The router's work per streamed token and per response, each way it was done, in one process:
 CPU time per call.
 
-    taskset -c 1 .venv/bin/python -P bench/router/token_path.py   # output: token_path.txt
+    taskset -c 1 .venv/bin/python -P bench/studies/router/token_path.py   # output: token_path.txt
 
 Pairs, each timed in the same run: a step's 12 one-token events decoded (per event) against
 building each with `TokenEvent(...)`; one event built slot by slot (`_plain_event`) against the
