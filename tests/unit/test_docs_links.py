@@ -44,9 +44,9 @@ def broken(page: Path) -> list[str]:
         path, _, fragment = target.partition("#")
         dest = (page.parent / path).resolve() if path else page
         if not dest.exists():
-            out.append(f"{target}: no {dest.relative_to(ROOT) if dest.is_relative_to(ROOT) else dest}")
+            out.append(f"{target}: {dest} does not exist")
         elif fragment and dest.suffix == ".md" and fragment not in anchors(dest):
-            out.append(f"{target}: no heading #{fragment} in {dest.relative_to(ROOT)}")
+            out.append(f"{target}: {dest} has no heading #{fragment}")
     return out
 
 
