@@ -15,12 +15,12 @@ imported) then sends a Poisson stream of chat requests: one of `--prefixes` syst
 rate has its own seed). The policies run one after the other within a rate, in reverse order at
 every other rate, so a change in the machine's load is not all on one policy.
 
-NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its
-UCX backend busy-polls, so an idle worker keeps a core busy in it (README.md), which on two
-cores is CPU the model does not get; colocated workers never transfer KV, so nothing else
-changes. `no_nixl_progress_thread/sitecustomize.py`, on the PYTHONPATH of the pool's processes
-(the router creates no NIXL agent), does it without any change to kvrail;
-`--nixl-progress-thread on` measures the workers as they ship.
+NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its UCX
+backend busy-polls, so an idle worker keeps a core busy in it (`bench/studies/routing/idle_cpu.py`),
+which on two cores is CPU the model does not get; colocated workers never transfer KV, so nothing
+else changes. `no_nixl_progress_thread/sitecustomize.py`, on the PYTHONPATH of the pool's processes
+(the router creates no NIXL agent), does it without any change to kvrail; `--nixl-progress-thread
+on` measures the workers as they ship.
 
 The KV cache per worker (`--num-kv-blocks`, 16-token blocks) is sized so that one worker cannot
 hold every system prompt but the two together can. With a cache large enough for all of them,

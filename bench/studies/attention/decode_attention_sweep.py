@@ -11,7 +11,7 @@ replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`), and prints the
 and largest error against the float32 reference, the best five and the bytes per second each
 reaches (K and V of every context token read once). `--max-registers 96 80` also times the
 default launch with those caps on registers per thread (more programs per SM, some spills:
-bench/engine/README.md gives kernel_sass.py's counts), each beside the default again.
+kernel_sass.py counts both without a GPU), each beside the default again.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def sweep(
             f"  {ms * 1e3:7.1f} us = {nbytes / ms / 1e9:.2f} TB/s  splits={n} block_n={bn} "
             f"warps={warps} stages={stages}"
         )
-    for cap in register_caps:  # the default launch, its registers capped (see above)
+    for cap in register_caps:  # the default launch, its registers capped (kernel_sass.py)
         capped = dec.paged_decode_attention(query, k, v, tables, lens, 0.088, max_registers=cap)
         cap_err = float((capped.float() - want).abs().max())
         ms = run(max_registers=cap)
