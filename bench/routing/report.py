@@ -8,7 +8,7 @@ went and what that cost (cache hits, blocks computed, prefix moves); with more f
 the same command), a third table puts their key figures side by side. Every figure is computed
 here from the JSON files, so the README's tables can be regenerated from the committed ones.
 
-Definitions beyond the load generator's (see bench/loadgen.py):
+Definitions beyond the load generator's (see bench/loadgen/):
 - rate: the nominal Poisson rate, and in brackets the rate the measured requests really arrived
   at ((n - 1) / span of their send times).
 - TTFT p50 interval: a 95% bootstrap interval (2,000 resamples of the measured requests, seeded).
@@ -41,7 +41,7 @@ SLOW_PREFILL_S = 0.7
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default), like bench/loadgen.py."""
+    """Linear interpolation between order statistics (numpy's default), like bench/loadgen/."""
     ordered = sorted(values)
     pos = (len(ordered) - 1) * q / 100.0
     lo = int(pos)

@@ -8,19 +8,19 @@ What runs: real etcd and NATS (`kvrail.local.servers`), then for each rate and e
 pool (`kvrail.testing.pool.LocalPool`, a new pool name): two SmolLM2-135M workers (`--role
 colocated`, colocated, one torch thread each) and one router with `KVRAIL_ROUTER_POLICY=<policy>`.
 The workers are new processes for every (rate, policy), so each starts from empty prefix caches and
-no policy benefits from a cache another one warmed. The load generator (`bench/loadgen.py`,
+no policy benefits from a cache another one warmed. The load generator (`bench/loadgen/`,
 imported) then sends a Poisson stream of chat requests: one of `--prefixes` system prompts of
 `--prefix-tokens` words (one word is one SmolLM2 token) followed by a short unique question, and
 `--output-tokens` tokens out. Every policy gets the same requests at the same times (same seed; each
 rate has its own seed). The policies run one after the other within a rate, in reverse order at
 every other rate, so a change in the machine's load is not all on one policy.
 
-NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its
-UCX backend busy-polls, so an idle worker keeps a core busy in it (`idle_cpu.py`), which on two
-cores is CPU the model does not get; colocated workers never transfer KV, so nothing else
-changes. `no_nixl_progress_thread/sitecustomize.py`, on the PYTHONPATH of the pool's processes
-(the router creates no NIXL agent), does it without any change to kvrail;
-`--nixl-progress-thread on` measures the workers as they ship.
+NIXL's progress thread is off in the workers (`--nixl-progress-thread off`, the default): its UCX
+backend busy-polls, so an idle worker keeps a core busy in it (`bench/studies/routing/idle_cpu.py`),
+which on two cores is CPU the model does not get; colocated workers never transfer KV, so nothing
+else changes. `no_nixl_progress_thread/sitecustomize.py`, on the PYTHONPATH of the pool's processes
+(the router creates no NIXL agent), does it without any change to kvrail; `--nixl-progress-thread
+on` measures the workers as they ship.
 
 The KV cache per worker (`--num-kv-blocks`, 16-token blocks) is sized so that one worker cannot
 hold every system prompt but the two together can. With a cache large enough for all of them,
@@ -79,7 +79,7 @@ BLOCK_SIZE = 16
 
 
 HERE = Path(__file__).resolve().parent
-lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
+lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen" / "__init__.py")
 reporting = load_script("kvrail_bench_routing_report", HERE / "report.py")
 
 

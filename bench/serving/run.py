@@ -49,7 +49,7 @@ from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
 
 HERE = Path(__file__).resolve().parent
-lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
+lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen" / "__init__.py")
 randmodel = load_script("kvrail_bench_sweep_model", HERE.parent / "sweep" / "model.py")
 BLOCK_SIZE = 16
 

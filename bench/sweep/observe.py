@@ -13,7 +13,9 @@ from typing import Any
 
 from kvrail.testing.scripts import load_script
 
-lg = load_script("kvrail_bench_loadgen", Path(__file__).resolve().parent.parent / "loadgen.py")
+lg = load_script(
+    "kvrail_bench_loadgen", Path(__file__).resolve().parents[1] / "loadgen" / "__init__.py"
+)
 
 
 _FIRST = re.compile(r"first token request_id=(\S+) mode=(\S+) prompt_tokens=(\d+) ?(.*)$")

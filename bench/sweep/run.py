@@ -10,7 +10,7 @@
 
 What runs, per setup: real etcd and NATS (`kvrail.local.servers`), a fresh pool of real worker
 processes (`python -P -m kvrail.worker`, through `kvrail.testing.pool.LocalPool`) and the router,
-all on this machine, then the load generator (`bench/loadgen.py`, imported) against the router's
+all on this machine, then the load generator (`bench/loadgen/`, imported) against the router's
 OpenAI endpoint. The setups (`worker_specs`): `colocated` (one `colocated` worker, chunked prefill),
 `disaggregated` (a prefill and a decode process on one GPU), and with `--gpus 2` `colocated-x2` (a
 `colocated` worker per GPU) and `disaggregated-x2` (prefill on GPU 0, decode on GPU 1); `vllm` is
@@ -57,7 +57,7 @@ from kvrail.testing.pool import LocalPool
 from kvrail.testing.scripts import load_script
 
 HERE = Path(__file__).resolve().parent
-lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen.py")
+lg = load_script("kvrail_bench_loadgen", HERE.parent / "loadgen" / "__init__.py")
 randmodel = load_script("kvrail_bench_sweep_model", HERE / "model.py")
 observe = load_script("kvrail_bench_sweep_observe", HERE / "observe.py")
 

@@ -1,4 +1,4 @@
-"""bench/loadgen.py end to end: its command line against a real router and a real SmolLM2 worker.
+"""bench/loadgen end to end: its command line against a real router and a real SmolLM2 worker.
 
 One colocated worker (`--role colocated`) and one router over the session's real etcd and NATS; the
 load generator runs as its own process, as a user runs it, for a handful of short streamed
@@ -20,7 +20,7 @@ from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.testing.pool import LocalPool
 
-LOADGEN = Path(__file__).resolve().parents[2] / "bench" / "loadgen.py"
+LOADGEN = Path(__file__).resolve().parents[2] / "bench" / "loadgen"
 MODEL = "SmolLM2-135M-Instruct"
 NUM_REQUESTS, NUM_WARMUP, MAX_TOKENS = 4, 1, 6
 

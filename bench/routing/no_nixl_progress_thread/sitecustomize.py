@@ -1,10 +1,10 @@
-"""Loaded through PYTHONPATH by the processes bench/routing/run.py and idle_cpu.py start (unless
-run.py is given `--nixl-progress-thread on`): NIXL agents are created without their progress
-thread.
+"""Loaded through PYTHONPATH by the processes bench/routing/run.py and
+bench/studies/routing/idle_cpu.py start (unless run.py is given `--nixl-progress-thread on`):
+NIXL agents are created without their progress thread.
 
-Why: with `enable_prog_thread=True` (the default of NIXL's Python `nixl_agent_config`), NIXL's
-UCX backend runs a shared progress thread (`nixlUcxSharedThread`) that polls with a zero timeout
-(its `pthrDelay` is 0): an idle kvrail worker keeps a core busy in it (bench/routing/idle_cpu.py
+Why: with `enable_prog_thread=True` (the default of NIXL's Python `nixl_agent_config`), NIXL's UCX
+backend runs a shared progress thread (`nixlUcxSharedThread`) that polls with a zero timeout (its
+`pthrDelay` is 0): an idle kvrail worker keeps a core busy in it (bench/studies/routing/idle_cpu.py
 measures it). Colocated workers never transfer KV, so the thread has nothing to do in this
 experiment, and on two cores it takes CPU from the model. This changes NIXL's default in the
 benchmark's processes only; kvrail's code is unchanged.

@@ -1,4 +1,4 @@
-"""The pure parts of bench/loadgen.py: lengths, arrival schedules, prompts, statistics and SLOs."""
+"""The pure parts of bench/loadgen/: lengths, arrival schedules, prompts, statistics and SLOs."""
 
 from __future__ import annotations
 
@@ -19,11 +19,13 @@ from openai.types.chat import ChatCompletionChunk
 from kvrail.local.procs import free_port
 from kvrail.testing.scripts import load_script
 
-LOADGEN_PATH = Path(__file__).resolve().parents[3] / "bench" / "loadgen.py"
+BENCH = Path(__file__).resolve().parents[3] / "bench"
 
 
-lg: Any = load_script("kvrail_bench_loadgen", LOADGEN_PATH)
-cost: Any = load_script("kvrail_bench_loadgen_cost", LOADGEN_PATH.parent / "loadgen_cost.py")
+lg: Any = load_script("kvrail_bench_loadgen", BENCH / "loadgen" / "__init__.py")
+cost: Any = load_script(
+    "kvrail_bench_loadgen_cost", BENCH / "studies" / "client" / "loadgen_cost.py"
+)
 
 
 def result(
@@ -363,8 +365,8 @@ def test_client_processes_send_the_whole_schedule_through_the_real_openai_client
     """Two client processes, each with a server replica of its own (two stand-ins), send every
     request of the schedule once, at its time."""
     ports = [free_port(), free_port()]
-    # bench/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed chunks, its
-    # response id naming its port (the thing under test is the client side)
+    # bench/studies/client/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed
+    # chunks, its response id naming its port (the thing under test is the client side)
     standins = [
         cost.start_standin(port, 5, 5.0, tmp_path / f"standin-{port}.log") for port in ports
     ]
@@ -413,7 +415,7 @@ def test_client_processes_end_when_the_load_generator_is_killed(tmp_path: Path) 
     port = free_port()
     standin = cost.start_standin(port, 400, 50.0, tmp_path / "standin.log")  # 20 s a stream
     parent = subprocess.Popen(
-        [sys.executable, "-P", "-c", _KILLED_PARENT, str(LOADGEN_PATH.parent),
+        [sys.executable, "-P", "-c", _KILLED_PARENT, str(BENCH),
          f"http://127.0.0.1:{port}/v1"],
     )  # fmt: skip
     try:
