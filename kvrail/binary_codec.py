@@ -50,16 +50,8 @@ class EventLayout:
         if self._event_rest.keys() & self._record_rest.keys():
             raise TypeError(f"{event_cls.__name__} and {record_cls.__name__} share a field name")
         self._checkers = {**field_checkers(event_cls), **field_checkers(record_cls)}
-        slot = _slot_setter
-        self._set_output, self._set_seq, self._set_worker = (
-            slot(event_cls, record_field), slot(event_cls, "seq"), slot(event_cls, "worker_id")
-        )  # fmt: skip
-        self._set_rid, self._set_tokens = (
-            slot(record_cls, "request_id"),
-            slot(record_cls, "token_ids"),
-        )
-        self._event_defaults = [(slot(event_cls, n), d) for n, d in self._event_rest.items()]
-        self._record_defaults = [(slot(record_cls, n), d) for n, d in self._record_rest.items()]
+        self._plain = _plain_builder(event_cls, record_cls, record_field, self._event_rest,
+                                     self._record_rest)  # fmt: skip
 
     def encode(self, events: Sequence[Any]) -> bytes:
         parts = [_BATCH_HEAD.pack(BINARY_MAGIC, WIRE_VERSION, len(events))]
@@ -117,24 +109,6 @@ class EventLayout:
         except (struct.error, UnicodeDecodeError, TypeError, ValueError) as err:
             raise MessageError(f"invalid token event batch: {type(err).__name__}") from err
 
-    def _plain(self, request_id: str, seq: int, token_ids: tuple[int, ...], worker_id: str) -> Any:
-        """An event whose other fields are their defaults, its slots set directly: a frozen
-        dataclass's `__init__` sets each field through `object.__setattr__`, then runs
-        `__post_init__`, and a router decodes one event per streamed token. What the two
-        `__post_init__`s check holds already: `seq` was a u32, the defaults are valid."""
-        record = _new(self._record_cls)
-        self._set_rid(record, request_id)
-        self._set_tokens(record, token_ids)
-        for set_default, default in self._record_defaults:
-            set_default(record, default)
-        event = _new(self._event_cls)
-        self._set_output(event, record)
-        self._set_seq(event, seq)
-        self._set_worker(event, worker_id)
-        for set_default, default in self._event_defaults:
-            set_default(event, default)
-        return event
-
     def _checked(
         self, request_id: str, seq: int, token_ids: tuple[int, ...], worker_id: str, raw: bytes
     ) -> Any:
@@ -159,7 +133,6 @@ _BATCH_HEAD = struct.Struct(f"<{len(BINARY_MAGIC)}sBI")
 _EVENT_HEAD = struct.Struct("<HHIII")
 _MAX_ID_BYTES = 65_535
 _LITTLE_ENDIAN = sys.byteorder == "little"
-_new = object.__new__
 
 
 def _rest_defaults(cls: type[Any], header: set[str]) -> dict[str, Any]:
@@ -178,6 +151,39 @@ def _rest(obj: Any, defaults: dict[str, Any], into: dict[str, Any]) -> dict[str,
     return into
 
 
-def _slot_setter(cls: type[Any], name: str) -> Callable[[Any, Any], None]:
-    setter: Callable[[Any, Any], None] = cls.__dict__[name].__set__
-    return setter
+def _plain_builder(
+    event_cls: type[Any],
+    record_cls: type[Any],
+    record_field: str,
+    event_rest: dict[str, Any],
+    record_rest: dict[str, Any],
+) -> Callable[[str, int, tuple[int, ...], str], Any]:
+    """A function that builds an event whose rest is all defaults, its slots set directly: a
+    frozen dataclass's `__init__` sets each field through `object.__setattr__`, then runs
+    `__post_init__`, and a router decodes one event per streamed token. The function is written
+    out for the two types (as `dataclasses` writes `__init__`): one call per slot, no loop, so
+    the two objects cost about what one did before the record had its own type. What the
+    `__post_init__`s check holds already: `seq` was a u32, the defaults are valid."""
+    scope: dict[str, Any] = {"new": object.__new__, "E": event_cls, "R": record_cls}
+    lines = ["def plain(request_id, seq, token_ids, worker_id):", " r = new(R)", " e = new(E)"]
+
+    def put(obj: str, cls: type[Any], name: str, value: str) -> None:
+        setter = f"set_{obj}_{name}"
+        scope[setter] = cls.__dict__[name].__set__
+        lines.append(f" {setter}({obj}, {value})")
+
+    put("r", record_cls, "request_id", "request_id")
+    put("r", record_cls, "token_ids", "token_ids")
+    for name, default in record_rest.items():
+        scope[f"r_{name}"] = default
+        put("r", record_cls, name, f"r_{name}")
+    put("e", event_cls, record_field, "r")
+    put("e", event_cls, "seq", "seq")
+    put("e", event_cls, "worker_id", "worker_id")
+    for name, default in event_rest.items():
+        scope[f"e_{name}"] = default
+        put("e", event_cls, name, f"e_{name}")
+    lines.append(" return e")
+    exec("\n".join(lines), scope)
+    plain: Callable[[str, int, tuple[int, ...], str], Any] = scope["plain"]
+    return plain

@@ -62,8 +62,8 @@ def engine_step_ms(engine: Any, n: int, params: Any) -> float:
 async def service_gap_ms(engine: Any, n: int, params: Any) -> tuple[float, float]:
     """The median gap between one request's updates, and the median number of unfinished
     requests when those gaps were taken."""
-    from kvrail.messages import TokenEvent
-    from kvrail.worker.service import EngineService, Update
+    from kvrail.outputs import RequestOutput, TokenEvent
+    from kvrail.worker.service import EngineService
 
     loop = asyncio.get_running_loop()
     service = EngineService(engine, loop).start()
@@ -75,13 +75,13 @@ async def service_gap_ms(engine: Any, n: int, params: Any) -> tuple[float, float
     finished = 0
     all_started = float("inf")  # when the last request got its first token: pure decode after
 
-    def on_update(update: Update) -> None:  # what DecodeRole's stream does, minus the publish
+    def on_update(update: RequestOutput) -> None:  # what the decode role does, minus publishing
         nonlocal finished, all_started
         now = time.perf_counter()
         rid = update.request_id
         seq = sent.get(rid, 0)
         sent[rid] = seq + 1
-        TokenEvent(rid, seq, update.new_token_ids, update.finish_reason, update.error, "w").encode()
+        TokenEvent(update, seq, "w").encode()
         if len(sent) == n and all_started == float("inf"):
             all_started = now
         if last.get(rid, 0.0) >= all_started and not update.is_last:

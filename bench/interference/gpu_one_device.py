@@ -150,7 +150,7 @@ def decode_user(
         for out in engine.step():
             if out.request_id == "a":
                 now = time.perf_counter()
-                times.extend([now] * len(out.new_token_ids))
+                times.extend([now] * len(out.token_ids))
                 if len(times) == args.b_after and b_sent is None:
                     b_sent = now
                     if colocated:

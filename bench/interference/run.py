@@ -46,7 +46,8 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import GenerateRequest, TokenEvent, TokenEventBatch
+from kvrail.messages import GenerateRequest
+from kvrail.outputs import TokenEvent, TokenEventBatch
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
 
@@ -106,11 +107,11 @@ async def run_request(
             for event in decode(msg.data, TokenEventBatch).events:
                 if event.request_id != stream.request_id:
                     continue
-                if event.error is not None:
-                    raise RuntimeError(f"request {stream.request_id} failed: {event.error}")
-                if event.token_ids:
+                if event.output.error is not None:
+                    raise RuntimeError(f"request {stream.request_id} failed: {event.output.error}")
+                if event.output.token_ids:
                     stream.times.append(now)
-                    stream.counts.append(len(event.token_ids))
+                    stream.counts.append(len(event.output.token_ids))
                 if stream.first is None:
                     stream.first = event
                 if event.is_last:

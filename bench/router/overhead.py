@@ -43,14 +43,8 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import (
-    MAX_EVENTS_PER_BATCH,
-    GenerateRequest,
-    KvEvent,
-    TokenEvent,
-    TokenEventBatch,
-    WorkerRecord,
-)
+from kvrail.messages import GenerateRequest, KvEvent, WorkerRecord
+from kvrail.outputs import MAX_EVENTS_PER_BATCH, RequestOutput, TokenEvent, TokenEventBatch
 from kvrail.registry import Registry, etcd_client
 from kvrail.sampling import SamplingParams
 from kvrail.settings import Settings
@@ -94,10 +88,10 @@ class Steps:
             batches: dict[str, list[TokenEvent]] = {}
             for rid, (subject, n, seq) in list(self.running.items()):
                 last = seq == n - 1
-                batches.setdefault(subject, []).append(TokenEvent(
-                    rid, seq, (REPLY_TOKEN,), "length" if last else None, worker_id=WORKER,
-                    prefill_mode="local" if seq == 0 else "",
-                ))  # fmt: skip
+                output = RequestOutput(rid, (REPLY_TOKEN,), "length" if last else None)
+                batches.setdefault(subject, []).append(
+                    TokenEvent(output, seq, WORKER, prefill_mode="local" if seq == 0 else "")
+                )
                 if last:
                     del self.running[rid]
                 else:
@@ -121,9 +115,8 @@ async def stand_in_worker(nc: NatsClient, steps: Steps) -> None:
             steps.add(request)
             return
         tokens = (REPLY_TOKEN,) * request.sampling.max_tokens
-        first = TokenEvent(
-            request.request_id, 0, tokens, "length", worker_id=WORKER, prefill_mode="local"
-        )
+        output = RequestOutput(request.request_id, tokens, "length")
+        first = TokenEvent(output, 0, WORKER, prefill_mode="local")
         await nc.publish(request.stream_subject, TokenEventBatch((first,)).encode())
 
     async def on_state(msg: Msg) -> None:

@@ -156,9 +156,9 @@ def engine_tokens_per_s(engine: Any, plan: Plan, n: int) -> dict[str, float]:
 
 
 async def service_tokens_per_s(engine: Any, plan: Plan, n: int) -> dict[str, float]:
-    from kvrail.messages import TokenEvent
+    from kvrail.outputs import RequestOutput, TokenEvent
     from kvrail.sampling import SamplingParams
-    from kvrail.worker.service import EngineService, Update
+    from kvrail.worker.service import EngineService
 
     params = SamplingParams(max_tokens=plan.output_tokens, ignore_eos=True)
     service = EngineService(engine, asyncio.get_running_loop()).start()
@@ -168,13 +168,13 @@ async def service_tokens_per_s(engine: Any, plan: Plan, n: int) -> dict[str, flo
     enough = asyncio.Event()
     all_started = float("inf")
 
-    def on_update(update: Update) -> None:  # the decode role's per-token work, minus publishing
+    def on_update(update: RequestOutput) -> None:  # the decode role's work, minus publishing
         nonlocal all_started
         now = time.perf_counter()
         rid = update.request_id
         seq = seqs.get(rid, 0)
         seqs[rid] = seq + 1
-        TokenEvent(rid, seq, update.new_token_ids, update.finish_reason, update.error, "w").encode()
+        TokenEvent(update, seq, "w").encode()
         if len(seqs) == n and all_started == float("inf"):
             all_started = now
         if last.get(rid, 0.0) >= all_started:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvrail.codec import Message, decode
-from kvrail.messages import TokenEvent, TokenEventBatch
+from kvrail.outputs import RequestOutput, TokenEvent, TokenEventBatch
 
 REPEATS = 5
 N = 20_000
@@ -33,11 +33,11 @@ def per_call_us(fn: Callable[[], Any], n: int = N) -> float:
 
 
 def main() -> None:
-    event = TokenEvent("chatcmpl-" + "0" * 32, 7, (12345,), None, None, "decode-0")
+    event = TokenEvent(RequestOutput("chatcmpl-" + "0" * 32, (12345,)), 7, "decode-0")
     data = event.encode()
     assert decode(data, TokenEvent) == event
     batch = TokenEventBatch(
-        tuple(TokenEvent(f"chatcmpl-{i:032d}", 7, (12345,), None, None, "decode-0")
+        tuple(TokenEvent(RequestOutput(f"chatcmpl-{i:032d}", (12345,)), 7, "decode-0")
               for i in range(256))
     )  # fmt: skip
     batch_data = batch.encode()  # the batch's binary form

@@ -4,8 +4,8 @@ CPU time per call.
     taskset -c 1 .venv/bin/python -P bench/studies/router/token_path.py   # output: token_path.txt
 
 Pairs, each timed in the same run: a step's 12 one-token events decoded (per event) against
-building each with `TokenEvent(...)`; one event built slot by slot (`_plain_event`) against the
-dataclass's `__init__`; a chat response's chunks (role, six text chunks, finish, usage) from
+building each with `TokenEvent(...)`; one event built slot by slot (`EventLayout._plain`) against
+the dataclasses' `__init__`; a chat response's chunks (role, six text chunks, finish, usage) from
 the templates against the text chunk's template made per response and the others built and
 serialized in full, as before (with today's `_event`, whose encoder is built once); a labelled
 metric child looked up once against `labels()` on every call; compact JSON with one encoder
@@ -19,7 +19,8 @@ import struct
 import sys
 from pathlib import Path
 
-from kvrail.messages import _BATCH_HEAD, _EVENT_HEAD, TokenEvent, TokenEventBatch, _plain_event
+from kvrail.binary_codec import _BATCH_HEAD, _EVENT_HEAD
+from kvrail.outputs import _LAYOUT, RequestOutput, TokenEvent, TokenEventBatch
 from kvrail.router.api import streaming
 from kvrail.router.metrics import RouterMetrics
 
@@ -27,24 +28,22 @@ sys.path.insert(0, str(Path(__file__).parent))
 from request_parts import per_call_us
 
 EVENTS = tuple(
-    TokenEvent(f"chatcmpl-{i:032x}", 5, (28_120,), worker_id="stub-0") for i in range(12)
+    TokenEvent(RequestOutput(f"chatcmpl-{i:032x}", (28_120,)), 5, "stub-0") for i in range(12)
 )
 BATCH = TokenEventBatch(EVENTS).encode()
 NAME = "SmolLM2-135M-Instruct"
 
 
 def events_built_in_full() -> list[TokenEvent]:
-    """What `decode_binary` did before `_plain_event`: every event through `__init__`."""
+    """What `decode_binary` did before building events slot by slot: each through `__init__`."""
     at, events = _BATCH_HEAD.size, []
     for _ in range(12):
         rid_len, wid_len, seq, num_tokens, _rest = _EVENT_HEAD.unpack_from(BATCH, at)
         at += _EVENT_HEAD.size
         tokens_at = at + rid_len + wid_len
         tokens = struct.unpack_from(f"<{num_tokens}I", BATCH, tokens_at)
-        events.append(TokenEvent(
-            BATCH[at : at + rid_len].decode(), seq, tokens,
-            worker_id=BATCH[at + rid_len : tokens_at].decode(),
-        ))  # fmt: skip
+        output = RequestOutput(BATCH[at : at + rid_len].decode(), tokens)
+        events.append(TokenEvent(output, seq, BATCH[at + rid_len : tokens_at].decode()))
         at = tokens_at + 4 * num_tokens
     return events
 
@@ -90,8 +89,8 @@ def main() -> int:
             lambda: TokenEventBatch.decode_binary(BATCH), lambda: events_built_in_full(), 12,
         ),
         "one event": (
-            lambda: _plain_event("chatcmpl-x", 5, (1,), "stub-0"),
-            lambda: TokenEvent("chatcmpl-x", 5, (1,), worker_id="stub-0"), 1,
+            lambda: _LAYOUT._plain("chatcmpl-x", 5, (1,), "stub-0"),
+            lambda: TokenEvent(RequestOutput("chatcmpl-x", (1,)), 5, "stub-0"), 1,
         ),
         "a chat response's 9 chunks": (chunks_from_templates, chunks_before_templates, 1),
         "a labelled metric child": (lambda: labels("chat", "200"),
