@@ -4,7 +4,7 @@ router, autoscaling, infrastructure and security. Assembled in `kvrail.crd.pool`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -19,6 +19,10 @@ KvLoadFailurePolicy = Literal["recompute", "fail", "reroute"]
 TransferBackend = Literal["nixl", "local"]
 RdmaMode = Literal["required", "preferred", "none"]
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
+PACKAGED_MODEL_NAMES: Final = ("smollm2",)
+"""The models a Python package ships for kvrail's own engine, by name (`kvrail.model_files`
+describes each; a test keeps the two in step). Named here so the API package imports nothing
+above it."""
 
 
 class ModelSpec(CrdModel):
