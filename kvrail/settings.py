@@ -19,6 +19,10 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvrail.crd.spec import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    BlockSize,
     DisaggregationMode,
     DType,
     KvDType,
@@ -85,13 +89,15 @@ class Settings(BaseModel):
         description="weights: auto (the checkpoint's), none or fp8 (on CPU, and with bfloat16 "
         "on GPUs of compute capability 8.9+)",
     )
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: BlockSize = Field(
+        DEFAULT_BLOCK_SIZE, description="tokens per KV block (InferencePool spec.model.blockSize)"
+    )
     max_model_len: int | None = Field(None, ge=16)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
 
     # Engine limits and disaggregation (mirrors the InferencePool fields of the same names).
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     disaggregation_mode: DisaggregationMode = "disaggregated"
     min_remote_prefill_tokens: int = Field(512, ge=0)
     kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
@@ -170,7 +176,6 @@ class Settings(BaseModel):
         3, ge=1, le=10, description="decode workers tried for a request nobody took yet"
     )
     api_keys_file: Path | None = None
-    router_config_file: Path | None = None
     generation_config: Literal["model", "openai"] = Field(
         "model",
         description="what an omitted sampling field means: the model's generation config where "
@@ -220,6 +225,12 @@ class Settings(BaseModel):
             if not re.match(r"^https?://[^/:]+:\d+$", endpoint):
                 raise ValueError(f"etcd endpoint {endpoint!r} is not http(s)://host:port")
         return value
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _block_size_text(cls, value: object) -> object:
+        """The environment gives text; the enum is of ints."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
     @field_validator("role", mode="before")
     @classmethod

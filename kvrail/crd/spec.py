@@ -19,6 +19,12 @@ KvLoadFailurePolicy = Literal["recompute", "fail", "reroute"]
 TransferBackend = Literal["nixl", "local"]
 RdmaMode = Literal["required", "preferred", "none"]
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
+BlockSize = Literal[8, 16, 32, 64, 128]
+"""Tokens per KV block a pool may use: the one range, shared by the API and `kvrail.settings`."""
+DEFAULT_BLOCK_SIZE: Final = 16
+DEFAULT_MAX_NUM_SEQS: Final = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192
+"""The engine limits' defaults, here once: the API's, `Settings`' and so the engine's."""
 PACKAGED_MODEL_NAMES: Final = ("smollm2",)
 """The models a Python package ships for kvrail's own engine, by name (`kvrail.model_files`
 describes each; a test keeps the two in step). Named here so the API package imports nothing
@@ -49,7 +55,7 @@ class ModelSpec(CrdModel):
     fingerprint. kvrail's engine runs FP8 weights on GPUs of compute capability 8.9 or later
     with `dtype` bfloat16, and on CPU pools (a float32 reference, slower than float32); vLLM's
     with `--quantization fp8`."""
-    block_size: Literal[8, 16, 32, 64, 128] = 16
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE
     """Tokens per KV block: 8, 16 (default), 32, 64 or 128. Part of the fingerprint."""
     max_model_len: int = Field(4096, ge=16, le=1_048_576)
     """Longest prompt plus completion, in tokens. Default 4096."""
@@ -179,9 +185,9 @@ class RoleSpec(CrdModel):
     """CPU and memory requests and limits."""
     parallelism: Parallelism = sub(Parallelism)
     """Parallel layout of one replica."""
-    max_num_seqs: int = Field(256, ge=1, le=65536)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, le=65536)
     """Most sequences in one engine step. Default 256."""
-    max_num_batched_tokens: int = Field(8192, ge=1, le=1_048_576)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1, le=1_048_576)
     """Most tokens in one engine step (prompts are chunked to fit). Default 8192."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels this role requires, e.g. a GPU product for heterogeneous pools."""

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
+from kvrail.crd.spec import BlockSize, ModelSpec, RoleSpec
 from kvrail.errors import ConfigError
 from kvrail.settings import Settings, load_settings, read_secret
 
@@ -24,12 +26,26 @@ def test_environment_overrides_file_which_overrides_defaults(tmp_path: Path) -> 
     assert s.etcd_endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
 
 
+@pytest.mark.parametrize("block_size", get_args(BlockSize))
+def test_settings_take_the_block_sizes_a_pool_may_name(block_size: int) -> None:
+    assert load_settings(environ={"KVRAIL_BLOCK_SIZE": str(block_size)}).block_size == block_size
+
+
+def test_settings_default_to_the_pool_api_defaults() -> None:
+    model, role = ModelSpec(), RoleSpec()
+    assert Settings().block_size == model.block_size
+    assert Settings().max_num_seqs == role.max_num_seqs
+    assert Settings().max_num_batched_tokens == role.max_num_batched_tokens
+
+
 @pytest.mark.parametrize(
     "env,message",
     [
         ({"KVRAIL_POOL": "Bad_Name"}, "pool"),
         ({"KVRAIL_BLOCK_SIZE": "0"}, "block_size"),
         ({"KVRAIL_BLOCK_SIZE": "sixteen"}, "block_size"),
+        ({"KVRAIL_BLOCK_SIZE": "12"}, "block_size"),
+        ({"KVRAIL_BLOCK_SIZE": "1024"}, "block_size"),
         ({"KVRAIL_ETCD_ENDPOINTS": "localhost"}, "etcd_endpoints"),
         ({"KVRAIL_NATS_URL": "http://x:1"}, "nats_url"),
         ({"KVRAIL_LOG_LEVEL": "LOUD"}, "log_level"),
