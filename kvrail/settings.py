@@ -29,6 +29,7 @@ from kvrail.crd.spec import (
     KvLoadFailurePolicy,
     RdmaMode,
     RouterPolicy,
+    ScorerSpec,
     TransferBackend,
     WeightQuantization,
 )
@@ -168,6 +169,12 @@ class Settings(BaseModel):
 
     # Router.
     router_policy: RouterPolicy = "kv-aware"
+    router_scorers: tuple[ScorerSpec, ...] = Field(
+        (),
+        description="the kv-aware policy's scorers and weights, replacing its defaults "
+        "(InferencePool spec.router.scorers); in the environment name=weight pairs, "
+        "comma-separated, e.g. prefix-cache=1,load=32; empty: the policy's own",
+    )
     router_host: str = Field("127.0.0.1", description="address the router listens on")
     request_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="deadline of every request, from its arrival"
@@ -232,6 +239,11 @@ class Settings(BaseModel):
         """The environment gives text; the enum is of ints."""
         return int(value) if isinstance(value, str) and value.strip().isdigit() else value
 
+    @field_validator("router_scorers", mode="before")
+    @classmethod
+    def _scorers_text(cls, value: object) -> object:
+        return parse_scorers(value) if isinstance(value, str) else value
+
     @field_validator("role", mode="before")
     @classmethod
     def _old_role_spelling(cls, value: object) -> object:
@@ -253,6 +265,23 @@ class Settings(BaseModel):
         except ConfigError as err:
             raise ValueError(str(err)) from err
         return self
+
+
+def format_scorers(scorers: tuple[ScorerSpec, ...] | list[ScorerSpec]) -> str:
+    """`router_scorers` as the environment spells it: `name=weight` pairs, comma-separated."""
+    return ",".join(f"{s.name}={s.weight}" for s in scorers)
+
+
+def parse_scorers(text: str) -> list[dict[str, str]]:
+    """The inverse of `format_scorers`, before validation; raises ValueError for a pair without
+    `=`."""
+    out = []
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, weight = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{pair!r} is not name=weight")
+        out.append({"name": name.strip(), "weight": weight.strip()})
+    return out
 
 
 def load_settings(

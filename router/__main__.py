@@ -31,12 +31,12 @@ from kvrail.router.api.sampling import Defaults
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
-from kvrail.router.policy import Chooser
+from kvrail.router.policy import Chooser, WeightedScorer
 from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text.tokenizer import TextCodec
-from kvrail.settings import Settings, load_settings
+from kvrail.settings import Settings, format_scorers, load_settings
 
 log = logging.getLogger("kvrail.router")
 
@@ -47,7 +47,15 @@ _GRACE_S = 30
 _HTTP_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
 
 
+def chooser(settings: Settings) -> Chooser:
+    """The routing policy the settings name, with their scorers' weights where they give any;
+    raises ConfigError for an invalid profile."""
+    scorers = [WeightedScorer(s.name, s.weight) for s in settings.router_scorers]
+    return Chooser(settings.router_policy, random.Random(), scorers=scorers or None)
+
+
 async def serve(settings: Settings) -> None:
+    policy = chooser(settings)  # before anything loads: a bad profile fails at once
     tenants = TenantTable.load(settings.api_keys_file)
     log.info("loading the tokenizer model=%s", settings.model)
     codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir)
@@ -67,7 +75,7 @@ async def serve(settings: Settings) -> None:
         settings.remote_prefill_timeout_s, on_prefill_failure=metrics.prefill_failure,
     )  # fmt: skip
     dispatcher = Dispatcher(
-        nc, keys, view, Chooser(settings.router_policy, random.Random()), settings.block_size,
+        nc, keys, view, policy, settings.block_size,
         max_attempts=settings.router_max_attempts, on_decision=metrics.decision, vllm=vllm,
     )  # fmt: skip
     state = RouterState(
@@ -100,9 +108,10 @@ async def serve(settings: Settings) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             log.info(
-                "router ready url=http://%s:%d model=%s policy=%s pool=%s/%s tenants=%s "
+                "router ready url=http://%s:%d model=%s policy=%s scorers=%s pool=%s/%s tenants=%s "
                 "sampling_defaults=%s",
-                settings.router_host, port, served_name, settings.router_policy, keys.namespace,
+                settings.router_host, port, served_name, settings.router_policy,
+                format_scorers(settings.router_scorers) or "default", keys.namespace,
                 keys.pool, "on" if tenants.enabled else "off",
                 ",".join(f"{k}:{v}" for k, v in defaults.describe().items()),
             )  # fmt: skip

@@ -19,6 +19,8 @@ KvLoadFailurePolicy = Literal["recompute", "fail", "reroute"]
 TransferBackend = Literal["nixl", "local"]
 RdmaMode = Literal["required", "preferred", "none"]
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
+ScorerName = Literal["prefix-cache", "load", "kv-utilization"]
+"""The router's scorers (`kvrail.router.policy.SCORERS`), each a cost a weight multiplies."""
 BlockSize = Literal[8, 16, 32, 64, 128]
 """Tokens per KV block a pool may use: the one range, shared by the API and `kvrail.settings`."""
 DEFAULT_BLOCK_SIZE: Final = 16
@@ -282,14 +284,53 @@ class GatewaySpec(CrdModel):
     """Hostnames the route serves; empty serves the Gateway's."""
 
 
+class ScorerSpec(CrdModel):
+    """One scorer of the router's `kv-aware` policy and its weight."""
+
+    name: ScorerName
+    """`prefix-cache`: prompt blocks the worker does not cache (to prefill). `load`: requests on
+    the worker. `kv-utilization`: the worker's KV-cache utilization, 0 to 1 (an invalid report
+    counts as full)."""
+    weight: int = Field(ge=0, le=1_000_000)
+    """What one unit of the scorer costs, in prompt blocks to prefill (the `kv-aware` defaults:
+    `prefix-cache` 1, `load` 32, `kv-utilization` 16). 0 leaves the scorer out."""
+
+
 class RouterSpec(CrdModel):
     """The OpenAI-compatible, KV-aware router in front of the pools."""
 
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            rule(
+                "!has(self.scorers) || size(self.scorers) == 0 || self.policy == 'kv-aware'",
+                "scorers weigh the kv-aware policy: set them only with policy kv-aware",
+                ".scorers",
+                "FieldValueForbidden",
+            ),
+            rule(
+                "!has(self.scorers) || "
+                "self.scorers.all(s, size(self.scorers.filter(t, t.name == s.name)) == 1)",
+                "each scorer may be named once",
+                ".scorers",
+                "FieldValueDuplicate",
+            ),
+            rule(
+                "!has(self.scorers) || size(self.scorers) == 0 || "
+                "self.scorers.exists(s, s.weight > 0)",
+                "at least one scorer needs a weight above 0",
+                ".scorers",
+            ),
+        )
+    )
     replicas: int = Field(1, ge=0, le=100)
     """Router replicas. Default 1."""
     policy: RouterPolicy = "kv-aware"
     """How a decode worker is picked: `kv-aware` (default: most cached prompt blocks, then load),
     `least-loaded` or `round-robin`."""
+    scorers: list[ScorerSpec] = Field(default_factory=list, max_length=8)
+    """The `kv-aware` policy's scorers and weights, replacing its defaults (`prefix-cache` 1,
+    `load` 32, `kv-utilization` 16); a scorer not listed is not used. Each name at most once, at
+    least one weight above 0; only with policy `kv-aware`. Optional: empty keeps the defaults."""
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     """Type of the router Service. Default ClusterIP."""
     resources: ResourceRequirements = sub(ResourceRequirements)

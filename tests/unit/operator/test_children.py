@@ -11,7 +11,7 @@ from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.children import ChildRef, build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
-from kvrail.settings import Settings
+from kvrail.settings import Settings, load_settings
 
 CTX = BuildContext()
 COLOCATED = (("spec.prefill", DELETE), ("spec.disaggregation.mode", "colocated"))
@@ -142,6 +142,21 @@ def test_router_takes_its_settings_from_its_environment_alone() -> None:
     assert env["KVRAIL_MIN_REMOTE_PREFILL_TOKENS"] == "512"
     assert not [v for v in template["spec"]["volumes"] if "configMap" in v]
     assert "annotations" not in template["metadata"]
+
+
+def test_router_scorers_reach_the_router_through_its_settings() -> None:
+    def router_environ(pool: InferencePool) -> dict[str, str]:
+        dep = by_kind(build_children(pool, CTX), "Deployment", "tiny-router")
+        env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {e["name"]: e["value"] for e in env if "value" in e}
+
+    assert "KVRAIL_ROUTER_SCORERS" not in router_environ(make_pool())
+    assert load_settings(environ=router_environ(make_pool())).router_scorers == ()
+    scorers = [{"name": "prefix-cache", "weight": 2}, {"name": "load", "weight": 40}]
+    environ = router_environ(pool_with(("spec.router.scorers", scorers)))
+    assert environ["KVRAIL_ROUTER_SCORERS"] == "prefix-cache=2,load=40"
+    settings = load_settings(environ=environ)
+    assert [s.model_dump() for s in settings.router_scorers] == scorers
 
 
 def test_the_router_config_map_of_earlier_operators_is_stale() -> None:
