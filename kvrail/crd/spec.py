@@ -312,7 +312,6 @@ class RouterSpec(CrdModel):
                 "self.scorers.all(s, size(self.scorers.filter(t, t.name == s.name)) == 1)",
                 "each scorer may be named once",
                 ".scorers",
-                "FieldValueDuplicate",
             ),
             rule(
                 "!has(self.scorers) || size(self.scorers) == 0 || "
