@@ -19,12 +19,17 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvrail.crd.spec import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    BlockSize,
     DisaggregationMode,
     DType,
     KvDType,
     KvLoadFailurePolicy,
     RdmaMode,
     RouterPolicy,
+    ScorerSpec,
     TransferBackend,
     WeightQuantization,
 )
@@ -85,13 +90,15 @@ class Settings(BaseModel):
         description="weights: auto (the checkpoint's), none or fp8 (on CPU, and with bfloat16 "
         "on GPUs of compute capability 8.9+)",
     )
-    block_size: int = Field(16, ge=1, le=1024)
+    block_size: BlockSize = Field(
+        DEFAULT_BLOCK_SIZE, description="tokens per KV block (InferencePool spec.model.blockSize)"
+    )
     max_model_len: int | None = Field(None, ge=16)
     tensor_parallel_size: int = Field(1, ge=1, le=64)
 
     # Engine limits and disaggregation (mirrors the InferencePool fields of the same names).
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int = Field(8192, ge=1)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1)
     disaggregation_mode: DisaggregationMode = "disaggregated"
     min_remote_prefill_tokens: int = Field(512, ge=0)
     kv_load_failure_policy: KvLoadFailurePolicy = "recompute"
@@ -162,6 +169,12 @@ class Settings(BaseModel):
 
     # Router.
     router_policy: RouterPolicy = "kv-aware"
+    router_scorers: tuple[ScorerSpec, ...] = Field(
+        (),
+        description="the kv-aware policy's scorers and weights, replacing its defaults "
+        "(InferencePool spec.router.scorers); in the environment name=weight pairs, "
+        "comma-separated, e.g. prefix-cache=1,load=32; empty: the policy's own",
+    )
     router_host: str = Field("127.0.0.1", description="address the router listens on")
     request_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="deadline of every request, from its arrival"
@@ -170,7 +183,6 @@ class Settings(BaseModel):
         3, ge=1, le=10, description="decode workers tried for a request nobody took yet"
     )
     api_keys_file: Path | None = None
-    router_config_file: Path | None = None
     generation_config: Literal["model", "openai"] = Field(
         "model",
         description="what an omitted sampling field means: the model's generation config where "
@@ -221,6 +233,17 @@ class Settings(BaseModel):
                 raise ValueError(f"etcd endpoint {endpoint!r} is not http(s)://host:port")
         return value
 
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _block_size_text(cls, value: object) -> object:
+        """The environment gives text; the enum is of ints."""
+        return int(value) if isinstance(value, str) and value.strip().isdigit() else value
+
+    @field_validator("router_scorers", mode="before")
+    @classmethod
+    def _scorers_text(cls, value: object) -> object:
+        return parse_scorers(value) if isinstance(value, str) else value
+
     @field_validator("role", mode="before")
     @classmethod
     def _old_role_spelling(cls, value: object) -> object:
@@ -242,6 +265,23 @@ class Settings(BaseModel):
         except ConfigError as err:
             raise ValueError(str(err)) from err
         return self
+
+
+def format_scorers(scorers: tuple[ScorerSpec, ...] | list[ScorerSpec]) -> str:
+    """`router_scorers` as the environment spells it: `name=weight` pairs, comma-separated."""
+    return ",".join(f"{s.name}={s.weight}" for s in scorers)
+
+
+def parse_scorers(text: str) -> list[dict[str, str]]:
+    """The inverse of `format_scorers`, before validation; raises ValueError for a pair without
+    `=`."""
+    out = []
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, weight = pair.partition("=")
+        if not sep:
+            raise ValueError(f"{pair!r} is not name=weight")
+        out.append({"name": name.strip(), "weight": weight.strip()})
+    return out
 
 
 def load_settings(

@@ -65,6 +65,13 @@ VLLM: tuple[Change, ...] = (
     ("spec.model.source", "/models/tiny"),
 )
 """The base pool on vLLM (which cannot load kvrail's packaged model, so a directory)."""
+LOAD_SCORER: dict[str, Any] = {"name": "load", "weight": 8}
+SCORERS: list[dict[str, Any]] = [
+    {"name": "prefix-cache", "weight": 1},
+    LOAD_SCORER,
+    {"name": "kv-utilization", "weight": 0},
+]
+"""The kv-aware profile weighed a pool's own way (`spec.router.scorers`)."""
 
 # Manifests the CRD refuses, as (case, changes, path of the violation, a word of its message).
 # Shared by the cel-python unit tests and the real API server tests: the path is where
@@ -209,6 +216,24 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         ".spec.engine.extraArgs",
         "vllm",
     ),
+    (
+        "scorers without kv-aware",
+        (("spec.router.policy", "least-loaded"), ("spec.router.scorers", [LOAD_SCORER])),
+        ".spec.router.scorers",
+        "kv-aware",
+    ),
+    (
+        "a scorer named twice",
+        (("spec.router.scorers", [LOAD_SCORER, {"name": "load", "weight": 2}]),),
+        ".spec.router.scorers",
+        "once",
+    ),
+    (
+        "scorers all weighing 0",
+        (("spec.router.scorers", [{"name": "load", "weight": 0}]),),
+        ".spec.router.scorers",
+        "above 0",
+    ),
     ("pool name too long", (("metadata.name", "p" * 41),), "", "40"),
     ("pool name starting with a digit", (("metadata.name", "8b"),), "", "DNS-1035"),
     ("pool name with a dot", (("metadata.name", "a.b"),), "", "DNS-1035"),
@@ -217,6 +242,11 @@ REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
 # Manifests the CRD accepts, as (case, changes).
 ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
     ("the base pool", ()),
+    ("kv-aware with its own scorers, one left out at 0", (("spec.router.scorers", SCORERS),)),
+    (
+        "least-loaded with an empty scorer list",
+        (("spec.router.policy", "least-loaded"), ("spec.router.scorers", [])),
+    ),
     ("colocated without prefill", COLOCATED),
     (
         "colocated threshold may exceed max length",

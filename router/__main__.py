@@ -1,12 +1,11 @@
 """`python -P -m kvrail.router`: the OpenAI-compatible router of one pool.
 
-Settings come from the environment (and `KVRAIL_CONFIG`); in a cluster the operator also mounts
-the pool's `router.json` (`router_config_file`), whose `maxModelLen`, `blockSize` and
-`servedModelName` apply when the environment leaves them unset. The router loads the model's
-tokenizer (never its weights), follows the pool's workers in etcd and their KV events on NATS,
-and serves HTTP on `router_host:http_port` (default 127.0.0.1:8000) until SIGTERM, when it stops
-taking connections and lets requests in flight finish (bounded by `_GRACE_S`). Workers of a vLLM
-pool (`engine: vllm` records) are reached over HTTP with one shared client.
+Settings come from the environment (and `KVRAIL_CONFIG`) alone: in a cluster the operator writes
+the pool's settings into the router's environment as it does the workers'. The router loads the
+model's tokenizer (never its weights), follows the pool's workers in etcd and their KV events on
+NATS, and serves HTTP on `router_host:http_port` (default 127.0.0.1:8000) until SIGTERM, when it
+stops taking connections and lets requests in flight finish (bounded by `_GRACE_S`). Workers of a
+vLLM pool (`engine: vllm` records) are reached over HTTP with one shared client.
 """
 
 from __future__ import annotations
@@ -14,13 +13,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import logging
 import os
 import random
 import sys
-from pathlib import Path
-from typing import Any
 
 import httpx
 import uvicorn
@@ -35,12 +31,12 @@ from kvrail.router.api.sampling import Defaults
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
-from kvrail.router.policy import Chooser
+from kvrail.router.policy import Chooser, WeightedScorer
 from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text.tokenizer import TextCodec
-from kvrail.settings import Settings, load_settings
+from kvrail.settings import Settings, format_scorers, load_settings
 
 log = logging.getLogger("kvrail.router")
 
@@ -51,31 +47,20 @@ _GRACE_S = 30
 _HTTP_LIMITS = httpx.Limits(max_connections=4096, max_keepalive_connections=512)
 
 
-def pool_config(settings: Settings) -> dict[str, Any]:
-    """The operator's `router.json`, if mounted; {} otherwise."""
-    path = settings.router_config_file
-    if path is None:
-        return {}
-    try:
-        data = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise ConfigError(f"cannot read router config {path}: {err.strerror}") from err
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"router config {path} is not valid JSON") from err
-    if not isinstance(data, dict):
-        raise ConfigError(f"router config {path} must hold a JSON object")
-    return data
+def chooser(settings: Settings) -> Chooser:
+    """The routing policy the settings name, with their scorers' weights where they give any;
+    raises ConfigError for an invalid profile."""
+    scorers = [WeightedScorer(s.name, s.weight) for s in settings.router_scorers]
+    return Chooser(settings.router_policy, random.Random(), scorers=scorers or None)
 
 
 async def serve(settings: Settings) -> None:
-    config = pool_config(settings)
+    policy = chooser(settings)  # before anything loads: a bad profile fails at once
     tenants = TenantTable.load(settings.api_keys_file)
     log.info("loading the tokenizer model=%s", settings.model)
     codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir)
     defaults = Defaults.of(settings.generation_config, resolve(settings.model).generation_config())
-    served_name = settings.served_model_name or config.get("servedModelName") or codec.served_name
-    max_model_len = settings.max_model_len or config.get("maxModelLen") or 0
-    block_size = int(config.get("blockSize") or settings.block_size)
+    served_name = settings.served_model_name or codec.served_name
     keys = PoolKeys(settings.namespace, settings.pool)
     nc = await connect(settings, name=f"kvrail-router-{settings.pod_name or 'local'}")
     etcd = etcd_client(settings)
@@ -90,12 +75,12 @@ async def serve(settings: Settings) -> None:
         settings.remote_prefill_timeout_s, on_prefill_failure=metrics.prefill_failure,
     )  # fmt: skip
     dispatcher = Dispatcher(
-        nc, keys, view, Chooser(settings.router_policy, random.Random()), block_size,
+        nc, keys, view, policy, settings.block_size,
         max_attempts=settings.router_max_attempts, on_decision=metrics.decision, vllm=vllm,
     )  # fmt: skip
     state = RouterState(
         codec=codec, dispatcher=dispatcher, view=view, tenants=tenants, admission=Admission(),
-        metrics=metrics, served_name=served_name, max_model_len=int(max_model_len),
+        metrics=metrics, served_name=served_name, max_model_len=settings.max_model_len or 0,
         request_timeout_s=settings.request_timeout_s, defaults=defaults,
         allow_special_tokens=settings.allow_special_tokens_in_prompts,
     )  # fmt: skip
@@ -123,9 +108,10 @@ async def serve(settings: Settings) -> None:
             await asyncio.sleep(0.05)
         if server.started:
             log.info(
-                "router ready url=http://%s:%d model=%s policy=%s pool=%s/%s tenants=%s "
+                "router ready url=http://%s:%d model=%s policy=%s scorers=%s pool=%s/%s tenants=%s "
                 "sampling_defaults=%s",
-                settings.router_host, port, served_name, settings.router_policy, keys.namespace,
+                settings.router_host, port, served_name, settings.router_policy,
+                format_scorers(settings.router_scorers) or "default", keys.namespace,
                 keys.pool, "on" if tenants.enabled else "off",
                 ",".join(f"{k}:{v}" for k, v in defaults.describe().items()),
             )  # fmt: skip

@@ -1,11 +1,19 @@
 """Which decode worker gets a request (pure: candidates in, decision out).
 
-`kv-aware` (the default) minimises, in units of prompt blocks,
+A policy that scores is a profile: scorers under weights. A scorer is a small pure function of a
+candidate and the prompt's length in blocks that returns a cost (lower is better); the chooser
+minimises the weighted sum of its profile's scorers. A new signal (KV tiers, say) is one more
+scorer in `SCORERS`, one more name in `kvrail.crd.spec.ScorerName` and a weight, never a branch.
+The scorers are importable on their own for other pickers (a Gateway API endpoint picker).
+
+`kv-aware` (the default) is the profile `prefix-cache` 1, `load` 32, `kv-utilization` 16, so it
+minimises, in units of prompt blocks,
 
     cost = (num_prompt_blocks - matched_blocks)                      blocks to prefill
-         + load_weight_blocks * max(num_running + num_waiting, in_flight)
-         + kv_utilization_weight_blocks * kv_utilization
+         + 32 * max(num_running + num_waiting, in_flight)            load
+         + 16 * kv_utilization
 
+and the InferencePool's `router.scorers` (`Settings.router_scorers`) may replace those weights.
 Why these terms and weights:
 - Blocks to prefill: the work a cached prefix saves, and what time to first token grows with.
 - Load: `num_running`/`num_waiting` are the worker's own counts but reach us through etcd about a
@@ -15,38 +23,37 @@ Why these terms and weights:
   request of ours that just ended stops counting at once (the worker's report would keep it for
   up to a second, enough to send a repeated prompt away from the worker that caches it).
   Without it, the maximum of the two, which never counts our requests twice (a sum would).
-- `load_weight_blocks = 32`: one more request on a worker weighs as much as prefilling 32 blocks
+- `load` weight 32: one more request on a worker weighs as much as prefilling 32 blocks
   (512 tokens at the default 16-token blocks), about the context of one typical chat request.
   NVIDIA Dynamo's router charges the decode blocks of every active request against the prefill
   blocks at weight 1 by default, i.e. one request weighs its context length in blocks; llm-d's
   default scheduler profile similarly weighs its prefix scorer a little above its queue scorer.
   Consequences: a 2k-token cached prefix (128 blocks) beats a worker up to three requests
   busier, and a worker ten requests busier (320) loses unless it saves more than 5k tokens.
-- `kv_utilization_weight_blocks = 16`: a full cache costs half a request. It mostly breaks ties
+- `kv-utilization` weight 16: a full cache costs half a request. It mostly breaks ties
   towards the worker with free blocks, where admitting the request evicts no cached prefix.
 Exact ties are broken at random (a seeded `random.Random` makes tests deterministic), so equal
 workers share the load instead of the first one in sort order taking all of it.
 
-`least-loaded` minimises the load alone (ties at random); `round-robin` rotates over the sorted
-worker ids, continuing after the last one it picked, so a worker joining or leaving the pool
-does not restart the rotation.
+`least-loaded` is the profile `load` 1 (ties at random). `round-robin` is a picker, not a
+profile: it rotates over the sorted worker ids, continuing after the last one it picked, so a
+worker joining or leaving the pool does not restart the rotation.
 """
 
 from __future__ import annotations
 
 import random
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvrail.crd.spec import RouterPolicy
+from kvrail.crd.spec import RouterPolicy, ScorerName
 from kvrail.errors import ConfigError, KvrailError
 
 Policy = RouterPolicy
 POLICIES: tuple[str, ...] = typing.get_args(RouterPolicy)
+SCORER_NAMES: tuple[str, ...] = typing.get_args(ScorerName)
 
-LOAD_WEIGHT_BLOCKS = 32.0
-KV_UTILIZATION_WEIGHT_BLOCKS = 16.0
 _TIE_EPSILON = 1e-9
 
 
@@ -80,6 +87,79 @@ class Candidate:
         return max(reported - self.in_flight_at_report, 0) + self.in_flight
 
 
+Scorer = Callable[[Candidate, int], float]
+"""A cost of sending a request of `num_prompt_blocks` blocks to a candidate, lower is better.
+Pure: a function of its arguments alone, so any picker may call it, in any order."""
+
+
+def prefix_cache_cost(candidate: Candidate, num_prompt_blocks: int) -> float:
+    """Prompt blocks the candidate does not cache: what it would prefill (never below 0)."""
+    return float(max(num_prompt_blocks - candidate.matched_blocks, 0))
+
+
+def load_cost(candidate: Candidate, num_prompt_blocks: int) -> float:
+    """Requests on the candidate (`Candidate.load`)."""
+    return float(candidate.load)
+
+
+def kv_utilization_cost(candidate: Candidate, num_prompt_blocks: int) -> float:
+    """The candidate's KV-cache utilization, 0 to 1; a report outside that (or NaN) counts as a
+    full cache, so a worker's bad report never wins."""
+    utilization = candidate.kv_utilization
+    return utilization if 0.0 <= utilization <= 1.0 else 1.0
+
+
+SCORERS: Mapping[str, Scorer] = {
+    "prefix-cache": prefix_cache_cost,
+    "load": load_cost,
+    "kv-utilization": kv_utilization_cost,
+}
+"""Every scorer by the name the InferencePool's `router.scorers` gives it (`ScorerName`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WeightedScorer:
+    """One scorer of a profile and the weight its cost is multiplied by (>= 0)."""
+
+    name: str
+    weight: float
+
+
+PROFILES: Mapping[str, tuple[WeightedScorer, ...]] = {
+    "kv-aware": (
+        WeightedScorer("prefix-cache", 1.0),
+        WeightedScorer("load", 32.0),
+        WeightedScorer("kv-utilization", 16.0),
+    ),
+    "least-loaded": (WeightedScorer("load", 1.0),),
+}
+"""The policies that score, and their default weights (see the module docstring)."""
+
+
+def weighted_cost(
+    profile: Sequence[WeightedScorer], candidate: Candidate, num_prompt_blocks: int
+) -> float:
+    """The profile's cost of sending the request to `candidate`: its scorers' weighted sum."""
+    return sum(
+        w.weight * SCORERS[w.name](candidate, num_prompt_blocks) for w in profile if w.weight
+    )
+
+
+def check_profile(profile: Sequence[WeightedScorer]) -> None:
+    """Raises ConfigError unless every scorer is known and named once, every weight is >= 0 and
+    one is above 0 (the InferencePool's CEL rules, for settings that did not come through it)."""
+    names = [w.name for w in profile]
+    unknown = sorted(set(names) - set(SCORERS))
+    if unknown:
+        raise ConfigError(f"router scorers {unknown} are not among {SCORER_NAMES}")
+    if len(set(names)) != len(names):
+        raise ConfigError(f"router scorers name one scorer twice: {names}")
+    if any(not w.weight >= 0 for w in profile):
+        raise ConfigError("routing weights must be >= 0")
+    if not any(w.weight > 0 for w in profile):
+        raise ConfigError("routing needs a scorer with a weight above 0")
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     """The chosen worker. `score` is the cost the policy minimised (lower is better): blocks for
@@ -92,23 +172,27 @@ class Decision:
 
 
 class Chooser:
-    """Applies one routing policy. Not thread-safe; round-robin keeps its position here."""
+    """Applies one routing policy. Not thread-safe; round-robin keeps its position here.
+
+    `scorers` replaces the kv-aware profile's (a scorer not listed is not used); None keeps the
+    policy's own weights. Raises ConfigError for an unknown policy or an invalid profile."""
 
     def __init__(
         self,
         policy: Policy,
         rng: random.Random | None = None,
         *,
-        load_weight_blocks: float = LOAD_WEIGHT_BLOCKS,
-        kv_utilization_weight_blocks: float = KV_UTILIZATION_WEIGHT_BLOCKS,
+        scorers: Sequence[WeightedScorer] | None = None,
     ) -> None:
         if policy not in POLICIES:
             raise ConfigError(f"router policy {policy!r} is not one of {POLICIES}")
-        if load_weight_blocks < 0 or kv_utilization_weight_blocks < 0:
-            raise ConfigError("routing weights must be >= 0")
+        if scorers is not None and policy != "kv-aware":
+            raise ConfigError(f"router scorers weigh the kv-aware policy, not {policy}")
+        profile = tuple(scorers) if scorers is not None else PROFILES.get(policy, ())
+        if policy in PROFILES:
+            check_profile(profile)
         self.policy = policy
-        self.load_weight_blocks = load_weight_blocks
-        self.kv_utilization_weight_blocks = kv_utilization_weight_blocks
+        self.profile = profile
         self._rng = rng if rng is not None else random.Random()
         self._last_round_robin: str | None = None
 
@@ -119,26 +203,15 @@ class Chooser:
         if self.policy == "round-robin":
             chosen = self._next_round_robin(candidates)
             return Decision(chosen.worker_id, self.policy, chosen.matched_blocks, 0.0)
-        if self.policy == "least-loaded":
-            costs = [float(c.load) for c in candidates]
-        else:
-            costs = [self.kv_cost(c, num_prompt_blocks) for c in candidates]
+        costs = [self.cost(c, num_prompt_blocks) for c in candidates]
         best = min(costs)
         tied = [c for c, cost in zip(candidates, costs, strict=True) if cost <= best + _TIE_EPSILON]
         chosen = tied[0] if len(tied) == 1 else self._rng.choice(tied)
         return Decision(chosen.worker_id, self.policy, chosen.matched_blocks, best)
 
-    def kv_cost(self, candidate: Candidate, num_prompt_blocks: int) -> float:
-        """The kv-aware cost of sending the request to `candidate` (see the module docstring)."""
-        num_prefill_blocks = max(num_prompt_blocks - candidate.matched_blocks, 0)
-        utilization = candidate.kv_utilization
-        if not 0.0 <= utilization <= 1.0:  # a worker's bad report (or NaN) must not win
-            utilization = 1.0
-        return (
-            num_prefill_blocks
-            + self.load_weight_blocks * candidate.load
-            + self.kv_utilization_weight_blocks * utilization
-        )
+    def cost(self, candidate: Candidate, num_prompt_blocks: int) -> float:
+        """What this chooser's profile charges for sending the request to `candidate`."""
+        return weighted_cost(self.profile, candidate, num_prompt_blocks)
 
     def _next_round_robin(self, candidates: Sequence[Candidate]) -> Candidate:
         by_id = {c.worker_id: c for c in candidates}

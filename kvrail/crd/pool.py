@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvrail.crd.base import CrdModel, rule, rules, sub
 from kvrail.crd.spec import (
+    PACKAGED_MODEL_NAMES,
     AutoscalingSpec,
     DisaggregationSpec,
     EngineSpec,
@@ -31,7 +32,6 @@ from kvrail.crd.spec import (
     TopologySpec,
 )
 from kvrail.crd.status import InferencePoolStatus
-from kvrail.model_files import PACKAGED_MODELS
 
 GROUP: Final = "kvrail.dev"
 VERSION: Final = "v1alpha1"
@@ -83,7 +83,7 @@ _VLLM_RULES = (
         ".disaggregation.transferBackend",
     ),
     _vllm_rule(
-        f"!(self.model.source in {_cel_list(PACKAGED_MODELS)})",
+        f"!(self.model.source in {_cel_list(PACKAGED_MODEL_NAMES)})",
         "model.source names a model packaged for kvrail's own engine; engine.kind vllm needs "
         "a safetensors directory (e.g. under /models, see model.volumeClaim) or a model id "
         "vLLM can load",

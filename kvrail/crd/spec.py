@@ -4,7 +4,7 @@ router, autoscaling, infrastructure and security. Assembled in `kvrail.crd.pool`
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -19,6 +19,18 @@ KvLoadFailurePolicy = Literal["recompute", "fail", "reroute"]
 TransferBackend = Literal["nixl", "local"]
 RdmaMode = Literal["required", "preferred", "none"]
 RouterPolicy = Literal["kv-aware", "least-loaded", "round-robin"]
+ScorerName = Literal["prefix-cache", "load", "kv-utilization"]
+"""The router's scorers (`kvrail.router.policy.SCORERS`), each a cost a weight multiplies."""
+BlockSize = Literal[8, 16, 32, 64, 128]
+"""Tokens per KV block a pool may use: the one range, shared by the API and `kvrail.settings`."""
+DEFAULT_BLOCK_SIZE: Final = 16
+DEFAULT_MAX_NUM_SEQS: Final = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS: Final = 8192
+"""The engine limits' defaults, here once: the API's, `Settings`' and so the engine's."""
+PACKAGED_MODEL_NAMES: Final = ("smollm2",)
+"""The models a Python package ships for kvrail's own engine, by name (`kvrail.model_files`
+describes each; a test keeps the two in step). Named here so the API package imports nothing
+above it."""
 
 
 class ModelSpec(CrdModel):
@@ -45,7 +57,7 @@ class ModelSpec(CrdModel):
     fingerprint. kvrail's engine runs FP8 weights on GPUs of compute capability 8.9 or later
     with `dtype` bfloat16, and on CPU pools (a float32 reference, slower than float32); vLLM's
     with `--quantization fp8`."""
-    block_size: Literal[8, 16, 32, 64, 128] = 16
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE
     """Tokens per KV block: 8, 16 (default), 32, 64 or 128. Part of the fingerprint."""
     max_model_len: int = Field(4096, ge=16, le=1_048_576)
     """Longest prompt plus completion, in tokens. Default 4096."""
@@ -175,9 +187,9 @@ class RoleSpec(CrdModel):
     """CPU and memory requests and limits."""
     parallelism: Parallelism = sub(Parallelism)
     """Parallel layout of one replica."""
-    max_num_seqs: int = Field(256, ge=1, le=65536)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, ge=1, le=65536)
     """Most sequences in one engine step. Default 256."""
-    max_num_batched_tokens: int = Field(8192, ge=1, le=1_048_576)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, ge=1, le=1_048_576)
     """Most tokens in one engine step (prompts are chunked to fit). Default 8192."""
     node_selector: dict[str, str] = Field(default_factory=dict)
     """Node labels this role requires, e.g. a GPU product for heterogeneous pools."""
@@ -272,14 +284,52 @@ class GatewaySpec(CrdModel):
     """Hostnames the route serves; empty serves the Gateway's."""
 
 
+class ScorerSpec(CrdModel):
+    """One scorer of the router's `kv-aware` policy and its weight."""
+
+    name: ScorerName
+    """`prefix-cache`: prompt blocks the worker does not cache (to prefill). `load`: requests on
+    the worker. `kv-utilization`: the worker's KV-cache utilization, 0 to 1 (an invalid report
+    counts as full)."""
+    weight: int = Field(ge=0, le=1_000_000)
+    """What one unit of the scorer costs, in prompt blocks to prefill (the `kv-aware` defaults:
+    `prefix-cache` 1, `load` 32, `kv-utilization` 16). 0 leaves the scorer out."""
+
+
 class RouterSpec(CrdModel):
     """The OpenAI-compatible, KV-aware router in front of the pools."""
 
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            rule(
+                "!has(self.scorers) || size(self.scorers) == 0 || self.policy == 'kv-aware'",
+                "scorers weigh the kv-aware policy: set them only with policy kv-aware",
+                ".scorers",
+                "FieldValueForbidden",
+            ),
+            rule(
+                "!has(self.scorers) || "
+                "self.scorers.all(s, size(self.scorers.filter(t, t.name == s.name)) == 1)",
+                "each scorer may be named once",
+                ".scorers",
+            ),
+            rule(
+                "!has(self.scorers) || size(self.scorers) == 0 || "
+                "self.scorers.exists(s, s.weight > 0)",
+                "at least one scorer needs a weight above 0",
+                ".scorers",
+            ),
+        )
+    )
     replicas: int = Field(1, ge=0, le=100)
     """Router replicas. Default 1."""
     policy: RouterPolicy = "kv-aware"
     """How a decode worker is picked: `kv-aware` (default: most cached prompt blocks, then load),
     `least-loaded` or `round-robin`."""
+    scorers: list[ScorerSpec] = Field(default_factory=list, max_length=8)
+    """The `kv-aware` policy's scorers and weights, replacing its defaults (`prefix-cache` 1,
+    `load` 32, `kv-utilization` 16); a scorer not listed is not used. Each name at most once, at
+    least one weight above 0; only with policy `kv-aware`. Optional: empty keeps the defaults."""
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     """Type of the router Service. Default ClusterIP."""
     resources: ResourceRequirements = sub(ResourceRequirements)

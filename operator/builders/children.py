@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 from kvrail.crd.pool import InferencePool, Role
-from kvrail.operator.builders.configmap import build_configmap
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.deployment import build_deployment
 from kvrail.operator.builders.httproute import build_httproute
+from kvrail.operator.builders.meta import config_name
 from kvrail.operator.builders.networkpolicy import build_network_policy, network_policy_name
 from kvrail.operator.builders.pdb import build_pdb
 from kvrail.operator.builders.secret import build_infrastructure_secret, infrastructure_secret_name
@@ -30,7 +30,7 @@ class ChildRef(NamedTuple):
 def build_children(
     pool: InferencePool, ctx: BuildContext, replicas: Mapping[Role, int] | None = None
 ) -> list[dict[str, Any]]:
-    """All desired children: config, the operator's access to its servers (when the pool uses
+    """All desired children: the operator's access to its servers (when the pool uses
     them) and the workers' NetworkPolicy first (no worker runs unprotected or without its
     credentials), then Services, workloads, budgets and the route.
 
@@ -38,7 +38,7 @@ def build_children(
     `kvrail.operator.autoscale.replicas`)."""
     sizes = replicas or {}
     roles = [r for r in ROLES if pool.role(r) is not None]
-    out: list[dict[str, Any]] = [build_configmap(pool)]
+    out: list[dict[str, Any]] = []
     secret = build_infrastructure_secret(pool, ctx)
     if secret is not None:
         out.append(secret)
@@ -63,8 +63,8 @@ def ref(manifest: dict[str, Any]) -> ChildRef:
 def stale_children(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     """Children the pool may have had but must not have now (e.g. prefill after a switch to
     colocated mode, the HTTPRoute after the gateway is removed, the NetworkPolicy after the
-    operator's were turned off, the infrastructure Secret once the pool names its own servers);
-    the handler deletes them."""
+    operator's were turned off, the infrastructure Secret once the pool names its own servers,
+    the router's ConfigMap that earlier operators wrote); the handler deletes them."""
     every = _every_possible(pool, ctx)
     wanted = {ref(m) for m in build_children(pool, ctx)}
     return [r for r in every if r not in wanted]
@@ -80,6 +80,7 @@ def _every_possible(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
             ChildRef("apps/v1", "StatefulSet", child),
             ChildRef("policy/v1", "PodDisruptionBudget", child),
         ]
+    out.append(ChildRef("v1", "ConfigMap", config_name(pool)))
     out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
     out.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(pool)))
     if ctx.share_access:

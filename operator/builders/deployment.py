@@ -1,4 +1,7 @@
-"""The router Deployment: `python -P -m kvrail.router`, stateless, rolled with surge."""
+"""The router Deployment: `python -P -m kvrail.router`, stateless, rolled with surge.
+
+The router's settings are its environment (`router_env`), as the workers' are: a settings change
+changes the pod template, which rolls the router."""
 
 from __future__ import annotations
 
@@ -6,16 +9,13 @@ from typing import Any
 
 from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders import placement
-from kvrail.operator.builders.configmap import ROUTER_CONFIG_KEY, config_hash
 from kvrail.operator.builders.context import BuildContext
-from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env, setting
+from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env
 from kvrail.operator.builders.meta import (
-    CONFIG_HASH_ANNOTATION,
     ROUTER_LIVE_PATH,
     ROUTER_PORT,
     ROUTER_READY_PATH,
     child_name,
-    config_name,
     labels,
     object_meta,
     selector_labels,
@@ -29,16 +29,14 @@ from kvrail.operator.builders.pod import (
 )
 
 ROUTER_COMMAND = ["python", "-P", "-m", "kvrail.router"]
-CONFIG_DIR = "/etc/kvrail/config"
 
 
 def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
     _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
     volumes, mounts = scratch_volumes(shm=False)
-    volumes += [{"name": "config", "configMap": {"name": config_name(pool)}}, *secret_volumes]
-    mounts += [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}, *secret_mounts]
+    volumes += secret_volumes
+    mounts += secret_mounts
     env = router_env(pool, ctx)
-    env.append(setting("router_config_file", f"{CONFIG_DIR}/{ROUTER_CONFIG_KEY}"))
     keys = pool.spec.security.api_keys_secret
     if keys:
         volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440}})
@@ -58,10 +56,7 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
     resources = {k: dict(v) for k, v in router.resources.model_dump().items() if v}
     if resources:
         container["resources"] = resources
-    template_meta = {
-        "labels": labels(pool, "router"),
-        "annotations": {CONFIG_HASH_ANNOTATION: config_hash(pool)},
-    }
+    template_meta = {"labels": labels(pool, "router")}
     spread = placement.topology_spread(pool, "decode")
     spread[0]["labelSelector"] = {"matchLabels": selector_labels(pool, "router")}
     return {

@@ -23,6 +23,7 @@ from kvrail.operator.builders.secret import (
     shared_access,
     username_key,
 )
+from kvrail.settings import format_scorers
 
 SECRETS_DIR = "/var/run/secrets/kvrail"
 CACHE_DIR = "/var/cache/kvrail"
@@ -216,6 +217,8 @@ def router_env(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
         setting("http_port", ROUTER_PORT),
         setting("cache_dir", CACHE_DIR),
     ]
+    if pool.spec.router.scorers:
+        env.append(setting("router_scorers", format_scorers(pool.spec.router.scorers)))
     if pool.spec.security.api_keys_secret:
         env.append(setting("api_keys_file", f"{API_KEYS_DIR}/api-keys.yaml"))
     return env

@@ -14,7 +14,6 @@ Component = Literal["prefill", "decode", "router"]
 POOL_LABEL = "kvrail.dev/pool"
 ROLE_LABEL = "kvrail.dev/role"
 MODEL_HASH_LABEL = "kvrail.dev/model-hash"
-CONFIG_HASH_ANNOTATION = "kvrail.dev/config-hash"
 WORKER_PORT = 8080
 """Health and metrics port of a worker (`/readyz`, `/livez`, `/metrics`: `kvrail.worker.health`)."""
 WORKER_READY_PATH = "/readyz"
@@ -32,6 +31,8 @@ def child_name(pool: InferencePool, component: Component) -> str:
 
 
 def config_name(pool: InferencePool) -> str:
+    """The router's ConfigMap that earlier operators wrote (the router now reads its environment
+    alone); the operator deletes it as a stale child."""
     return f"{pool.metadata.name}-config"
 
 

@@ -137,6 +137,8 @@ def test_schema_refuses_unknown_enum_value_and_out_of_range_number(
         ((("spec.topology.rdma", "maybe"),), "spec.topology.rdma"),
         ((("spec.model.blockSize", 12),), "spec.model.blockSize"),
         ((("spec.decode.replicas", -1),), "spec.decode.replicas"),
+        ((("spec.router.scorers", [{"name": "queue", "weight": 1}]),), "spec.router.scorers"),
+        ((("spec.router.scorers", [{"name": "load", "weight": -1}]),), "spec.router.scorers"),
     ):
         with pytest.raises(ApiException) as err:
             create(objects, mutate(base, *changes))

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import torch
 
 from kvrail.errors import ConfigError
 from kvrail.kernels.reference import FP8_DTYPES
+from kvrail.settings import Settings
 from kvrail.worker.models.quant import check_fp8_device
 
 DTYPES: Final = {
@@ -48,6 +49,12 @@ def kv_cache_dtype(kv_dtype: str, model_dtype: torch.dtype, device_type: str) ->
     return dtype
 
 
+def _setting(name: str) -> Any:
+    """The default of `Settings.<name>`: a field the worker fills from settings has its default
+    there alone, so an engine built without it runs as a deployed worker would."""
+    return Settings.model_fields[name].default
+
+
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     """Sizes of the KV pool and of one scheduling step.
@@ -69,21 +76,25 @@ class EngineConfig:
     (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
     and it would only delay each token by a step).
     `kv_dtype` is the KV cache's dtype by name, "auto" for the model's (see `kv_cache_dtype`).
+
+    The fields the worker fills from `kvrail.settings.Settings` default to Settings' defaults
+    (one default each). `block_size` is any positive size here (tests use 4); what a pool may
+    deploy is `kvrail.crd.spec.BlockSize`, checked where the value enters (the API, Settings).
     """
 
     num_blocks: int
     max_model_len: int = 0
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_num_mixed_prefill_tokens: int = 0
+    block_size: int = _setting("block_size")
+    max_num_batched_tokens: int = _setting("max_num_batched_tokens")
+    max_num_seqs: int = _setting("max_num_seqs")
+    max_num_mixed_prefill_tokens: int = _setting("max_num_mixed_prefill_tokens")
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     enable_cuda_graphs: bool = True
-    max_mixed_graph_tokens: int = 1024
-    zero_kv_on_release: bool = False
+    max_mixed_graph_tokens: int = _setting("max_mixed_graph_tokens")
+    zero_kv_on_release: bool = _setting("zero_kv_on_release")
     async_scheduling: bool | None = None
-    kv_dtype: str = "auto"
+    kv_dtype: str = _setting("kv_dtype")
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:

@@ -23,6 +23,7 @@ def test_minimal_manifest_gets_documented_defaults() -> None:
     assert pool.spec.disaggregation.kv_load_failure_policy == "recompute"
     assert pool.spec.topology.rdma == "preferred"
     assert pool.spec.router.policy == "kv-aware"
+    assert pool.spec.router.scorers == []
     assert pool.spec.autoscaling.enabled is False
     assert pool.status is None
 
@@ -55,6 +56,12 @@ INVALID: list[tuple[str, tuple[str, Any], str]] = [
     ("bad failure policy", ("spec.disaggregation.kvLoadFailurePolicy", "retry"), "recompute"),
     ("rdma mode outside the enum", ("spec.topology.rdma", "maybe"), "required"),
     ("router policy outside the enum", ("spec.router.policy", "random"), "kv-aware"),
+    ("unknown scorer", ("spec.router.scorers", [{"name": "queue", "weight": 1}]), "prefix-cache"),
+    (
+        "negative scorer weight",
+        ("spec.router.scorers", [{"name": "load", "weight": -1}]),
+        "greater than or equal",
+    ),
     (
         "etcd endpoint without a port",
         ("spec.infrastructure.etcd", {"endpoints": ["http://e"]}),

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
+from kvrail.crd.spec import PACKAGED_MODEL_NAMES
 from kvrail.errors import ModelNotFoundError
-from kvrail.model_files import resolve
+from kvrail.model_files import PACKAGED_MODELS, resolve
 
 
 def test_default_model_resolves_to_the_gguf_file_the_package_ships() -> None:
@@ -13,6 +14,10 @@ def test_default_model_resolves_to_the_gguf_file_the_package_ships() -> None:
     assert src.is_gguf and src.path.is_file()
     assert src.served_name == "SmolLM2-135M-Instruct"
     assert src.path.stat().st_size > 50_000_000
+
+
+def test_the_api_names_exactly_the_packaged_models() -> None:
+    assert tuple(PACKAGED_MODELS) == PACKAGED_MODEL_NAMES
 
 
 def test_weights_id_is_the_sha256_of_the_file_and_is_memoised(tmp_path: Path) -> None:

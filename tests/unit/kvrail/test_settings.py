@@ -1,11 +1,13 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
+from kvrail.crd.spec import BlockSize, ModelSpec, RoleSpec
 from kvrail.errors import ConfigError
-from kvrail.settings import Settings, load_settings, read_secret
+from kvrail.settings import Settings, format_scorers, load_settings, read_secret
 
 
 def test_defaults_need_no_environment() -> None:
@@ -24,12 +26,40 @@ def test_environment_overrides_file_which_overrides_defaults(tmp_path: Path) -> 
     assert s.etcd_endpoints == ("http://10.0.0.1:2379", "http://10.0.0.2:2379")
 
 
+@pytest.mark.parametrize("block_size", get_args(BlockSize))
+def test_settings_take_the_block_sizes_a_pool_may_name(block_size: int) -> None:
+    assert load_settings(environ={"KVRAIL_BLOCK_SIZE": str(block_size)}).block_size == block_size
+
+
+def test_router_scorers_are_name_weight_pairs_in_the_environment(tmp_path: Path) -> None:
+    s = load_settings(environ={"KVRAIL_ROUTER_SCORERS": "prefix-cache=1, load=8"})
+    assert [(x.name, x.weight) for x in s.router_scorers] == [("prefix-cache", 1), ("load", 8)]
+    assert format_scorers(s.router_scorers) == "prefix-cache=1,load=8"
+    assert load_settings(environ={"KVRAIL_ROUTER_SCORERS": ""}).router_scorers == ()
+    cfg = tmp_path / "kvrail.yaml"
+    cfg.write_text("routerScorers:\n- {name: kv-utilization, weight: 4}\n")
+    (only,) = load_settings(cfg, environ={}).router_scorers
+    assert (only.name, only.weight) == ("kv-utilization", 4)
+
+
+def test_settings_default_to_the_pool_api_defaults() -> None:
+    model, role = ModelSpec(), RoleSpec()
+    assert Settings().block_size == model.block_size
+    assert Settings().max_num_seqs == role.max_num_seqs
+    assert Settings().max_num_batched_tokens == role.max_num_batched_tokens
+
+
 @pytest.mark.parametrize(
     "env,message",
     [
         ({"KVRAIL_POOL": "Bad_Name"}, "pool"),
         ({"KVRAIL_BLOCK_SIZE": "0"}, "block_size"),
         ({"KVRAIL_BLOCK_SIZE": "sixteen"}, "block_size"),
+        ({"KVRAIL_BLOCK_SIZE": "12"}, "block_size"),
+        ({"KVRAIL_BLOCK_SIZE": "1024"}, "block_size"),
+        ({"KVRAIL_ROUTER_SCORERS": "load"}, "router_scorers"),
+        ({"KVRAIL_ROUTER_SCORERS": "queue=1"}, "router_scorers"),
+        ({"KVRAIL_ROUTER_SCORERS": "load=-1"}, "router_scorers"),
         ({"KVRAIL_ETCD_ENDPOINTS": "localhost"}, "etcd_endpoints"),
         ({"KVRAIL_NATS_URL": "http://x:1"}, "nats_url"),
         ({"KVRAIL_LOG_LEVEL": "LOUD"}, "log_level"),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -12,7 +11,7 @@ from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.children import ChildRef, build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
-from kvrail.settings import Settings
+from kvrail.settings import Settings, load_settings
 
 CTX = BuildContext()
 COLOCATED = (("spec.prefill", DELETE), ("spec.disaggregation.mode", "colocated"))
@@ -20,6 +19,8 @@ GATEWAY = (
     "spec.router.gateway",
     {"parentRef": {"name": "gw", "namespace": "infra"}, "hostnames": ["llm.example.com"]},
 )
+ROUTER_CONFIG_MAP = ChildRef("v1", "ConfigMap", "tiny-config")
+"""The router's configuration file of earlier operators: never built, always stale."""
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -36,9 +37,8 @@ def by_kind(children: list[dict[str, Any]], kind: str, name: str) -> dict[str, A
     return found
 
 
-def test_disaggregated_pool_has_both_worker_sets_router_budgets_and_config() -> None:
+def test_disaggregated_pool_has_both_worker_sets_router_and_budgets() -> None:
     assert kinds(build_children(make_pool(), CTX)) == [
-        ("ConfigMap", "tiny-config"),
         ("NetworkPolicy", "tiny-workers"),
         ("Service", "tiny-prefill"),
         ("Service", "tiny-decode"),
@@ -75,7 +75,7 @@ def test_gateway_adds_an_httproute_to_the_router_service() -> None:
     ]
     assert route["spec"]["hostnames"] == ["llm.example.com"]
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "tiny-router", "port": 8000}]
-    assert stale_children(pool_with(GATEWAY), CTX) == []
+    assert stale_children(pool_with(GATEWAY), CTX) == [ROUTER_CONFIG_MAP]
 
 
 @pytest.mark.parametrize(
@@ -126,34 +126,42 @@ def test_every_kvrail_variable_is_a_settings_field_or_known_pending() -> None:
     assert not unknown, f"kvrail.settings refuses these at start: {sorted(unknown)}"
 
 
-def test_router_runs_the_router_cli_with_config_and_rolls_on_config_change() -> None:
+def test_router_takes_its_settings_from_its_environment_alone() -> None:
     def router(pool: InferencePool) -> dict[str, Any]:
         return by_kind(build_children(pool, CTX), "Deployment", "tiny-router")
 
-    dep = router(pool_with(("spec.router.replicas", 2)))
-    container = dep["spec"]["template"]["spec"]["containers"][0]
+    dep = router(pool_with(("spec.router.replicas", 2), ("spec.router.policy", "round-robin")))
+    template = dep["spec"]["template"]
+    container = template["spec"]["containers"][0]
     assert container["command"] == ["python", "-P", "-m", "kvrail.router"]
     assert dep["spec"]["replicas"] == 2
-    assert {"name": "config", "configMap": {"name": "tiny-config"}} in dep["spec"]["template"][
-        "spec"
-    ]["volumes"]
-    annotation = "kvrail.dev/config-hash"
-    base = router(make_pool())["spec"]["template"]["metadata"]["annotations"][annotation]
-    changed = router(pool_with(("spec.router.policy", "least-loaded")))
-    assert changed["spec"]["template"]["metadata"]["annotations"][annotation] != base
-    scaled = router(pool_with(("spec.router.replicas", 3)))
-    assert scaled["spec"]["template"]["metadata"]["annotations"][annotation] == base
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["KVRAIL_ROUTER_POLICY"] == "round-robin"
+    assert env["KVRAIL_BLOCK_SIZE"] == "16"
+    assert env["KVRAIL_MAX_MODEL_LEN"] == "4096"
+    assert env["KVRAIL_MIN_REMOTE_PREFILL_TOKENS"] == "512"
+    assert not [v for v in template["spec"]["volumes"] if "configMap" in v]
+    assert "annotations" not in template["metadata"]
 
 
-def test_config_map_holds_the_router_configuration() -> None:
-    cm = by_kind(
-        build_children(pool_with(("spec.router.policy", "round-robin")), CTX),
-        "ConfigMap",
-        "tiny-config",
-    )
-    config = json.loads(cm["data"]["router.json"])
-    assert config["policy"] == "round-robin"
-    assert config["disaggregation"]["minRemotePrefillTokens"] == 512
+def test_router_scorers_reach_the_router_through_its_settings() -> None:
+    def router_environ(pool: InferencePool) -> dict[str, str]:
+        dep = by_kind(build_children(pool, CTX), "Deployment", "tiny-router")
+        env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
+        return {e["name"]: e["value"] for e in env if "value" in e}
+
+    assert "KVRAIL_ROUTER_SCORERS" not in router_environ(make_pool())
+    assert load_settings(environ=router_environ(make_pool())).router_scorers == ()
+    scorers = [{"name": "prefix-cache", "weight": 2}, {"name": "load", "weight": 40}]
+    environ = router_environ(pool_with(("spec.router.scorers", scorers)))
+    assert environ["KVRAIL_ROUTER_SCORERS"] == "prefix-cache=2,load=40"
+    settings = load_settings(environ=environ)
+    assert [s.model_dump() for s in settings.router_scorers] == scorers
+
+
+def test_the_router_config_map_of_earlier_operators_is_stale() -> None:
+    assert "ConfigMap" not in {c["kind"] for c in build_children(make_pool(), CTX)}
+    assert ROUTER_CONFIG_MAP in stale_children(make_pool(), CTX)
 
 
 def test_api_keys_secret_is_mounted_in_the_router_only() -> None:

@@ -16,6 +16,7 @@ from kvrail.router.policy import (
     Decision,
     NoWorkerError,
     Policy,
+    WeightedScorer,
 )
 
 
@@ -39,7 +40,7 @@ def test_an_unknown_policy_or_a_negative_weight_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="random"):
         Chooser("random")
     with pytest.raises(ConfigError):
-        Chooser("kv-aware", load_weight_blocks=-1)
+        Chooser("kv-aware", scorers=[WeightedScorer("load", -1)])
 
 
 def test_kv_aware_prefers_a_long_cached_prefix_over_a_slightly_busier_worker() -> None:
@@ -78,7 +79,7 @@ def test_kv_utilization_breaks_a_tie_towards_free_blocks_and_bad_reports_do_not_
 
 def test_matched_blocks_beyond_the_prompt_are_not_a_negative_cost() -> None:
     chooser = Chooser("kv-aware")
-    assert chooser.kv_cost(cand("a", matched=10), num_prompt_blocks=4) == 0.0
+    assert chooser.cost(cand("a", matched=10), num_prompt_blocks=4) == 0.0
 
 
 def test_ties_are_broken_at_random_and_reproducibly_with_a_seed() -> None:

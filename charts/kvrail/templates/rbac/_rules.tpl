@@ -11,6 +11,8 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
 - networkpolicies: each pool's workers' policy is a child like any other (create, patch), and
   delete removes it where KVRAIL_OPERATOR_NETWORK_POLICIES is false (networkPolicies.enabled);
   the rule stays when they are off, so turning them off cleans up what the operator made.
+- configmaps, delete only: the router's <pool>-config that earlier operators wrote (the router
+  now takes every setting from its environment) is removed as a stale child.
 - secrets, only with operator.shareAccess, and only written, never read: <pool>-infrastructure
   carries the operator's own etcd and NATS access (from its mounted files) to a pool that names
   no servers of its own; delete removes it once the pool names its own.
@@ -30,7 +32,7 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
   verbs: [create]
 - apiGroups: [""]
   resources: [configmaps]
-  verbs: [create, patch]
+  verbs: [delete]
 {{- if .Values.operator.shareAccess }}
 - apiGroups: [""]
   resources: [secrets]
