@@ -17,7 +17,7 @@ query beyond float16's range saturates). Converting to float16 is cheaper than t
 three more bits of the query: at 256 sequences of 512-640 tokens one layer took 177 us against
 195 (bench/engine/decode_attention_sweep.txt, which also tried an e4m3 query against e4m3 K: 185
 us at ten times the error). Where the layout allows (`words_fit`: the engine's always does), the
-tiles are loaded as int32 words of four values and converted in registers (`_fp8_convert`), so
+tiles are loaded as int32 words of four values and converted in registers (`paged_kv`), so
 they reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the
 compiler converts them after shared memory, and V, which the second dot takes transposed, was
 read from there a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is
@@ -41,98 +41,19 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvrail.kernels.launch import pdl
+from kvrail.kernels.paged_kv import (
+    check_paged_inputs,
+    compute_dtype,
+    paged_convert,
+    paged_load,
+    words_fit,
+)
 from kvrail.kernels.reference import FP8_DTYPES
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
 WAVES = 2  # aim for about this many programs per SM before splitting stops
 F16_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
-
-
-@triton.jit
-def _fp8_words_to_f16(words, E5M2: tl.constexpr):
-    """int32 words of four FP8 values each -> the four values in float16 (exact), as four
-    tensors of the words' shape (element 4i + j of a row in the j-th)."""
-    cvt: tl.constexpr = "cvt.rn.f16x2.e5m2x2" if E5M2 else "cvt.rn.f16x2.e4m3x2"
-    return tl.inline_asm_elementwise(
-        asm="{ .reg .b16 lo, hi; .reg .b32 x, y; mov.b32 {lo, hi}, $4; "
-        + cvt
-        + " x, lo; "
-        + cvt
-        + " y, hi; mov.b32 {$0, $1}, x; mov.b32 {$2, $3}, y; }",
-        constraints="=h,=h,=h,=h,r",
-        args=[words],
-        dtype=(tl.float16, tl.float16, tl.float16, tl.float16),
-        is_pure=True,
-        pack=1,
-    )
-
-
-@triton.jit
-def _fp8_words(cache, rows, n_mask, D_PAD: tl.constexpr):
-    """The int32 words of a [len(rows), D_PAD] tile of an FP8 cache: token i's head row starts
-    at word `rows[i]` of `cache` read as int32 words (`_fp8_convert` makes them float16)."""
-    w = tl.arange(0, D_PAD // 4)
-    return tl.load(
-        cache.to(tl.pointer_type(tl.int32), bitcast=True) + rows[:, None] + w[None, :],
-        mask=n_mask[:, None],
-        other=0,
-    )
-
-
-@triton.jit
-def _fp8_convert(words, E5M2: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """`_fp8_words`'s words as the [BLOCK_N, D_PAD] float16 tile, converted in registers, so the
-    tile reaches shared memory (on its way to the dot) already 16-bit, not as bytes that a
-    transposed operand would read one at a time."""
-    a, b, c, d = _fp8_words_to_f16(words, E5M2)
-    quads = tl.join(tl.join(a, c), tl.join(b, d))  # [.., w, 2, 2]: a, b, c, d in order
-    return tl.reshape(quads, [BLOCK_N, D_PAD])
-
-
-@triton.jit
-def paged_load(
-    cache,
-    phys,
-    within,
-    kvh,
-    stride_b,
-    stride_s,
-    stride_h,
-    d,
-    n_mask,
-    d_mask,
-    WORDS: tl.constexpr,
-    D_PAD: tl.constexpr,
-):
-    """KV head `kvh`'s rows at tokens in blocks `phys`, offsets `within`, as loaded: the tile as
-    stored or, with WORDS (an FP8 cache, strides counted in int32 words), its words;
-    `paged_convert` gives the tile the dots take. Both attention kernels load K and V so (the
-    prefill kernel as stored)."""
-    if WORDS:  # a constexpr branch: one return, the two differ in type and shape
-        raw = _fp8_words(cache, phys * stride_b + within * stride_s + kvh * stride_h, n_mask,
-                         D_PAD)  # fmt: skip
-    else:
-        raw = tl.load(
-            cache
-            + phys[:, None] * stride_b
-            + within[:, None] * stride_s
-            + kvh * stride_h
-            + d[None, :],
-            mask=n_mask[:, None] & d_mask[None, :],
-            other=0.0,
-        )
-    return raw
-
-
-@triton.jit
-def paged_convert(raw, cache, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD: tl.constexpr):
-    """`paged_load`'s result as the [BLOCK_N, D_PAD] tile: WORDS in float16, else as it is."""
-    if WORDS:
-        tile = _fp8_convert(raw, cache.dtype.element_ty == tl.float8e5, BLOCK_N, D_PAD)
-    else:
-        tile = raw
-    return tile
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
@@ -289,58 +210,6 @@ def _reduce_kernel(
     result = tl.sum(w[:, None] * acc, 0) / total
     tl.store(
         out + s * stride_os + h * stride_oh + d, result.to(out.dtype.element_ty), mask=d < head_dim
-    )
-
-
-def check_paged_inputs(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    num_seqs: int,
-) -> tuple[int, int]:
-    """Shape and stride checks shared by the attention launchers; returns (group, head_dim)."""
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[3] != head_dim:
-        raise ValueError(f"caches {tuple(k_cache.shape)} are not [num_blocks, bs, Hkv, {head_dim}]")
-    num_kv_heads = k_cache.shape[2]
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"k_cache is {k_cache.dtype} but v_cache {v_cache.dtype}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
-        raise ValueError(f"block_tables {tuple(block_tables.shape)} is not [{num_seqs}, blocks]")
-    if seq_lens.shape != (num_seqs,):
-        raise ValueError(f"seq_lens {tuple(seq_lens.shape)} is not [{num_seqs}]")
-    for name, t in (
-        ("query", query),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("block_tables", block_tables),
-    ):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have a unit innermost stride")
-    return num_heads // num_kv_heads, head_dim
-
-
-def compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
-    """The dtype the attention kernels multiply in: the cache's, except that an FP8 cache is
-    read in FP8 and converted, by the prefill kernel to the query's dtype and by the decode
-    kernel to float16 (see the module's docstring); never FP8 dots, which would lose the
-    query's precision."""
-    return query.dtype if k_cache.dtype in FP8_DTYPES else k_cache.dtype
-
-
-def words_fit(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
-    """Whether an FP8 cache can be read as int32 words of four values (`_fp8_words`): every
-    head row whole words on a 16-byte boundary, and the head dimension a power of two of at
-    least 16 (no column mask)."""
-    if k_cache.dtype not in FP8_DTYPES or head_dim < 16 or head_dim & (head_dim - 1):
-        return False
-    return all(
-        t.data_ptr() % 16 == 0 and all(stride % 16 == 0 for stride in t.stride()[:3])
-        for t in (k_cache, v_cache)
     )
 
 

@@ -4,7 +4,7 @@ Same contract as `kvrail.kernels.reference.paged_prefill_attention` (the context
 queries' own KV, so a chunk after a cached prefix or after earlier chunks is the same case). One
 program per (BLOCK_M-query tile, sequence, query head), online softmax in float32, key tiles only
 up to the tile's last position. An FP8 cache is read in FP8 and each tile converted to the
-query's dtype (`kvrail.kernels.decode_attention.compute_dtype`).
+query's dtype (`kvrail.kernels.paged_kv.compute_dtype`).
 
 `tiled_prefill_attention` is the same kernel over a tile map (`kvrail.kernels.tile_map`): its grid
 is (KV head, map entry), not the step's chunk sizes, so one launch serves every step of a
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvrail.kernels.decode_attention import check_paged_inputs, compute_dtype, paged_load
+from kvrail.kernels.paged_kv import check_paged_inputs, compute_dtype, paged_load
 from kvrail.kernels.reference import FP8_DTYPES
 from kvrail.kernels.tile_map import LONG_BLOCK_M, SHORT_BLOCK_M, tile_rows
 

@@ -18,6 +18,7 @@ import torch
 
 KERNEL_MODULES = (
     "kv_write",
+    "paged_kv",
     "decode_attention",
     "prefill_attention",
     "block_copy",

@@ -39,7 +39,6 @@ import re
 import subprocess
 import sys
 import time
-from array import array
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -58,6 +57,14 @@ from kvrail.model_files import (
 from kvrail.model_files import cache_dir as models_cache_dir
 from kvrail.router.text.chat_template import chat_template, compile_template
 from kvrail.router.text.detokenizer import Detokenizer
+from kvrail.router.text.template_parts import (
+    UNSTABLE_TEMPLATE_WORDS,
+    TemplateParts,
+    join,
+    outside,
+    sentinel,
+    split_at,
+)
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +122,13 @@ class TextCodec:
         # The sentinel render (`chat_prompt`) of a conversation without names depends on its
         # roles alone, unless the template reads a clock or draws random text.
         self._marked_by_roles: Callable[[tuple[str, ...]], str] | None = None
-        if chat_template and not any(w in chat_template for w in _UNSTABLE_TEMPLATE_WORDS):
+        if chat_template and not any(w in chat_template for w in UNSTABLE_TEMPLATE_WORDS):
             self._marked_by_roles = functools.lru_cache(maxsize=256)(self._render_marked)
         # The same tokenizer with special-token text encoded as text (for what clients wrote).
         self._plain = Tokenizer.from_str(tokenizer.to_str())
         self._plain.encode_special_tokens = True
-        # Token ids of the chat prompt's parts that hold no message content: the template's own
-        # text between its special tokens (a default system prompt, "assistant\n"), the same on
-        # every request (`_encode_outside`). Bounded in count and length; emptied when full.
-        self._fixed_parts: dict[str, array[int]] = {}
+        # Token ids of the template's own text, the same on every request (`_encode_outside`).
+        self._fixed_parts = TemplateParts()
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         # A bound, not the exact figure: a byte-level token's characters take 1-2 UTF-8 bytes
         # each for the one byte they stand for, so this can only overstate a token's length.
@@ -233,7 +238,7 @@ class TextCodec:
         if allow_special:
             return self._encode_with_special(rendered)
         contents = [m.get("content") or "" for m in messages]
-        sentinels = [_sentinel(i) for i in range(len(messages))]
+        sentinels = [sentinel(i) for i in range(len(messages))]
         roles_only = all(m.keys() <= {"role", "content"} for m in messages)
         if self._marked_by_roles is not None and roles_only:
             marked = self._marked_by_roles(tuple(m["role"] for m in messages))
@@ -241,8 +246,8 @@ class TextCodec:
             marked = self.render_chat(
                 [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)]
             )
-        pieces = _split_at(marked, sentinels)
-        if pieces is None or _join(pieces, contents) != rendered:
+        pieces = split_at(marked, sentinels)
+        if pieces is None or join(pieces, contents) != rendered:
             # The template changed the content it inserted: encode the whole text, but never
             # with a client's special-token text in it.
             if any(t in c for c in contents for t in self._special_texts):
@@ -260,9 +265,9 @@ class TextCodec:
         return self._encode_outside(rendered, spans)
 
     def _render_marked(self, roles: tuple[str, ...]) -> str:
-        """The template rendered over `roles`, message i's content being `_sentinel(i)`."""
+        """The template rendered over `roles`, message i's content being `sentinel(i)`."""
         return self.render_chat(
-            [{"role": role, "content": _sentinel(i)} for i, role in enumerate(roles)]
+            [{"role": role, "content": sentinel(i)} for i, role in enumerate(roles)]
         )
 
     def _encode_with_special(self, text: str) -> list[int]:
@@ -275,7 +280,7 @@ class TextCodec:
         if self._special_pattern is not None:
             for match in self._special_pattern.finditer(text):
                 begin, end = match.span()
-                if _outside(begin, end, spans):
+                if outside(begin, end, spans):
                     cuts.append((begin, end, self._special_ids[match.group()]))
         parts: list[tuple[int, int]] = []  # (start, end) of the text between the specials kept
         position = 0
@@ -285,7 +290,7 @@ class TextCodec:
         parts.append((position, len(text)))
         # A part outside every span is the template's own text: its ids are kept, since each
         # call of the tokenizer costs several microseconds however short its text.
-        fixed = [_outside(begin, end, spans) for begin, end in parts]
+        fixed = [outside(begin, end, spans) for begin, end in parts]
         known: list[Sequence[int] | None] = [
             self._fixed_parts.get(text[begin:end]) if is_fixed else None
             for (begin, end), is_fixed in zip(parts, fixed, strict=True)
@@ -299,22 +304,11 @@ class TextCodec:
             if found is None:
                 found = next(fresh).ids
                 if fixed[i]:
-                    self._keep_fixed(text[begin:end], found)
+                    self._fixed_parts.keep(text[begin:end], found)
             ids.extend(found)
             if i < len(cuts):
                 ids.append(cuts[i][2])
         return ids
-
-    def _keep_fixed(self, part: str, ids: Sequence[int]) -> None:
-        """Remember a template-only part's ids (`_fixed_parts`): at most _FIXED_PARTS parts of at
-        most _FIXED_PART_CHARS characters, their ids as 32-bit integers, so names or other
-        fields a template renders outside the message contents cannot grow it past about
-        4 MiB. Tokenizer threads call this concurrently; each dict operation is atomic."""
-        if len(part) > _FIXED_PART_CHARS:
-            return
-        if len(self._fixed_parts) >= _FIXED_PARTS:
-            self._fixed_parts.clear()
-        self._fixed_parts[part] = array("i", ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (EOS, template markers) are left out by default."""
@@ -325,42 +319,6 @@ class TextCodec:
     ) -> Detokenizer:
         """A fresh incremental detokenizer for one request's output."""
         return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
-
-
-def _outside(begin: int, end: int, spans: Sequence[tuple[int, int]]) -> bool:
-    """Whether text[begin:end] overlaps none of `spans` (the message contents)."""
-    return not any(s < end and begin < e for s, e in spans)
-
-
-_FIXED_PARTS = 256  # template-only prompt parts whose token ids a TextCodec keeps
-_FIXED_PART_CHARS = 2048  # and their longest (a default system prompt is a few hundred)
-
-# Words of a chat template whose render can change from one call to the next (transformers'
-# clock global, Jinja's `random` filter and `lipsum` global): its sentinel renders are not kept.
-_UNSTABLE_TEMPLATE_WORDS = ("strftime_now", "random", "lipsum")
-
-
-def _sentinel(index: int) -> str:
-    """Stands for message `index`'s content in the sentinel render (private-use characters)."""
-    return f"\ue000{index}\ue001"
-
-
-def _split_at(text: str, sentinels: Sequence[str]) -> list[str] | None:
-    """`text` cut at each sentinel, in order (one more piece than sentinels), or None when a
-    sentinel is missing or out of order (the template dropped or reordered a message)."""
-    pieces: list[str] = []
-    rest = text
-    for sentinel in sentinels:
-        before, found, rest = rest.partition(sentinel)
-        if not found:
-            return None
-        pieces.append(before)
-    pieces.append(rest)
-    return pieces
-
-
-def _join(pieces: Sequence[str], contents: Sequence[str]) -> str:
-    return "".join(p + c for p, c in zip(pieces, [*contents, ""], strict=True))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -99,3 +99,49 @@ def test_package_dir_maps_every_top_level_package_folder() -> None:
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
     mapping = config["tool"]["setuptools"]["package-dir"]
     assert mapping == {package: folder for folder, package in COMPONENTS.items()}
+
+
+# The components whose modules must each sit in a layer of their component's `layers` contract.
+# A component gets into this list with its contract (the operator and the agent have none yet).
+LAYERED_COMPONENTS = ("worker", "router")
+
+
+def _component_layers(package: str) -> list[str]:
+    """The modules named by the `layers` contract of a component's own children (not a nested
+    contract such as the router's streams, whose modules sit one level further down)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    found = []
+    for contract in config["tool"]["importlinter"]["contracts"]:
+        if contract["type"] != "layers":
+            continue
+        names = [m.strip() for layer in contract["layers"] for m in layer.split("|")]
+        if all(m.rpartition(".")[0] == package for m in names):
+            found.append(names)
+    assert len(found) == 1, f"{package} has {len(found)} layers contracts of its own modules"
+    return found[0]
+
+
+def _component_modules(folder: str, package: str) -> set[str]:
+    """Every module and subpackage of a component, by walking its folder."""
+    modules = set()
+    for path in (ROOT / folder).rglob("*.py"):
+        parts = path.relative_to(ROOT / folder).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        if parts:
+            modules.add(".".join([package, *parts]))
+    return modules
+
+
+@pytest.mark.parametrize("folder", LAYERED_COMPONENTS)
+def test_every_module_of_a_component_sits_in_a_layer_of_its_contract(folder: str) -> None:
+    """A module outside every layer escapes the contract: nothing checks what it imports or
+    what imports it. A module inside a listed subpackage is covered by it."""
+    package = COMPONENTS[folder]
+    listed = _component_layers(package)
+    outside = sorted(
+        module
+        for module in _component_modules(folder, package)
+        if not any(module == m or module.startswith(m + ".") for m in listed)
+    )
+    assert outside == [], f"in no layer of {package}'s layers contract (pyproject.toml)"

@@ -18,7 +18,7 @@ from kvrail.errors import ConfigError
 from kvrail.model_files import resolve
 from kvrail.worker.engine.config import EngineConfig, dtype_name
 from kvrail.worker.engine.engine import LLMEngine
-from kvrail.worker.models.llama import LlamaShape
+from kvrail.worker.models.llama_shape import LlamaShape
 from kvrail.worker.models.loader import load, prepare
 from kvrail.worker.models.quant import Quantization, check_device, resolve_quantization
 from kvrail.worker.parallel.group import COLLECTIVE_TIMEOUT_S, TpGroup

@@ -90,36 +90,24 @@ class RequestFailed(Exception):
 
 class KvReceiver:
     def __init__(self, ctx: WorkerContext) -> None:
-        self.settings = ctx.settings
-        self.keys = ctx.keys
-        self.worker_id = ctx.worker_id
-        self.incarnation = ctx.incarnation
-        self.agent_name = ctx.agent_name
-        self.fingerprint = ctx.fingerprint
-        self.block_size = ctx.block_size
-        self.nc = ctx.nc
-        self.prefill_queue = ctx.prefill_queue
-        self.service = ctx.service
-        self.connector = ctx.connector
-        self.region = ctx.connector.region
-        self._notifications = ctx.connector.notifications
-        self.peers = ctx.peers
+        self.ctx = ctx
         self._pending: dict[str, AwaitedJob] = {}  # by job id
         self._granted: set[str] = set()  # job ids granted a write, whose outcome is unknown
         self._quarantine = Quarantine()
         self._settling: set[asyncio.Task[None]] = set()
         self._subs: list[Subscription] = []
         self._poller: asyncio.Task[None] | None = None
-        self.peers.listen(self._on_peer_change)
+        ctx.peers.listen(self._on_peer_change)
 
     @property
     def num_quarantined(self) -> int:
         return len(self._quarantine.engine_ids())
 
     async def start(self) -> None:
+        nc, keys, worker_id = self.ctx.nc, self.ctx.keys, self.ctx.worker_id
         self._subs = [
-            await self.nc.subscribe(self.keys.prefill_refused(self.worker_id), cb=self._on_refused),
-            await self.nc.subscribe(self.keys.write_grant(self.worker_id), cb=self._on_grant),
+            await nc.subscribe(keys.prefill_refused(worker_id), cb=self._on_refused),
+            await nc.subscribe(keys.write_grant(worker_id), cb=self._on_grant),
         ]
         self._poller = asyncio.create_task(self._poll_notifications(), name="decode-notify")
 
@@ -131,7 +119,7 @@ class KvReceiver:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
         for engine_id in self._quarantine.clear():
-            await self.service.abort(engine_id)
+            await self.ctx.service.abort(engine_id)
         self._granted.clear()
 
     async def _on_refused(self, msg: Msg) -> None:
@@ -159,14 +147,14 @@ class KvReceiver:
 
     def _grant_refusal(self, ask: WriteGrantRequest) -> str:
         """Why this write may not happen now ("" when it may); see `write_grants.refusal`."""
-        return write_grants.refusal(ask, self._pending.get(ask.request_id), self.incarnation)
+        return write_grants.refusal(ask, self._pending.get(ask.request_id), self.ctx.incarnation)
 
     def wants(self, request: GenerateRequest) -> bool:
         """Whether to try a remote prefill: disaggregated, long enough, a prefill worker ready."""
         return (
-            self.settings.disaggregation_mode == "disaggregated"
-            and len(request.token_ids) >= self.settings.min_remote_prefill_tokens
-            and bool(self.peers.prefill_workers(self.fingerprint))
+            self.ctx.settings.disaggregation_mode == "disaggregated"
+            and len(request.token_ids) >= self.ctx.settings.min_remote_prefill_tokens
+            and bool(self.ctx.peers.prefill_workers(self.ctx.fingerprint))
         )
 
     async def prefill(
@@ -183,18 +171,18 @@ class KvReceiver:
         remote prefill failed, prefill locally (under another engine id if `is_quarantined`).
         Raises RequestFailed under the `fail` and `reroute` policies. TTFT stages go to `stages`."""
         rid = request.request_id
-        reservation = await self.service.reserve(
+        reservation = await self.ctx.service.reserve(
             rid, request.token_ids, params, tenant_salt=request.tenant_salt
         )
         if reservation is None:
             return Handoff("local")  # the pool is short now: queue it locally, to wait for blocks
-        first_block = reservation.num_cached_tokens // self.block_size
+        first_block = reservation.num_cached_tokens // self.ctx.block_size
         dest = tuple(reservation.block_ids[first_block:])
         uncached = len(request.token_ids) - reservation.num_cached_tokens
-        if not dest or uncached < self.settings.min_remote_prefill_tokens:
-            await self.service.abort(rid)
+        if not dest or uncached < self.ctx.settings.min_remote_prefill_tokens:
+            await self.ctx.service.abort(rid)
             return Handoff("local")
-        policy = self.settings.kv_load_failure_policy
+        policy = self.ctx.settings.kv_load_failure_policy
         job_ids: list[str] = []
         failed_worker = ""
         reason = "kv_load_failed"
@@ -204,7 +192,7 @@ class KvReceiver:
                 if attempt > 0:
                     others = [
                         r.worker_id
-                        for r in self.peers.prefill_workers(self.fingerprint)
+                        for r in self.ctx.peers.prefill_workers(self.ctx.fingerprint)
                         if r.worker_id != failed_worker
                     ]
                     if not others or time.monotonic() >= deadline:
@@ -212,12 +200,12 @@ class KvReceiver:
                     target = others[0]
                 job = PrefillJob(
                     request_id=rid if attempt == 0 else f"{rid}~r{attempt}",
-                    token_ids=request.token_ids, fingerprint=self.fingerprint,
-                    dest_worker_id=self.worker_id, dest_incarnation=self.incarnation,
-                    dest_agent_name=self.agent_name, dest_block_ids=dest,
+                    token_ids=request.token_ids, fingerprint=self.ctx.fingerprint,
+                    dest_worker_id=self.ctx.worker_id, dest_incarnation=self.ctx.incarnation,
+                    dest_agent_name=self.ctx.agent_name, dest_block_ids=dest,
                     first_block_index=first_block, deadline_unix_s=request.deadline_unix_s,
                     sampling=request.sampling, tenant_salt=request.tenant_salt,
-                    with_checksums=self.settings.transfer_checksums,
+                    with_checksums=self.ctx.settings.transfer_checksums,
                 )  # fmt: skip
                 job_ids.append(job.request_id)
                 try:
@@ -231,7 +219,7 @@ class KvReceiver:
                     job_ids.remove(job.request_id)  # its write completed: nothing outstanding
                     if await self._validate(done, job, request, stages):
                         installed_at = time.monotonic()
-                        await self.service.install(
+                        await self.ctx.service.install(
                             rid, done.first_token_id, on_output, deadline_monotonic=deadline
                         )
                         stages.admission_s = (stages.admission_s or 0.0) + (
@@ -272,9 +260,9 @@ class KvReceiver:
         try:
             published = time.monotonic()
             stages.admission_s = published - arrived
-            if not await self.prefill_queue.publish(job, to_worker=target):
+            if not await self.ctx.prefill_queue.publish(job, to_worker=target):
                 raise RequestFailed("duplicate_job")
-            wait_until = min(deadline, published + self.settings.remote_prefill_timeout_s)
+            wait_until = min(deadline, published + self.ctx.settings.remote_prefill_timeout_s)
             remaining = wait_until - time.monotonic()
             # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the result when a
             # cancel (the client's) arrives as the completion lands, and the cancel is lost.
@@ -297,16 +285,16 @@ class KvReceiver:
         self, done: PrefillDone, job: PrefillJob, request: GenerateRequest, stages: StageTimes
     ) -> bool:
         reservation = Reservation(
-            job.request_id, self.fingerprint, self.incarnation, job.dest_block_ids,
+            job.request_id, self.ctx.fingerprint, self.ctx.incarnation, job.dest_block_ids,
             len(request.token_ids), request.deadline_unix_s,
         )  # fmt: skip
-        checksums = self.connector.block_checksums if job.with_checksums else None
-        fault = self.settings.fault_corrupt_kv_transfers
+        checksums = self.ctx.connector.block_checksums if job.with_checksums else None
+        fault = self.ctx.settings.fault_corrupt_kv_transfers
         if fault and random.random() < fault and done.block_ids:
             # Fault injection (tests): a block corrupted in flight, as the checksum sees it.
             log.warning("fault injection: corrupting a received block request_id=%s",
                         request.request_id)  # fmt: skip
-            self.region.block_bytes_view(done.block_ids[0])[0] ^= 0xFF
+            self.ctx.connector.region.block_bytes_view(done.block_ids[0])[0] ^= 0xFF
         started = time.monotonic()
         try:
             await asyncio.to_thread(validate, done, reservation, time.time(), checksums)
@@ -326,7 +314,7 @@ class KvReceiver:
         """Free the reservation now when no write can land in it any more, else later."""
         job_ids = [job_id for job_id in job_ids if job_id in self._granted]
         if not job_ids:
-            await self.service.abort(engine_id)
+            await self.ctx.service.abort(engine_id)
             return
         release_at = time.monotonic() + (deadline - time.time()) + _QUARANTINE_MARGIN_S
         self._quarantine.hold(engine_id, job_ids, release_at)
@@ -343,7 +331,7 @@ class KvReceiver:
     async def _poll_notifications(self) -> None:
         next_sweep = 0.0
         while True:
-            for _peer, payload in self._notifications():
+            for _peer, payload in self.ctx.connector.notifications():
                 self._on_notification(payload)
             now = time.monotonic()
             if now >= next_sweep:
@@ -381,13 +369,15 @@ class KvReceiver:
     async def _settle(self, job_id: str) -> None:
         """Tell prefill workers never to run this job again (best effort, core NATS)."""
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(self.keys.prefill_settled, PrefillSettled(job_id).encode())
+            await self.ctx.nc.publish(
+                self.ctx.keys.prefill_settled, PrefillSettled(job_id).encode()
+            )
 
     async def _sweep_quarantine(self, now: float) -> None:
         released, expired_job_ids = self._quarantine.take_releasable(now)
         self._granted -= expired_job_ids
         for engine_id in released:
-            await self.service.abort(engine_id)
+            await self.ctx.service.abort(engine_id)
 
     def _on_peer_change(
         self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None

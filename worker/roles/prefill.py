@@ -21,15 +21,12 @@ For each `PrefillJob` from the pool's work queue (jobs addressed to this worker 
 
 A job with a request id in flight here, or completed here recently, never writes twice.
 Decode workers' NIXL agents are loaded when they register and dropped at once when they go away
-or restart (new incarnation); every NIXL call runs on one thread, in order.
+or restart (new incarnation); every NIXL call runs on one thread, in order (`nixl_peers.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
-import concurrent.futures
 import contextlib
 import datetime
 import functools
@@ -38,7 +35,6 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TypeVar
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -48,13 +44,11 @@ from kvrail.bus import PrefillConsumer, QueuedJob, unsubscribe
 from kvrail.codec import MessageError, decode
 from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
-    DECODE_ROLES,
     WRITE_GRANT_REFUSALS,
     Cancel,
     PrefillDone,
     PrefillJob,
     PrefillSettled,
-    WorkerRecord,
     WriteGrant,
     WriteGrantRequest,
     tokens_digest,
@@ -62,11 +56,11 @@ from kvrail.messages import (
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.nixl_peers import NixlPeers
 from kvrail.worker.transfer.faults import TransportFaults
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
 _RECENT_LIMIT = 10_000  # completed job ids remembered (dedupe of late redeliveries)
 _NAK_DELAY_S = 0.5
 _GRANT_TIMEOUT_S = 2.0
@@ -81,18 +75,9 @@ class _Refused(Exception):
 
 class PrefillRole:
     def __init__(self, ctx: WorkerContext) -> None:
-        self.keys = ctx.keys
-        self.worker_id = ctx.worker_id
-        self.incarnation = ctx.incarnation
-        self.fingerprint = ctx.fingerprint
-        self.block_size = ctx.block_size
-        self.nc = ctx.nc
-        self.prefill_queue = ctx.prefill_queue
-        self.service = ctx.service
-        self.connector = ctx.connector
-        self.peers = ctx.peers
+        self.ctx = ctx
         self.faults = TransportFaults.from_settings(ctx.settings)
-        self._nixl_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+        self._nixl = NixlPeers(ctx)  # the decode workers' agents, and the NIXL thread
         self._in_flight: dict[str, int] = {}  # job id -> stream sequence of that delivery
         self._recent: OrderedDict[str, None] = OrderedDict()  # completed or refused job ids
         # Kept for the request deadline horizon: a job cannot run past its request's deadline.
@@ -108,16 +93,17 @@ class PrefillRole:
         self._subs: list[Subscription] = []
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
-        self.peers.listen(self._on_peer_change)
 
     @property
     def num_pending(self) -> int:
         return len(self._in_flight)
 
     async def start(self) -> None:
-        self._consumer = await self.prefill_queue.consumer(self.worker_id)
-        self._subs.append(await self.nc.subscribe(self.keys.cancel, cb=self._on_cancel))
-        self._subs.append(await self.nc.subscribe(self.keys.prefill_settled, cb=self._on_settled))
+        self._consumer = await self.ctx.prefill_queue.consumer(self.ctx.worker_id)
+        self._subs.append(await self.ctx.nc.subscribe(self.ctx.keys.cancel, cb=self._on_cancel))
+        self._subs.append(
+            await self.ctx.nc.subscribe(self.ctx.keys.prefill_settled, cb=self._on_settled)
+        )
         self._fetcher = asyncio.create_task(self._fetch_loop(), name="prefill-fetch")
 
     async def drain(self, timeout_s: float) -> None:
@@ -136,43 +122,7 @@ class PrefillRole:
         if self._consumer is not None:
             with contextlib.suppress(nats.errors.Error):
                 await self._consumer.close()
-        self._nixl_thread.shutdown(wait=True)
-
-    # -- NIXL peers (decode workers) ------------------------------------------------------------
-
-    async def _nixl_call(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._nixl_thread, fn)
-
-    def _on_peer_change(
-        self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
-    ) -> None:
-        restarted = old is not None and (new is None or new.incarnation != old.incarnation)
-        if restarted and old is not None and old.nixl_agent_name:
-            self._nixl_thread.submit(self._remove_peer, old.nixl_agent_name)
-        added = new is not None and (old is None or restarted)
-        if added and new is not None and self._is_destination(new):
-            self._nixl_thread.submit(self._add_peer, new)
-
-    def _is_destination(self, record: WorkerRecord) -> bool:
-        return (
-            record.worker_id != self.worker_id
-            and record.role in DECODE_ROLES
-            and record.fingerprint == self.fingerprint
-            and bool(record.nixl_metadata_b64)
-        )
-
-    def _add_peer(self, record: WorkerRecord) -> None:  # on the NIXL thread
-        try:
-            self.connector.add_peer(
-                base64.b64decode(record.nixl_metadata_b64, validate=True),
-                [base64.b64decode(m, validate=True) for m in record.rank_nixl_metadata_b64],
-            )
-        except (TransferError, binascii.Error, ValueError) as err:
-            log.warning("cannot load a decode worker's agent worker=%s error=%s",
-                        record.worker_id, err)  # fmt: skip
-
-    def _remove_peer(self, agent_name: str) -> None:  # on the NIXL thread
-        self.connector.remove_peer(agent_name)
+        self._nixl.shutdown()
 
     # -- the queue ------------------------------------------------------------------------------
 
@@ -253,7 +203,7 @@ class PrefillRole:
             return
         self._in_flight[job_id] = seq
         try:
-            async with queued.working(self.prefill_queue.ack_wait_s / 3):
+            async with queued.working(self.ctx.prefill_queue.ack_wait_s / 3):
                 await self._prefill_and_write(queued, job, compute_done)
             _remember(self._recent, job_id)
             await queued.ack()
@@ -267,8 +217,8 @@ class PrefillRole:
             # Refused a grant: the decode worker knows, and this (maybe forged) message must not
             # mark the genuine job with its id as done here.
         except TransferError as err:
-            final = queued.num_delivered >= self.prefill_queue.max_deliver
-            others = [r.worker_id for r in self.peers.prefill_workers(self.fingerprint)]
+            final = queued.num_delivered >= self.ctx.prefill_queue.max_deliver
+            others = [r.worker_id for r in self.ctx.peers.prefill_workers(self.ctx.fingerprint)]
             log.warning(
                 "prefill write failed request_id=%s delivery=%d final=%s handed_to=%s error=%s",
                 job_id, queued.num_delivered, final, "-" if final or not others else others[0],
@@ -279,7 +229,7 @@ class PrefillRole:
                 await queued.drop()
                 await self._tell_refused(job, "transfer_failed")
             elif others:  # prefer a different worker for the next attempt
-                await self.prefill_queue.hand_over(queued, others[0])
+                await self.ctx.prefill_queue.hand_over(queued, others[0])
             else:
                 await queued.nak(_NAK_DELAY_S)
         except asyncio.CancelledError:  # a drain timed out: another worker takes it now
@@ -302,7 +252,7 @@ class PrefillRole:
         first = job.sampling
         params = replace(first, max_tokens=1, min_tokens=min(first.min_tokens, 1))
         try:
-            result = await self.service.prefill(
+            result = await self.ctx.service.prefill(
                 job.request_id, job.token_ids, params,
                 deadline_monotonic=deadline, tenant_salt=job.tenant_salt,
             )  # fmt: skip
@@ -319,25 +269,25 @@ class PrefillRole:
                 raise _Refused("block_count")
             self._check(job)  # the destination may have gone while we computed
             sums = (
-                await asyncio.to_thread(self.connector.block_checksums, src)
+                await asyncio.to_thread(self.ctx.connector.block_checksums, src)
                 if job.with_checksums
                 else ()
             )
             await self._ask_grant(job)
             done = PrefillDone(
-                request_id=job.request_id, fingerprint=self.fingerprint,
+                request_id=job.request_id, fingerprint=self.ctx.fingerprint,
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
                 first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
-                prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation,
-                block_checksums=sums, transfer_bytes=len(src) * self.connector.block_bytes,
-                transport=self.connector.transport_to(job.dest_agent_name),
+                prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
+                block_checksums=sums, transfer_bytes=len(src) * self.ctx.connector.block_bytes,
+                transport=self.ctx.connector.transport_to(job.dest_agent_name),
                 queue_wait_s=queue_wait_s,
                 prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
             )  # fmt: skip
             notification = done.encode()
-            stats = await self._nixl_call(
+            stats = await self._nixl.call(
                 lambda: self.faults.write(
-                    self.connector,
+                    self.ctx.connector,
                     job.request_id,
                     job.dest_agent_name,
                     src,
@@ -347,7 +297,7 @@ class PrefillRole:
                 )
             )
         finally:
-            await self.service.release(job.request_id)
+            await self.ctx.service.release(job.request_id)
         metrics.KV_TRANSFER_BYTES.labels(stats.transport).inc(stats.num_bytes)
         metrics.KV_TRANSFER_SECONDS.labels(stats.transport).observe(stats.seconds)
         metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)
@@ -366,16 +316,16 @@ class PrefillRole:
             raise _Refused("cancelled")
         if job.request_id in self._settled:
             raise _Refused("settled")
-        if job.fingerprint != self.fingerprint:
+        if job.fingerprint != self.ctx.fingerprint:
             raise _Refused("fingerprint")
-        dest = self.peers.records.get(job.dest_worker_id)
+        dest = self.ctx.peers.records.get(job.dest_worker_id)
         if (
             dest is None
             or dest.incarnation != job.dest_incarnation
             or dest.nixl_agent_name != job.dest_agent_name
         ):
             raise _Refused("stale_destination")
-        num_prompt_blocks = -(-len(job.token_ids) // self.block_size)
+        num_prompt_blocks = -(-len(job.token_ids) // self.ctx.block_size)
         if len(job.dest_block_ids) != num_prompt_blocks - job.first_block_index:
             raise _Refused("block_count")
 
@@ -385,9 +335,9 @@ class PrefillRole:
             request_id=job.request_id, dest_incarnation=job.dest_incarnation,
             block_ids=job.dest_block_ids, tokens_digest=tokens_digest(job.token_ids),
         )  # fmt: skip
-        subject = self.keys.write_grant(job.dest_worker_id)
+        subject = self.ctx.keys.write_grant(job.dest_worker_id)
         try:
-            reply = await self.nc.request(subject, ask.encode(), timeout=_GRANT_TIMEOUT_S)
+            reply = await self.ctx.nc.request(subject, ask.encode(), timeout=_GRANT_TIMEOUT_S)
             grant = decode(reply.data, WriteGrant)
         except nats.errors.NoRespondersError as err:
             raise _Refused("stale_destination") from err
@@ -402,13 +352,15 @@ class PrefillRole:
         if reason in ("stale_destination", "settled"):
             return  # nobody waits for the answer (and a settled job was never granted here)
         done = PrefillDone(
-            request_id=job.request_id, fingerprint=self.fingerprint,
+            request_id=job.request_id, fingerprint=self.ctx.fingerprint,
             dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
-            first_token_id=0, num_prompt_tokens=len(job.token_ids),
-            prefill_worker_id=self.worker_id, prefill_incarnation=self.incarnation, error=reason,
+            first_token_id=0, num_prompt_tokens=len(job.token_ids), error=reason,
+            prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
         )  # fmt: skip
         with contextlib.suppress(nats.errors.Error):
-            await self.nc.publish(self.keys.prefill_refused(job.dest_worker_id), done.encode())
+            await self.ctx.nc.publish(
+                self.ctx.keys.prefill_refused(job.dest_worker_id), done.encode()
+            )
 
 
 def _remember(recent: OrderedDict[str, None], key: str) -> None:

@@ -176,7 +176,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(
     """Read as int32 words (the default where the layout allows) or as bytes, the same
     attention as the reference's; 140 sequences of 2 KV heads take the tiles of large batches
     (more programs than twice an H200's SMs)."""
-    from kvrail.kernels import decode_attention
+    from kvrail.kernels import decode_attention, paged_kv
 
     g = _gen(3)
     seq_lens = [(i * 37) % 64 + 1 for i in range(140)] if many else [1, 17, 200, 64, 129]
@@ -186,7 +186,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(
     query = _randn(len(seq_lens), 8, 128, g=g)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device="cuda")
     args = (query, k_cache, v_cache, tables, lens, 128**-0.5)
-    assert decode_attention.words_fit(k_cache, v_cache, 128)
+    assert paged_kv.words_fit(k_cache, v_cache, 128)
     got = decode_attention.paged_decode_attention(*args, num_splits=num_splits, fp8_words=words)
     torch.testing.assert_close(got, reference.paged_decode_attention(*args), atol=2e-2, rtol=2e-2)
     if many and num_splits is None:  # a register cap (the sweep's knob) spills, same result
@@ -200,7 +200,7 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(
     as_bytes = decode_attention.paged_decode_attention(*args, fp8_words=False, **tiles)
     torch.testing.assert_close(as_words, as_bytes, atol=1e-3, rtol=1e-3)
     odd = k_cache[..., :96]  # rows of 96 values: not a power of two, so read as bytes
-    assert not decode_attention.words_fit(odd, odd, 96)
+    assert not paged_kv.words_fit(odd, odd, 96)
     with pytest.raises(ValueError, match="int32 words"):
         decode_attention.paged_decode_attention(
             query[..., :96], odd, v_cache[..., :96], tables, lens, 0.1, fp8_words=True

@@ -435,7 +435,7 @@ def test_the_template_parts_kept_change_no_prompt_and_hold_no_message_content(
     """A prompt from the kept parts equals the one encoded cold (and, without special-token
     text in the messages, the tokenizer's own encoding of the rendered text); what is kept is
     the template's text only, and at most _FIXED_PARTS parts of at most _FIXED_PART_CHARS."""
-    from kvrail.router.text import tokenizer as tokenizer_module
+    from kvrail.router.text import template_parts
 
     default = [{"role": "user", "content": "What is the capital of France?"}]
     for family in [None, *sorted(FAMILIES)]:
@@ -451,12 +451,12 @@ def test_the_template_parts_kept_change_no_prompt_and_hold_no_message_content(
                 assert cold == fam._encode_with_special(fam.render_chat(messages))
             assert not any(c in part for part in fam._fixed_parts for c in contents)
         assert fam._fixed_parts  # the template's own text was kept
-    monkeypatch.setattr(tokenizer_module, "_FIXED_PARTS", 3)
+    monkeypatch.setattr(template_parts, "_FIXED_PARTS", 3)
     for i in range(10):
-        codec._keep_fixed(f"part {i}", [i])
+        codec._fixed_parts.keep(f"part {i}", [i])
         assert len(codec._fixed_parts) <= 3
-    codec._keep_fixed("x" * (tokenizer_module._FIXED_PART_CHARS + 1), [1])
-    assert all(len(part) <= tokenizer_module._FIXED_PART_CHARS for part in codec._fixed_parts)
+    codec._fixed_parts.keep("x" * (template_parts._FIXED_PART_CHARS + 1), [1])
+    assert all(len(part) <= template_parts._FIXED_PART_CHARS for part in codec._fixed_parts)
 
 
 def _prompt(codec: TextCodec, messages: list[dict[str, str]]) -> list[int] | str:

@@ -42,11 +42,11 @@ JOB = PrefillJob(
 )  # fmt: skip
 
 
-def remote_prefill() -> KvReceiver:
+def remote_prefill(service: Any = None, prefill_queue: Any = None) -> KvReceiver:
     ctx = SimpleNamespace(
         settings=Settings(), keys=None, worker_id="decode-0", incarnation=7,
-        agent_name="decode-0-7", fingerprint="f" * 64, block_size=16, nc=None, prefill_queue=None,
-        service=None,
+        agent_name="decode-0-7", fingerprint="f" * 64, block_size=16, nc=None,
+        prefill_queue=prefill_queue, service=service,
         connector=SimpleNamespace(region=None, notifications=list),
         peers=SimpleNamespace(listen=lambda _callback: None),
     )  # fmt: skip
@@ -56,12 +56,11 @@ def remote_prefill() -> KvReceiver:
 def remote_prefill_recording_aborts() -> tuple[KvReceiver, list[str]]:
     """A KvReceiver whose engine aborts are recorded (and settles go nowhere)."""
     aborted: list[str] = []
-    rp = remote_prefill()
 
     async def abort(engine_id: str) -> None:
         aborted.append(engine_id)
 
-    rp.service = cast(Any, SimpleNamespace(abort=abort))
+    rp = remote_prefill(service=SimpleNamespace(abort=abort))
     rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
     return rp, aborted
 
@@ -226,12 +225,11 @@ async def test_a_cancel_that_comes_with_the_completion_is_not_lost() -> None:
     """The client's cancel and the prefill worker's completion reach the decode worker in the
     same turn of its event loop: the wait ends cancelled, never with the completion (Python
     3.11's asyncio.wait_for returned the result there, and the request then ran to its end)."""
-    rp = remote_prefill()
 
     async def publish(_job: PrefillJob, to_worker: str | None = None) -> bool:
         return True
 
-    rp.prefill_queue = cast(Any, SimpleNamespace(publish=publish))
+    rp = remote_prefill(prefill_queue=SimpleNamespace(publish=publish))
     rp._settle_soon = lambda _job_id: None  # type: ignore[method-assign]
     now = time.monotonic()
     waiting = asyncio.create_task(rp._run_job(JOB, PASSED, None, StageTimes(), now, now + 60))
