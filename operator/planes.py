@@ -22,7 +22,7 @@ import nats.errors
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import PrefillQueue, connect
-from kvrail.crd.spec import InfrastructureSpec
+from kvrail.crd.infrastructure import InfrastructureSpec
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys
 from kvrail.registry import Registry, etcd_client

@@ -19,16 +19,15 @@ from typing import Final, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvrail.crd.base import CrdModel, rule, rules, sub
+from kvrail.crd.infrastructure import InfrastructureSpec, SecuritySpec
 from kvrail.crd.spec import (
     PACKAGED_MODEL_NAMES,
     AutoscalingSpec,
     DisaggregationSpec,
     EngineSpec,
-    InfrastructureSpec,
     ModelSpec,
     RoleSpec,
     RouterSpec,
-    SecuritySpec,
     TopologySpec,
 )
 from kvrail.crd.status import InferencePoolStatus

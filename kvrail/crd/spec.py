@@ -1,5 +1,6 @@
 """The parts of an `InferencePool` spec: model, engine, worker pools, disaggregation, topology,
-router, autoscaling, infrastructure and security. Assembled in `kvrail.crd.pool`.
+router and autoscaling (infrastructure and security: `kvrail.crd.infrastructure`). Assembled in
+`kvrail.crd.pool`.
 """
 
 from __future__ import annotations
@@ -370,55 +371,3 @@ class AutoscalingSpec(CrdModel):
     cooldown_seconds: int = Field(30, ge=0, le=3600)
     """After a role changed size, no further change of that role for this long (min/max bounds
     excepted). Default 30."""
-
-
-class EndpointSpec(CrdModel):
-    """A service endpoint and the Secrets holding its credentials."""
-
-    credentials_secret: str | None = Field(None, max_length=253)
-    """A Secret with keys `username` and `password`, mounted as files. Optional."""
-    ca_secret: str | None = Field(None, max_length=253)
-    """A Secret with key `ca.crt`, the CA that signed the server's certificate. Optional."""
-
-
-class EtcdSpec(EndpointSpec):
-    """The etcd cluster of the discovery plane."""
-
-    endpoints: list[Annotated[str, Field(pattern=r"^https?://[^/:]+:[0-9]+$")]] = Field(
-        min_length=1, max_length=16
-    )
-    """Client URLs, `http(s)://host:port`."""
-
-
-class NatsSpec(EndpointSpec):
-    """The NATS server (with JetStream) of the request plane."""
-
-    url: str = Field(pattern=r"^(nats|tls)://[^/]+:[0-9]+$", max_length=512)
-    """`nats://host:port` or `tls://host:port`."""
-
-
-class InfrastructureSpec(CrdModel):
-    """Where the discovery and request planes are; unset uses the operator's defaults."""
-
-    etcd: EtcdSpec | None = None
-    """The etcd cluster. Optional."""
-    nats: NatsSpec | None = None
-    """The NATS server. Optional."""
-
-
-class SecuritySpec(CrdModel):
-    """Identity and hardening of the pool's pods."""
-
-    service_account_name: str | None = Field(None, max_length=253)
-    """ServiceAccount of every pod. Optional (the namespace's default)."""
-    image_pull_secrets: list[str] = Field(default_factory=list, max_length=16)
-    """Secrets to pull the image with."""
-    run_as_user: int = Field(65532, ge=1)
-    """UID of every container (never root). Default 65532."""
-    api_keys_secret: str | None = Field(None, max_length=253)
-    """A Secret with key `api-keys.yaml` mapping API keys to tenants; mounted in the router.
-    Optional: without it the router accepts every request."""
-    zero_kv_on_release: bool = False
-    """Zero a KV block as soon as no request holds it, so nothing of a finished request stays
-    in worker memory (or readable by a KV transfer peer). Prefix reuse then happens only between
-    requests that run at the same time. Default false."""

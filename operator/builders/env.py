@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrail.crd.infrastructure import EndpointSpec
 from kvrail.crd.pool import InferencePool
-from kvrail.crd.spec import EndpointSpec, RoleSpec
+from kvrail.crd.spec import RoleSpec
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.meta import ROUTER_PORT, WORKER_PORT, model_hash
 from kvrail.operator.builders.placement import ucx_tls

@@ -9,7 +9,7 @@ import aetcd
 import pytest
 
 from kvrail.bus import connect
-from kvrail.crd.spec import InfrastructureSpec
+from kvrail.crd.infrastructure import InfrastructureSpec
 from kvrail.errors import ConfigError
 from kvrail.operator.planes import pool_settings
 from kvrail.registry import etcd_client

@@ -3,7 +3,7 @@ posted; and which endpoints a pool's cleanup and signals use."""
 
 from __future__ import annotations
 
-from kvrail.crd.spec import InfrastructureSpec
+from kvrail.crd.infrastructure import InfrastructureSpec
 from kvrail.operator.autoscale import planner as p
 from kvrail.operator.autoscale.autoscaler import RECORD_EVERY_S, decision_status, record, rfc3339
 from kvrail.operator.autoscale.planner import Decision, PlannerState, PrefillLoad, RoleState
