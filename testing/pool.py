@@ -155,17 +155,18 @@ async def generate(
     request_id: str | None = None,
     wait: bool = True,
     started: asyncio.Event | None = None,
+    sampling: SamplingParams | None = None,
 ) -> list[TokenEvent]:
-    """Send one request to a decode worker as the router would (greedy, no EOS); with `wait`,
-    collect its events until the last, checking they come in order (`started` is set at the
-    first)."""
+    """Send one request to a decode worker as the router would (greedy, no EOS, unless
+    `sampling` says otherwise); with `wait`, collect its events until the last, checking they
+    come in order (`started` is set at the first)."""
     request_id = request_id or f"req-{uuid.uuid4().hex[:10]}"
     subject = f"test.stream.{request_id}"
     sub = await nc.subscribe(subject)
     request = GenerateRequest(
         request_id=request_id, token_ids=token_ids, stream_subject=subject,
         deadline_unix_s=time.time() + deadline_s,
-        sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        sampling=sampling or SamplingParams(max_tokens=max_tokens, ignore_eos=True),
     )  # fmt: skip
     await nc.publish(keys.decode_requests(worker_id), request.encode())
     events: list[TokenEvent] = []

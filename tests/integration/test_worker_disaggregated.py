@@ -123,6 +123,27 @@ def scrape(port: int) -> str:
         return str(resp.read().decode())
 
 
+async def test_a_seeded_request_samples_the_same_tokens_remote_or_colocated(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """The prefill worker draws the first token and the decode worker the rest: each draw is
+    seeded from the request's seed and its position, so the text does not depend on where the
+    prompt was prefilled (it did: the decode worker drew token 2 from the stream's start)."""
+    token_ids = prompt(LONG_PROMPT, seed=3)
+
+    def seeded(seed: int) -> SamplingParams:
+        return SamplingParams(max_tokens=12, temperature=1.0, seed=seed, ignore_eos=True)
+
+    colocated = await generate(nc, "colo-0", token_ids, sampling=seeded(1234))
+    disaggregated = await generate(nc, "decode-0", token_ids, sampling=seeded(1234))
+    assert colocated[0].prefill_mode == "local" and disaggregated[0].prefill_mode == "remote"
+    assert len(tokens_of(colocated)) == 12
+    assert tokens_of(disaggregated) == tokens_of(colocated)
+    other = await generate(nc, "colo-0", token_ids, sampling=seeded(1235))
+    assert tokens_of(other) != tokens_of(colocated)  # it really samples
+    await assert_all_blocks_free(nc, pool)
+
+
 async def test_a_short_prompt_is_prefilled_on_the_decode_worker(pool: Pool, nc: NatsClient) -> None:
     token_ids = prompt(SHORT_PROMPT, seed=2)
     local = await generate(nc, "decode-0", token_ids, max_tokens=5)
