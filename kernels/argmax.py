@@ -4,7 +4,7 @@ Same contract as `kvrail.kernels.reference.argmax`: x [rows, vocab] -> int64 [ro
 the first maximal value of each row, compared in float32 (exact for bf16, fp16 and fp32), with
 NaN taken as larger than any number (as torch does). torch's own argmax gives a 128k-token
 vocabulary few blocks per row: 26.6, 27.2 and 45.8 us at 1, 32 and 256 rows on the H200, against
-2.2, 6.9 and 36.3 for these two passes (bench/engine/decode_step_parts.txt; wider pass-1 tiles
+2.2, 6.9 and 36.3 for these two passes (bench/studies/gemm/decode_step_parts.txt; wider pass-1 tiles
 saved at most 3 us at 256 rows and cost 0.6 at one).
 
 Pass 1, grid (row, chunk): each program reduces BLOCK columns to (max, first index of it).
@@ -66,7 +66,7 @@ def _merge_kernel(part_max, part_idx, out, chunks, CHUNKS: tl.constexpr, PDL: tl
 
 def argmax(x: torch.Tensor, block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`block` (columns per pass-1 program, a power of two) and `num_warps`: tuning knobs (None:
-    BLOCK and 4 warps; see bench/engine/decode_step_parts.py)."""
+    BLOCK and 4 warps; see bench/studies/gemm/decode_step_parts.py)."""
     block = block or BLOCK
     if block < 2 or block & (block - 1):
         raise ValueError(f"block {block} is not a power of two")

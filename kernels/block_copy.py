@@ -19,7 +19,7 @@ import triton.language as tl
 _CHUNK = 1024
 # copy_blocks: 4,096 words a program. 512 scattered blocks on an H200 (the handoff of an 8k
 # prompt) took 297 us of 1 MiB and 571 us of 2 MiB against 306 and 599 at 1,024 words; a
-# contiguous copy of the same bytes took 266 and 523 (bench/transfer/ipc_phases.txt).
+# contiguous copy of the same bytes took 266 and 523 (bench/studies/handoff/ipc_phases.txt).
 _COPY_CHUNK = 4096
 
 

@@ -15,18 +15,17 @@ bf16) and each tile converted to float16, which holds every e4m3 and e5m2 value 
 dots with a float16 query that carries the softmax scale (so the scores need no multiply; a
 query beyond float16's range saturates). Converting to float16 is cheaper than to bf16 and keeps
 three more bits of the query: at 256 sequences of 512-640 tokens one layer took 177 us against
-195 (bench/engine/decode_attention_sweep.txt, which also tried an e4m3 query against e4m3 K: 185
-us at ten times the error). Where the layout allows (`words_fit`: the engine's always does), the
-tiles are loaded as int32 words of four values and converted in registers (`paged_kv`), so
-they reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the
-compiler converts them after shared memory, and V, which the second dot takes transposed, was
-read from there a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is
-loaded together with K's, so both are in flight before the first dot waits, except
-for an FP8 cache read as bytes, where that was slower. On an H100, the grid's order and V's
-early load together took 256 sequences' FP8 layer from 138.9-139.0 to 136.2-136.6 us and bf16's
-from 214.0 to 211.1-211.2 (the grid order alone: 138.5-138.9 and 211.5-211.6); loading the next
-tile's K and V while one tile is multiplied was much slower (181 and 256 us:
-bench/engine/decode_attention_sweep.txt).
+195 (bench/studies/attention/decode_attention_sweep.txt, which also tried an e4m3 query against e4m3
+K: 185 us at ten times the error). Where the layout allows (`words_fit`: the engine's always does),
+the tiles are loaded as int32 words of four values and converted in registers (`paged_kv`), so they
+reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the compiler
+converts them after shared memory, and V, which the second dot takes transposed, was read from there
+a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is loaded together with
+K's, so both are in flight before the first dot waits, except for an FP8 cache read as bytes, where
+that was slower. On an H100, the grid's order and V's early load together took 256 sequences' FP8
+layer from 138.9-139.0 to 136.2-136.6 us and bf16's from 214.0 to 211.1-211.2 (the grid order alone:
+138.5-138.9 and 211.5-211.6); loading the next tile's K and V while one tile is multiplied was much
+slower (181 and 256 us: bench/studies/attention/decode_attention_sweep.txt).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -223,7 +222,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     least MIN_SPLIT_TOKENS of the longest possible context; 1 when the batch alone gives every SM
     a program (splitting then costs more in the reduce pass than it balances: at 32 sequences of
     8 KV heads one split of 128-token tiles took 26.0 us against 27.5 for two plus the reduce,
-    bench/engine/decode_attention_sweep.txt)."""
+    bench/studies/attention/decode_attention_sweep.txt)."""
     base = max(1, num_seqs * num_kv_heads)
     if base >= num_sms:
         return 1
@@ -251,8 +250,8 @@ def paged_decode_attention(
     `block_n`, `num_warps`, `num_stages`, `max_registers` (a cap on registers per thread, which
     can fit more programs on an SM at the cost of spills; at 96 and 80 slower than the default
     at 256 sequences on an H100, decode_attention_sweep.txt): tuning knobs (None: the defaults;
-    see bench/engine/decode_attention_sweep.py and kernel_sass.py). `fp8_words`: read an FP8 cache
-    as int32 words (None: wherever its strides and alignment allow, `words_fit`; False: as
+    see bench/studies/attention/decode_attention_sweep.py and kernel_sass.py). `fp8_words`: read an
+    FP8 cache as int32 words (None: wherever its strides and alignment allow, `words_fit`; False: as
     bytes)."""
     num_seqs = query.shape[0]
     group, head_dim = check_paged_inputs(query, k_cache, v_cache, block_tables, seq_lens, num_seqs)

@@ -14,13 +14,13 @@ rounding of the probabilities, which the first run's scales of 448 left none; cu
 leave more). The output comes back as `QuantizedRows` for the output projection (one scale for
 every row), so it is never widened to bfloat16 and quantized again.
 
-On an H100 (`bench/engine/fp8_attention_2026-12-05.txt`, Llama-3-8B's 32/8 heads): 0.625 ms a
-layer at 8,192 tokens (880 TFLOP/s) against 0.921 for cuDNN's bf16 attention, within 5% RMS of
+On an H100 (`bench/studies/attention/fp8_attention_2026-12-05.txt`, Llama-3-8B's 32/8 heads): 0.625
+ms a layer at 8,192 tokens (880 TFLOP/s) against 0.921 for cuDNN's bf16 attention, within 5% RMS of
 float32 attention over the same e4m3 q, k and v (its GPU tests). A first version built cuDNN's
-inference-mode graph with scales of 448, and its outputs were wrong on the H200 (a relative error
-of 1.25; `fp8_attention_inference_2026-12-05.txt`); this one builds the training-mode graph
-(which also writes the softmax statistics, to a scratch buffer) with the headroom above. An
-output in bf16 instead of e4m3 is refused by cuDNN 9.19 on Hopper.
+inference-mode graph with scales of 448, and its outputs were wrong on the H200 (a relative error of
+1.25; `fp8_attention_inference_2026-12-05.txt`); this one builds the training-mode graph (which also
+writes the softmax statistics, to a scratch buffer) with the headroom above. An output in bf16
+instead of e4m3 is refused by cuDNN 9.19 on Hopper.
 
 cuDNN builds a plan for every new shape (60-90 ms on the H200 in that run; the first in a
 process about a second), as torch's own cuDNN attention does, so graphs are cached by shape and

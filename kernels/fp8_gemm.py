@@ -13,7 +13,7 @@ partial sums to float32 every few K steps. At 8,192 rows that made the four Llam
 projections 8-13% faster (down 800 -> 724 us, gate/up 1,662 -> 1,451) and the 8k prefill 0.150
 -> 0.139 s, for a relative L2 error against float32 of 2.1e-3 instead of 1.7e-3 (3.3e-3 for the
 down projection's K of 14,336), an order of magnitude below what rounding x and the weight to
-e4m3 costs (bench/engine/fp8_gemm_accum.txt). vLLM's FP8 GEMMs on Hopper run CUTLASS's
+e4m3 costs (bench/studies/gemm/fp8_gemm_accum.txt). vLLM's FP8 GEMMs on Hopper run CUTLASS's
 fast-accumulation schedules too.
 
 `quantize_rows` is one program per row: a pass for the row's largest magnitude, then a pass

@@ -9,7 +9,7 @@ when it is long (the skinny GEMM, decode attention). What PDL removes is the idl
 kernels: the launch latency and the previous kernel's last, partly empty wave. A decode step of
 a Llama-8B runs about 350 kernels, so those gaps add up. Letting the next kernel in at the start
 of a GEMM, or prefetching part of the GEMM's weight into L2 before its wait, made a 32-layer
-chain slower (bench/engine/pdl_chain.txt), so neither is done.
+chain slower (bench/studies/gemm/pdl_chain.txt), so neither is done.
 
 Only kernels of ours take part: cuBLAS and torch kernels launch as usual, so the projections of
 decode batches run on the skinny GEMM (`kvrail.kernels.dispatch.linear`) when PDL is on.

@@ -11,7 +11,7 @@ of up to `ONE_PASS_MAX` products is loaded once and held in registers while its 
 magnitude is found; a longer one is computed twice, once for its largest magnitude (unless the
 scale is static) and again to store it. Reading Llama-3-8B's rows (14,336 products) once took
 a call over 8,192 rows from 241 to 161 us on an H200 (2.44 -> 3.65 TB/s of the bytes it must
-move; bench/engine/silu_fp8.txt); the FP8 engine's 256 x 512/128 case went from 10,680-10,713
+move; bench/studies/gemm/silu_fp8.txt); the FP8 engine's 256 x 512/128 case went from 10,680-10,713
 to 10,814-10,864 output tok/s (bench/engine/gpu_fp8_ab_2026-12-05.txt).
 """
 

@@ -17,7 +17,7 @@ the semaphores are allocated once per device (`allocate_semaphores`), never insi
 Two launches must not run at the same time on one device (a worker runs its model on one stream),
 or their semaphores would mix.
 
-On its own the kernel streams weights about as fast as cuBLAS (bench/engine/skinny_gemm.txt:
+On its own the kernel streams weights about as fast as cuBLAS (bench/studies/gemm/skinny_gemm.txt:
 16.7 against 16.1 us for QKV at 32 rows, 12.2 against 12.8 for the output projection). What it
 adds is programmatic dependent launch (kvrail.kernels.launch), which cuBLAS's kernels do not
 take part in: it waits for the previous kernel only when it starts, and lets the next one in
@@ -28,24 +28,24 @@ once its main loop is done, so the whole decode path overlaps its kernel boundar
 matching rows from the gate half and the up half, and its epilogue stores silu(gate) * up, with
 the roundings of the projection followed by `silu_and_mul`. That drops a kernel and its
 boundary from every layer: a 32-layer chain without attention took 3.975 against 4.129 ms at
-32 rows and 3.650 against 3.724 at one row (bench/engine/pdl_chain.txt).
+32 rows and 3.650 against 3.724 at one row (bench/studies/gemm/pdl_chain.txt).
 
 An e4m3 weight (with its float32 scale per row) is read as stored, half the bytes of bf16. By
 default (`SkinnyConfig.fp8_dot` e4m3) each program quantizes its K tile of x to e4m3 with a
 scale per row, multiplies e4m3 by e4m3 on the FP8 tensor cores, and scales the tile's product
 before adding it; the weight scales are applied once, in the epilogue. At 32 rows the four
-Llama-3-8B projections took 85 us a layer against bf16's 124 (bench/engine/fp8_gemm.txt);
+Llama-3-8B projections took 85 us a layer against bf16's 124 (bench/studies/gemm/fp8_gemm.txt);
 converting the weight to bf16 or fp16 in registers instead was no faster than bf16.
 
 x may also come quantized (`QuantizedRows`: e4m3 rows and a float32 scale per row, as the FP8
 RMSNorms write them). The loop is then loads and dots only, and the rows' scales are applied
 with the weight's in the epilogue: a 32-layer FP8 chain without attention took 68.3 against
 71.2 us a layer at one row and 87.4 against 91.7 at 32 rows, as fast as with no RMSNorm
-kernels at all (bench/engine/pdl_chain.txt).
+kernels at all (bench/studies/gemm/pdl_chain.txt).
 
 `linear` picks the configuration from `pick_config`, which tunes on the problem's shape (see
-bench/engine/skinny_gemm.py for the sweep it was derived from); callers decide when to use this
-kernel instead of cuBLAS (`MAX_ROWS`; `kvrail.kernels.dispatch.linear`).
+bench/studies/gemm/skinny_gemm.py for the sweep it was derived from); callers decide when to use
+this kernel instead of cuBLAS (`MAX_ROWS`; `kvrail.kernels.dispatch.linear`).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -277,13 +277,13 @@ def pick_config(rows: int, n: int, k: int, weight_bytes: int = 2) -> SkinnyConfi
     """The launch configuration for an [rows, k] x [n, k]^T product (rows <= MAX_ROWS): wide
     tiles for wide weights, then K split in halves until there are about 1.5 programs per SM of
     an H200 (192), each split still at least 4 tiles of K. This reproduces the fastest
-    configuration of the sweep in bench/engine/skinny_gemm.txt for each Llama-3-8B projection at
-    32 rows (QKV 64 x 2 splits, output 32 x 2, gate/up 128 x 1, down 64 x 4).
+    configuration of the sweep in bench/studies/gemm/skinny_gemm.txt for each Llama-3-8B projection
+    at 32 rows (QKV 64 x 2 splits, output 32 x 2, gate/up 128 x 1, down 64 x 4).
 
     A one-byte (FP8) weight multiplied in e4m3 takes 128-row tiles and splits K down to 4 tiles
     of 128 per split: at 32 rows this is the sweep's fastest for the output projection (8
     splits), gate/up (1) and down (8), and for QKV 4 splits of 128 rows against the sweep's 64
-    rows x 4 (bench/engine/fp8_gemm.txt)."""
+    rows x 4 (bench/studies/gemm/fp8_gemm.txt)."""
     if weight_bytes == 1:
         block_n, block_k, min_split_tiles = 128, 128, 4
     else:

@@ -28,7 +28,7 @@ from kvrail.codec import (
 class EventLayout:
     """The binary form of a batch of token events, derived from the event type and its record
     (`kvrail.messages.TokenEvent` and `RequestOutput`): a router decodes one entry per token it
-    streams, several times faster than JSON (`bench/router/codec.py`).
+    streams, several times faster than JSON (`bench/studies/router/codec.py`).
 
     `BINARY_MAGIC`, the wire version (u8) and the number of events (u32), then per event a
     header of five little-endian fields (u16 length of the request id, u16 length of the worker

@@ -132,7 +132,7 @@ class LoopHistogram:
     The inter-token latency is observed per token: a stream that catches up gets several tokens
     in one event, each `gap / n` after the one before. prometheus-client's `Histogram` takes a
     lock per bucket and per sum and observes one value per call (0.8 us each on the 2-vCPU
-    development machine, against 0.2: `bench/router/loop_parts.txt`); this one is a bucket
+    development machine, against 0.2: `bench/studies/router/loop_parts.txt`); this one is a bucket
     search and two additions per event. Not thread-safe: the router observes and renders `/metrics`
     on its one event loop. Exposed like a `Histogram` without labels (`_bucket`, `_count`,
     `_sum`, `_created`), registered as a collector.

@@ -30,7 +30,7 @@ from kvrail.testing.operator_process import (
 )
 
 NAMESPACE = "bench"
-CHILDREN_PER_POOL = 10  # ConfigMap, 3 Services, 2 StatefulSets, a Deployment, 3 PDBs
+CHILDREN_PER_POOL = 9  # 3 Services, 2 StatefulSets, a Deployment, 3 PDBs (no router ConfigMap)
 
 
 def main() -> None:
@@ -95,7 +95,6 @@ def main() -> None:
 def _children_per_pool(plane: KubeControlPlane) -> Counter[str]:
     counts: Counter[str] = Counter()
     for prefix, kind in (
-        ("/api/v1", "configmaps"),
         ("/api/v1", "services"),
         ("/apis/apps/v1", "statefulsets"),
         ("/apis/apps/v1", "deployments"),

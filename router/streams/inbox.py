@@ -44,7 +44,7 @@ class Mailbox:
     for one reader and without a bound: a deque and the reader's one waiting future. An
     `asyncio.Queue` also keeps a list of getters, counts unfinished items for `join` and clears
     an event on every put; a router passes every token through one (2.1 against 2.8 us per item
-    with its loop turn on the 2-vCPU VM, `bench/router/loop_parts.txt`).
+    with its loop turn on the 2-vCPU VM, `bench/studies/router/loop_parts.txt`).
     """
 
     __slots__ = ("_items", "_loop", "_waiter")

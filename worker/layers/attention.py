@@ -82,7 +82,7 @@ def fresh_runs(query_lens: list[int], num_computed: list[int]) -> tuple[tuple[in
 # decode waits), where flash attention has no setup (0.4-0.5 ms a call). Serving sees a new length
 # with nearly every prompt, so shorter sequences never take cuDNN. From 4,096 tokens on, cuDNN is
 # faster (8,192: 0.95 against 1.76 ms a layer) and its setup a fraction of the prefill's own time.
-# bench/engine/sdpa_shapes.txt has the figures.
+# bench/studies/attention/sdpa_shapes.txt has the figures.
 _CUDNN_MIN_LEN = 4096
 _NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
@@ -90,7 +90,7 @@ _NO_CUDNN = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 # Whether CUDA steps attend in FP8 (on Hopper): on since cuDNN's training-mode FP8 graph passed
 # its GPU tests on an H100 (within 5% RMS of float32 attention over the same e4m3 inputs) and took
 # the FP8 engine's 8k prefill from 0.141 to 0.128 s (bench/engine/README.md). Off only for
-# bench/engine/fp8_attention_logits.py's comparison, in its own process.
+# bench/studies/attention/fp8_attention_logits.py's comparison, in its own process.
 _FP8_ON_CUDA = True
 
 

@@ -44,7 +44,7 @@ def run_starts(src_ids: Any, dst_ids: Any) -> list[int]:
 
 def count_runs(src_ids: Any, dst_ids: Any) -> int:
     """How many runs `coalesce` would find, without listing them (for 512 scattered blocks
-    about half of `run_starts`'s 15 us on the VM: bench/transfer/id_checks.py)."""
+    about half of `run_starts`'s 15 us on the VM: bench/studies/handoff/id_checks.py)."""
     return int(np.count_nonzero(_breaks(src_ids, dst_ids))) + 1 if src_ids.size else 0
 
 

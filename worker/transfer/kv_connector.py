@@ -113,14 +113,14 @@ class KvConnector:
         self.prefer_ipc = prefer_ipc
         self.agent_name = agent_name
         self.region = region
-        # NIXL's progress thread polls with a zero timeout: on CPU it keeps a core busy even
-        # when idle (bench/routing/idle_cpu.json: 1.01 cores per idle worker, 0.012 without),
-        # and both sides progress UCX themselves there (the writer polls its transfer, the
-        # reader its notifications). On the GPU it stays: without it, NIXL's default UCX path
-        # moved a 1 GiB handoff on the H200 at 1.07 TB/s, with it at 1.74 TB/s (same session:
+        # NIXL's progress thread polls with a zero timeout: on CPU it keeps a core busy even when
+        # idle (bench/studies/routing/idle_cpu.json: 1.01 cores per idle worker, 0.012 without), and
+        # both sides progress UCX themselves there (the writer polls its transfer, the reader its
+        # notifications). On the GPU it stays: without it, NIXL's default UCX path moved a 1 GiB
+        # handoff on the H200 at 1.07 TB/s, with it at 1.74 TB/s (same session:
         # bench/history/transfer/results-h200-no-progress-thread.json against
-        # bench/transfer/results-h200-rerun.json; kvrail's CUDA IPC path, 2.0 TB/s, does not
-        # use it).
+        # bench/transfer/results-h200-rerun.json; kvrail's CUDA IPC path, 2.0 TB/s, does not use
+        # it).
         progress_thread = region.tensor.is_cuda
         config = api.nixl_agent_config(enable_prog_thread=progress_thread, backends=["UCX"])
         self._agent = api.nixl_agent(agent_name, config)
@@ -314,7 +314,7 @@ def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> Any:
         raise TransferError(f"{side} block ids are {ids.dtype}, not integers")
     ids = ids.astype(np.int64, copy=False)
     # one sort gives the bounds and the repeats (np.unique took 30 us of 512 ids, a handoff
-    # checks two lists: bench/transfer/id_checks.py)
+    # checks two lists: bench/studies/handoff/id_checks.py)
     ordered = np.sort(ids)
     low, high = int(ordered[0]), int(ordered[-1])
     if low < 0 or high >= num_blocks:

@@ -337,7 +337,7 @@ def test_fp8_gemm_matches_the_reference_that_quantizes_alike(m: int, n: int, k: 
     assert got.dtype == BF16 and got.shape == (m, n)
     # the GEMM accumulates in the tensor cores' FP8 precision (use_fast_accum), the reference in
     # float32: on the H200, relative L2 2.1e-3 against 1.7e-3 for bf16's own rounding
-    # (bench/engine/fp8_gemm_accum.txt), and at most about 1% of the outputs' spread apart
+    # (bench/studies/gemm/fp8_gemm_accum.txt), and at most about 1% of the outputs' spread apart
     err = float((got.float() - expected.float()).norm() / expected.float().norm())
     assert err < 4e-3, err
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
