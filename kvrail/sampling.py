@@ -19,7 +19,10 @@ Semantics follow vLLM's `SamplingParams`:
   (0 = off, OpenAI's definition) subtract a constant and a multiple of the count from the logits
   of the tokens in the output so far;
 - `ignore_eos`: the end-of-sequence token does not end generation (benchmarks use it for fixed
-  lengths).
+  lengths);
+- `logit_bias` (OpenAI's): a bias in [-100, 100] added to a token's logit before anything else
+  (penalties, temperature, greedy choice), at most `MAX_LOGIT_BIAS` tokens, each once: -100
+  all but bans a token, +100 all but forces it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from kvrail.errors import InvalidRequestError
 
 MAX_STOP_TOKEN_IDS = 64
 MAX_PENALTY = 2.0  # OpenAI's bound for presence and frequency penalties
+MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI documents the same bound)
+MAX_BIAS = 100.0  # OpenAI's bound for one token's bias
 
 
 def _fail(name: str, value: object, why: str) -> InvalidRequestError:
@@ -43,6 +48,14 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBias:
+    """One `logit_bias` entry: `bias` is added to token `token_id`'s logit."""
+
+    token_id: int
+    bias: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +74,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[TokenBias, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -90,10 +104,26 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise _fail(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
+        self._check_logit_bias()
         set_ = object.__setattr__
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
             set_(self, name, float(getattr(self, name)))
+
+    def _check_logit_bias(self) -> None:
+        entries = self.logit_bias
+        if not isinstance(entries, tuple) or not all(isinstance(e, TokenBias) for e in entries):
+            raise _fail("logit_bias", entries, "must be a list of token biases")
+        if len(entries) > MAX_LOGIT_BIAS:
+            raise _fail("logit_bias", len(entries), f"at most {MAX_LOGIT_BIAS} tokens")
+        for entry in entries:
+            if not _is_int(entry.token_id) or entry.token_id < 0:
+                raise _fail("logit_bias", entry.token_id, "token ids must be integers >= 0")
+            if not _is_number(entry.bias) or not -MAX_BIAS <= entry.bias <= MAX_BIAS:
+                raise _fail("logit_bias", entry.bias, f"biases must be in [-{MAX_BIAS:g}, "
+                            f"{MAX_BIAS:g}]")  # fmt: skip
+        if len({e.token_id for e in entries}) != len(entries):
+            raise _fail("logit_bias", "...", "a token id may appear once")
 
     @property
     def is_greedy(self) -> bool:

@@ -104,6 +104,8 @@ async def serve(
     vocab = state.codec.vocab_size
     if any(t >= vocab for t in params.stop_token_ids):
         raise ApiError(400, f"stop_token_ids must be below {vocab}", param="stop_token_ids")
+    if any(b.token_id >= vocab for b in params.logit_bias):
+        raise ApiError(400, f"logit_bias token ids must be below {vocab}", param="logit_bias")
     try:
         ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
     except Rejected as err:

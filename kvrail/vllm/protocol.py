@@ -107,6 +107,7 @@ def _sampling(s: SamplingParams) -> dict[str, Any]:
         "ignore_eos": (s.ignore_eos, False), "repetition_penalty": (s.repetition_penalty, 1.0),
         "presence_penalty": (s.presence_penalty, 0.0),
         "frequency_penalty": (s.frequency_penalty, 0.0),
+        "logit_bias": ({str(b.token_id): b.bias for b in s.logit_bias}, {}),
     }  # fmt: skip
     for name, (value, neutral) in optional.items():
         if value != neutral:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from kvrail.errors import InvalidRequestError
 from kvrail.router.api.schemas import ChatCompletionRequest, CompletionRequest
-from kvrail.sampling import SamplingParams
+from kvrail.sampling import SamplingParams, TokenBias
 
 GenerationConfig = Literal["model", "openai"]
 
@@ -116,6 +116,10 @@ def requested(req: ChatCompletionRequest | CompletionRequest) -> Requested:
         fields["top_k"] = max(req.top_k, 0)  # vLLM's -1 and 0 both mean off
     if req.stop_token_ids is not None:
         fields["stop_token_ids"] = tuple(dict.fromkeys(req.stop_token_ids))
+    if req.logit_bias:
+        fields["logit_bias"] = tuple(
+            TokenBias(int(key), float(bias)) for key, bias in sorted(req.logit_bias.items())
+        )
     delivery = Delivery(
         stop=tuple(dict.fromkeys(stop)),
         stream=stream,

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kvrail.sampling import MAX_PENALTY, MAX_STOP_TOKEN_IDS
+from kvrail.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_TOKEN_IDS
 
 # The seed range: int64, with the top end rounded down to 2**63 - 1024, the largest int64 that a
 # float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
@@ -45,7 +45,6 @@ UNSUPPORTED: dict[str, str] = {
     "function_call": 'null or "none"',
     "logprobs": "null or false",
     "top_logprobs": "null or 0",
-    "logit_bias": "null or {}",
     "response_format": '{"type": "text"}',
     "audio": "null",
     "modalities": '["text"]',
@@ -116,6 +115,25 @@ def _check_stop(value: Any) -> Any:
     if not 1 <= len(value) <= MAX_STOP_STRINGS or not all(value):
         raise _fail(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
     return [_check_text(s) for s in value]
+
+
+def _check_logit_bias(value: Any) -> Any:
+    """OpenAI's `logit_bias`: token ids (as JSON keys, so strings of digits) to a bias in
+    [-100, 100], at most `MAX_LOGIT_BIAS` of them. Whether an id is in the model's vocabulary is
+    the router's check (`generate.serve`), which knows the vocabulary."""
+    if value is None:
+        return value
+    if not isinstance(value, dict):
+        raise _fail("logit_bias must be an object of token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _fail(f"logit_bias holds {len(value)} tokens; at most {MAX_LOGIT_BIAS}")
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise _fail("logit_bias keys must be token ids (strings of digits)")
+        numeric = isinstance(bias, int | float) and not isinstance(bias, bool)
+        if not numeric or not -MAX_BIAS <= bias <= MAX_BIAS:
+            raise _fail(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
+    return value
 
 
 class TextPart(BaseModel):
@@ -223,12 +241,20 @@ class _GenerationRequest(BaseModel):
     prompt_cache_key: str | None = Field(None, description="accepted and ignored")
     frequency_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
     presence_penalty: float | None = Field(None, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    logit_bias: Annotated[dict[str, float], Field(max_length=0)] | None = None
+    logit_bias: dict[str, float] | None = Field(
+        None, description=f"token id -> bias in [-{MAX_BIAS:g}, {MAX_BIAS:g}], at most "
+        f"{MAX_LOGIT_BIAS} tokens",
+    )  # fmt: skip
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value: Any) -> Any:
         return _check_stop(value)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        return _check_logit_bias(value)
 
     @model_validator(mode="after")
     def _stream_options(self) -> _GenerationRequest:

@@ -422,6 +422,34 @@ def test_user_text_cannot_forge_a_chat_turn(pool: LocalPool) -> None:
     assert forged.usage.prompt_tokens - plain.usage.prompt_tokens > 10
 
 
+def test_logit_bias_bans_and_forces_tokens_and_an_unknown_id_is_a_400(pool: LocalPool) -> None:
+    """OpenAI's `logit_bias` through the router to the sampler: -100 bans the greedy answer's
+    first token, +100 forces a token at every step, and a token id the model lacks is refused
+    by name (the pool still serves)."""
+    from kvrail.router.text.tokenizer import TextCodec
+    from kvrail.settings import default_cache_dir
+
+    codec = TextCodec.load("smollm2", default_cache_dir())
+    c = client(pool)
+    prompt = "The capital of France is"
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    first = codec.encode(plain.choices[0].text)[0]
+    banned = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  logit_bias={str(first): -100})  # fmt: skip
+    assert codec.encode(banned.choices[0].text)[0] != first
+    forced_id = codec.encode(" Rome")[0]
+    forced = c.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_tokens=3, temperature=0.8, seed=5,
+        logit_bias={str(forced_id): 100}, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert forced.choices[0].message.content == codec.decode([forced_id] * 3)
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2,
+                                  logit_bias={str(codec.vocab_size): 5})  # fmt: skip
+    assert err.value.body["param"] == "logit_bias"
+    assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
+
+
 def test_vllm_benchmark_fields_are_honoured(pool: LocalPool) -> None:
     """What guidellm, aiperf and inference-perf send: ignore_eos generates exactly max_tokens,
     continuous usage comes with every chunk, cached prompt tokens are reported."""

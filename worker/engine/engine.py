@@ -230,6 +230,8 @@ class LLMEngine:
             raise InvalidRequestError(f"prompt token ids must be below {vocab}", "prompt")
         if any(t >= vocab for t in params.stop_token_ids):
             raise InvalidRequestError(f"stop_token_ids must be below {vocab}", "stop_token_ids")
+        if any(b.token_id >= vocab for b in params.logit_bias):
+            raise InvalidRequestError(f"logit_bias token ids must be below {vocab}", "logit_bias")
 
     def reserve_remote(
         self,

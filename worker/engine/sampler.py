@@ -1,15 +1,15 @@
 """Token sampling from logits, per request (`kvrail.sampling.SamplingParams`).
 
-Rows are first adjusted where their request asks for it: the end-of-sequence token and the stop
-token ids masked while `min_tokens` is not reached, and the repetition, presence and frequency
-penalties applied over the request's tokens so far. Then greedy rows take the argmax; the others
-are scaled by their temperature, masked by their top-k, top-p and min-p, and drawn from what
-remains. A request with a seed draws each token from its own `torch.Generator` (kept on the
-request), seeded anew for that token from the request's seed and the token's position in the
-output (`draw_seed`), so its samples depend neither on the rest of the batch nor on preemption,
-nor on which worker drew its earlier tokens: after a remote prefill the decode worker draws the
-second token from the same seed as a colocated worker would, with nothing but the first token
-crossing the handoff.
+Rows are first adjusted where their request asks for it: its `logit_bias` added, the
+end-of-sequence token and the stop token ids masked while `min_tokens` is not reached, and the
+repetition, presence and frequency penalties applied over the request's tokens so far. Then
+greedy rows take the argmax; the others are scaled by their temperature, masked by their top-k,
+top-p and min-p, and drawn from what remains. A request with a seed draws each token from its
+own `torch.Generator` (kept on the request), seeded anew for that token from the request's seed
+and the token's position in the output (`draw_seed`), so its samples depend neither on the rest
+of the batch nor on preemption, nor on which worker drew its earlier tokens: after a remote
+prefill the decode worker draws the second token from the same seed as a colocated worker would,
+with nothing but the first token crossing the handoff.
 
 Per-request sampler state is therefore a function of what both sides of a handoff know (the
 request's parameters and its output so far); every output token, sampled here or installed from
@@ -120,9 +120,22 @@ class Sampler:
         """`logits`, or a copy with the rows that mask stop tokens or apply penalties changed."""
         masked = [i for i, r in enumerate(requests) if self._stop_ids_masked(r)]
         penalized = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
-        if not masked and not penalized:
+        biased = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias]
+        if not masked and not penalized and not biased:
             return logits
         out = logits.clone()
+        if biased:
+            bias_rows: list[int] = []
+            bias_ids: list[int] = []
+            biases: list[float] = []
+            for i in biased:
+                for entry in requests[i].sampling_params.logit_bias:
+                    bias_rows.append(i)
+                    bias_ids.append(entry.token_id)
+                    biases.append(entry.bias)
+            device = logits.device
+            at = (_on(device, bias_rows, np.int64), _on(device, bias_ids, np.int64))
+            out.index_put_(at, _on(device, biases, np.float32).to(out.dtype), accumulate=True)
         if penalized:
             params = [requests[i].sampling_params for i in penalized]
             index = _on(logits.device, penalized, np.int64)

@@ -11,7 +11,7 @@ import pytest
 from kvrail.codec import MessageError, decode
 from kvrail.errors import InvalidRequestError
 from kvrail.messages import GenerateRequest
-from kvrail.sampling import SamplingParams
+from kvrail.sampling import SamplingParams, TokenBias
 
 BASE = SamplingParams(max_tokens=8)
 INVALID = [
@@ -36,6 +36,20 @@ INVALID = [
     ("repetition_penalty zero", {"repetition_penalty": 0.0}, "repetition_penalty"),
     ("presence_penalty above 2", {"presence_penalty": 2.5}, "presence_penalty"),
     ("frequency_penalty below -2", {"frequency_penalty": -2.5}, "frequency_penalty"),
+    ("logit_bias a dict", {"logit_bias": {5: 1.0}}, "logit_bias"),
+    ("logit_bias above 100", {"logit_bias": (TokenBias(5, 100.5),)}, "logit_bias"),
+    ("logit_bias not finite", {"logit_bias": (TokenBias(5, float("nan")),)}, "logit_bias"),
+    ("logit_bias negative id", {"logit_bias": (TokenBias(-5, 1.0),)}, "logit_bias"),
+    (
+        "logit_bias an id twice",
+        {"logit_bias": (TokenBias(5, 1.0), TokenBias(5, 2.0))},
+        "logit_bias",
+    ),
+    (
+        "logit_bias too many",
+        {"logit_bias": tuple(TokenBias(i, 1.0) for i in range(301))},
+        "logit_bias",
+    ),
 ]
 
 
@@ -64,7 +78,7 @@ def test_sampling_params_travel_inside_a_generate_request_unchanged() -> None:
     sampling = SamplingParams(
         max_tokens=9, min_tokens=2, temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=-3,
         stop_token_ids=(5, 6), ignore_eos=True, repetition_penalty=1.2, presence_penalty=0.5,
-        frequency_penalty=-0.25,
+        frequency_penalty=-0.25, logit_bias=(TokenBias(7, -100.0), TokenBias(9, 2.5)),
     )  # fmt: skip
     assert decode(_request(sampling).encode(), GenerateRequest).sampling == sampling
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.sampling import SamplingParams
+from kvrail.sampling import SamplingParams, TokenBias
 from kvrail.vllm.protocol import (
     DONE,
     Completion,
@@ -65,8 +65,10 @@ def test_every_sampling_field_reaches_vllm_under_its_own_name_and_neutral_ones_s
     sampling = SamplingParams(
         max_tokens=9, min_tokens=3, temperature=0.7, top_k=40, min_p=0.1, stop_token_ids=(5,),
         ignore_eos=True, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.25,
+        logit_bias=(TokenBias(7, -100.0),),
     )  # fmt: skip
     body = decode_body(Completion("smol", (5,), sampling), None)
+    assert body["logit_bias"] == {"7": -100.0}  # vLLM's OpenAI form: string keys
     assert {k: body[k] for k in ("max_tokens", "min_tokens", "top_k", "min_p")} == {
         "max_tokens": 9, "min_tokens": 3, "top_k": 40, "min_p": 0.1,
     }  # fmt: skip
@@ -76,7 +78,9 @@ def test_every_sampling_field_reaches_vllm_under_its_own_name_and_neutral_ones_s
     prefill = prefill_body(Completion("smol", (5,), sampling))
     assert (prefill["max_tokens"], prefill["min_tokens"]) == (1, 1)
     plain = decode_body(Completion("smol", (5,), SamplingParams(max_tokens=2)), None)
-    assert not {"min_tokens", "top_k", "min_p", "stop_token_ids", "ignore_eos"} & set(plain)
+    assert not {"min_tokens", "top_k", "min_p", "stop_token_ids", "ignore_eos", "logit_bias"} & set(
+        plain
+    )
 
 
 def test_a_completion_without_a_prompt_or_model_is_refused() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kvrail.sampling import TokenBias
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler, apply_min_p, apply_penalties, apply_top_k_top_p
 from kvrail.worker.testing import make_request
@@ -80,6 +81,17 @@ def test_a_seeded_draw_depends_on_its_position_not_on_who_drew_the_earlier_token
     other_seed = make_request(2, temperature=1.0, seed=78)
     draws = [sample(logits, [other_seed])[0] for _ in range(8)]
     assert draws != [sample(logits, [drew_first])[0] for _ in range(8)]
+
+
+def test_logit_bias_moves_its_tokens_and_leaves_other_rows_alone() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 2.0], [0.0, 5.0, 1.0, 2.0]])
+    banned = make_request(2, logit_bias=(TokenBias(1, -100.0),))
+    plain = make_request(2)
+    assert sample(logits, [banned, plain]) == [3, 1]  # the argmax banned: the next best
+    forced = make_request(2, temperature=1.5, seed=3, logit_bias=(TokenBias(2, 100.0),))
+    assert {sample(logits[:1], [forced])[0] for _ in range(20)} == {2}
+    nudged = make_request(2, logit_bias=(TokenBias(0, 4.5), TokenBias(3, -1.0)))
+    assert sample(logits[:1], [nudged]) == [1]  # 4.5 < 5: not enough to win
 
 
 def test_high_temperature_sampling_only_returns_tokens_inside_top_k() -> None:
