@@ -139,9 +139,12 @@ def _info(cls: type[Any]) -> _ClassInfo:
 
 
 def encode_value(value: Any) -> Any:
-    """One field's value as the JSON codec writes it (a nested dataclass as an object)."""
+    """One field's value as the JSON codec writes it (a nested dataclass as an object, a tuple
+    as a list of such values)."""
     if is_dataclass(value) and not isinstance(value, type):
         return _encode_fields(value)
+    if isinstance(value, tuple):
+        return [encode_value(v) for v in value]
     return value
 
 

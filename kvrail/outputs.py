@@ -37,6 +37,18 @@ class FirstTokenStages:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, and the most likely tokens at its position with
+    theirs (as many as its request's `SamplingParams.logprobs`, most likely first): the model's
+    log-softmax over the vocabulary, before the request's sampling parameters."""
+
+    token_id: int
+    logprob: float
+    top_token_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one engine step did to one request: the one output record, from the engine that
     samples the tokens to the router that renders them.
@@ -62,6 +74,8 @@ class RequestOutput:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache (vLLM's `cached_tokens`): set on a
     request's first output only."""
+    logprobs: tuple[TokenLogprobs, ...] = ()
+    """One per token of `token_ids`, when the request asked (`SamplingParams.logprobs`)."""
 
     def __post_init__(self) -> None:
         if self.num_cached_tokens < 0:

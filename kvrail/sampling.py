@@ -22,7 +22,11 @@ Semantics follow vLLM's `SamplingParams`:
   lengths);
 - `logit_bias` (OpenAI's): a bias in [-100, 100] added to a token's logit before anything else
   (penalties, temperature, greedy choice), at most `MAX_LOGIT_BIAS` tokens, each once: -100
-  all but bans a token, +100 all but forces it.
+  all but bans a token, +100 all but forces it;
+- `logprobs`: None (the default) computes no log-probabilities; an integer k in [0,
+  `MAX_LOGPROBS`] returns, with every sampled token, its log-probability and the k most likely
+  tokens at its position with theirs (vLLM's raw log-probabilities: the model's log-softmax,
+  before logit_bias, penalties or temperature).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_PENALTY = 2.0  # OpenAI's bound for presence and frequency penalties
 MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI documents the same bound)
 MAX_BIAS = 100.0  # OpenAI's bound for one token's bias
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's cap)
 
 
 def _fail(name: str, value: object, why: str) -> InvalidRequestError:
@@ -75,6 +80,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: tuple[TokenBias, ...] = ()
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -105,6 +111,10 @@ class SamplingParams:
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise _fail(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         self._check_logit_bias()
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
         set_ = object.__setattr__
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip

@@ -23,6 +23,7 @@ from kvrail.outputs import (
     RequestOutput,
     TokenEvent,
     TokenEventBatch,
+    TokenLogprobs,
     merged,
 )
 from kvrail.sampling import SamplingParams
@@ -265,6 +266,8 @@ def test_a_damaged_binary_batch_raises_message_error_and_nothing_else() -> None:
 def _non_default(hint: Any) -> Any:
     """A value of type `hint` (a field's annotation) other than the field's default."""
     kinds = {typing.get_origin(hint)} | set(typing.get_args(hint)) | {hint}
+    if TokenLogprobs in kinds:
+        return (TokenLogprobs(1, -0.5, (1, 9), (-0.5, -2.25)),)
     if tuple in kinds:
         return (3, 4)
     if str in kinds:
