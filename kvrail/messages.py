@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Literal
 
 from kvrail.codec import Message
-from kvrail.sampling import SamplingParams
+from kvrail.outputs import TokenLogprobs
+from kvrail.sampling import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +75,18 @@ class PrefillDone(Message):
     queue_wait_s: float = 0.0
     prefill_compute_s: float = 0.0
     transfer_queue_s: float = 0.0
+    first_logprobs: tuple[TokenLogprobs, ...] = ()
+    """The first token's log-probabilities, when the job's sampling asked (at most one entry,
+    for `first_token_id`): what the decode worker's first output carries."""
+
+    def __post_init__(self) -> None:
+        if len(self.first_logprobs) > 1 or any(
+            lp.token_id != self.first_token_id
+            or len(lp.top_token_ids) != len(lp.top_logprobs)
+            or len(lp.top_token_ids) > MAX_LOGPROBS
+            for lp in self.first_logprobs
+        ):
+            raise ValueError("first_logprobs must be the first token's, at most one entry")
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from kvrail.outputs import RequestOutput
+from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.sampling import SamplingParams
 from kvrail.worker.commands import CommandQueue
 from kvrail.worker.engine.block_pool import KvChanges
@@ -160,12 +160,14 @@ class EngineService:
         on_output: OnOutput,
         *,
         deadline_monotonic: float | None = None,
+        logprobs: TokenLogprobs | None = None,
     ) -> None:
-        """Make a reserved request runnable (its KV landed and was validated). The callback gets
-        its first output at once. Raises KeyError when it is not reserved."""
+        """Make a reserved request runnable (its KV landed and was validated; the prefill worker
+        sampled `first_token_id`, with `logprobs` if the request asked). The callback gets its
+        first output at once. Raises KeyError when it is not reserved."""
 
         def run() -> None:
-            output = self.engine.install_remote(request_id, first_token_id)
+            output = self.engine.install_remote(request_id, first_token_id, logprobs)
             self._held.discard(request_id)
             tracked = _Tracked(on_output, deadline_monotonic)
             if not output.finished:

@@ -144,6 +144,27 @@ async def test_a_seeded_request_samples_the_same_tokens_remote_or_colocated(
     await assert_all_blocks_free(nc, pool)
 
 
+async def test_logprobs_are_the_same_remote_or_colocated_the_first_token_included(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """The prefill worker computes the first token's logprobs and sends them with the KV; the
+    decode worker the rest: every token's entry equals a colocated worker's."""
+    token_ids = prompt(LONG_PROMPT, seed=4)
+    asked = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True)
+    colocated = await generate(nc, "colo-0", token_ids, sampling=asked)
+    disaggregated = await generate(nc, "decode-0", token_ids, sampling=asked)
+    assert disaggregated[0].prefill_mode == "remote"
+    local = [lp for e in colocated for lp in e.output.logprobs]
+    remote = [lp for e in disaggregated for lp in e.output.logprobs]
+    assert len(local) == len(remote) == 6
+    assert [lp.token_id for lp in remote] == [lp.token_id for lp in local] == tokens_of(colocated)
+    for a, b in zip(local, remote, strict=True):
+        assert a.top_token_ids == b.top_token_ids and len(a.top_token_ids) == 3
+        assert abs(a.logprob - b.logprob) < 1e-4
+        assert all(abs(x - y) < 1e-4 for x, y in zip(a.top_logprobs, b.top_logprobs, strict=True))
+    await assert_all_blocks_free(nc, pool)
+
+
 async def test_a_short_prompt_is_prefilled_on_the_decode_worker(pool: Pool, nc: NatsClient) -> None:
     token_ids = prompt(SHORT_PROMPT, seed=2)
     local = await generate(nc, "decode-0", token_ids, max_tokens=5)

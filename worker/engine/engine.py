@@ -32,7 +32,7 @@ from kvrail.errors import ConfigError, InvalidRequestError
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
 from kvrail.model_files import ModelSource
-from kvrail.outputs import RequestOutput
+from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
@@ -254,12 +254,14 @@ class LLMEngine:
             return None
         return replace(reservation, fence=DeviceFence.now(self.device))
 
-    def install_remote(self, request_id: str, first_token_id: int) -> RequestOutput:
+    def install_remote(
+        self, request_id: str, first_token_id: int, logprobs: TokenLogprobs | None = None
+    ) -> RequestOutput:
         """Make a reserved request runnable: its prompt KV landed (and was validated) and
-        `first_token_id` was sampled from it elsewhere. Returns the request's first output, as
-        a step would have made it (it may already be finished). Raises KeyError when the
-        request is not waiting for remote KV."""
-        return _output(self.scheduler.install_remote(request_id, first_token_id))
+        `first_token_id` was sampled from it elsewhere, with `logprobs` if the request asked.
+        Returns the request's first output, as a step would have made it (it may already be
+        finished). Raises KeyError when the request is not waiting for remote KV."""
+        return _output(self.scheduler.install_remote(request_id, first_token_id), logprobs)
 
     def _hash_root(self, tenant_salt: str) -> bytes | None:
         if not tenant_salt:
@@ -321,7 +323,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns an output for every request that got a token. With
         `async_scheduling` it leaves the next step queued on the device."""
-        return [_output(r) for r in self.pipeline.step()]
+        advanced, logprobs = self.pipeline.step()
+        if not logprobs:
+            return [_output(r) for r in advanced]
+        return [_output(r, logprobs.get(r.request_id)) for r in advanced]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -339,9 +344,10 @@ class LLMEngine:
         return [r.output_token_ids for r in requests]
 
 
-def _output(request: Request) -> RequestOutput:
-    """The output of the step that just gave `request` its last token (the first output also
-    says how many prompt tokens the prefix cache served)."""
+def _output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    """The output of the step that just gave `request` its last token, with that token's
+    `logprobs` if it asked (the first output also says how many prompt tokens the prefix cache
+    served)."""
     first = request.num_output_tokens == 1
     return RequestOutput(
         request.request_id,
@@ -350,4 +356,5 @@ def _output(request: Request) -> RequestOutput:
         request.stop_reason,
         None,
         request.num_cached_tokens if first else 0,
+        (logprobs,) if logprobs is not None else (),
     )

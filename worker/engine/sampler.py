@@ -25,11 +25,13 @@ request ahead of its previous token (`Scheduler.schedule_ahead`), so the history
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from kvrail.kernels import dispatch
+from kvrail.outputs import TokenLogprobs
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.staging import to_device
 
@@ -92,6 +94,45 @@ def apply_penalties(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class StepLogprobs:
+    """The log-probabilities of one step's rows that asked (`rows`, indexes into the step's
+    requests): each sampled token's, and the `k` most likely tokens (the most any of them asked)
+    with theirs, on the device until copied to the host (`to_host`)."""
+
+    rows: list[int]
+    chosen: torch.Tensor
+    top_ids: torch.Tensor
+    top_logprobs: torch.Tensor
+
+    def to_host(self) -> StepLogprobs:
+        """The same, copied into pinned host memory without waiting (ordered on the stream:
+        read them once the step's event has passed)."""
+        if self.chosen.device.type != "cuda":
+            return self
+        copies = []
+        for tensor in (self.chosen, self.top_ids, self.top_logprobs):
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+            copies.append(host.copy_(tensor, non_blocking=True))
+        return StepLogprobs(self.rows, *copies)
+
+    def for_rows(
+        self, requests: Sequence[Request], token_ids: Sequence[int]
+    ) -> dict[str, TokenLogprobs]:
+        """Each asking row's `TokenLogprobs` (its sampled token from `token_ids`, one per row),
+        trimmed to what its request asked, by request id; on the host."""
+        chosen = self.chosen.tolist()
+        top_ids, top_logprobs = self.top_ids.tolist(), self.top_logprobs.tolist()
+        out = {}
+        for j, i in enumerate(self.rows):
+            request = requests[i]
+            k = request.sampling_params.logprobs or 0
+            out[request.request_id] = TokenLogprobs(
+                token_ids[i], chosen[j], tuple(top_ids[j][:k]), tuple(top_logprobs[j][:k])
+            )
+        return out
+
+
 class Sampler:
     """Samples one token per row of `logits` for the matching request.
 
@@ -103,6 +144,23 @@ class Sampler:
 
     def __init__(self, eos_token_id: int | None = None) -> None:
         self.eos_token_id = eos_token_id
+
+    def logprobs(
+        self, logits: torch.Tensor, requests: Sequence[Request], tokens: torch.Tensor
+    ) -> StepLogprobs | None:
+        """The log-probabilities of the rows whose request asks (`SamplingParams.logprobs`),
+        None when none does (nothing is computed then): the model's log-softmax over the raw
+        `logits` (before the request's sampling parameters), the sampled `tokens`' entries, and
+        one top-k over the asking rows with k the most any of them asked. On the device."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if not rows:
+            return None
+        k = max(requests[i].sampling_params.logprobs or 0 for i in rows)
+        index = _on(logits.device, rows, np.int64)
+        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
+        chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        return StepLogprobs(rows, chosen, top_ids, top_logprobs)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The tokens as an int64 tensor on the logits' device, one per row."""

@@ -21,9 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvrail.outputs import TokenLogprobs
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.request import Request
-from kvrail.worker.engine.sampler import Sampler
+from kvrail.worker.engine.sampler import Sampler, StepLogprobs
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import SchedulerOutput
 
@@ -38,6 +39,8 @@ class _Launched:
     sampled: SampledOnDevice
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None
+    logprobs: StepLogprobs | None = None
+    """The asking rows' log-probabilities (in host memory once `done` has passed)."""
 
 
 StepWaiter = Callable[[torch.cuda.Event | None], None]
@@ -69,22 +72,23 @@ class StepPipeline:
         """Replaced by `EngineService`, which runs its commands while a step runs."""
         self._in_flight: _Launched | None = None
 
-    def step(self) -> list[Request]:
-        """Run one iteration; returns the requests that got a token (each once). With
-        `async_scheduling` it leaves the next step queued on the device."""
+    def step(self) -> tuple[list[Request], dict[str, TokenLogprobs]]:
+        """Run one iteration; returns the requests that got a token (each once), and the
+        log-probabilities of those that asked, by request id. With `async_scheduling` it leaves
+        the next step queued on the device."""
         try:
             return self._step()
         except BaseException:
             self._in_flight = None  # its requests are failed by the caller
             raise
 
-    def _step(self) -> list[Request]:
+    def _step(self) -> tuple[list[Request], dict[str, TokenLogprobs]]:
         running = self._in_flight
         self._in_flight = None
         if running is None:
             running = self._launch(self.scheduler.schedule())
             if running is None:
-                return []
+                return [], {}
         if not self.async_scheduling:
             return self._resolve(running)
         ahead = self.scheduler.schedule_ahead()
@@ -108,18 +112,26 @@ class StepPipeline:
             else logits.new_empty(0, dtype=torch.int64)
         )
         tokens = self.runner.share_tokens(tokens)  # every rank feeds them to the next step
+        logprobs = self.sampler.logprobs(logits, requests, tokens) if requests else None
         sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
         if tokens.device.type != "cuda":
-            return _Launched(out, requests, sampled, tokens, None)
+            return _Launched(out, requests, sampled, tokens, None, logprobs)
         host = torch.empty(tokens.shape, dtype=torch.int64, device="cpu", pin_memory=True)
         host.copy_(tokens, non_blocking=True)
+        if logprobs is not None:
+            logprobs = logprobs.to_host()
         done = torch.cuda.Event()
         done.record()
-        return _Launched(out, requests, sampled, host, done)
+        return _Launched(out, requests, sampled, host, done, logprobs)
 
-    def _resolve(self, launched: _Launched) -> list[Request]:
+    def _resolve(self, launched: _Launched) -> tuple[list[Request], dict[str, TokenLogprobs]]:
         """Wait for a launched step's tokens and apply them to its requests."""
         self.step_waiter(launched.done)
         token_ids = launched.host_tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(launched.requests, token_ids, strict=True)}
-        return self.scheduler.update_from_output(launched.out, sampled)
+        logprobs = (
+            launched.logprobs.for_rows(launched.requests, token_ids)
+            if launched.logprobs is not None
+            else {}
+        )
+        return self.scheduler.update_from_output(launched.out, sampled), logprobs

@@ -220,8 +220,9 @@ class KvReceiver:
                     if await self._validate(done, job, request, stages):
                         installed_at = time.monotonic()
                         await self.ctx.service.install(
-                            rid, done.first_token_id, on_output, deadline_monotonic=deadline
-                        )
+                            rid, done.first_token_id, on_output, deadline_monotonic=deadline,
+                            logprobs=next(iter(done.first_logprobs), None),
+                        )  # fmt: skip
                         stages.admission_s = (stages.admission_s or 0.0) + (
                             time.monotonic() - installed_at
                         )

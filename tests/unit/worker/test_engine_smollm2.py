@@ -104,3 +104,43 @@ def test_cancelled_request_frees_all_its_blocks_mid_generation(smollm2: Any) -> 
     while engine.has_unfinished_requests():
         engine.step()
     assert_engine_empty(engine)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_logprobs_equal_transformers_log_softmax_and_greedy_takes_the_top_entry(
+    smollm2: Any, smollm2_hf: Any, async_scheduling: bool
+) -> None:
+    """Each output token's logprob and its top 5 equal transformers' log-softmax at that
+    position within 1e-4 (float32), in a batch where other rows ask for none or fewer; a row
+    that did not ask gets none."""
+    tokenizer = smollm2.tokenizer
+    prompts = [tokenizer(p).input_ids for p in SHORT_PROMPTS[:3]]
+    engine = _engine(smollm2, num_blocks=128, block_size=16, async_scheduling=async_scheduling)
+    asked = [SamplingParams(max_tokens=6, logprobs=5), SamplingParams(max_tokens=6, logprobs=0),
+             SamplingParams(max_tokens=6)]  # fmt: skip
+    for i, (prompt, params) in enumerate(zip(prompts, asked, strict=True)):
+        engine.add_request(f"lp-{i}", prompt, params)
+    got: dict[str, list[Any]] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got.setdefault(output.request_id, []).extend(output.logprobs)
+            tokens.setdefault(output.request_id, []).extend(output.token_ids)
+    assert got["lp-2"] == []
+    for i, k in ((0, 5), (1, 0)):
+        rid = f"lp-{i}"
+        sequence = prompts[i] + tokens[rid]
+        with torch.inference_mode():
+            logits = smollm2_hf(torch.tensor([sequence])).logits[0].float()
+        expected = torch.log_softmax(logits, dim=-1)[len(prompts[i]) - 1 : -1]
+        assert len(got[rid]) == len(tokens[rid]) == expected.shape[0]
+        for position, (entry, token) in enumerate(zip(got[rid], tokens[rid], strict=True)):
+            row = expected[position]
+            assert entry.token_id == token
+            assert abs(entry.logprob - float(row[token])) < 1e-4
+            assert len(entry.top_token_ids) == len(entry.top_logprobs) == k
+            if k:
+                top = row.topk(k)
+                assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
+                assert entry.top_token_ids[0] == token == int(top.indices[0])  # greedy
+    assert_engine_empty(engine)

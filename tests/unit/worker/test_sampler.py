@@ -201,3 +201,25 @@ def test_a_row_whose_logits_overflow_takes_its_best_token_and_spares_the_others(
     assert 0 <= tokens[3] < 4 and tokens[4] == 1
     alone = sample(logits[3:4], [make_request(2, temperature=1.0, seed=7)])
     assert tokens[3] == alone[0]  # the healthy row drew as it would have alone
+
+
+def test_logprobs_are_the_raw_log_softmax_of_the_rows_that_ask_and_none_when_none_does() -> None:
+    logits = torch.randn(3, 30, generator=torch.Generator().manual_seed(9))
+    requests = [make_request(2, logprobs=3, temperature=0.5, seed=1), make_request(2),
+                make_request(2, logprobs=1, logit_bias=(TokenBias(4, 50.0),))]  # fmt: skip
+    sampler = Sampler()
+    tokens = sampler.sample(logits, requests)
+    step = sampler.logprobs(logits, requests, tokens)
+    assert step is not None and step.rows == [0, 2]
+    by_id = step.for_rows(requests, tokens.tolist())
+    expected = torch.log_softmax(logits, dim=-1)
+    for i in (0, 2):
+        entry = by_id[requests[i].request_id]
+        k = requests[i].sampling_params.logprobs
+        assert entry.token_id == int(tokens[i])
+        assert abs(entry.logprob - float(expected[i, entry.token_id])) < 1e-6
+        top = expected[i].topk(k or 0)
+        assert list(entry.top_token_ids) == top.indices.tolist()
+        assert torch.allclose(torch.tensor(entry.top_logprobs), top.values)
+    assert requests[1].request_id not in by_id
+    assert sampler.logprobs(logits, [make_request(2)] * 3, tokens) is None
