@@ -521,6 +521,35 @@ def test_the_openai_client_reads_every_response_unchanged() -> None:
     assert len(seen) == 4
 
 
+def test_the_openai_client_asks_for_logprobs_as_we_accept_and_reads_them() -> None:
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    lists = {"tokens": ["Hi"], "token_logprobs": [-0.5], "top_logprobs": [{"Hi": -0.5}],
+             "text_offset": [0]}  # fmt: skip
+    asked: list[int | None] = []
+
+    def handler(request: Any) -> Any:
+        body = json.loads(request.content)
+        if request.url.path == "/v1/chat/completions":
+            asked.append(requested(ChatCompletionRequest.model_validate(body)).fields["logprobs"])
+            logprobs = {"content": [entry], "refusal": None}
+            whole = responses.chat_completion("c", "m", 1, "Hi", "stop", USAGE, logprobs=logprobs)
+            return http.Response(200, json=whole)
+        asked.append(requested(CompletionRequest.model_validate(body)).fields["logprobs"])
+        whole = responses.completion("c", "m", 1, "Hi", "stop", USAGE, logprobs=lists)
+        return http.Response(200, json=whole)
+
+    client = _client(handler)
+    messages: Any = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="m", messages=messages, logprobs=True, top_logprobs=2
+    ).choices[0]
+    assert chat.logprobs is not None and chat.logprobs.content is not None
+    assert chat.logprobs.content[0].token == "Hi"
+    done = client.completions.create(model="m", prompt="hi", logprobs=3).choices[0]
+    assert done.logprobs is not None and done.logprobs.text_offset == [0]
+    assert asked == [2, 3]
+
+
 def test_the_openai_client_raises_our_errors_with_their_fields() -> None:
     invalid = rejected(ChatCompletionRequest, chat(n=3))
     limited = ApiError(
