@@ -10,6 +10,7 @@ one body, and cancelled on every worker when the client leaves either way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from starlette.responses import JSONResponse
 from starlette.types import Receive
 
+from kvrail.outputs import RequestOutput
 from kvrail.router.api import asgi, streaming
 from kvrail.router.api.errors import ApiError, dispatch_error
 from kvrail.router.api.sampling import Defaults, Requested
@@ -124,6 +126,7 @@ async def serve(
     reply = streaming.Reply(
         kind, response_id, state.served_name, int(time.time()), len(prompt_ids),
         delivery.include_usage, delivery.continuous_usage_stats,
+        None if params.logprobs is None else state.codec.token_text,
     )  # fmt: skip
     pieces = _generate(state, job, detok, started, tenant, ticket)
     if delivery.stream:
@@ -134,18 +137,26 @@ async def serve(
             sse, on_close=lambda: ticket.release(0), request_id=response_id
         )
     try:
-        text, finish, usage = await streaming.until_disconnect(
-            receive, streaming.collect(pieces, reply)
-        )
+        body = await streaming.until_disconnect(receive, streaming.collect(pieces, reply))
     except asgi.ClientLeft:
         state.metrics.requests.labels(endpoint, "499").inc()
         raise
     finally:
         ticket.release(0)  # a no-op once the request released it with its real usage
     state.metrics.requests.labels(endpoint, "200").inc()
-    return JSONResponse(
-        reply.whole(text, finish, usage), headers={streaming.REQUEST_ID_HEADER: response_id}
-    )
+    return JSONResponse(body, headers={streaming.REQUEST_ID_HEADER: response_id})
+
+
+def _feed_to_stop(detok: Detokenizer, output: RequestOutput) -> tuple[str, RequestOutput]:
+    """The text of an output of several tokens with logprobs, fed one token at a time: when a
+    stop string completes, the output is cut after the token that completed it, so that the
+    tokens after it get no logprobs (vLLM's rule; the usage still counts them)."""
+    text, num_fed = detok.feed_each(output.token_ids)
+    if num_fed < len(output.token_ids):
+        output = dataclasses.replace(
+            output, token_ids=output.token_ids[:num_fed], logprobs=output.logprobs[:num_fed]
+        )
+    return text, output
 
 
 async def _generate(
@@ -179,7 +190,10 @@ async def _generate(
                     if output.error is not None:
                         raise DispatchError(output.error)
                     num_tokens += len(output.token_ids)
-                    text = detok.feed(output.token_ids)
+                    if output.logprobs and len(output.token_ids) > 1 and detok.has_stop_strings:
+                        text, output = _feed_to_stop(detok, output)
+                    else:
+                        text = detok.feed(output.token_ids)
                     if detok.stopped:
                         await stream.cancel("stop")
                         outcome = "stop"

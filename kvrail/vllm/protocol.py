@@ -99,7 +99,9 @@ def remote_decode_params() -> dict[str, Any]:
 
 def _sampling(s: SamplingParams) -> dict[str, Any]:
     """vLLM's names are kvrail's (`kvrail.sampling` follows vLLM's `SamplingParams`); neutral
-    values are left out, so a server answers exactly as it would to a plain OpenAI request."""
+    values are left out, so a server answers exactly as it would to a plain OpenAI request.
+    `logprobs` is not carried (nor read back from the chunks): the router's vLLM stream refuses
+    a request that asks for them."""
     out: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p}
     optional: dict[str, Any] = {
         "top_k": (s.top_k, 0), "min_p": (s.min_p, 0.0), "seed": (s.seed, None),

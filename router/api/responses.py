@@ -3,7 +3,8 @@
 The builders (`chat_completion`, `chat_chunk`, `completion`, `completion_chunk`, `usage`,
 `model_list`) return plain dicts shaped as the OpenAI API returns them, for the hot path; the
 models describe the same shapes for the OpenAPI schema (tests check both against the `openai`
-client). `ErrorBody` is the error format's shape (`api_errors.ApiError` builds it).
+client). A choice's `logprobs` is null unless the request asked for them (the `logprobs` module
+builds them). `ErrorBody` is the error format's shape (`api_errors.ApiError` builds it).
 """
 
 from __future__ import annotations
@@ -38,6 +39,30 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's `logprobs`; a streamed chunk's has no `refusal`."""
+
+    content: list[TokenLogprob] | None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str
@@ -47,7 +72,7 @@ class AssistantMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason
 
 
@@ -69,7 +94,7 @@ class ChunkDelta(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int
     delta: ChunkDelta
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: FinishReason | None = None
 
 
@@ -89,7 +114,7 @@ class ChatCompletionChunk(BaseModel):
 class CompletionChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: FinishReason | None = Field(description="null in a streamed chunk only")
 
 
@@ -138,9 +163,10 @@ def chat_completion(
     finish_reason: str,
     usage: Mapping[str, Any],
     system_fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     message = {"role": "assistant", "content": text, "refusal": None}
-    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "chat.completion",
@@ -162,11 +188,12 @@ def chat_chunk(
     usage: Mapping[str, Any] | None = None,
     system_fingerprint: str | None = None,
     include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One chunk. The first carries `role` (and `delta_text=""`), the last a `finish_reason`
     with an empty delta; a chunk with `usage` and nothing else is the usage chunk (no choices).
     `include_usage` adds `"usage": null` to the other chunks, as OpenAI does when the client
-    asked for usage."""
+    asked for usage. `logprobs` are those of the chunk's tokens."""
     out: dict[str, Any] = {
         "id": id,
         "object": "chat.completion.chunk",
@@ -179,7 +206,7 @@ def chat_chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta_text is not None:
             delta["content"] = delta_text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         out["choices"].append(choice)
     if usage is not None or include_usage:
         out["usage"] = None if usage is None else dict(usage)
@@ -194,8 +221,9 @@ def completion(
     finish_reason: str,
     usage: Mapping[str, Any],
     system_fingerprint: str | None = None,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "text_completion",
@@ -216,9 +244,11 @@ def completion_chunk(
     usage: Mapping[str, Any] | None = None,
     system_fingerprint: str | None = None,
     include_usage: bool = False,
+    logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One chunk of a streamed completion (object `text_completion`, like the whole one); with
-    `usage` and nothing else it is the usage chunk (no choices)."""
+    `usage` and nothing else it is the usage chunk (no choices). `logprobs` are those of the
+    chunk's tokens."""
     out: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
@@ -228,7 +258,9 @@ def completion_chunk(
         "choices": [],
     }
     if text is not None or finish_reason is not None or usage is None:
-        choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        choice = {
+            "text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+        }  # fmt: skip
         out["choices"].append(choice)
     if usage is not None or include_usage:
         out["usage"] = None if usage is None else dict(usage)

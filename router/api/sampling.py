@@ -120,6 +120,11 @@ def requested(req: ChatCompletionRequest | CompletionRequest) -> Requested:
         fields["logit_bias"] = tuple(
             TokenBias(int(key), float(bias)) for key, bias in sorted(req.logit_bias.items())
         )
+    if isinstance(req, ChatCompletionRequest):
+        if req.logprobs:
+            fields["logprobs"] = req.top_logprobs or 0
+    elif req.logprobs is not None:
+        fields["logprobs"] = req.logprobs
     delivery = Delivery(
         stop=tuple(dict.fromkeys(stop)),
         stream=stream,

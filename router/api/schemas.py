@@ -3,8 +3,8 @@
 Request models are strict (`"true"` is not a boolean, `1.5` is not an integer, NaN is not a
 number) and forbid unknown fields, so their JSON schema (which FastAPI publishes and a fuzzer
 reads) says exactly what is accepted. Fields the OpenAI API has but kvrail does not implement are
-declared with only their neutral value (`tools: []`, `logprobs: false`, `frequency_penalty: 0`,
-..., listed in `UNSUPPORTED`), so a client that sends the default still works and one that asks
+declared with only their neutral value (`tools: []`, `echo: false`, `best_of: 1`, ..., listed
+in `UNSUPPORTED`), so a client that sends the default still works and one that asks
 for the feature gets a 400 naming the field (`api_errors.validation_error` builds it).
 
 The error format is in `api_errors`, response bodies in `responses`.
@@ -27,7 +27,13 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from kvrail.sampling import MAX_BIAS, MAX_LOGIT_BIAS, MAX_PENALTY, MAX_STOP_TOKEN_IDS
+from kvrail.sampling import (
+    MAX_BIAS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_PENALTY,
+    MAX_STOP_TOKEN_IDS,
+)
 
 # The seed range: int64, with the top end rounded down to 2**63 - 1024, the largest int64 that a
 # float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
@@ -43,8 +49,6 @@ UNSUPPORTED: dict[str, str] = {
     "tool_choice": 'null or "none"',
     "functions": "null or []",
     "function_call": 'null or "none"',
-    "logprobs": "null or false",
-    "top_logprobs": "null or 0",
     "response_format": '{"type": "text"}',
     "audio": "null",
     "modalities": '["text"]',
@@ -273,8 +277,14 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1, description="deprecated alias")
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: OnlyFalse | None = None
-    top_logprobs: Annotated[int, Field(ge=0, le=0)] | None = None
+    logprobs: bool | None = Field(
+        None, description="the sampled tokens' log-probabilities (`choices[0].logprobs`)"
+    )
+    top_logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="the most likely tokens at each position, with theirs; above 0 it needs "
+        "`logprobs: true`",
+    )  # fmt: skip
     tools: EmptyList | None = None
     tool_choice: Literal["none"] | None = None
     functions: EmptyList | None = None
@@ -307,6 +317,14 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         return self
 
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:  # vLLM refuses it too
+            raise PydanticCustomError(
+                "kvrail_invalid", "top_logprobs needs logprobs: true", {"param": "top_logprobs"}
+            )
+        return self
+
     def template_messages(self) -> list[dict[str, str]]:
         """The messages as the chat template takes them: role, content string, name if given."""
         out: list[dict[str, str]] = []
@@ -333,7 +351,11 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
     echo: OnlyFalse | None = None
     suffix: None = None
-    logprobs: OnlyFalse | None = None
+    logprobs: int | None = Field(
+        None, ge=0, le=MAX_LOGPROBS,
+        description="the sampled tokens' log-probabilities, with this many most likely tokens "
+        "at each position",
+    )  # fmt: skip
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
 
     @field_validator("prompt", mode="before")

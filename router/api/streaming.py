@@ -6,11 +6,13 @@ OpenAI-shaped bodies from them. Streamed, `sse` sends a chat response's first ch
 role, a chunk per piece with text, one with the finish reason, the usage chunk when
 `stream_options.include_usage` asks (and usage in every chunk when `continuous_usage_stats`
 does), and always ends with `data: [DONE]`; an error while streaming is sent before it as an
-event in OpenAI's error shape. `EventStream` closes the pieces however the response ends, so a
-client that disconnects (before the first byte included) cancels the request on every worker at
-once. Not streamed, `collect` joins the pieces and `until_disconnect` cancels them if the client
-leaves meanwhile. Every response is counted in `kvrail_requests_total` with its status (499 for
-a client that left mid-stream).
+event in OpenAI's error shape. A request that asked for logprobs gets its tokens' in the chunk
+of their piece (sent for a piece with tokens and no text too). `EventStream` closes the pieces
+however the response ends, so a client that disconnects (before the first byte included)
+cancels the request on every worker at once. Not streamed, `collect` joins the pieces (and
+their logprobs) and `until_disconnect` cancels them if the client leaves meanwhile. Every
+response is counted in `kvrail_requests_total` with its status (499 for a client that left
+mid-stream).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from kvrail.codec import compact_json
 from kvrail.outputs import RequestOutput
 from kvrail.router.api import asgi, responses
 from kvrail.router.api.errors import ApiError
+from kvrail.router.api.logprobs import ResponseLogprobs, TokenText
 
 Kind = Literal["chat", "completion"]
 REQUEST_ID_HEADER: Final = "x-request-id"
@@ -60,6 +63,9 @@ class Reply:
     for the response's id, `created` and the chunk's one value): the same bytes as the dict built
     and serialized in full, at a fraction of the cost (`tests/unit/router/test_streaming.py`
     holds the two equal). A text chunk is sent per token, the others once per response.
+
+    `token_text` is given when the request asked for logprobs: its text chunks are then built
+    in full (`logprobs_event`), with the logprobs of their tokens.
     """
 
     kind: Kind
@@ -69,6 +75,9 @@ class Reply:
     num_prompt_tokens: int
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    token_text: TokenText | None = None
+    logprobs: ResponseLogprobs | None = field(init=False)
+    """The response's logprobs as far as they were rendered; None: the request did not ask."""
     _known: tuple[bytes, bytes] = field(init=False)
     """The response id and `created` as they are written in a chunk."""
     _bound: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
@@ -76,6 +85,10 @@ class Reply:
 
     def __post_init__(self) -> None:
         self._known = (json.dumps(self.response_id).encode(), str(self.created).encode())
+        self.logprobs = (
+            None if self.token_text is None
+            else ResponseLogprobs(self.kind == "chat", self.token_text)
+        )  # fmt: skip
 
     def role_event(self) -> bytes:
         """A chat's first chunk: the role, with empty content (no usage in it)."""
@@ -93,6 +106,16 @@ class Reply:
         """The usage chunk (no choices)."""
         return self._fill("usage", compact_json(usage).encode())
 
+    def logprobs_event(self, piece: Piece, usage: dict[str, Any] | None) -> bytes:
+        """A piece's text chunk, with its tokens' logprobs (a request that asked for them; a
+        piece with tokens is sent even without text, so that none of them is missing)."""
+        assert self.logprobs is not None
+        tokens = piece.output.logprobs if piece.output is not None else ()
+        logprobs = self.logprobs.of(tokens, piece.text)
+        if logprobs is None and not piece.text:
+            return b""
+        return _event(self.chunk(piece.text, None, usage, logprobs=logprobs))
+
     def _fill(self, shape: _Shape, value: bytes) -> bytes:
         bound = self._bound.get(shape)
         if bound is None:  # this response's id and `created` put in the shape's template
@@ -109,39 +132,51 @@ class Reply:
         `prompt_tokens_details.cached_tokens`)."""
         return responses.usage(self.num_prompt_tokens, piece.num_tokens, piece.num_cached_tokens)
 
-    def whole(self, text: str, finish: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def whole(
+        self, text: str, finish: str, usage: dict[str, Any],
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         build = responses.chat_completion if self.kind == "chat" else responses.completion
-        return build(self.response_id, self.served_name, self.created, text, finish, usage)
+        return build(
+            self.response_id, self.served_name, self.created, text, finish, usage,
+            logprobs=logprobs,
+        )  # fmt: skip
 
     def chunk(
         self, text: str | None, finish: str | None, usage: dict[str, Any] | None = None,
-        first: bool = False,
+        first: bool = False, logprobs: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         rid, name, created, usage_null = (
             self.response_id, self.served_name, self.created, self.include_usage
         )  # fmt: skip
         if self.kind == "chat":
             return responses.chat_chunk(
-                rid, name, created, text, first, finish, usage, include_usage=usage_null
-            )
+                rid, name, created, text, first, finish, usage, include_usage=usage_null,
+                logprobs=logprobs,
+            )  # fmt: skip
         return responses.completion_chunk(
-            rid, name, created, text, finish, usage, include_usage=usage_null
+            rid, name, created, text, finish, usage, include_usage=usage_null, logprobs=logprobs
         )
 
 
-async def collect(
-    pieces: AsyncGenerator[Piece, None], reply: Reply
-) -> tuple[str, str, dict[str, Any]]:
-    """The whole text, its finish reason and its usage."""
+async def collect(pieces: AsyncGenerator[Piece, None], reply: Reply) -> dict[str, Any]:
+    """The whole body: the pieces' text, the finish reason, the usage, and the logprobs of
+    every piece when the request asked."""
     parts: list[str] = []
+    logprobs = reply.logprobs
+    logprob_parts: list[dict[str, Any] | None] = []
     finish, last = "stop", Piece("", None, 0)
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
             parts.append(piece.text)
+            if logprobs is not None:
+                tokens = piece.output.logprobs if piece.output is not None else ()
+                logprob_parts.append(logprobs.of(tokens, piece.text))
             last = piece
             if piece.finish_reason is not None:
                 finish = piece.finish_reason
-    return "".join(parts), finish, reply.usage(last)
+    joined = None if logprobs is None else logprobs.join(logprob_parts)
+    return reply.whole("".join(parts), finish, reply.usage(last), joined)
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
@@ -242,6 +277,7 @@ async def sse(
     status = "499"  # the client left before the end
     last = Piece("", None, 0)
     every = reply.continuous_usage_stats
+    asked = reply.logprobs is not None
     tail = b""  # the finished piece's events, sent with the end
     try:
         if reply.kind == "chat":
@@ -255,7 +291,9 @@ async def sse(
                 last = piece
                 usage = reply.usage(piece) if every else None
                 events = b""
-                if piece.text and usage is None:
+                if asked:
+                    events = reply.logprobs_event(piece, usage)
+                elif piece.text and usage is None:
                     events = reply.text_event(piece.text)
                 elif piece.text:
                     events = _event(reply.chunk(piece.text, None, usage))

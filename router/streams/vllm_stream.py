@@ -28,6 +28,8 @@ Guarantees:
   connection passes them on to the next one (of the same fingerprint).
 - **Every wait has a deadline**: the job's bounds both steps (`deadline`); a prefill also gives
   up after `prefill_timeout_s` and counts as failed.
+- **Nothing is dropped silently.** A request that asked for logprobs, which this stream does
+  not carry yet, fails with `logprobs_unsupported` before any server is sent anything.
 - **Nothing outlives the client.** Leaving the stream early (disconnect, stop string, deadline,
   error) closes the HTTP response, and vLLM aborts a request whose client disconnected; a
   prefill in flight is cancelled with the task that awaits it, which closes its connection too.
@@ -94,6 +96,8 @@ class VllmStream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
+        if self.job.sampling.logprobs is not None:  # `protocol` does not carry them yet
+            raise DispatchError("logprobs_unsupported", "vLLM pools return no logprobs yet")
         deadline = self.job.deadline_monotonic
 
         async def attempt(decision: Decision) -> TokenEvent:

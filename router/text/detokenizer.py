@@ -71,6 +71,20 @@ class Detokenizer:
         self._num_fed += len(token_ids)
         return self._emit(self._decode_new(final=False), final=False)
 
+    @property
+    def has_stop_strings(self) -> bool:
+        return self._matcher is not None
+
+    def feed_each(self, token_ids: Sequence[int]) -> tuple[str, int]:
+        """`feed` the tokens one at a time: the new text, and how many of `token_ids` were fed,
+        up to the one that completed a stop string (all of them if none did)."""
+        parts: list[str] = []
+        for i, token_id in enumerate(token_ids):
+            parts.append(self.feed((token_id,)))
+            if self.stopped:
+                return "".join(parts), i + 1
+        return "".join(parts), len(token_ids)
+
     def flush(self) -> str:
         """At the end of the output: everything still held back ("" once stopped)."""
         if self.stopped:

@@ -98,7 +98,8 @@ class TextCodec:
     """A model's tokenizer and chat template, safe to share between concurrent requests and
     tokenizer threads (the `tokenizers` Tokenizer is thread-safe for encode/decode). What
     changes after construction is only what it keeps to save work, each bounded: sentinel
-    renders per role sequence, and the token ids of the template's own text."""
+    renders per role sequence, the token ids of the template's own text, and the text of each
+    token id `token_text` was asked for (at most the vocabulary)."""
 
     def __init__(
         self,
@@ -129,6 +130,7 @@ class TextCodec:
         self._plain.encode_special_tokens = True
         # Token ids of the template's own text, the same on every request (`_encode_outside`).
         self._fixed_parts = TemplateParts()
+        self._token_texts: dict[int, str] = {}
         vocab = tokenizer.get_vocab(with_added_tokens=True)
         # A bound, not the exact figure: a byte-level token's characters take 1-2 UTF-8 bytes
         # each for the one byte they stand for, so this can only overstate a token's length.
@@ -313,6 +315,16 @@ class TextCodec:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`; special tokens (EOS, template markers) are left out by default."""
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token decoded alone, special tokens included (how logprobs name a
+        token); kept per id after its first decode. "" for an id outside the vocabulary."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            if not 0 <= token_id < self.vocab_size:
+                return ""
+            text = self._token_texts[token_id] = self.decode([token_id], False)
+        return text
 
     def detokenizer(
         self, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0

@@ -470,8 +470,8 @@ async def test_the_api_detokenizes_vllms_ids_and_answers_its_failures_as_openai_
     pool: Pool, codec: TextCodec
 ) -> None:
     """The router's own text path over a vLLM decode stream (text, usage), then the codes of a
-    vLLM pool's failures as HTTP statuses: `prefill_failed` 503, `invalid_request` 400 (without
-    vLLM's message)."""
+    vLLM pool's failures as HTTP statuses: `logprobs_unsupported` 400 (no server asked),
+    `prefill_failed` 503, `invalid_request` 400 (without vLLM's message)."""
     answer = codec.encode(" Paris is the capital.")
     decode = await pool.server(
         "d-0", "decode", stream(answer[:2], answer[2:]),
@@ -498,6 +498,10 @@ async def test_the_api_detokenizes_vllms_ids_and_answers_its_failures_as_openai_
         assert ok.status_code == 200, ok.text
         assert ok.json()["choices"][0]["text"] == codec.decode(answer)
         assert ok.json()["usage"]["completion_tokens"] == len(answer)
+        body = {"model": MODEL, "prompt": list(SHORT), "max_tokens": 16, "logprobs": 2}
+        asked = await client.post("/v1/completions", json=body)  # not carried: sent nowhere
+        assert asked.status_code == 400 and asked.json()["error"]["param"] == "logprobs"
+        assert "not supported for vLLM pools" in asked.json()["error"]["message"]
         failed = await complete(list(LONG))  # remote prefill: 500, and the policy is fail
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "prefill_failed"
         refused = await complete(list(SHORT))

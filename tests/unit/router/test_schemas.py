@@ -72,8 +72,11 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
      "unsupported_parameter"),
     (chat(tool_choice="auto"), "tool_choice", "not supported", "unsupported_parameter"),
     (chat(functions=[{}]), "functions", "not supported", "unsupported_parameter"),
-    (chat(logprobs=True), "logprobs", "not supported", "unsupported_parameter"),
-    (chat(top_logprobs=3), "top_logprobs", "not supported", "unsupported_parameter"),
+    (chat(top_logprobs=3), "top_logprobs", "needs logprobs: true", None),
+    (chat(logprobs=False, top_logprobs=1), "top_logprobs", "needs logprobs: true", None),
+    (chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20", None),
+    (chat(logprobs=True, top_logprobs=-1), "top_logprobs", "greater than or equal to 0", None),
+    (chat(logprobs=1), "logprobs", "valid boolean", None),
     (chat(logit_bias={"42": 101}), "logit_bias", "numbers in [-100, 100]", None),
     (chat(logit_bias={"42": "5"}), "logit_bias", "numbers in [-100, 100]", None),
     (chat(logit_bias={"word": 5}), "logit_bias", "token ids (strings of digits)", None),
@@ -155,7 +158,9 @@ COMPLETION_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (completion(prompt=None), "prompt", "valid string", None),
     (completion(echo=True), "echo", "not supported", "unsupported_parameter"),
     (completion(suffix="x"), "suffix", "not supported", "unsupported_parameter"),
-    (completion(logprobs=2), "logprobs", "not supported", "unsupported_parameter"),
+    (completion(logprobs=21), "logprobs", "less than or equal to 20", None),
+    (completion(logprobs=-1), "logprobs", "greater than or equal to 0", None),
+    (completion(logprobs=True), "logprobs", "valid integer", None),
     (completion(best_of=3), "best_of", "not supported", "unsupported_parameter"),
     (completion(n=3), "n", "n must be 1", None),
     (completion(max_tokens=0), "max_tokens", "greater than or equal to 1", None),
@@ -187,6 +192,20 @@ def test_neutral_values_of_unsupported_features_are_accepted() -> None:
         ChatCompletionRequest.model_validate(CHAT)
     )
     assert CompletionRequest.model_validate(completion(echo=False, best_of=1, logprobs=None))
+
+
+def test_logprobs_reach_the_sampling_params_as_the_number_of_most_likely_tokens() -> None:
+    def logprobs(model: type[ChatCompletionRequest | CompletionRequest], body: Any) -> Any:
+        return requested(model.model_validate(body)).params(8, Defaults()).logprobs
+
+    assert logprobs(ChatCompletionRequest, CHAT) is None
+    assert logprobs(ChatCompletionRequest, chat(logprobs=False, top_logprobs=0)) is None
+    assert logprobs(ChatCompletionRequest, chat(logprobs=True)) == 0
+    assert logprobs(ChatCompletionRequest, chat(logprobs=True, top_logprobs=None)) == 0
+    assert logprobs(ChatCompletionRequest, chat(logprobs=True, top_logprobs=20)) == 20
+    assert logprobs(CompletionRequest, COMPLETION) is None
+    assert logprobs(CompletionRequest, completion(logprobs=0)) == 0
+    assert logprobs(CompletionRequest, completion(logprobs=5)) == 5
 
 
 def test_a_chat_request_normalizes_both_spellings_of_max_tokens() -> None:
@@ -349,7 +368,9 @@ def test_the_openapi_schema_states_exactly_what_is_accepted(app: FastAPI) -> Non
     ]
     props = request["properties"]
     assert props["tools"]["anyOf"][0]["maxItems"] == 0
-    assert props["logprobs"]["anyOf"][0] == {"const": False}
+    assert props["logprobs"]["anyOf"][0] == {"type": "boolean"}
+    assert props["top_logprobs"]["anyOf"][0]["maximum"] == 20
+    assert props["tools"]["anyOf"][0] == {"items": {}, "maxItems": 0, "type": "array"}
     assert props["n"]["anyOf"][0]["maximum"] == 1
     # The seed bound survives FastAPI writing bounds as floats.
     assert int(props["seed"]["anyOf"][0]["maximum"]) == schemas.SEED_MAX
@@ -498,6 +519,35 @@ def test_the_openai_client_reads_every_response_unchanged() -> None:
     assert "".join(c.choices[0].text for c in streamed) == "Hello"
     assert [m.id for m in client.models.list()] == ["SmolLM2"]
     assert len(seen) == 4
+
+
+def test_the_openai_client_asks_for_logprobs_as_we_accept_and_reads_them() -> None:
+    entry = {"token": "Hi", "logprob": -0.5, "bytes": [72, 105], "top_logprobs": []}
+    lists = {"tokens": ["Hi"], "token_logprobs": [-0.5], "top_logprobs": [{"Hi": -0.5}],
+             "text_offset": [0]}  # fmt: skip
+    asked: list[int | None] = []
+
+    def handler(request: Any) -> Any:
+        body = json.loads(request.content)
+        if request.url.path == "/v1/chat/completions":
+            asked.append(requested(ChatCompletionRequest.model_validate(body)).fields["logprobs"])
+            logprobs = {"content": [entry], "refusal": None}
+            whole = responses.chat_completion("c", "m", 1, "Hi", "stop", USAGE, logprobs=logprobs)
+            return http.Response(200, json=whole)
+        asked.append(requested(CompletionRequest.model_validate(body)).fields["logprobs"])
+        whole = responses.completion("c", "m", 1, "Hi", "stop", USAGE, logprobs=lists)
+        return http.Response(200, json=whole)
+
+    client = _client(handler)
+    messages: Any = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(
+        model="m", messages=messages, logprobs=True, top_logprobs=2
+    ).choices[0]
+    assert chat.logprobs is not None and chat.logprobs.content is not None
+    assert chat.logprobs.content[0].token == "Hi"
+    done = client.completions.create(model="m", prompt="hi", logprobs=3).choices[0]
+    assert done.logprobs is not None and done.logprobs.text_offset == [0]
+    assert asked == [2, 3]
 
 
 def test_the_openai_client_raises_our_errors_with_their_fields() -> None:

@@ -1,5 +1,6 @@
-"""The per-token chunk written from its template equals the chunk built in full, and a stream
-leaves in one write per piece, its end in one."""
+"""The per-token chunk written from its template equals the chunk built in full, a stream
+leaves in one write per piece, its end in one, and a request that asked for logprobs gets
+every token's in OpenAI's shapes (parsed by the `openai` client's types)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,14 @@ from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
+from openai.types import Completion as OpenAICompletion
+from openai.types.chat import ChatCompletion as OpenAIChatCompletion
+from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
+from openai.types.completion_choice import Logprobs as OpenAICompletionLogprobs
 
+from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.router.api.errors import ApiError
-from kvrail.router.api.streaming import EventStream, Piece, Reply, _event, sse
+from kvrail.router.api.streaming import EventStream, Piece, Reply, _event, collect, sse
 
 TEXTS = [
     "",
@@ -101,3 +107,114 @@ def test_an_error_mid_stream_is_sent_with_the_end() -> None:
         _event(failure.body()) + b"data: [DONE]\n\n",
     ]
     assert not sent[-1]["more_body"]
+
+
+# -- logprobs -------------------------------------------------------------------------------------
+
+TOKEN_TEXTS = {1: " Paris", 2: " is", 3: "\ufffd", 4: "\ufffd", 5: "<|im_end|>", 6: " Lyon"}
+
+
+def output(*token_ids: int) -> RequestOutput:
+    """An output record whose tokens each carry logprobs, with two most likely tokens."""
+    logprobs = tuple(TokenLogprobs(t, -0.5, (t, 6), (-0.5, -2.0)) for t in token_ids)
+    return RequestOutput("r", token_ids, logprobs=logprobs)
+
+
+# " Paris", " is", then a character over two tokens (no text until both came), "!" from the
+# flush with no token, the end token: the pieces `generate` makes of them.
+LOGPROB_PIECES = [
+    Piece(" Paris", None, 1, 0, output(1)),
+    Piece(" is", None, 2, 0, output(2)),
+    Piece("", None, 3, 0, output(3)),
+    Piece(" é", None, 4, 0, output(4)),
+    Piece("!", "stop", 5, 0, output(5)),
+]
+
+
+async def _pieces(pieces: list[Piece]) -> AsyncGenerator[Piece, None]:
+    for piece in pieces:
+        yield piece
+
+
+def _events(chunks: list[bytes]) -> list[dict[str, Any]]:
+    body = b"".join(chunks).decode()
+    assert body.endswith("data: [DONE]\n\n")
+    events = body.removesuffix("data: [DONE]\n\n").split("\n\n")[:-1]
+    return [json.loads(e.removeprefix("data: ")) for e in events]
+
+
+async def _streamed(reply: Reply, pieces: list[Piece]) -> list[dict[str, Any]]:
+    return _events([chunk async for chunk in sse(reply, _pieces(pieces), lambda _: None)])
+
+
+def _reply(kind: str, every: bool = False, asked: bool = True) -> Reply:
+    token_text = TOKEN_TEXTS.__getitem__ if asked else None
+    return Reply(kind, "id-1", "m", 1_733_000_000, 5, every, every, token_text)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("every", [False, True])
+def test_a_streamed_chat_sends_each_pieces_tokens_logprobs_in_its_chunk(every: bool) -> None:
+    events = asyncio.run(_streamed(_reply("chat", every), LOGPROB_PIECES))
+    for event in events:
+        OpenAIChatCompletionChunk.model_validate(event)
+    role, *texts, finish = [e for e in events if e["choices"]]
+    assert role["choices"][0]["logprobs"] is None and finish["choices"][0]["logprobs"] is None
+    assert [t["choices"][0]["delta"]["content"] for t in texts] == [
+        " Paris", " is", "", " é", "!"
+    ]  # a piece with tokens and no text is sent too  # fmt: skip
+    tokens = [[e["token"] for e in t["choices"][0]["logprobs"]["content"]] for t in texts]
+    assert tokens == [[" Paris"], [" is"], ["\ufffd"], ["\ufffd"], ["<|im_end|>"]]
+    entry = texts[0]["choices"][0]["logprobs"]
+    assert entry == {"content": [{
+        "token": " Paris", "logprob": -0.5, "bytes": list(b" Paris"),
+        "top_logprobs": [{"token": " Paris", "logprob": -0.5, "bytes": list(b" Paris")},
+                         {"token": " Lyon", "logprob": -2.0, "bytes": list(b" Lyon")}],
+    }]}  # fmt: skip
+    assert all(("usage" in t and t["usage"] is not None) == every for t in texts)
+
+
+def test_a_streamed_completions_offsets_continue_across_chunks() -> None:
+    events = asyncio.run(_streamed(_reply("completion"), LOGPROB_PIECES))
+    texts = [e["choices"][0] for e in events if e["choices"][0]["logprobs"] is not None]
+    for text in texts:  # the client's type wants a finish reason in every chunk: its logprobs
+        OpenAICompletionLogprobs.model_validate(text["logprobs"])
+    OpenAICompletion.model_validate(events[-1])
+    assert "".join(t["text"] for t in texts) == " Paris is é!"
+    assert [t["logprobs"]["text_offset"] for t in texts] == [[0], [6], [9], [9], [11]]
+    assert texts[0]["logprobs"]["top_logprobs"] == [{" Paris": -0.5, " Lyon": -2.0}]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_whole_body_gathers_the_logprobs_of_every_piece() -> None:
+    chat = asyncio.run(collect(_pieces(LOGPROB_PIECES), _reply("chat")))
+    choice = OpenAIChatCompletion.model_validate(chat).choices[0]
+    assert choice.message.content == " Paris is é!" and choice.logprobs is not None
+    assert choice.logprobs.content is not None and len(choice.logprobs.content) == 5
+    assert chat["choices"][0]["logprobs"]["refusal"] is None
+    completion = asyncio.run(collect(_pieces(LOGPROB_PIECES), _reply("completion")))
+    logprobs = OpenAICompletion.model_validate(completion).choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None
+    assert logprobs.text_offset == [0, 6, 9, 9, 11] and len(logprobs.tokens) == 5
+    assert logprobs.token_logprobs == [-0.5] * 5
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("every", [False, True])
+def test_a_request_that_did_not_ask_gets_the_same_bytes_and_null_logprobs(
+    kind: str, every: bool
+) -> None:
+    """Even when its records carried logprobs: the template chunks, as before logprobs."""
+    reply = _reply(kind, every, asked=False)
+    plain = [Piece(p.text, p.finish_reason, p.num_tokens) for p in LOGPROB_PIECES]
+
+    async def streamed(pieces: list[Piece]) -> list[bytes]:
+        return [chunk async for chunk in sse(reply, _pieces(pieces), lambda _: None)]
+
+    written = asyncio.run(streamed(LOGPROB_PIECES))
+    assert written == asyncio.run(streamed(plain))
+    if not every:
+        assert reply.text_event(" Paris") in written[1 if kind == "chat" else 0]
+    assert all(e["choices"][0]["logprobs"] is None for e in _events(written) if e["choices"])
+    whole = asyncio.run(collect(_pieces(LOGPROB_PIECES), _reply(kind, asked=False)))
+    assert whole["choices"][0]["logprobs"] is None
+    assert whole == asyncio.run(collect(_pieces(plain), _reply(kind, asked=False)))

@@ -244,6 +244,19 @@ def test_special_tokens_such_as_eos_are_not_text(codec: TextCodec) -> None:
     assert d.flush() == "" and d.text == " hi"
 
 
+def test_a_tokens_text_is_its_decode_alone_special_tokens_included_kept_per_id(
+    codec: TextCodec, hf_tokenizer: Any
+) -> None:
+    """What logprobs name a token by: vLLM's `decode(token_id)` (a token that holds part of a
+    character is U+FFFD)."""
+    ids = codec.encode(" Paris 日本 😀") + list(codec.eos_token_ids)
+    texts = [codec.token_text(i) for i in ids]
+    assert texts == [hf_tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+    assert texts[0] == " Paris" and texts[-1] == "<|im_end|>" and "\ufffd" in texts
+    assert all(codec.token_text(i) is text for i, text in zip(ids, texts, strict=True))
+    assert codec.token_text(codec.vocab_size) == "" and codec.token_text(-1) == ""
+
+
 def test_nothing_is_returned_after_a_stop(codec: TextCodec) -> None:
     d = codec.detokenizer([], ["\n"])
     assert d.feed(codec.encode("one\ntwo")) == "one"
