@@ -450,6 +450,47 @@ def test_logit_bias_bans_and_forces_tokens_and_an_unknown_id_is_a_400(pool: Loca
     assert c.completions.create(model=MODEL, prompt="Hello", max_tokens=2).choices[0].text
 
 
+def test_logprobs_through_the_openai_client_streamed_or_not(pool: LocalPool) -> None:
+    """Chat and completion logprobs in OpenAI's shapes, parsed by the `openai` client: a greedy
+    answer's token is each position's top entry, streamed equals whole, 21 is refused."""
+    c = client(pool)
+    whole = c.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6,
+                                      temperature=0, logprobs=True, top_logprobs=3)  # fmt: skip
+    content = whole.choices[0].logprobs.content if whole.choices[0].logprobs else None
+    assert content and len(content) == whole.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        assert entry.top_logprobs[0].token == entry.token
+        assert entry.top_logprobs[0].logprob == entry.logprob
+        assert entry.bytes == list(entry.token.encode())
+    text = "".join(e.token for e in content)
+    assert whole.choices[0].message.content and text.startswith(whole.choices[0].message.content)
+    stream = c.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
+    )
+    streamed = [e for ch in stream if ch.choices and ch.choices[0].logprobs
+                for e in ch.choices[0].logprobs.content or []]  # fmt: skip
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
+        (e.token, round(e.logprob, 5)) for e in content
+    ]
+    completion = c.completions.create(model=MODEL, prompt="The capital of France is",
+                                      max_tokens=4, temperature=0, logprobs=2)  # fmt: skip
+    lp = completion.choices[0].logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    assert "".join(lp.tokens) == completion.choices[0].text
+    assert all(max(top, key=top.__getitem__) == token
+               for token, top in zip(lp.tokens, lp.top_logprobs, strict=True))  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True, top_logprobs=21)
+    assert err.value.body["param"] == "top_logprobs"
+
+
 def test_vllm_benchmark_fields_are_honoured(pool: LocalPool) -> None:
     """What guidellm, aiperf and inference-perf send: ignore_eos generates exactly max_tokens,
     continuous usage comes with every chunk, cached prompt tokens are reported."""
