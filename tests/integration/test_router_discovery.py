@@ -24,7 +24,7 @@ from kvrail.codec import decode
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import Cancel, GenerateRequest, KvEvent, WorkerRecord
-from kvrail.outputs import TokenEvent, TokenEventBatch
+from kvrail.outputs import RequestOutput, TokenEvent, TokenEventBatch
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
@@ -336,13 +336,13 @@ async def test_duplicated_reordered_and_late_token_events_fail_cleanly_or_are_ig
         request = decode(msg.data, GenerateRequest)
         seqs = scripts[request.request_id.split("-")[0]]
         last = 1 if request.request_id.startswith("late") else len(seqs) - 1
-        stranger = TokenEvent(request_id="someone-else", seq=0, token_ids=(9,), worker_id="d-0")
+        stranger = TokenEvent(RequestOutput("someone-else", (9,)), 0, "d-0")
         await pool.nc.publish(request.stream_subject, TokenEventBatch((stranger,)).encode())
         for i, seq in enumerate(seqs):
-            event = TokenEvent(
-                request_id=request.request_id, seq=seq, token_ids=(100 + seq,), worker_id="d-0",
-                finish_reason="length" if i == last else None,
-            )  # fmt: skip
+            output = RequestOutput(
+                request.request_id, (100 + seq,), "length" if i == last else None
+            )
+            event = TokenEvent(output, seq, "d-0")
             await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
 
     sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=answer)
@@ -388,10 +388,10 @@ async def test_events_queued_behind_a_slow_reader_arrive_as_one_and_a_failure_af
         request = decode(msg.data, GenerateRequest)
         seqs = scripts[request.request_id.split("-")[0]]
         for i, seq in enumerate(seqs):
-            event = TokenEvent(
-                request_id=request.request_id, seq=seq, token_ids=(100 + i,), worker_id="d-0",
-                finish_reason="length" if i == len(seqs) - 1 else None,
-            )  # fmt: skip
+            output = RequestOutput(
+                request.request_id, (100 + i,), "length" if i == len(seqs) - 1 else None
+            )
+            event = TokenEvent(output, seq, "d-0")
             await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
 
     sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=answer)
@@ -431,7 +431,7 @@ async def test_a_silent_worker_fails_its_request_at_the_deadline_or_once_its_rec
 
     async def first_event_only(msg: Msg) -> None:
         request = decode(msg.data, GenerateRequest)
-        event = TokenEvent(request_id=request.request_id, seq=0, token_ids=(7,), worker_id="d-0")
+        event = TokenEvent(RequestOutput(request.request_id, (7,)), 0, "d-0")
         await pool.nc.publish(request.stream_subject, TokenEventBatch((event,)).encode())
 
     sub = await pool.nc.subscribe(pool.keys.decode_requests("d-0"), cb=first_event_only)

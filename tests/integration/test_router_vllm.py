@@ -29,7 +29,7 @@ from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, WorkerRecord
-from kvrail.outputs import TokenEvent, TokenEventBatch
+from kvrail.outputs import RequestOutput, TokenEvent, TokenEventBatch
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
@@ -437,10 +437,7 @@ async def test_engines_never_mix_and_a_router_without_vllm_options_ignores_vllm_
         async def count(msg: Any) -> None:
             nats_requests[worker_id] += 1
             request = decode(msg.data, GenerateRequest)
-            done = TokenEvent(
-                request_id=request.request_id, seq=0, token_ids=(4,), finish_reason="stop",
-                worker_id=worker_id,
-            )  # fmt: skip
+            done = TokenEvent(RequestOutput(request.request_id, (4,), "stop"), 0, worker_id)
             await pool.nc.publish(request.stream_subject, TokenEventBatch((done,)).encode())
 
         return count

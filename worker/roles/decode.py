@@ -89,6 +89,10 @@ class _Stream:
 
     def _send(self, output: RequestOutput) -> None:
         try:
+            if output.request_id != self.request.request_id:
+                # A local recompute beside a quarantined reservation runs under another engine
+                # id (`~local`); its router knows the request by its own.
+                output = replace(output, request_id=self.request.request_id)
             if self.seq == 0:
                 output = self._first_token(output)
             self._publish(output)

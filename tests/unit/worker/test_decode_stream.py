@@ -92,6 +92,17 @@ async def test_an_error_update_is_the_last_event() -> None:
     assert stream.done.done()
 
 
+async def test_a_recompute_under_another_engine_id_is_published_under_the_requests_id() -> None:
+    """Beside a quarantined reservation the local recompute runs as `<id>~local`; its router
+    knows the request by `<id>` alone."""
+    stream, outbox = _stream()
+    stream.start()
+    stream.on_output(RequestOutput("r-1~local", (7,)))
+    stream.on_output(RequestOutput("r-1~local", (8,), finish_reason="length"))
+    assert [e.request_id for _, e in outbox.events] == ["r-1", "r-1"]
+    assert _tokens(outbox) == [(0, (7,), None), (1, (8,), "length")]
+
+
 async def test_a_failing_publish_fails_only_its_own_request() -> None:
     stream, outbox = _stream()
     stream.start()
