@@ -639,7 +639,7 @@ async def run(dispatcher: Dispatcher, token_ids: tuple[int, ...], max_tokens: in
     )
     async with dispatcher.open(job) as stream:
         events = [event async for event in stream]
-    assert events[-1].error is None and events[-1].finish_reason is not None
+    assert events[-1].output.error is None and events[-1].output.finish_reason is not None
     return stream.worker_id
 
 
