@@ -10,7 +10,7 @@ tokens; `EngineService` hands it to the decode role unchanged; the role numbers 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Literal
 
@@ -90,28 +90,41 @@ class RequestOutput:
         return self.finish_reason is not None or self.error is not None
 
 
-_OUTPUT_FIELDS = tuple(
-    (f.name, f.default, isinstance(f.default, tuple)) for f in fields(RequestOutput)
-)
+def _merger() -> Callable[[Sequence[RequestOutput]], RequestOutput]:
+    """`merged`'s body, written out for `RequestOutput`'s fields (as `dataclasses` writes
+    `__init__`): a router merges the outputs queued behind a busy stream on every turn, and a
+    loop over the fields with `getattr` cost three times as much. Tuple fields (the tokens, their
+    logprobs) are concatenated in order; every other field keeps the latest value that is not
+    its default. The result's slots are set directly (what `__post_init__` checks holds for
+    values taken from valid outputs)."""
+    scope: dict[str, Any] = {"new": object.__new__, "R": RequestOutput}
+    body = ["def merged(outputs):", " if len(outputs) == 1:", "  return outputs[0]"]
+    sets = [" m = new(R)"]
+    for f in fields(RequestOutput):
+        name = f.name
+        scope[f"set_{name}"], scope[f"d_{name}"] = RequestOutput.__dict__[name].__set__, f.default
+        if isinstance(f.default, tuple):
+            body.append(f" {name} = []")
+            sets.append(f" set_{name}(m, tuple({name}))")
+        else:
+            body.append(f" {name} = d_{name}")
+            sets.append(f" set_{name}(m, {name})")
+    body.append(" for o in outputs:")
+    for f in fields(RequestOutput):
+        name = f.name
+        if isinstance(f.default, tuple):
+            body.append(f"  {name} += o.{name}")
+        else:
+            body.append(f"  if o.{name} != d_{name}:")
+            body.append(f"   {name} = o.{name}")
+    exec("\n".join([*body, *sets, " return m"]), scope)
+    function: Callable[[Sequence[RequestOutput]], RequestOutput] = scope["merged"]
+    return function
 
 
-def merged(outputs: Sequence[RequestOutput]) -> RequestOutput:
-    """Consecutive outputs of one request as one: tuple fields (the tokens) concatenated in
-    order, every other field the latest value that is not its default."""
-    if len(outputs) == 1:
-        return outputs[0]
-    values: dict[str, Any] = {}
-    for name, default, is_tuple in _OUTPUT_FIELDS:
-        if is_tuple:
-            values[name] = tuple(v for out in outputs for v in getattr(out, name))
-            continue
-        values[name] = default
-        for out in reversed(outputs):
-            value = getattr(out, name)
-            if value != default:
-                values[name] = value
-                break
-    return RequestOutput(**values)
+merged = _merger()
+"""Consecutive outputs of one request as one (see `_merger`): the tokens (and any tuple
+field) concatenated in order, every other field the latest value that is not its default."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +151,20 @@ class TokenEvent(Message):
     def request_id(self) -> str:
         return self.output.request_id
 
+    def with_output(self, output: RequestOutput) -> TokenEvent:
+        """This event carrying `output` instead (a merged one): its other fields copied slot by
+        slot, at a third of `dataclasses.replace`'s cost, on the router's catch-up path."""
+        event = object.__new__(TokenEvent)
+        for name, setter in _EVENT_SLOTS:
+            setter(event, output if name == "output" else getattr(self, name))
+        return event
+
     @property
     def is_last(self) -> bool:
         return self.output.is_last
 
+
+_EVENT_SLOTS = tuple((f.name, TokenEvent.__dict__[f.name].__set__) for f in fields(TokenEvent))
 
 MAX_EVENTS_PER_BATCH = 4096
 

@@ -138,8 +138,7 @@ class TokenStream:
                 outputs.append(queued.output)
         if len(outputs) == 1:
             return event
-        return TokenEvent(merged(outputs), event.seq, event.worker_id, event.prefill_mode,
-                          event.stages)  # fmt: skip
+        return event.with_output(merged(outputs))
 
     def _accept(self, item: TokenEvent | str) -> TokenEvent | None:
         """The queue's next item checked: the attempt's next event, or None for an item that
