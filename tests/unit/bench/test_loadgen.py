@@ -16,7 +16,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletionChunk
 
-from kvrail.local.procs import free_port
+from kvrail.local.procs import ProcessFailed, free_port
 from kvrail.testing.scripts import load_script
 
 BENCH = Path(__file__).resolve().parents[3] / "bench"
@@ -364,12 +364,11 @@ def test_client_processes_send_the_whole_schedule_through_the_real_openai_client
 ) -> None:
     """Two client processes, each with a server replica of its own (two stand-ins), send every
     request of the schedule once, at its time."""
-    ports = [free_port(), free_port()]
     # bench/studies/client/loadgen_cost.py's stand-in: an OpenAI-style SSE stream of 5 fixed
     # chunks, its response id naming its port (the thing under test is the client side)
-    standins = [
-        cost.start_standin(port, 5, 5.0, tmp_path / f"standin-{port}.log") for port in ports
-    ]
+    started = [_standin(tmp_path, 5, 5.0), _standin(tmp_path, 5, 5.0)]
+    ports = [port for port, _ in started]
+    standins = [standin for _, standin in started]
     try:
         target = lg.Target(f"http://127.0.0.1:{ports[0]}/v1", "standin", timeout_s=30.0)
         replicas = [f"http://127.0.0.1:{ports[1]}/v1"]
@@ -412,8 +411,7 @@ asyncio.run(lg.run_point(target, workload, point, show_progress=False, processes
 def test_client_processes_end_when_the_load_generator_is_killed(tmp_path: Path) -> None:
     """SIGKILL gives the load generator no chance to stop its client processes: they see their
     stdin end and stop in the middle of their streams."""
-    port = free_port()
-    standin = cost.start_standin(port, 400, 50.0, tmp_path / "standin.log")  # 20 s a stream
+    port, standin = _standin(tmp_path, 400, 50.0)  # 20 s a stream
     parent = subprocess.Popen(
         [sys.executable, "-P", "-c", _KILLED_PARENT, str(BENCH),
          f"http://127.0.0.1:{port}/v1"],
@@ -438,6 +436,21 @@ def test_client_processes_end_when_the_load_generator_is_killed(tmp_path: Path) 
         if parent.poll() is None:
             parent.kill()
         standin.stop()
+
+
+def _standin(tmp_path: Path, num_tokens: int, gap_ms: float) -> tuple[int, Any]:
+    """A stand-in server on a free port: another process may take the port between
+    `free_port`'s check and the stand-in's bind (CI saw it once), so a failed start tries the
+    next port, three times at most."""
+    for attempt in range(3):
+        port = free_port()
+        try:
+            log = tmp_path / f"standin-{port}.log"
+            return port, cost.start_standin(port, num_tokens, gap_ms, log)
+        except ProcessFailed:
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 def _alive(pid: int) -> bool:
