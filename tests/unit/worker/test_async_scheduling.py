@@ -14,7 +14,7 @@ import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvrail.sampling import SamplingParams
+from kvrail.sampling import SamplingParams, TokenBias
 from kvrail.worker.engine.engine import LLMEngine
 from kvrail.worker.engine.request import RequestStatus
 from kvrail.worker.engine.scheduler import Scheduler
@@ -214,3 +214,50 @@ def test_on_a_gpu_outputs_equal_the_synchronous_engine_with_graphs() -> None:
         overlapped = _engine(True, max_num_seqs=8)
     assert overlapped.runner.graphs is not None
     assert _run(overlapped, params) == expected
+
+
+def _with_logprobs(engine: LLMEngine) -> dict[str, list[Any]]:
+    """Eight requests, greedy and seeded, half asking for 3 logprobs, one forced by a +100 bias:
+    each request's tokens and logprob entries."""
+    for i in range(8):
+        params = SamplingParams(
+            max_tokens=10, ignore_eos=True, logprobs=3 if i % 2 else None,
+            temperature=0.0 if i < 4 else 1.0, seed=i,
+            logit_bias=(TokenBias(5, 100.0),) if i == 7 else (),
+        )  # fmt: skip
+        engine.add_request(f"lp{i}", list(range(10 + i, 30 + i)), params)
+    got: dict[str, list[Any]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            entries = output.logprobs or (None,) * len(output.token_ids)
+            got.setdefault(output.request_id, []).extend(
+                zip(output.token_ids, entries, strict=True)
+            )
+    assert_engine_empty(engine)
+    return got
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[
+        pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+    ])],
+)  # fmt: skip
+def test_logprobs_and_logit_bias_are_the_same_scheduled_ahead(device: str) -> None:
+    """With the next step queued before the last one's tokens are read (and CUDA graphs on a
+    GPU), every asking row's logprob entries are the synchronous engine's; rows that did not ask
+    get none, and the biased row is forced."""
+    with torch.device(device):
+        expected = _with_logprobs(_engine(False, max_num_seqs=8))
+        got = _with_logprobs(_engine(True, max_num_seqs=8))
+    assert [[t for t, _ in got[r]] for r in sorted(got)] == [
+        [t for t, _ in expected[r]] for r in sorted(expected)
+    ]
+    for rid, entries in got.items():
+        asked = int(rid[2:]) % 2 == 1
+        assert all((lp is not None) == asked for _, lp in entries)
+        for (token, lp), (_, want) in zip(entries, expected[rid], strict=True):
+            if lp is not None:
+                assert lp.token_id == token and lp.top_token_ids == want.top_token_ids
+                assert abs(lp.logprob - want.logprob) < 1e-4
+    assert {t for t, _ in got["lp7"]} == {5}
