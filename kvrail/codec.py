@@ -92,15 +92,8 @@ def _encode_fields(obj: Any) -> dict[str, Any]:
             body[name] = value
         elif name in _PACKED:
             body[name] = _pack(tuple(value), _PACKED[name][0])
-        elif isinstance(value, tuple):
-            body[name] = [
-                _encode_fields(v) if is_dataclass(v) and not isinstance(v, type) else v
-                for v in value
-            ]
-        elif is_dataclass(value) and not isinstance(value, type):
-            body[name] = _encode_fields(value)
         else:
-            body[name] = value
+            body[name] = encode_value(value)
     return body
 
 
@@ -141,6 +134,8 @@ def _info(cls: type[Any]) -> _ClassInfo:
 def encode_value(value: Any) -> Any:
     """One field's value as the JSON codec writes it (a nested dataclass as an object, a tuple
     as a list of such values)."""
+    if type(value) in _SCALARS:
+        return value
     if is_dataclass(value) and not isinstance(value, type):
         return _encode_fields(value)
     if isinstance(value, tuple):
