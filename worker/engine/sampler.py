@@ -33,7 +33,7 @@ import torch
 from kvrail.kernels import dispatch
 from kvrail.outputs import TokenLogprobs
 from kvrail.worker.engine.request import Request
-from kvrail.worker.engine.staging import to_device
+from kvrail.worker.engine.staging import to_device, to_host
 
 
 def apply_top_k_top_p(
@@ -108,13 +108,9 @@ class StepLogprobs:
     def to_host(self) -> StepLogprobs:
         """The same, copied into pinned host memory without waiting (ordered on the stream:
         read them once the step's event has passed)."""
-        if self.chosen.device.type != "cuda":
-            return self
-        copies = []
-        for tensor in (self.chosen, self.top_ids, self.top_logprobs):
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-            copies.append(host.copy_(tensor, non_blocking=True))
-        return StepLogprobs(self.rows, *copies)
+        return StepLogprobs(
+            self.rows, to_host(self.chosen), to_host(self.top_ids), to_host(self.top_logprobs)
+        )
 
     def for_rows(
         self, requests: Sequence[Request], token_ids: Sequence[int]

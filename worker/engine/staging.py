@@ -1,4 +1,4 @@
-"""Step inputs onto the device without waiting for it.
+"""Step inputs onto the device, and step outputs back to the host, without waiting for it.
 
 A plain host-to-device copy in PyTorch synchronises the stream: it waits for every kernel queued
 before it. The engine queues the next step while the current one runs (`Scheduler.schedule_ahead`),
@@ -18,6 +18,15 @@ def to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return tensor
     return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a device tensor in pinned host memory, queued on the current stream without
+    waiting (read it once an event recorded after it has passed); a CPU tensor as it is."""
+    if tensor.device.type != "cuda":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
 
 
 def feed_tokens(input_ids: torch.Tensor, rows: np.ndarray, sampled: torch.Tensor) -> None:

@@ -27,6 +27,7 @@ from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler, StepLogprobs
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import SchedulerOutput
+from kvrail.worker.engine.staging import to_host
 
 
 @dataclass(slots=True)
@@ -116,8 +117,7 @@ class StepPipeline:
         sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
         if tokens.device.type != "cuda":
             return _Launched(out, requests, sampled, tokens, None, logprobs)
-        host = torch.empty(tokens.shape, dtype=torch.int64, device="cpu", pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+        host = to_host(tokens)
         if logprobs is not None:
             logprobs = logprobs.to_host()
         done = torch.cuda.Event()
