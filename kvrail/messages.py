@@ -78,15 +78,22 @@ class PrefillDone(Message):
     first_logprobs: tuple[TokenLogprobs, ...] = ()
     """The first token's log-probabilities, when the job's sampling asked (at most one entry,
     for `first_token_id`): what the decode worker's first output carries."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """The prompt's scores, when the job's sampling asked (`SamplingParams.prompt_logprobs`):
+    one per prompt token after the first."""
 
     def __post_init__(self) -> None:
         if len(self.first_logprobs) > 1 or any(
-            lp.token_id != self.first_token_id
-            or len(lp.top_token_ids) != len(lp.top_logprobs)
-            or len(lp.top_token_ids) > MAX_LOGPROBS
-            for lp in self.first_logprobs
+            lp.token_id != self.first_token_id for lp in self.first_logprobs
         ):
             raise ValueError("first_logprobs must be the first token's, at most one entry")
+        if self.prompt_logprobs and len(self.prompt_logprobs) != self.num_prompt_tokens - 1:
+            raise ValueError("prompt_logprobs must score every prompt token after the first")
+        if any(
+            len(lp.top_token_ids) != len(lp.top_logprobs) or len(lp.top_token_ids) > MAX_LOGPROBS
+            for lp in self.first_logprobs + self.prompt_logprobs
+        ):
+            raise ValueError(f"top log-probabilities must be pairs, at most {MAX_LOGPROBS}")
 
 
 @dataclass(frozen=True, slots=True)

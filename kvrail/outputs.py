@@ -38,9 +38,10 @@ class FirstTokenStages:
 
 @dataclass(frozen=True, slots=True)
 class TokenLogprobs:
-    """A sampled token's log-probability, and the most likely tokens at its position with
-    theirs (as many as its request's `SamplingParams.logprobs`, most likely first): the model's
-    log-softmax over the vocabulary, before the request's sampling parameters."""
+    """A token's log-probability (a sampled token's, or a prompt token's given the tokens
+    before it), and the most likely tokens at its position with theirs (as many as its request's
+    `SamplingParams.logprobs` or `prompt_logprobs`, most likely first): the model's log-softmax
+    over the vocabulary, before the request's sampling parameters."""
 
     token_id: int
     logprob: float
@@ -76,6 +77,10 @@ class RequestOutput:
     request's first output only."""
     logprobs: tuple[TokenLogprobs, ...] = ()
     """One per token of `token_ids`, when the request asked (`SamplingParams.logprobs`)."""
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    """The prompt's scores, when the request asked (`SamplingParams.prompt_logprobs`): one per
+    prompt token after the first, in order, each that token's log-probability given the tokens
+    before it; on the request's first output only."""
 
     def __post_init__(self) -> None:
         if self.num_cached_tokens < 0:

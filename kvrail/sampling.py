@@ -26,7 +26,14 @@ Semantics follow vLLM's `SamplingParams`:
 - `logprobs`: None (the default) computes no log-probabilities; an integer k in [0,
   `MAX_LOGPROBS`] returns, with every sampled token, its log-probability and the k most likely
   tokens at its position with theirs (vLLM's raw log-probabilities: the model's log-softmax,
-  before logit_bias, penalties or temperature).
+  before logit_bias, penalties or temperature);
+- `prompt_logprobs` (vLLM's; completions `echo` with `logprobs`): None computes none; an integer
+  k in [0, `MAX_LOGPROBS`] scores the prompt: every prompt token after the first gets its
+  log-probability given the tokens before it and the k most likely tokens at its position. A
+  cached prefix has no logits, so such a request reads nothing from the prefix cache: its whole
+  prompt is computed (its blocks still join the cache for others). At most
+  `MAX_PROMPT_LOGPROB_ENTRIES` entries (prompt tokens times k + 1) per request, so that the
+  scores fit one message.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ MAX_PENALTY = 2.0  # OpenAI's bound for presence and frequency penalties
 MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI documents the same bound)
 MAX_BIAS = 100.0  # OpenAI's bound for one token's bias
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's cap)
+MAX_PROMPT_LOGPROB_ENTRIES = 65_536  # prompt tokens x (prompt_logprobs + 1): < 5 MiB as JSON
 
 
 def _fail(name: str, value: object, why: str) -> InvalidRequestError:
@@ -81,6 +89,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[TokenBias, ...] = ()
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -111,10 +120,10 @@ class SamplingParams:
             if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise _fail(name, value, f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}]")
         self._check_logit_bias()
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise _fail("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise _fail(name, value, f"must be an integer in [0, {MAX_LOGPROBS}]")
         set_ = object.__setattr__
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
@@ -134,6 +143,18 @@ class SamplingParams:
                             f"{MAX_BIAS:g}]")  # fmt: skip
         if len({e.token_id for e in entries}) != len(entries):
             raise _fail("logit_bias", "...", "a token id may appear once")
+
+    def check_prompt_scores(self, num_prompt_tokens: int) -> None:
+        """Raise InvalidRequestError (naming `prompt_logprobs`) when scoring a prompt this long
+        would exceed `MAX_PROMPT_LOGPROB_ENTRIES`."""
+        k = self.prompt_logprobs
+        if k is not None and num_prompt_tokens * (k + 1) > MAX_PROMPT_LOGPROB_ENTRIES:
+            most = MAX_PROMPT_LOGPROB_ENTRIES // (k + 1)
+            raise InvalidRequestError(
+                f"scoring the prompt with {k} top log-probabilities per token covers at most "
+                f"{most} prompt tokens; this prompt has {num_prompt_tokens}",
+                "prompt_logprobs",
+            )
 
     @property
     def is_greedy(self) -> bool:

@@ -147,9 +147,14 @@ async def _completion(
     vocab = state.codec.vocab_size
     if any(t < 0 or t >= vocab for t in prompt_ids):
         raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    echo_text = ""
+    if body.echo:  # the prompt as sent, or its token ids' text
+        echo_text = (
+            text if text is not None else await _tokenize(state, state.codec.decode, prompt_ids)
+        )
     return await generate.serve(
         state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, requested(body),
-        request_id,
+        request_id, echo_text,
     )  # fmt: skip
 
 

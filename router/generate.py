@@ -10,6 +10,7 @@ one body, and cancelled on every worker when the client leaves either way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from starlette.responses import JSONResponse
 from starlette.types import Receive
 
+from kvrail.errors import InvalidRequestError
 from kvrail.outputs import RequestOutput
 from kvrail.router.api import asgi, streaming
 from kvrail.router.api.errors import ApiError, dispatch_error
@@ -79,11 +81,13 @@ async def serve(
     prompt_ids: Sequence[int],
     asked: Requested,
     request_id: str,
+    echo_text: str = "",
 ) -> JSONResponse | streaming.EventStream:
     """The response to one generation request, `request_id` (the completion's id, and the
     response's x-request-id header). Its body was read from `receive`; the client's departure
-    is read from it too. Raises ApiError, asgi.ClientLeft (not streamed, the client left before
-    the end; counted as 499)."""
+    is read from it too. With `echo` (`asked.delivery`) the text begins with `echo_text`, the
+    prompt's. Raises ApiError, asgi.ClientLeft (not streamed, the client left before the end;
+    counted as 499)."""
     started = time.monotonic()
     param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
@@ -109,6 +113,10 @@ async def serve(
     if any(b.token_id >= vocab for b in params.logit_bias):
         raise ApiError(400, f"logit_bias token ids must be below {vocab}", param="logit_bias")
     try:
+        params.check_prompt_scores(len(prompt_ids))
+    except InvalidRequestError as err:
+        raise ApiError(400, str(err), param="echo") from err
+    try:
         ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
     except Rejected as err:
         state.metrics.rejected.labels("rate_limited" if err.status == 429 else "too_large").inc()
@@ -129,6 +137,8 @@ async def serve(
         None if params.logprobs is None else state.codec.token_text,
     )  # fmt: skip
     pieces = _generate(state, job, detok, started, tenant, ticket)
+    if delivery.echo:
+        pieces = _echoed(pieces, echo_text, prompt_ids[0])
     if delivery.stream:
         sse = streaming.sse(
             reply, pieces, lambda status: state.metrics.requests.labels(endpoint, status).inc()
@@ -145,6 +155,20 @@ async def serve(
         ticket.release(0)  # a no-op once the request released it with its real usage
     state.metrics.requests.labels(endpoint, "200").inc()
     return JSONResponse(body, headers={streaming.REQUEST_ID_HEADER: response_id})
+
+
+async def _echoed(
+    pieces: AsyncGenerator[streaming.Piece, None], text: str, first_token_id: int
+) -> AsyncGenerator[streaming.Piece, None]:
+    """The pieces with the prompt's `text` before the first one's (which also names the
+    prompt's first token, the one the prompt's scores leave out)."""
+    async with contextlib.aclosing(pieces):
+        first = True
+        async for piece in pieces:
+            if first:
+                piece = dataclasses.replace(piece, text=text + piece.text, echo=(first_token_id,))
+                first = False
+            yield piece
 
 
 def _feed_to_stop(detok: Detokenizer, output: RequestOutput) -> tuple[str, RequestOutput]:

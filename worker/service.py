@@ -161,13 +161,16 @@ class EngineService:
         *,
         deadline_monotonic: float | None = None,
         logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> None:
         """Make a reserved request runnable (its KV landed and was validated; the prefill worker
-        sampled `first_token_id`, with `logprobs` if the request asked). The callback gets its
-        first output at once. Raises KeyError when it is not reserved."""
+        sampled `first_token_id`, with `logprobs` and the prompt's scores if the request asked).
+        The callback gets its first output at once. Raises KeyError when it is not reserved."""
 
         def run() -> None:
-            output = self.engine.install_remote(request_id, first_token_id, logprobs)
+            output = self.engine.install_remote(
+                request_id, first_token_id, logprobs, prompt_logprobs
+            )
             self._held.discard(request_id)
             tracked = _Tracked(on_output, deadline_monotonic)
             if not output.finished:

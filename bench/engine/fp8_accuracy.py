@@ -133,7 +133,7 @@ def _perplexity(engine: object, text: list[int], start: int) -> float:
         request_id = f"ppl-{k}"
         engine.add_request(request_id, text[:k], SamplingParams(max_tokens=1))  # type: ignore[attr-defined]
         out = scheduler.schedule()
-        logits, _ = runner.execute(out)
+        logits, _, _ = runner.execute(out)
         total -= float(torch.log_softmax(logits[0].float(), dim=-1)[text[k]])
         scheduler.update_from_output(out, {request_id: text[k]})
     return math.exp(total / (len(text) - start))

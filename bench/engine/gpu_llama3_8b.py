@@ -242,10 +242,10 @@ def step_logits(engine: Any, prompt: list[int]) -> tuple[torch.Tensor, torch.Ten
     request_id = f"logits-{time.perf_counter()}"
     engine.add_request(request_id, prompt, SamplingParams(max_tokens=2))
     out = scheduler.schedule()
-    prefill, _ = runner.execute(out)
+    prefill, _, _ = runner.execute(out)
     scheduler.update_from_output(out, {request_id: 11})
     out = scheduler.schedule()
-    decode, _ = runner.execute(out)
+    decode, _, _ = runner.execute(out)
     scheduler.update_from_output(out, {request_id: 12})
     assert not engine.has_unfinished_requests()
     return prefill[0].float(), decode[0].float()

@@ -7,7 +7,9 @@
 - completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`, four lists with
   one item per token; an item of `top_logprobs` maps the text of the request's `logprobs` most
   likely tokens, and of the sampled one, to their log-probabilities (so up to `logprobs` + 1,
-  as OpenAI documents); `text_offset` is where each token starts in the returned text.
+  as OpenAI documents); `text_offset` is where each token starts in the returned text. With
+  `echo`, the prompt's tokens come first, the first of them with null for its log-probability
+  and its top entries (nothing precedes it).
 
 A token is named by its text as the tokenizer decodes it alone, special tokens included (a
 function of its id, `TextCodec.token_text`, which keeps each id's text); a token that holds
@@ -90,16 +92,29 @@ class ResponseLogprobs:
     text_offset: int = 0
     """Characters of the response's text before the next piece."""
 
-    def of(self, logprobs: Sequence[TokenLogprobs], text: str) -> dict[str, Any] | None:
+    def of(
+        self, logprobs: Sequence[TokenLogprobs], text: str, echo: Sequence[int] = (),
+        prompt: Sequence[TokenLogprobs] = (),
+    ) -> dict[str, Any] | None:  # fmt: skip
         """The `logprobs` of the choice of a piece with these tokens and `text` (None when it
-        has no tokens); the next piece's text starts after `text`."""
+        has no tokens); the next piece's text starts after `text`. A completion's piece that
+        echoes the prompt names its first token (`echo`, which has no log-probability: null,
+        as in OpenAI's API) and its `prompt` scores, listed before the piece's tokens."""
         offset = self.text_offset
         self.text_offset += len(text)
-        if not logprobs:
+        if not logprobs and not echo:
             return None
         if self.is_chat:
             return {"content": chat_content(logprobs, self.token_text)}
-        return completion_lists(logprobs, self.token_text, offset)
+        if not echo:
+            return completion_lists(logprobs, self.token_text, offset)
+        first = self.token_text(echo[0])
+        lists = completion_lists([*prompt, *logprobs], self.token_text, offset + len(first))
+        lists["tokens"].insert(0, first)
+        lists["token_logprobs"].insert(0, None)
+        lists["top_logprobs"].insert(0, None)
+        lists["text_offset"].insert(0, offset)
+        return lists
 
     def join(self, parts: Sequence[dict[str, Any] | None]) -> dict[str, Any]:
         """A whole body's `logprobs`: the pieces' (`of`), in order."""

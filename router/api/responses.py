@@ -58,8 +58,9 @@ class ChatLogprobs(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]
+    """null only for an echoed prompt's first token"""
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

@@ -64,6 +64,8 @@ class Delivery:
     include_usage: bool = False
     continuous_usage_stats: bool = False
     """Usage in every streamed chunk (vLLM's `stream_options.continuous_usage_stats`)."""
+    echo: bool = False
+    """The prompt leads the returned text (completions' `echo`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,10 +127,13 @@ def requested(req: ChatCompletionRequest | CompletionRequest) -> Requested:
             fields["logprobs"] = req.top_logprobs or 0
     elif req.logprobs is not None:
         fields["logprobs"] = req.logprobs
+        if req.echo:
+            fields["prompt_logprobs"] = req.logprobs
     delivery = Delivery(
         stop=tuple(dict.fromkeys(stop)),
         stream=stream,
         include_usage=stream and bool(options and options.include_usage),
         continuous_usage_stats=stream and bool(options and options.continuous_usage_stats),
+        echo=isinstance(req, CompletionRequest) and bool(req.echo),
     )
     return Requested(max_tokens, delivery, fields)

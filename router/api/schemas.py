@@ -62,7 +62,6 @@ UNSUPPORTED: dict[str, str] = {
     "moderation": "null",
     "prompt_cache_retention": "null",
     "prompt_cache_options": "null",
-    "echo": "false",
     "suffix": "null",
     "best_of": "1",
     "skip_special_tokens": "true",
@@ -336,20 +335,26 @@ class ChatCompletionRequest(_GenerationRequest):
         return out
 
 
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 Prompt = (
     str
-    | Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    | TokenIds
     | Annotated[list[str], Field(min_length=1, max_length=1)]
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=1)]
 )
 
 
 class CompletionRequest(_GenerationRequest):
-    """POST /v1/completions: one prompt, as a string, a list of token ids or `[string]`.
-    `max_tokens` defaults to 16 (OpenAI's default); `null` means as many as the context allows."""
+    """POST /v1/completions: one prompt, as a string, a list of token ids, `[string]` or
+    `[[token ids]]`. `max_tokens` defaults to 16 (OpenAI's default); `null` means as many as the
+    context allows. `echo` returns the prompt before the completion, and with `logprobs` the
+    prompt's tokens scored too (the first has none, as in OpenAI's API)."""
 
     prompt: Prompt
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
-    echo: OnlyFalse | None = None
+    echo: bool | None = Field(
+        None, description="return the prompt before the completion (with `logprobs`: scored)"
+    )
     suffix: None = None
     logprobs: int | None = Field(
         None, ge=0, le=MAX_LOGPROBS,
@@ -369,8 +374,9 @@ class CompletionRequest(_GenerationRequest):
             if len(value) > 1 and all(isinstance(p, str | list) for p in value):
                 raise _fail("batches of several prompts are not supported by kvrail")
             if isinstance(value[0], list):
-                raise _fail("batches of token-id prompts are not supported by kvrail")
-            if isinstance(value[0], str):
+                if not value[0] or not all(type(t) is int and t >= 0 for t in value[0]):
+                    raise _fail("prompt token ids must be integers >= 0")
+            elif isinstance(value[0], str):
                 _check_text(value[0])
             elif not all(type(t) is int and t >= 0 for t in value):
                 raise _fail("prompt token ids must be integers >= 0")
@@ -388,4 +394,7 @@ class CompletionRequest(_GenerationRequest):
     def prompt_ids(self) -> list[int] | None:
         """The prompt token ids, or None when the prompt is text."""
         p = self.prompt
-        return None if isinstance(p, str) or isinstance(p[0], str) else [int(t) for t in p]
+        if isinstance(p, str) or isinstance(p[0], str):
+            return None
+        ids = p[0] if isinstance(p[0], list) else p
+        return [int(t) for t in ids]  # type: ignore[arg-type]

@@ -52,6 +52,9 @@ class Piece:
     num_tokens: int
     num_cached_tokens: int = 0
     output: RequestOutput | None = None
+    echo: tuple[int, ...] = ()
+    """An echoed completion's first piece: the prompt's first token id (its text leads
+    `text`; the rest of the prompt's tokens are scored in `output.prompt_logprobs`)."""
 
 
 @dataclass(slots=True)
@@ -110,8 +113,7 @@ class Reply:
         """A piece's text chunk, with its tokens' logprobs (a request that asked for them; a
         piece with tokens is sent even without text, so that none of them is missing)."""
         assert self.logprobs is not None
-        tokens = piece.output.logprobs if piece.output is not None else ()
-        logprobs = self.logprobs.of(tokens, piece.text)
+        logprobs = _logprobs_of(self.logprobs, piece)
         if logprobs is None and not piece.text:
             return b""
         return _event(self.chunk(piece.text, None, usage, logprobs=logprobs))
@@ -170,13 +172,19 @@ async def collect(pieces: AsyncGenerator[Piece, None], reply: Reply) -> dict[str
         async for piece in pieces:
             parts.append(piece.text)
             if logprobs is not None:
-                tokens = piece.output.logprobs if piece.output is not None else ()
-                logprob_parts.append(logprobs.of(tokens, piece.text))
+                logprob_parts.append(_logprobs_of(logprobs, piece))
             last = piece
             if piece.finish_reason is not None:
                 finish = piece.finish_reason
     joined = None if logprobs is None else logprobs.join(logprob_parts)
     return reply.whole("".join(parts), finish, reply.usage(last), joined)
+
+
+def _logprobs_of(logprobs: ResponseLogprobs, piece: Piece) -> dict[str, Any] | None:
+    output = piece.output
+    if output is None:
+        return logprobs.of((), piece.text, piece.echo)
+    return logprobs.of(output.logprobs, piece.text, piece.echo, output.prompt_logprobs)
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:

@@ -476,9 +476,8 @@ def test_logprobs_through_the_openai_client_streamed_or_not(pool: LocalPool) -> 
     )
     streamed = [e for ch in stream if ch.choices and ch.choices[0].logprobs
                 for e in ch.choices[0].logprobs.content or []]  # fmt: skip
-    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [
-        (e.token, round(e.logprob, 5)) for e in content
-    ]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert _close([e.logprob for e in streamed], [e.logprob for e in content])
     completion = c.completions.create(model=MODEL, prompt="The capital of France is",
                                       max_tokens=4, temperature=0, logprobs=2)  # fmt: skip
     lp = completion.choices[0].logprobs
@@ -489,6 +488,47 @@ def test_logprobs_through_the_openai_client_streamed_or_not(pool: LocalPool) -> 
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model=MODEL, messages=QUESTION, logprobs=True, top_logprobs=21)
     assert err.value.body["param"] == "top_logprobs"
+
+
+def _close(a: list[float | None], b: list[float | None]) -> bool:
+    """Equal log-probabilities, up to what another worker's batch changes (float32)."""
+    return len(a) == len(b) and all(
+        x is y is None or (x is not None and y is not None and abs(x - y) < 1e-4)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_echo_scores_the_prompt_streamed_or_not_text_or_token_ids(pool: LocalPool) -> None:
+    """lm-eval's loglikelihood request (`echo`, `logprobs: 1`, `max_tokens: 1`): the text starts
+    with the prompt, the prompt's first token has null, every other prompt token its score; a
+    prompt sent as `[[token ids]]` scores the same, streamed equals whole."""
+    c = client(pool)
+    prompt = "The capital of France is"  # [504, 3575, 282, 4649, 314]
+    whole = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                 echo=True, logprobs=1)  # fmt: skip
+    choice = whole.choices[0]
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    lp = choice.logprobs
+    assert lp is not None and lp.tokens and lp.token_logprobs and lp.top_logprobs
+    num_prompt = whole.usage.prompt_tokens  # type: ignore[union-attr]
+    assert len(lp.tokens) == num_prompt + 1 and "".join(lp.tokens) == choice.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) in (1, 2) for top in lp.top_logprobs[1:])  # type: ignore[arg-type]
+    ids = c.completions.create(model=MODEL, prompt=[[504, 3575, 282, 4649, 314]], max_tokens=1,
+                               temperature=0, echo=True, logprobs=1)  # fmt: skip
+    assert ids.choices[0].text == choice.text
+    again = ids.choices[0].logprobs
+    assert again is not None and again.token_logprobs is not None
+    assert _close(again.token_logprobs, lp.token_logprobs)
+    stream = c.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  echo=True, logprobs=1, stream=True)  # fmt: skip
+    chunks = [ch.choices[0] for ch in stream if ch.choices]
+    assert "".join(ch.text for ch in chunks) == choice.text
+    streamed = [v for ch in chunks if ch.logprobs for v in ch.logprobs.token_logprobs or []]
+    assert _close(streamed, lp.token_logprobs)
+    plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
+    assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
 
 
 def test_vllm_benchmark_fields_are_honoured(pool: LocalPool) -> None:

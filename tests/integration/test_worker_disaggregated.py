@@ -165,6 +165,24 @@ async def test_logprobs_are_the_same_remote_or_colocated_the_first_token_include
     await assert_all_blocks_free(nc, pool)
 
 
+async def test_prompt_logprobs_are_the_same_remote_or_colocated(pool: Pool, nc: NatsClient) -> None:
+    """The prefill worker scores the prompt and sends the scores with the KV: the decode
+    worker's first output carries the same entries as a colocated worker's."""
+    token_ids = prompt(LONG_PROMPT, seed=11)
+    asked = SamplingParams(max_tokens=2, prompt_logprobs=2, ignore_eos=True)
+    colocated = await generate(nc, "colo-0", token_ids, sampling=asked)
+    disaggregated = await generate(nc, "decode-0", token_ids, sampling=asked)
+    assert disaggregated[0].prefill_mode == "remote"
+    local = colocated[0].output.prompt_logprobs
+    remote = disaggregated[0].output.prompt_logprobs
+    assert [lp.token_id for lp in remote] == [lp.token_id for lp in local] == list(token_ids[1:])
+    for a, b in zip(local, remote, strict=True):
+        assert a.top_token_ids == b.top_token_ids and len(a.top_token_ids) == 2
+        assert abs(a.logprob - b.logprob) < 1e-4
+    assert all(not e.output.prompt_logprobs for e in colocated[1:] + disaggregated[1:])
+    await assert_all_blocks_free(nc, pool)
+
+
 async def test_a_short_prompt_is_prefilled_on_the_decode_worker(pool: Pool, nc: NatsClient) -> None:
     token_ids = prompt(SHORT_PROMPT, seed=2)
     local = await generate(nc, "decode-0", token_ids, max_tokens=5)

@@ -232,6 +232,7 @@ class LLMEngine:
             raise InvalidRequestError(f"stop_token_ids must be below {vocab}", "stop_token_ids")
         if any(b.token_id >= vocab for b in params.logit_bias):
             raise InvalidRequestError(f"logit_bias token ids must be below {vocab}", "logit_bias")
+        params.check_prompt_scores(len(prompt_token_ids))
 
     def reserve_remote(
         self,
@@ -255,12 +256,21 @@ class LLMEngine:
         return replace(reservation, fence=DeviceFence.now(self.device))
 
     def install_remote(
-        self, request_id: str, first_token_id: int, logprobs: TokenLogprobs | None = None
+        self,
+        request_id: str,
+        first_token_id: int,
+        logprobs: TokenLogprobs | None = None,
+        prompt_logprobs: Sequence[TokenLogprobs] = (),
     ) -> RequestOutput:
         """Make a reserved request runnable: its prompt KV landed (and was validated) and
-        `first_token_id` was sampled from it elsewhere, with `logprobs` if the request asked.
-        Returns the request's first output, as a step would have made it (it may already be
-        finished). Raises KeyError when the request is not waiting for remote KV."""
+        `first_token_id` was sampled from it elsewhere, with `logprobs` and the prompt's scores
+        (`prompt_logprobs`) if the request asked. Returns the request's first output, as a step
+        would have made it (it may already be finished). Raises KeyError when the request is
+        not waiting for remote KV."""
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and prompt_logprobs:
+            request.prompt_logprobs.extend(prompt_logprobs)
+            request.num_prompt_scored = len(prompt_logprobs)
         return _output(self.scheduler.install_remote(request_id, first_token_id), logprobs)
 
     def _hash_root(self, tenant_salt: str) -> bytes | None:
@@ -347,8 +357,12 @@ class LLMEngine:
 def _output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
     """The output of the step that just gave `request` its last token, with that token's
     `logprobs` if it asked (the first output also says how many prompt tokens the prefix cache
-    served)."""
+    served, and takes the prompt's scores)."""
     first = request.num_output_tokens == 1
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    if first and request.prompt_logprobs:
+        prompt_logprobs = tuple(request.prompt_logprobs)
+        request.prompt_logprobs.clear()
     return RequestOutput(
         request.request_id,
         (request.output_token_ids[-1],),
@@ -357,4 +371,5 @@ def _output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestO
         None,
         request.num_cached_tokens if first else 0,
         (logprobs,) if logprobs is not None else (),
+        prompt_logprobs,
     )

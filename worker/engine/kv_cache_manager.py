@@ -69,10 +69,14 @@ class KVCacheManager:
         return known
 
     def get_computed_blocks(self, request: Request) -> list[KVBlock]:
-        """The longest cached prefix of `request`, in full blocks, leaving >= 1 token to compute."""
+        """The longest cached prefix of `request`, in full blocks, leaving >= 1 token to compute,
+        and every prompt token it still has to score (`SamplingParams.prompt_logprobs`: a cached
+        block has no logits)."""
         if not self.enable_prefix_caching:
             return []
         limit = (request.num_tokens - 1) // self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            limit = min(limit, request.num_prompt_scored // self.block_size)
         hits: list[KVBlock] = []
         for block_hash in self.block_hashes_of(request)[:limit]:
             block = self.block_pool.get_cached_block(block_hash)

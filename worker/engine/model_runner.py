@@ -27,6 +27,14 @@ from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.rank_commands import RankPeers
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvrail.worker.engine.scores import (
+    SCORE_SLICE_ROWS,
+    PromptScores,
+    ScoredSpan,
+    ScoreRows,
+    score_rows,
+    token_scores,
+)
 from kvrail.worker.engine.staging import feed_tokens, to_device
 from kvrail.worker.engine.step_inputs import GraphKind, PreparedInputs, StepInputs
 from kvrail.worker.kv_cache import KVCache
@@ -98,6 +106,8 @@ def device_fed_rows(
     return np.array(pairs, dtype=np.int64).reshape(-1, 2).T.copy()
 
 
+Scored = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Prompt score rows' target entries [m], top-k ids [m, k] and log-probabilities [m, k]."""
 GraphLimits = tuple[int, int, int]
 """(largest decode graph's batch, largest mixed graph's tokens, most requests in a mixed graph);
 0 where there is none."""
@@ -108,10 +118,11 @@ def prepare_step(
     block_size: int,
     previous: SampledOnDevice | None,
     graphs: GraphLimits = (0, 0, 0),
-) -> tuple[StepInputs, list[Request]]:
-    """A scheduled step's inputs (host arrays) and the requests its sampled rows belong to, in
-    row order. `graphs`: the largest captured decode batch, mixed step (tokens) and number of
-    requests in a mixed step (0: none); see `choose_graph`."""
+) -> tuple[StepInputs, list[Request], list[ScoredSpan]]:
+    """A scheduled step's inputs (host arrays), the requests its sampled rows belong to, in
+    row order, and the requests its prompt score rows belong to (`scores.score_rows`).
+    `graphs`: the largest captured decode batch, mixed step (tokens) and number of requests in a
+    mixed step (0: none); see `choose_graph`."""
     dec = prepare_decode(out.decodes, block_size)
     fed = device_fed_rows(out.decodes, previous)
     pre = prepare_prefill(out.prefills, block_size)
@@ -129,6 +140,12 @@ def prepare_step(
             rows.append(dec.num_tokens + query_start_loc[j + 1] - 1)
             requests.append(item.request)
     prefix = rows == list(range(len(rows)))  # every decode samples: a view, no index tensor
+    chunks = [(r, i.num_computed_tokens, i.request, 1) for r, i in enumerate(out.decodes)]
+    chunks += [
+        (dec.num_tokens + query_start_loc[j], i.num_computed_tokens, i.request, i.num_new_tokens)
+        for j, i in enumerate(out.prefills)
+    ]
+    scores, spans = score_rows(chunks)
     step = StepInputs(
         decode=dec, prefill=pre, fed=fed,
         logit_rows=None if prefix else np.array(rows, dtype=np.int64), num_sampled=len(rows),
@@ -138,9 +155,9 @@ def prepare_step(
             [s.num_computed_tokens for s in out.prefills],
         ),
         prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
-        graph=graph,
+        graph=graph, scores=scores,
     )  # fmt: skip
-    return step, requests
+    return step, requests, spans
 
 
 def choose_graph(
@@ -189,21 +206,28 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(
         self, out: SchedulerOutput, previous: SampledOnDevice | None = None
-    ) -> tuple[torch.Tensor, list[Request]]:
-        """Queue one step (rank 0). Returns logits [n, vocab] and the n requests that sample a
-        token. `previous`: the tokens of the step before, for the decodes fed from the device."""
-        step, requests = prepare_step(out, self.block_size, previous, self.graph_limits)
+    ) -> tuple[torch.Tensor, list[Request], PromptScores | None]:
+        """Queue one step (rank 0). Returns logits [n, vocab], the n requests that sample a
+        token, and the prompt scores it computed (None: no request in it asked). `previous`: the
+        tokens of the step before, for the decodes fed from the device."""
+        step, requests, spans = prepare_step(out, self.block_size, previous, self.graph_limits)
         if self.peers is not None:
             self.peers.send(step)
-        logits = self.run(step, previous.tokens if previous is not None else None)
+        logits, scored = self.run(step, previous.tokens if previous is not None else None)
         assert logits is not None, "rank 0 gets the logits"
-        return logits, requests
+        if scored is None:
+            return logits, requests, None
+        assert step.scores is not None
+        return logits, requests, PromptScores(spans, step.scores.targets, *scored)
 
     @torch.inference_mode()
-    def run(self, step: StepInputs, sampled: torch.Tensor | None) -> torch.Tensor | None:
+    def run(
+        self, step: StepInputs, sampled: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, Scored | None]:
         """Run one step on this rank; `sampled`: the previous step's tokens on this device (for
-        `step.fed`). Returns the logits of the sampled rows [n, vocab] on rank 0, None on the
-        others (their vocabulary shards went to rank 0)."""
+        `step.fed`). Returns the logits of the sampled rows [n, vocab] and the prompt scores of
+        `step.scores` (`_score`) on rank 0, None on the others (their vocabulary shards went to
+        rank 0)."""
         dec, pre = step.decode, step.prefill
         fed = step.fed
         feed = (fed, sampled) if sampled is not None else None
@@ -238,7 +262,23 @@ class ModelRunner:
             rows = hidden[: step.num_sampled]
         else:
             rows = hidden[self._tensor(step.logit_rows)]
-        return self._gather_logits(self.model.compute_logits(rows))
+        logits = self._gather_logits(self.model.compute_logits(rows))
+        return logits, self._score(hidden, step.scores) if step.scores is not None else None
+
+    def _score(self, hidden: torch.Tensor, scores: ScoreRows) -> Scored | None:
+        """Each score row's target entry and top-k, from its logits `SCORE_SLICE_ROWS` rows at a
+        time (every rank joins each slice's gather); on rank 0, None on the others."""
+        parts = []
+        for start in range(0, scores.rows.shape[0], SCORE_SLICE_ROWS):
+            rows = hidden[self._tensor(scores.rows[start : start + SCORE_SLICE_ROWS])]
+            logits = self._gather_logits(self.model.compute_logits(rows))
+            if logits is not None:
+                targets = self._tensor(scores.targets[start : start + SCORE_SLICE_ROWS])
+                parts.append(token_scores(logits, targets, scores.k))
+        if not parts:
+            return None
+        chosen, top_ids, top_logprobs = (torch.cat(p) for p in zip(*parts, strict=True))
+        return chosen, top_ids, top_logprobs
 
     def _gather_logits(self, local: torch.Tensor) -> torch.Tensor | None:
         if self.group.size == 1:

@@ -11,6 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvrail.outputs import TokenLogprobs
 from kvrail.sampling import SamplingParams
 
 
@@ -60,6 +61,9 @@ class Request:
     `hash_root` seeds its block hashes instead of the engine's (a tenant's own root).
     `num_in_flight` counts tokens sampled by a step still running on the device, not yet
     appended (see `Scheduler.schedule_ahead`).
+    `prompt_logprobs` collects the prompt's scores (`SamplingParams.prompt_logprobs`) as its
+    chunks are computed, until its first output takes them; `num_prompt_scored` counts the
+    prompt tokens scored so far (a recompute after preemption scores none twice).
     """
 
     request_id: str
@@ -77,6 +81,8 @@ class Request:
     retain_blocks: bool = False
     hash_root: bytes | None = None
     num_in_flight: int = 0
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_prompt_scored: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

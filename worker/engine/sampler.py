@@ -33,6 +33,7 @@ import torch
 from kvrail.kernels import dispatch
 from kvrail.outputs import TokenLogprobs
 from kvrail.worker.engine.request import Request
+from kvrail.worker.engine.scores import token_scores
 from kvrail.worker.engine.staging import to_device, to_host
 
 
@@ -153,10 +154,8 @@ class Sampler:
             return None
         k = max(requests[i].sampling_params.logprobs or 0 for i in rows)
         index = _on(logits.device, rows, np.int64)
-        logprobs = torch.log_softmax(logits.index_select(0, index).float(), dim=-1)
-        chosen = logprobs.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1)
-        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-        return StepLogprobs(rows, chosen, top_ids, top_logprobs)
+        scored = token_scores(logits.index_select(0, index), tokens.index_select(0, index), k)
+        return StepLogprobs(rows, *scored)
 
     def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         """The tokens as an int64 tensor on the logits' device, one per row."""

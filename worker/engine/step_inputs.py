@@ -12,6 +12,8 @@ from typing import Literal
 
 import numpy as np
 
+from kvrail.worker.engine.scores import ScoreRows
+
 GraphKind = Literal["decode", "mixed", ""]
 
 
@@ -38,7 +40,8 @@ class StepInputs:
     device (`fed`: [2, k] rows here and there), the rows of the hidden states that sample
     (`logit_rows`; None: the first `num_sampled` rows, a view without an index), and how to run:
     `graph` names the CUDA graph it replays, "" for an eager step (decided on rank 0, so every
-    rank agrees: `model_runner.choose_graph`)."""
+    rank agrees: `model_runner.choose_graph`). `scores`: the rows that score prompt tokens
+    (`kvrail.worker.engine.scores`), None when no request in the step asks."""
 
     decode: PreparedInputs
     prefill: PreparedInputs
@@ -49,3 +52,4 @@ class StepInputs:
     prefill_fresh_runs: tuple[tuple[int, int, int], ...]
     prefill_has_prefix: bool
     graph: GraphKind
+    scores: ScoreRows | None = None

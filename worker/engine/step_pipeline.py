@@ -27,6 +27,7 @@ from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler, StepLogprobs
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import SchedulerOutput
+from kvrail.worker.engine.scores import PromptScores
 from kvrail.worker.engine.staging import to_host
 
 
@@ -42,6 +43,8 @@ class _Launched:
     done: torch.cuda.Event | None
     logprobs: StepLogprobs | None = None
     """The asking rows' log-probabilities (in host memory once `done` has passed)."""
+    scores: PromptScores | None = None
+    """The prompt scores the step computed (in host memory once `done` has passed)."""
 
 
 StepWaiter = Callable[[torch.cuda.Event | None], None]
@@ -106,7 +109,7 @@ class StepPipeline:
         """Queue a scheduled step on the device (on the CPU it runs now); None if it is empty."""
         if out.is_empty:
             return None
-        logits, requests = self.runner.execute(out, previous)
+        logits, requests, scores = self.runner.execute(out, previous)
         tokens = (
             self.sampler.sample(logits, requests)
             if requests
@@ -116,17 +119,22 @@ class StepPipeline:
         logprobs = self.sampler.logprobs(logits, requests, tokens) if requests else None
         sampled = SampledOnDevice(tokens, {r.request_id: i for i, r in enumerate(requests)})
         if tokens.device.type != "cuda":
-            return _Launched(out, requests, sampled, tokens, None, logprobs)
+            return _Launched(out, requests, sampled, tokens, None, logprobs, scores)
         host = to_host(tokens)
         if logprobs is not None:
             logprobs = logprobs.to_host()
+        if scores is not None:
+            scores = scores.to_host()
         done = torch.cuda.Event()
         done.record()
-        return _Launched(out, requests, sampled, host, done, logprobs)
+        return _Launched(out, requests, sampled, host, done, logprobs, scores)
 
     def _resolve(self, launched: _Launched) -> tuple[list[Request], dict[str, TokenLogprobs]]:
-        """Wait for a launched step's tokens and apply them to its requests."""
+        """Wait for a launched step's tokens and apply them (and its prompt scores, first) to its
+        requests."""
         self.step_waiter(launched.done)
+        if launched.scores is not None:
+            launched.scores.apply()
         token_ids = launched.host_tokens.tolist()
         sampled = {r.request_id: t for r, t in zip(launched.requests, token_ids, strict=True)}
         logprobs = (

@@ -222,6 +222,7 @@ class KvReceiver:
                         await self.ctx.service.install(
                             rid, done.first_token_id, on_output, deadline_monotonic=deadline,
                             logprobs=next(iter(done.first_logprobs), None),
+                            prompt_logprobs=done.prompt_logprobs,
                         )  # fmt: skip
                         stages.admission_s = (stages.admission_s or 0.0) + (
                             time.monotonic() - installed_at

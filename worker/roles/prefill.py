@@ -279,6 +279,7 @@ class PrefillRole:
                 dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
                 first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
                 first_logprobs=result.output.logprobs,
+                prompt_logprobs=result.output.prompt_logprobs,
                 prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
                 block_checksums=sums, transfer_bytes=len(src) * self.ctx.connector.block_bytes,
                 transport=self.ctx.connector.transport_to(job.dest_agent_name),

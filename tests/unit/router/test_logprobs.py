@@ -113,3 +113,22 @@ def test_a_chat_body_joins_the_pieces_entries_and_parses_as_openais() -> None:
     parsed = OpenAIChatCompletionChunk.model_validate(chunk).choices[0].logprobs
     assert parsed is not None and parsed.content is not None and parsed.content[0].logprob == -0.25
     _roundtrip(responses.ChatCompletionChunk, chunk)
+
+
+def test_an_echoed_prompt_leads_with_a_null_first_token_and_its_scored_tokens() -> None:
+    """lm-eval reads `token_logprobs[ctxlen:]`: the prompt's tokens come first, the first with
+    null (nothing precedes it), then the prompt's scores, then the sampled tokens."""
+    logprobs = ResponseLogprobs(is_chat=False, token_text=token_text)
+    prompt = [sampled(6, -3.0, (1, -0.5))]  # " Nice" scored after " Paris"
+    first = logprobs.of([sampled(2, -1.0, (2, -1.0))], " Paris Nice Lyon", echo=(1,),
+                        prompt=prompt)  # fmt: skip
+    assert first is not None
+    assert first["tokens"] == [" Paris", " Nice", " Lyon"]
+    assert first["token_logprobs"] == [None, -3.0, -1.0]
+    assert first["top_logprobs"] == [None, {" Paris": -0.5, " Nice": -3.0}, {" Lyon": -1.0}]
+    assert first["text_offset"] == [0, 6, 11]
+    body = responses.completion("cmpl-1", "m", 1, " Paris Nice Lyon", "length",
+                                responses.usage(2, 1), logprobs=logprobs.join([first]))  # fmt: skip
+    # The `openai` package types `token_logprobs` as floats only, though OpenAI's API writes
+    # null for an echoed prompt's first token (and the client does not validate what it reads).
+    _roundtrip(responses.Completion, body)

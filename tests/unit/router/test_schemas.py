@@ -151,12 +151,13 @@ COMPLETION_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     ({"model": "m"}, "prompt", "missing required parameter", None),
     (completion(prompt=["a", "b"]), "prompt", "batches of several prompts", None),
     (completion(prompt=[[1, 2], [3]]), "prompt", "batches", None),
-    (completion(prompt=[[1, 2]]), "prompt", "batches of token-id prompts", None),
+    (completion(prompt=[[1, -2]]), "prompt", "integers >= 0", None),
+    (completion(prompt=[[]]), "prompt", "integers >= 0", None),
     (completion(prompt=[]), "prompt", "must not be empty", None),
     (completion(prompt=[1, -2]), "prompt", "integers >= 0", None),
     (completion(prompt=[1, True]), "prompt", "integers >= 0", None),
     (completion(prompt=None), "prompt", "valid string", None),
-    (completion(echo=True), "echo", "not supported", "unsupported_parameter"),
+    (completion(echo=1), "echo", "valid boolean", None),
     (completion(suffix="x"), "suffix", "not supported", "unsupported_parameter"),
     (completion(logprobs=21), "logprobs", "less than or equal to 20", None),
     (completion(logprobs=-1), "logprobs", "greater than or equal to 0", None),
@@ -192,6 +193,8 @@ def test_neutral_values_of_unsupported_features_are_accepted() -> None:
         ChatCompletionRequest.model_validate(CHAT)
     )
     assert CompletionRequest.model_validate(completion(echo=False, best_of=1, logprobs=None))
+    one = CompletionRequest.model_validate(completion(prompt=[[5, 6]], echo=True, logprobs=1))
+    assert one.prompt_ids == [5, 6] and one.prompt_text is None
 
 
 def test_logprobs_reach_the_sampling_params_as_the_number_of_most_likely_tokens() -> None:

@@ -144,3 +144,53 @@ def test_logprobs_equal_transformers_log_softmax_and_greedy_takes_the_top_entry(
                 assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
                 assert entry.top_token_ids[0] == token == int(top.indices[0])  # greedy
     assert_engine_empty(engine)
+
+
+def _assert_prompt_scores(hf: Any, prompt: list[int], got: Any, k: int) -> None:
+    """`got` scores every prompt token after the first as transformers' log-softmax does."""
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)[:-1]
+    assert [e.token_id for e in got] == prompt[1:]
+    for position, entry in enumerate(got):
+        row = expected[position]
+        assert abs(entry.logprob - float(row[prompt[position + 1]])) < 1e-4
+        top = row.topk(k)
+        assert list(entry.top_token_ids) == top.indices.tolist()
+        assert torch.allclose(torch.tensor(entry.top_logprobs), top.values, atol=1e-4)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_equal_transformers_over_chunks_and_a_cached_prefix(
+    smollm2: Any, smollm2_hf: Any, async_scheduling: bool
+) -> None:
+    """Prompt scores cover the whole prompt, chunked (a 64-token step budget), for a prompt
+    whose prefix is in the cache (its blocks are recomputed: a cached block has no logits), in a
+    batch with a request that asks for none; they come with the first output only."""
+    tokenizer = smollm2.tokenizer
+    head = tokenizer(LONG_TEXT).input_ids[:150]
+    engine = _engine(
+        smollm2, num_blocks=128, block_size=16, max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
+    )  # fmt: skip
+    engine.generate([head], SamplingParams(max_tokens=1))  # the head's blocks are now cached
+    prompt = head + tokenizer(" and then the sea").input_ids
+    engine.add_request("scored", prompt, SamplingParams(max_tokens=3, prompt_logprobs=2))
+    engine.add_request("plain", head, SamplingParams(max_tokens=3))
+    outputs: dict[str, list[Any]] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).append(output)
+    scored, plain = outputs["scored"], outputs["plain"]
+    assert plain[0].num_cached_tokens == 144 and scored[0].num_cached_tokens == 0
+    assert all(not o.prompt_logprobs for o in plain + scored[1:])
+    _assert_prompt_scores(smollm2_hf, prompt, scored[0].prompt_logprobs, 2)
+    assert_engine_empty(engine)
+
+
+def test_prompt_logprobs_too_long_for_one_message_are_refused(smollm2: Any) -> None:
+    engine = _engine(smollm2, num_blocks=64, block_size=16)
+    with pytest.raises(InvalidRequestError) as err:
+        engine.add_request("x", [1] * 7000, SamplingParams(max_tokens=1, prompt_logprobs=20))
+    assert err.value.param == "prompt_logprobs"
+    assert_engine_empty(engine)

@@ -179,7 +179,7 @@ def test_a_long_fresh_prompt_over_an_e4m3_cache_attends_in_fp8_through_its_outpu
         engine = LLMEngine(model, config, make_fingerprint(model, config, "w", "t"))
         engine.add_request("r", prompt, SamplingParams(max_tokens=1))
         out = engine.scheduler.schedule()
-        logits, _ = engine.runner.execute(out)
+        logits, _, _ = engine.runner.execute(out)
         engine.scheduler.update_from_output(out, {"r": 11})
         assert_engine_empty(engine)
         return logits[0].float()

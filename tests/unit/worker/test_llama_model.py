@@ -83,7 +83,7 @@ def test_prefill_logits_match_transformers_within_float32_tolerance() -> None:
     prompt = list(range(3, 40))
     engine.add_request("r", prompt, SamplingParams(max_tokens=1))
     out = engine.scheduler.schedule()
-    logits, _ = engine.runner.execute(out)
+    logits, _, _ = engine.runner.execute(out)
     engine.scheduler.update_from_output(out, {"r": 0})
     expected = hf(torch.tensor([prompt])).logits[0, -1]
     torch.testing.assert_close(logits[0], expected, atol=1e-4, rtol=1e-4)
