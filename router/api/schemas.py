@@ -397,4 +397,4 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(p, str) or isinstance(p[0], str):
             return None
         ids = p[0] if isinstance(p[0], list) else p
-        return [int(t) for t in ids]  # type: ignore[arg-type]
+        return [int(t) for t in ids]
