@@ -140,12 +140,16 @@ def prepare_step(
             rows.append(dec.num_tokens + query_start_loc[j + 1] - 1)
             requests.append(item.request)
     prefix = rows == list(range(len(rows)))  # every decode samples: a view, no index tensor
-    chunks = [(r, i.num_computed_tokens, i.request, 1) for r, i in enumerate(out.decodes)]
-    chunks += [
-        (dec.num_tokens + query_start_loc[j], i.num_computed_tokens, i.request, i.num_new_tokens)
-        for j, i in enumerate(out.prefills)
-    ]
-    scores, spans = score_rows(chunks)
+    scores: ScoreRows | None = None
+    spans: list[ScoredSpan] = []
+    if out.scores_prompt:  # no walk over the step's requests for the steps of those that ask not
+        chunks = [(r, i.num_computed_tokens, i.request, 1) for r, i in enumerate(out.decodes)]
+        chunks += [
+            (dec.num_tokens + query_start_loc[j], i.num_computed_tokens, i.request,
+             i.num_new_tokens)
+            for j, i in enumerate(out.prefills)
+        ]  # fmt: skip
+        scores, spans = score_rows(chunks)
     step = StepInputs(
         decode=dec, prefill=pre, fed=fed,
         logit_rows=None if prefix else np.array(rows, dtype=np.int64), num_sampled=len(rows),

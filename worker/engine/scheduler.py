@@ -258,6 +258,8 @@ class Scheduler:
         samples = start + num_new == request.num_tokens + request.num_in_flight
         item = ScheduledRequest(request, start, token_ids, block_ids, samples, on_device)
         (out.decodes if num_new == 1 else out.prefills).append(item)
+        if request.sampling_params.prompt_logprobs is not None and not on_device:
+            out.scores_prompt = True
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -35,6 +35,8 @@ class SchedulerOutput:
     decodes: list[ScheduledRequest] = field(default_factory=list)
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    scores_prompt: bool = False
+    """Some request in the step scores prompt tokens (`SamplingParams.prompt_logprobs`)."""
 
     @property
     def num_batched_tokens(self) -> int:
