@@ -235,7 +235,7 @@ async def _generate(
                 await stream.cancel("deadline" if err.code == "deadline" else "error")
                 log.info("request failed request_id=%s worker=%s code=%s",
                          job.request_id, stream.worker_id, err.code)  # fmt: skip
-                raise dispatch_error(err.code) from err
+                raise dispatch_error(err.code, err.param) from err
     except asyncio.CancelledError:
         outcome = "cancelled"
         raise

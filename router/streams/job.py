@@ -23,11 +23,13 @@ Engine = Literal["kvrail", "vllm"]
 
 
 class DispatchError(Exception):
-    """The request failed; `code` is a metric-safe reason (a worker error code or our own)."""
+    """The request failed; `code` is a metric-safe reason (a worker error code or our own), and
+    `param` the request field at fault, where one is."""
 
-    def __init__(self, code: str, detail: str = "") -> None:
+    def __init__(self, code: str, detail: str = "", param: str | None = None) -> None:
         super().__init__(detail or code)
         self.code = code
+        self.param = param
 
 
 class AttemptFailed(Exception):

@@ -28,8 +28,11 @@ Guarantees:
   connection passes them on to the next one (of the same fingerprint).
 - **Every wait has a deadline**: the job's bounds both steps (`deadline`); a prefill also gives
   up after `prefill_timeout_s` and counts as failed.
-- **Nothing is dropped silently.** A request that asked for logprobs, which this stream does
-  not carry yet, fails with `logprobs_unsupported` before any server is sent anything.
+- **Nothing is dropped silently.** Every sampling parameter reaches vLLM with kvrail's meaning
+  (`protocol.CARRIED`); a request that sets one vLLM is not sent fails with
+  `unsupported_parameter` naming it, before any server is sent anything. Logprobs come from the
+  decode server with the tokens they belong to (the first token's too, whichever way the prompt
+  was prefilled), in the same `RequestOutput.logprobs` as kvrail's engine fills.
 - **Nothing outlives the client.** Leaving the stream early (disconnect, stop string, deadline,
   error) closes the HTTP response, and vLLM aborts a request whose client disconnected; a
   prefill in flight is cancelled with the task that awaits it, which closes its connection too.
@@ -96,8 +99,9 @@ class VllmStream:
         return self._events()
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
-        if self.job.sampling.logprobs is not None:  # `protocol` does not carry them yet
-            raise DispatchError("logprobs_unsupported", "vLLM pools return no logprobs yet")
+        unsent = protocol.uncarried(self.job.sampling)
+        if unsent is not None:
+            raise DispatchError("unsupported_parameter", "vLLM is not sent it", param=unsent)
         deadline = self.job.deadline_monotonic
 
         async def attempt(decision: Decision) -> TokenEvent:
@@ -263,7 +267,9 @@ class VllmStream:
         first = self._seq == 0
         prefilled = self._prefilled
         assert prefilled is not None
-        output = RequestOutput(self.job.request_id, delta.token_ids, delta.finish_reason)
+        output = RequestOutput(
+            self.job.request_id, delta.token_ids, delta.finish_reason, logprobs=delta.logprobs
+        )
         event = TokenEvent(
             output, self._seq, self.worker_id, prefill_mode=prefilled.mode if first else "",
             # NOTE: measured at the router (the whole prefill request, network included), not on
@@ -286,7 +292,7 @@ class VllmStream:
             if line is None:
                 raise self._failure("ended", deadline)
             try:
-                item = protocol.parse_sse_line(line)
+                item = protocol.parse_sse_line(line, self.job.sampling.logprobs)
             except VllmProtocolError as err:
                 if err.code == "engine_error":
                     raise self._failure("engine_error", deadline) from err

@@ -29,7 +29,7 @@ from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import GenerateRequest, WorkerRecord
-from kvrail.outputs import RequestOutput, TokenEvent, TokenEventBatch
+from kvrail.outputs import RequestOutput, TokenEvent, TokenEventBatch, TokenLogprobs
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
@@ -125,9 +125,38 @@ def prefilled(params: dict[str, Any] = PARAMS) -> Behaviour:
                        "kv_transfer_params": params})  # fmt: skip
 
 
-def chunk(token_ids: list[int], finish: str | None = None) -> bytes:
+def top_entries(token_id: int, k: int) -> list[tuple[int, float]]:
+    """A token's `top_logprobs` entries in vLLM's order (the sampled one first, then the k most
+    likely): an even id is the most likely token, an odd one is not among the k."""
+    top = [(1000 + j, -1.0 - j) for j in range(k)]
+    return [(token_id, -0.5), *top[:-1]] if token_id % 2 == 0 and k else [(token_id, -9.0), *top]
+
+
+def expected_logprobs(token_ids: tuple[int, ...], k: int) -> tuple[TokenLogprobs, ...]:
+    """What the router must make of `top_entries`: the k most likely, most likely first."""
+    out = []
+    for t in token_ids:
+        sampled, *rest = top_entries(t, k)
+        if len(rest) < k:
+            rest.insert(0, sampled)
+        out.append(TokenLogprobs(t, sampled[1], tuple(i for i, _ in rest),
+                                 tuple(v for _, v in rest)))  # fmt: skip
+    return tuple(out)
+
+
+def chunk(token_ids: list[int], finish: str | None = None, k: int | None = None) -> bytes:
+    """One stream chunk; `k`: the request's `logprobs` (with `return_tokens_as_token_ids`)."""
+    logprobs = None
+    if k is not None:
+        tops = [top_entries(t, k) for t in token_ids]
+        logprobs = {
+            "text_offset": [0] * len(token_ids),
+            "tokens": [f"token_id:{t}" for t in token_ids],
+            "token_logprobs": [top[0][1] for top in tops],
+            "top_logprobs": [{f"token_id:{i}": v for i, v in top} for top in tops],
+        }
     body = {"id": "cmpl-d", "object": "text_completion", "created": 1, "model": MODEL,
-            "choices": [{"index": 0, "text": "?", "logprobs": None, "finish_reason": finish,
+            "choices": [{"index": 0, "text": "?", "logprobs": logprobs, "finish_reason": finish,
                          "stop_reason": None, "token_ids": token_ids}]}  # fmt: skip
     data = f"data: {json.dumps(body)}\n\n".encode()
     return f"{len(data):x}\r\n".encode() + data + b"\r\n"
@@ -141,9 +170,10 @@ def stream(*token_lists: list[int], then: str = "done") -> Behaviour:
     async def run(seen: Seen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
                      b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")  # fmt: skip
+        k = seen.body.get("logprobs") if seen.body.get("return_tokens_as_token_ids") else None
         for i, ids in enumerate(token_lists):
             last = then == "done" and i == len(token_lists) - 1
-            writer.write(chunk(ids, "length" if last else None))
+            writer.write(chunk(ids, "length" if last else None, k))
             await writer.drain()
         if then == "done":
             usage = b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\n'
@@ -245,11 +275,13 @@ async def pool(etcd_server: EtcdServer, nats_server: NatsServer) -> AsyncIterato
             await nc.close()
 
 
-def job(token_ids: tuple[int, ...] = LONG, timeout_s: float = 10.0) -> Job:
+def job(
+    token_ids: tuple[int, ...] = LONG, timeout_s: float = 10.0, logprobs: int | None = None
+) -> Job:
     return Job(
         f"cmpl-{uuid.uuid4().hex[:8]}",
         token_ids,
-        SamplingParams(max_tokens=8, seed=5),
+        SamplingParams(max_tokens=8, seed=5, logprobs=logprobs),
         time.time() + timeout_s,
     )
 
@@ -324,6 +356,29 @@ async def test_failed_prefills_are_retried_then_recomputed_or_failed_by_policy(p
     with pytest.raises(DispatchError) as err:
         await run(pool.dispatcher(kv_load_failure_policy="fail"), job())
     assert err.value.code == "prefill_failed" and len(decode.seen) == 1  # decode never asked
+
+
+async def test_logprobs_come_with_every_token_the_first_included_whichever_way_it_prefilled(
+    pool: Pool,
+) -> None:
+    """Remote, local (a short prompt) and recompute (the prefill server fails): only the decode
+    server is asked for logprobs, by token id, and every event carries its tokens' own."""
+    prefill = await pool.server("p-0", "prefill", prefilled(), reply(500, {}))
+    decode = await pool.server("d-0", "decode", stream([6, 7], [8]))
+    dispatcher = pool.dispatcher()
+    for token_ids, k, mode in ((LONG, 3, "remote"), (SHORT, 0, "local"), (LONG, 20, "recompute")):
+        events, _ = await run(dispatcher, job(token_ids, logprobs=k))
+        assert events[0].prefill_mode == mode
+        assert [e.output.logprobs for e in events] == [
+            expected_logprobs((6, 7), k), expected_logprobs((8,), k)
+        ]  # fmt: skip
+        assert decode.seen[-1].body["logprobs"] == k
+        assert decode.seen[-1].body["return_tokens_as_token_ids"] is True
+    assert len(prefill.seen) == 2 and pool.prefill_failures == ["status_5xx"]
+    assert all("logprobs" not in p.body for p in prefill.seen)
+    events, _ = await run(dispatcher, job(SHORT))  # not asked: none read, none sent for
+    assert all(e.output.logprobs == () for e in events)
+    assert "logprobs" not in decode.seen[-1].body
 
 
 async def test_a_failed_prefill_server_is_skipped_for_one_that_works(pool: Pool) -> None:
@@ -466,12 +521,12 @@ def codec() -> TextCodec:
 async def test_the_api_detokenizes_vllms_ids_and_answers_its_failures_as_openai_errors(
     pool: Pool, codec: TextCodec
 ) -> None:
-    """The router's own text path over a vLLM decode stream (text, usage), then the codes of a
-    vLLM pool's failures as HTTP statuses: `logprobs_unsupported` 400 (no server asked),
-    `prefill_failed` 503, `invalid_request` 400 (without vLLM's message)."""
+    """The router's own text path over a vLLM decode stream (text, usage, logprobs), then the
+    codes of a vLLM pool's failures as HTTP statuses: `prefill_failed` 503, `invalid_request`
+    400 (without vLLM's message)."""
     answer = codec.encode(" Paris is the capital.")
     decode = await pool.server(
-        "d-0", "decode", stream(answer[:2], answer[2:]),
+        "d-0", "decode", stream(answer[:2], answer[2:]), stream(answer[:2], answer[2:]),
         reply(400, {"error": {"message": "my secret prompt is too long"}}),
     )  # fmt: skip
     await pool.server("p-0", "prefill", reply(500, {}))
@@ -496,9 +551,17 @@ async def test_the_api_detokenizes_vllms_ids_and_answers_its_failures_as_openai_
         assert ok.json()["choices"][0]["text"] == codec.decode(answer)
         assert ok.json()["usage"]["completion_tokens"] == len(answer)
         body = {"model": MODEL, "prompt": list(SHORT), "max_tokens": 16, "logprobs": 2}
-        asked = await client.post("/v1/completions", json=body)  # not carried: sent nowhere
-        assert asked.status_code == 400 and asked.json()["error"]["param"] == "logprobs"
-        assert "not supported for vLLM pools" in asked.json()["error"]["message"]
+        asked = await client.post("/v1/completions", json=body)
+        assert asked.status_code == 200, asked.text
+        got = asked.json()["choices"][0]["logprobs"]
+        expected = expected_logprobs(tuple(answer), 2)
+        assert got["tokens"] == [codec.token_text(t) for t in answer]
+        assert got["token_logprobs"] == [e.logprob for e in expected]
+        assert got["top_logprobs"] == [
+            {codec.token_text(t): v for t, v in zip(e.top_token_ids, e.top_logprobs, strict=True)}
+            | ({} if e.token_id in e.top_token_ids else {codec.token_text(e.token_id): e.logprob})
+            for e in expected
+        ]
         failed = await complete(list(LONG))  # remote prefill: 500, and the policy is fail
         assert failed.status_code == 503 and failed.json()["error"]["code"] == "prefill_failed"
         refused = await complete(list(SHORT))
@@ -506,5 +569,5 @@ async def test_the_api_detokenizes_vllms_ids_and_answers_its_failures_as_openai_
         assert "secret" not in refused.text
         scraped = (await client.get("/metrics")).text
     assert 'kvrail_kv_transfer_failures_total{reason="status_5xx"} 1.0' in scraped
-    assert 'kvrail_time_to_first_token_seconds_count{prefill_mode="local"} 1.0' in scraped
-    assert len(decode.seen) == 2
+    assert 'kvrail_time_to_first_token_seconds_count{prefill_mode="local"} 2.0' in scraped
+    assert len(decode.seen) == 3

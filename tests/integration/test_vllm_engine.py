@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
@@ -129,12 +128,7 @@ def stack(
 
 def metric(server: VllmServer, name: str, **labels: str) -> float:
     """The sum of `name`'s samples on `server` whose labels include `labels` (0 when none)."""
-    total = 0.0
-    for family in text_string_to_metric_families(server.metrics()):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                total += sample.value
-    return total
+    return server.metric(name, **labels)
 
 
 def wait_idle(stack: Stack, timeout_s: float = 10) -> None:

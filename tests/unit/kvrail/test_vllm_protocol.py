@@ -1,15 +1,19 @@
-"""vLLM's disaggregated protocol as the router speaks it: the two request bodies, the prefill's
-answer, the decode stream's lines, and how a failed step is classified."""
+"""vLLM's disaggregated protocol as the router speaks it: the two request bodies, the sampling
+fields carried or refused, the prefill's answer, the decode stream's lines (their logprobs too),
+and how a failed step is classified."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import fields, replace
 from typing import Any
 
 import pytest
 
+from kvrail.outputs import TokenLogprobs
 from kvrail.sampling import SamplingParams, TokenBias
 from kvrail.vllm.protocol import (
+    CARRIED,
     DONE,
     Completion,
     Delta,
@@ -19,6 +23,7 @@ from kvrail.vllm.protocol import (
     kv_transfer_params_of,
     parse_sse_line,
     prefill_body,
+    uncarried,
 )
 
 REQUEST = Completion(
@@ -83,6 +88,46 @@ def test_every_sampling_field_reaches_vllm_under_its_own_name_and_neutral_ones_s
     )
 
 
+# One value other than the neutral one for every carried field.
+NON_NEUTRAL: dict[str, Any] = {
+    "max_tokens": 3, "min_tokens": 1, "temperature": 0.7, "top_p": 0.5, "top_k": 4,
+    "min_p": 0.2, "seed": 1, "stop_token_ids": (9,), "ignore_eos": True,
+    "repetition_penalty": 1.2, "presence_penalty": 0.1, "frequency_penalty": 0.1,
+    "logit_bias": (TokenBias(3, 5.0),), "logprobs": 0,
+}  # fmt: skip
+
+
+def test_each_carried_field_changes_what_vllm_is_sent_and_names_a_sampling_field() -> None:
+    assert set(NON_NEUTRAL) == CARRIED
+    assert {f.name for f in fields(SamplingParams)} >= CARRIED
+    plain = SamplingParams(max_tokens=2)
+    neutral = decode_body(Completion("smol", (5,), plain), None)
+    for name, value in NON_NEUTRAL.items():
+        body = decode_body(Completion("smol", (5,), replace(plain, **{name: value})), None)
+        assert body != neutral, f"{name} does not reach vLLM"
+
+
+def test_a_field_outside_carried_is_refused_by_name_only_when_set() -> None:
+    plain = SamplingParams(max_tokens=2)
+    everything = SamplingParams(**{n: v for n, v in NON_NEUTRAL.items()})
+    assert uncarried(plain) is None and uncarried(everything) is None
+    fewer = CARRIED - {"logprobs", "seed"}
+    assert uncarried(plain, fewer) is None  # left at their defaults: nothing to refuse
+    assert uncarried(replace(plain, logprobs=0), fewer) == "logprobs"  # 0 is not the default
+    assert uncarried(replace(plain, seed=4), fewer) == "seed"
+    assert uncarried(plain, CARRIED - {"max_tokens"}) == "max_tokens"  # required: always set
+
+
+def test_logprobs_are_asked_of_the_decode_server_by_token_id_and_never_of_the_prefill() -> None:
+    asked = Completion("smol", (5,), SamplingParams(max_tokens=4, logprobs=0))
+    decode = decode_body(asked, PARAMS)
+    assert decode["logprobs"] == 0 and decode["return_tokens_as_token_ids"] is True
+    prefill = prefill_body(asked)
+    assert not {"logprobs", "return_tokens_as_token_ids"} & set(prefill)
+    plain = decode_body(REQUEST, PARAMS)
+    assert not {"logprobs", "return_tokens_as_token_ids"} & set(plain)
+
+
 def test_a_completion_without_a_prompt_or_model_is_refused() -> None:
     cases = [({"prompt_token_ids": ()}, "prompt"), ({"model": ""}, "model name")]
     for kwargs, problem in cases:
@@ -111,6 +156,87 @@ def test_stream_lines_become_token_deltas_a_finish_reason_and_done() -> None:
     assert parse_sse_line("data: " + json.dumps(usage)) == Delta()
     assert parse_sse_line("data: [DONE]") is DONE
     assert parse_sse_line('data:{"choices": []}') == Delta()  # the space is optional
+
+
+def lp_chunk(
+    token_ids: list[int], *items: tuple[float, list[tuple[int, float]]], **extra: Any
+) -> str:
+    """A chunk as vLLM writes it under `return_tokens_as_token_ids`: per token, its logprob and
+    its `top_logprobs` entries (id, logprob) in vLLM's order."""
+    logprobs = {
+        "text_offset": list(range(len(token_ids))),
+        "tokens": [f"token_id:{t}" for t in token_ids],
+        "token_logprobs": [value for value, _ in items],
+        "top_logprobs": [{f"token_id:{i}": v for i, v in top} for _, top in items],
+    }
+    return chunk(token_ids=token_ids, logprobs=logprobs, **extra)
+
+
+def test_logprobs_become_the_sampled_token_and_the_k_most_likely_most_likely_first() -> None:
+    # k = 2. Token 7 is not among the two most likely (3 entries: itself first, then the two);
+    # token 4 is the second most likely (2 entries: itself first, then the first); token 6 is
+    # the first (greedy).
+    line = lp_chunk(
+        [7, 4, 6],
+        (-3.0, [(7, -3.0), (1, -0.5), (2, -1.0)]),
+        (-1.0, [(4, -1.0), (9, -0.25)]),
+        (-0.1, [(6, -0.1), (8, -2.5)]),
+    )  # fmt: skip
+    assert parse_sse_line(line, 2) == Delta(
+        (7, 4, 6), None, (
+            TokenLogprobs(7, -3.0, (1, 2), (-0.5, -1.0)),
+            TokenLogprobs(4, -1.0, (9, 4), (-0.25, -1.0)),
+            TokenLogprobs(6, -0.1, (6, 8), (-0.1, -2.5)),
+        ),
+    )  # fmt: skip
+    zero = parse_sse_line(lp_chunk([5], (-0.5, [(5, -0.5)])), 0)  # logprobs: 0
+    assert zero == Delta((5,), None, (TokenLogprobs(5, -0.5),))
+    tie = parse_sse_line(lp_chunk([5], (-1.0, [(5, -1.0), (3, -1.0)])), 2)
+    assert isinstance(tie, Delta) and tie.logprobs[0].top_token_ids == (5, 3)  # vLLM's rank
+    assert parse_sse_line(lp_chunk([5], (-0.5, [(5, -0.5)]))) == Delta((5,))  # not asked: unread
+
+
+def test_a_chunk_without_tokens_needs_no_logprobs() -> None:
+    assert parse_sse_line(chunk(token_ids=[], finish_reason="stop"), 3) == Delta((), "stop")
+    assert parse_sse_line(lp_chunk([], finish_reason="length"), 3) == Delta((), "length")
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "problem"),
+    [
+        (None, "no logprobs object"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0]}, "do not match"),
+        ({"tokens": ["token_id:5", "token_id:6"], "token_logprobs": [-1.0],
+          "top_logprobs": [{}]}, "do not match"),
+        ({"tokens": [" secret"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:5": -1.0}]}, "does not name its token id"),
+        ({"tokens": ["token_id:6"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:6": -1.0}]}, "does not name its token id"),
+        ({"tokens": ["token_id:5"], "token_logprobs": ["-1"],
+          "top_logprobs": [{"token_id:5": -1.0, "token_id:3": -0.5}]}, "not a number"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:5": True}]}, "not a number"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{" secret": -1.0}]}, "token_id:<id>"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:٣": -1.0}]}, "token_id:<id>"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [[-1.0]]}, "not an object"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:3": -0.5, "token_id:5": -1.0}]}, "the top k"),
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:5": -1.0}]}, "the top k"),  # k = 2: 2 or 3 entries
+        ({"tokens": ["token_id:5"], "token_logprobs": [-1.0],
+          "top_logprobs": [{"token_id:5": -1.0, "token_id:3": -2.0, "token_id:4": -0.5}]},
+         "rank order"),
+    ],
+)  # fmt: skip
+def test_malformed_logprobs_are_a_clear_error_that_quotes_nothing(
+    logprobs: object, problem: str
+) -> None:
+    with pytest.raises(VllmProtocolError, match=problem) as err:
+        parse_sse_line(chunk(token_ids=[5], logprobs=logprobs), 2)
+    assert err.value.code == "malformed" and "secret" not in str(err.value)
 
 
 def test_lines_that_carry_nothing_are_skipped() -> None:

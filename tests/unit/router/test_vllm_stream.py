@@ -1,11 +1,13 @@
-"""A vLLM pool's stream refuses what it cannot carry yet, before any server is sent anything
-(the stream against stand-ins for vLLM servers is tests/integration/test_router_vllm.py)."""
+"""A vLLM pool's stream refuses a sampling field it does not send vLLM, by name, before any
+server is sent anything (the stream against stand-ins for vLLM servers is
+tests/integration/test_router_vllm.py, against vLLM itself test_vllm_logprobs.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -16,7 +18,7 @@ from kvrail.router.policy import Candidate, Decision, NoWorkerError
 from kvrail.router.streams.job import DispatchError, Engine, Job
 from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.streams.vllm_stream import VllmStream
-from kvrail.sampling import SamplingParams
+from kvrail.sampling import SamplingParams, TokenBias
 
 
 class NoServers:
@@ -45,25 +47,41 @@ def _refused(request: httpx.Request) -> httpx.Response:
     raise AssertionError("nothing is sent to a vLLM server")
 
 
-async def _first_error(logprobs: int | None) -> tuple[str, int]:
+@dataclass(frozen=True, slots=True)
+class WithPromptLogprobs(SamplingParams):
+    """kvrail's sampling parameters with one more field, as a later engine feature adds one:
+    `protocol.CARRIED` does not name it."""
+
+    prompt_logprobs: int | None = None
+
+
+async def _first_error(sampling: SamplingParams) -> tuple[str, str | None, int]:
     workers = NoServers()
     async with httpx.AsyncClient(transport=httpx.MockTransport(_refused)) as http:
-        job = Job("cmpl-1", (1, 2, 3), SamplingParams(max_tokens=4, logprobs=logprobs),
-                  time.time() + 10)  # fmt: skip
+        job = Job("cmpl-1", (1, 2, 3), sampling, time.time() + 10)
         stream = VllmStream(workers, VllmOptions(http, "m"), job)
         with pytest.raises(DispatchError) as info:
             async for _ in stream:
                 pass
         await stream.close()
-    return info.value.code, workers.asked
+    return info.value.code, info.value.param, workers.asked
 
 
-def test_a_request_with_logprobs_is_a_400_naming_logprobs_and_reaches_no_server() -> None:
-    for logprobs in (0, 5):
-        assert asyncio.run(_first_error(logprobs)) == ("logprobs_unsupported", 0)
-    assert asyncio.run(_first_error(None)) == ("no_worker", 1)  # the others go on to a server
-    err = dispatch_error("logprobs_unsupported")
-    assert (err.status, err.type, err.param) == (400, "invalid_request_error", "logprobs")
-    assert err.code == "logprobs_unsupported"
-    assert err.message == "logprobs are not supported for vLLM pools yet"
+def test_a_field_vllm_is_not_sent_is_a_400_naming_it_and_reaches_no_server() -> None:
+    refused = WithPromptLogprobs(max_tokens=4, prompt_logprobs=1)
+    assert asyncio.run(_first_error(refused)) == ("unsupported_parameter", "prompt_logprobs", 0)
+    err = dispatch_error("unsupported_parameter", "prompt_logprobs")
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", "prompt_logprobs")
+    assert err.code == "unsupported_parameter"
+    assert err.message == "vLLM pools do not take this parameter: 'prompt_logprobs'"
     assert dispatch_error("no_worker").param is None
+
+
+def test_every_field_vllm_is_sent_goes_on_to_a_server_logprobs_and_logit_bias_included() -> None:
+    carried = [
+        WithPromptLogprobs(max_tokens=4),  # the extra field at its default: nothing refused
+        SamplingParams(max_tokens=4, logprobs=0),
+        SamplingParams(max_tokens=4, logprobs=20, logit_bias=(TokenBias(5, -100.0),)),
+    ]
+    for sampling in carried:
+        assert asyncio.run(_first_error(sampling)) == ("no_worker", None, 1)
