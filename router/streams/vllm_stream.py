@@ -69,6 +69,10 @@ T = TypeVar("T")
 _POLL_S = 0.5  # how often a silent decode server's record is checked
 
 
+_API_NAMES = {"prompt_logprobs": "echo"}
+"""The request field that sets a `SamplingParams` field of another name."""
+
+
 @dataclass(slots=True)
 class VllmStream:
     """One request's events from vLLM; iterate it, then leave `Dispatcher.open`'s context."""
@@ -100,8 +104,9 @@ class VllmStream:
 
     async def _events(self) -> AsyncIterator[TokenEvent]:
         unsent = protocol.uncarried(self.job.sampling)
-        if unsent is not None:
-            raise DispatchError("unsupported_parameter", "vLLM is not sent it", param=unsent)
+        if unsent is not None:  # named as the client asked for it
+            param = _API_NAMES.get(unsent, unsent)
+            raise DispatchError("unsupported_parameter", "vLLM is not sent it", param=param)
         deadline = self.job.deadline_monotonic
 
         async def attempt(decision: Decision) -> TokenEvent:

@@ -48,11 +48,11 @@ def _refused(request: httpx.Request) -> httpx.Response:
 
 
 @dataclass(frozen=True, slots=True)
-class WithPromptLogprobs(SamplingParams):
+class WithBeamWidth(SamplingParams):
     """kvrail's sampling parameters with one more field, as a later engine feature adds one:
     `protocol.CARRIED` does not name it."""
 
-    prompt_logprobs: int | None = None
+    beam_width: int = 1
 
 
 async def _first_error(sampling: SamplingParams) -> tuple[str, str | None, int]:
@@ -68,18 +68,20 @@ async def _first_error(sampling: SamplingParams) -> tuple[str, str | None, int]:
 
 
 def test_a_field_vllm_is_not_sent_is_a_400_naming_it_and_reaches_no_server() -> None:
-    refused = WithPromptLogprobs(max_tokens=4, prompt_logprobs=1)
-    assert asyncio.run(_first_error(refused)) == ("unsupported_parameter", "prompt_logprobs", 0)
-    err = dispatch_error("unsupported_parameter", "prompt_logprobs")
-    assert (err.status, err.type, err.param) == (400, "invalid_request_error", "prompt_logprobs")
+    refused = WithBeamWidth(max_tokens=4, beam_width=2)
+    assert asyncio.run(_first_error(refused)) == ("unsupported_parameter", "beam_width", 0)
+    echo = SamplingParams(max_tokens=4, prompt_logprobs=1)  # set by `echo` with `logprobs`
+    assert asyncio.run(_first_error(echo)) == ("unsupported_parameter", "echo", 0)
+    err = dispatch_error("unsupported_parameter", "echo")
+    assert (err.status, err.type, err.param) == (400, "invalid_request_error", "echo")
     assert err.code == "unsupported_parameter"
-    assert err.message == "vLLM pools do not take this parameter: 'prompt_logprobs'"
+    assert err.message == "vLLM pools do not take this parameter: 'echo'"
     assert dispatch_error("no_worker").param is None
 
 
 def test_every_field_vllm_is_sent_goes_on_to_a_server_logprobs_and_logit_bias_included() -> None:
     carried = [
-        WithPromptLogprobs(max_tokens=4),  # the extra field at its default: nothing refused
+        WithBeamWidth(max_tokens=4),  # the extra field at its default: nothing refused
         SamplingParams(max_tokens=4, logprobs=0),
         SamplingParams(max_tokens=4, logprobs=20, logit_bias=(TokenBias(5, -100.0),)),
     ]
