@@ -217,13 +217,15 @@ def test_on_a_gpu_outputs_equal_the_synchronous_engine_with_graphs() -> None:
 
 
 def _with_logprobs(engine: LLMEngine) -> dict[str, list[Any]]:
-    """Eight requests, greedy and seeded, half asking for 3 logprobs, one forced by a +100 bias:
-    each request's tokens and logprob entries."""
+    """Eight requests, greedy and seeded, half asking for 3 logprobs, one forced by a +100 bias,
+    three scoring their (chunked) prompts: each request's tokens and logprob entries, and under
+    `<id>:prompt` its prompt's scores."""
     for i in range(8):
         params = SamplingParams(
             max_tokens=10, ignore_eos=True, logprobs=3 if i % 2 else None,
             temperature=0.0 if i < 4 else 1.0, seed=i,
             logit_bias=(TokenBias(5, 100.0),) if i == 7 else (),
+            prompt_logprobs=2 if i % 3 == 0 else None,
         )  # fmt: skip
         engine.add_request(f"lp{i}", list(range(10 + i, 30 + i)), params)
     got: dict[str, list[Any]] = {}
@@ -233,6 +235,8 @@ def _with_logprobs(engine: LLMEngine) -> dict[str, list[Any]]:
             got.setdefault(output.request_id, []).extend(
                 zip(output.token_ids, entries, strict=True)
             )
+            if output.prompt_logprobs:
+                got[f"{output.request_id}:prompt"] = list(output.prompt_logprobs)
     assert_engine_empty(engine)
     return got
 
@@ -245,11 +249,18 @@ def _with_logprobs(engine: LLMEngine) -> dict[str, list[Any]]:
 )  # fmt: skip
 def test_logprobs_and_logit_bias_are_the_same_scheduled_ahead(device: str) -> None:
     """With the next step queued before the last one's tokens are read (and CUDA graphs on a
-    GPU), every asking row's logprob entries are the synchronous engine's; rows that did not ask
-    get none, and the biased row is forced."""
+    GPU), every asking row's logprob entries and prompt scores are the synchronous engine's;
+    rows that did not ask get none, and the biased row is forced."""
     with torch.device(device):
         expected = _with_logprobs(_engine(False, max_num_seqs=8))
         got = _with_logprobs(_engine(True, max_num_seqs=8))
+    prompts = sorted(r for r in got if r.endswith(":prompt"))
+    assert prompts == ["lp0:prompt", "lp3:prompt", "lp6:prompt"]
+    for rid in prompts:
+        scores, want = got.pop(rid), expected.pop(rid)
+        assert [e.token_id for e in scores] == [e.token_id for e in want]
+        assert len(scores) == 19 and all(len(e.top_token_ids) == 2 for e in scores)
+        assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(scores, want, strict=True))
     assert [[t for t, _ in got[r]] for r in sorted(got)] == [
         [t for t, _ in expected[r]] for r in sorted(expected)
     ]
