@@ -182,6 +182,11 @@ class Settings(BaseModel):
     router_max_attempts: int = Field(
         3, ge=1, le=10, description="decode workers tried for a request nobody took yet"
     )
+    max_choices: int = Field(
+        16, ge=1, le=128,
+        description="the most choices one request may ask for (n, and best_of for completions); "
+        "more is a 400",
+    )  # fmt: skip
     api_keys_file: Path | None = None
     generation_config: Literal["model", "openai"] = Field(
         "model",

@@ -83,6 +83,7 @@ async def serve(settings: Settings) -> None:
         metrics=metrics, served_name=served_name, max_model_len=settings.max_model_len or 0,
         request_timeout_s=settings.request_timeout_s, defaults=defaults,
         allow_special_tokens=settings.allow_special_tokens_in_prompts,
+        max_choices=settings.max_choices,
     )  # fmt: skip
     gc.collect()  # what was loaded stays: out of the collector's sight (see the worker's main)
     gc.freeze()

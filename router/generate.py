@@ -22,6 +22,7 @@ from starlette.types import Receive
 
 from kvrail.errors import InvalidRequestError
 from kvrail.outputs import RequestOutput
+from kvrail.router import choices
 from kvrail.router.api import asgi, streaming
 from kvrail.router.api.errors import ApiError, dispatch_error
 from kvrail.router.api.sampling import Defaults, Requested
@@ -58,6 +59,7 @@ class RouterState:
     request_timeout_s: float
     defaults: Defaults = field(default_factory=Defaults)
     allow_special_tokens: bool = False
+    max_choices: int = 16  # the most `n` (or `best_of`) a request may ask for
     created: int = 0  # when the router started: the served model's `created`
     tokenizer: TokenizerThreads = field(default_factory=_tokenizer_threads)
 
@@ -116,8 +118,16 @@ async def serve(
         params.check_prompt_scores(len(prompt_ids))
     except InvalidRequestError as err:
         raise ApiError(400, str(err), param="echo") from err
+    count = asked.best_of or asked.n
+    if count > state.max_choices:
+        raise ApiError(
+            400, f"at most {state.max_choices} choices per request (this router's max_choices)",
+            param="best_of" if asked.best_of else "n",
+        )  # fmt: skip
+    if asked.best_of and asked.best_of > asked.n and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)  # ranked by them, not returned
     try:
-        ticket = state.admission.admit(tenant, len(prompt_ids) + max_tokens)
+        ticket = state.admission.admit(tenant, len(prompt_ids) + count * max_tokens)
     except Rejected as err:
         state.metrics.rejected.labels("rate_limited" if err.status == 429 else "too_large").inc()
         headers = {"Retry-After": str(int(err.retry_after_s))} if err.retry_after_s else {}
@@ -130,15 +140,22 @@ async def serve(
     )  # fmt: skip
     state.metrics.prompt_tokens.labels(tenant.name).inc(len(prompt_ids))
     delivery = asked.delivery
-    detok = state.codec.detokenizer(prompt_ids, delivery.stop, params.min_tokens)
     reply = streaming.Reply(
         kind, response_id, state.served_name, int(time.time()), len(prompt_ids),
         delivery.include_usage, delivery.continuous_usage_stats,
-        None if params.logprobs is None else state.codec.token_text,
+        None if asked.fields.get("logprobs") is None else state.codec.token_text, count,
     )  # fmt: skip
-    pieces = _generate(state, job, detok, started, tenant, ticket)
-    if delivery.echo:
-        pieces = _echoed(pieces, echo_text, prompt_ids[0])
+    share = choices.SharedTicket(ticket, len(prompt_ids), count) if count > 1 else ticket
+
+    def start(job: Job, on_first: choices.OnFirst | None) -> AsyncGenerator[streaming.Piece]:
+        detok = state.codec.detokenizer(prompt_ids, delivery.stop, params.min_tokens)
+        pieces = _generate(state, job, detok, started, tenant, share, on_first)
+        return _echoed(pieces, echo_text, prompt_ids[0]) if delivery.echo else pieces
+
+    if count == 1:
+        pieces = start(job, None)
+    else:
+        pieces = choices.pieces_of(choices.choice_jobs(job, count), start)
     if delivery.stream:
         sse = streaming.sse(
             reply, pieces, lambda status: state.metrics.requests.labels(endpoint, status).inc()
@@ -147,7 +164,8 @@ async def serve(
             sse, on_close=lambda: ticket.release(0), request_id=response_id
         )
     try:
-        body = await streaming.until_disconnect(receive, streaming.collect(pieces, reply))
+        keep = asked.n if asked.best_of else None
+        body = await streaming.until_disconnect(receive, streaming.collect(pieces, reply, keep))
     except asgi.ClientLeft:
         state.metrics.requests.labels(endpoint, "499").inc()
         raise
@@ -189,9 +207,11 @@ async def _generate(
     detok: Detokenizer,
     started: float,
     tenant: Tenant,
-    ticket: Ticket,
+    ticket: Ticket | choices.SharedTicket,
+    on_first: choices.OnFirst | None = None,
 ) -> AsyncGenerator[streaming.Piece, None]:
-    """Text pieces of one request, in order; the last has a finish reason. Raises ApiError."""
+    """Text pieces of one request, in order; the last has a finish reason. `on_first` gets the
+    worker that sent its first event. Raises ApiError."""
     m = state.metrics
     num_tokens = 0
     num_cached = 0
@@ -207,6 +227,8 @@ async def _generate(
                     if event.seq == 0:
                         m.first_event(event, now - started)
                         num_cached = output.num_cached_tokens
+                        if on_first is not None:
+                            on_first(stream.worker_id)
                     elif output.token_ids:
                         n = len(output.token_ids)
                         m.itl.observe((now - last) / n, n)

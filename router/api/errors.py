@@ -27,7 +27,6 @@ from kvrail.router.api.schemas import UNSUPPORTED
 
 # Message fields of OpenAI features kvrail lacks (never declared: reported as unsupported).
 _MESSAGE_FEATURES = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio"})
-_MESSAGES = {"n": "n must be 1: kvrail returns one choice per request"}
 
 
 class ApiError(Exception):
@@ -161,8 +160,6 @@ def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -
     if top in UNSUPPORTED:  # a declared feature field sent with a value other than its neutral one
         message = f"'{top}' is not supported by kvrail (accepted: {UNSUPPORTED[top]})"
         return ApiError(400, message, param=top, code="unsupported_parameter")
-    if len(path) == 1 and top in _MESSAGES:
-        return ApiError(400, _MESSAGES[top], param=param)
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind.startswith("kvrail"):
         return ApiError(400, msg, param=param)

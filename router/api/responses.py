@@ -166,16 +166,27 @@ def chat_completion(
     system_fingerprint: str | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    message = {"role": "assistant", "content": text, "refusal": None}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": system_fingerprint,
-        "choices": [choice],
+        "choices": [chat_choice(0, text, finish_reason, logprobs)],
         "usage": dict(usage),
+    }
+
+
+def chat_choice(
+    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One choice of a whole chat completion (a body lists one per choice, by `index`)."""
+    message = {"role": "assistant", "content": text, "refusal": None}
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
     }
 
 
@@ -190,11 +201,12 @@ def chat_chunk(
     system_fingerprint: str | None = None,
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One chunk. The first carries `role` (and `delta_text=""`), the last a `finish_reason`
-    with an empty delta; a chunk with `usage` and nothing else is the usage chunk (no choices).
-    `include_usage` adds `"usage": null` to the other chunks, as OpenAI does when the client
-    asked for usage. `logprobs` are those of the chunk's tokens."""
+    """One chunk of choice `index`. The first carries `role` (and `delta_text=""`), the last a
+    `finish_reason` with an empty delta; a chunk with `usage` and nothing else is the usage
+    chunk (no choices). `include_usage` adds `"usage": null` to the other chunks, as OpenAI does
+    when the client asked for usage. `logprobs` are those of the chunk's tokens."""
     out: dict[str, Any] = {
         "id": id,
         "object": "chat.completion.chunk",
@@ -207,7 +219,9 @@ def chat_chunk(
         delta: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta_text is not None:
             delta["content"] = delta_text
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        choice = {
+            "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason
+        }  # fmt: skip
         out["choices"].append(choice)
     if usage is not None or include_usage:
         out["usage"] = None if usage is None else dict(usage)
@@ -224,16 +238,22 @@ def completion(
     system_fingerprint: str | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
     return {
         "id": id,
         "object": "text_completion",
         "created": created,
         "model": model,
         "system_fingerprint": system_fingerprint,
-        "choices": [choice],
+        "choices": [completion_choice(0, text, finish_reason, logprobs)],
         "usage": dict(usage),
     }
+
+
+def completion_choice(
+    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One choice of a whole completion (a body lists one per choice, by `index`)."""
+    return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def completion_chunk(
@@ -246,10 +266,11 @@ def completion_chunk(
     system_fingerprint: str | None = None,
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
+    index: int = 0,
 ) -> dict[str, Any]:
-    """One chunk of a streamed completion (object `text_completion`, like the whole one); with
-    `usage` and nothing else it is the usage chunk (no choices). `logprobs` are those of the
-    chunk's tokens."""
+    """One chunk of choice `index` of a streamed completion (object `text_completion`, like the
+    whole one); with `usage` and nothing else it is the usage chunk (no choices). `logprobs` are
+    those of the chunk's tokens."""
     out: dict[str, Any] = {
         "id": id,
         "object": "text_completion",
@@ -260,7 +281,8 @@ def completion_chunk(
     }
     if text is not None or finish_reason is not None or usage is None:
         choice = {
-            "text": text or "", "index": 0, "logprobs": logprobs, "finish_reason": finish_reason
+            "text": text or "", "index": index, "logprobs": logprobs,
+            "finish_reason": finish_reason,
         }  # fmt: skip
         out["choices"].append(choice)
     if usage is not None or include_usage:

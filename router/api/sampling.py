@@ -77,6 +77,10 @@ class Requested:
     delivery: Delivery
     fields: dict[str, object] = field(default_factory=dict)
     """The sampling fields the client set, by `SamplingParams` name."""
+    n: int = 1
+    """Choices returned."""
+    best_of: int | None = None
+    """Choices generated, of which the `n` likeliest are returned (completions); None: `n`."""
 
     def params(self, max_tokens: int, defaults: Defaults) -> SamplingParams:
         """The request's `SamplingParams` with `max_tokens` resolved. Raises InvalidRequestError
@@ -136,4 +140,5 @@ def requested(req: ChatCompletionRequest | CompletionRequest) -> Requested:
         continuous_usage_stats=stream and bool(options and options.continuous_usage_stats),
         echo=isinstance(req, CompletionRequest) and bool(req.echo),
     )
-    return Requested(max_tokens, delivery, fields)
+    best_of = req.best_of if isinstance(req, CompletionRequest) else None
+    return Requested(max_tokens, delivery, fields, req.n or 1, best_of)

@@ -40,6 +40,7 @@ from kvrail.sampling import (
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1024
 MAX_STOP_STRINGS = 4
+MAX_CHOICES = 128  # the most `n` or `best_of` a body may state; a router's own cap is its setting
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DEFAULT_FROM_MODEL = "default: the model's generation config, else {default}"
 
@@ -63,7 +64,6 @@ UNSUPPORTED: dict[str, str] = {
     "prompt_cache_retention": "null",
     "prompt_cache_options": "null",
     "suffix": "null",
-    "best_of": "1",
     "skip_special_tokens": "true",
     "include_stop_str_in_output": "false",
 }
@@ -238,7 +238,11 @@ class _GenerationRequest(BaseModel):
     )
     skip_special_tokens: OnlyTrue | None = None
     include_stop_str_in_output: OnlyFalse | None = None
-    n: int | None = Field(1, ge=1, le=1)
+    n: int | None = Field(
+        1, ge=1, le=MAX_CHOICES,
+        description="choices to generate (each with its own seed stream; the prompt computed "
+        "once); at most the router's `max_choices` setting",
+    )  # fmt: skip
     user: str | None = Field(None, description="accepted and ignored")
     safety_identifier: str | None = Field(None, description="accepted and ignored")
     prompt_cache_key: str | None = Field(None, description="accepted and ignored")
@@ -361,7 +365,24 @@ class CompletionRequest(_GenerationRequest):
         description="the sampled tokens' log-probabilities, with this many most likely tokens "
         "at each position",
     )  # fmt: skip
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    best_of: int | None = Field(
+        None, ge=1, le=MAX_CHOICES,
+        description="completions to generate, of which the `n` likeliest per token are returned "
+        "(not streamed); at least `n`",
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _best_of_covers_n(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of < (self.n or 1):  # vLLM refuses it too
+            raise PydanticCustomError(
+                "kvrail_invalid", "best_of must be at least n", {"param": "best_of"}
+            )
+        if self.best_of is not None and self.best_of > (self.n or 1) and self.stream:
+            raise PydanticCustomError(
+                "kvrail_invalid", "best_of above n cannot be streamed (the best are known only "
+                "at the end)", {"param": "best_of"},
+            )  # fmt: skip
+        return self
 
     @field_validator("prompt", mode="before")
     @classmethod

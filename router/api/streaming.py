@@ -22,7 +22,7 @@ import contextlib
 import functools
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal, TypeVar, cast
 
@@ -38,6 +38,8 @@ Kind = Literal["chat", "completion"]
 REQUEST_ID_HEADER: Final = "x-request-id"
 """Every generation response's id header (OpenAI's name): the completion's `id`."""
 T = TypeVar("T")
+Choice = tuple[str, str, dict[str, Any] | None]
+"""A whole choice: its text, finish reason and logprobs (None: not asked)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +57,9 @@ class Piece:
     echo: tuple[int, ...] = ()
     """An echoed completion's first piece: the prompt's first token id (its text leads
     `text`; the rest of the prompt's tokens are scored in `output.prompt_logprobs`)."""
+    index: int = 0
+    """The choice it belongs to (`n` > 1: each choice's pieces come in order, the choices'
+    interleaved)."""
 
 
 @dataclass(slots=True)
@@ -79,8 +84,9 @@ class Reply:
     include_usage: bool = False
     continuous_usage_stats: bool = False
     token_text: TokenText | None = None
-    logprobs: ResponseLogprobs | None = field(init=False)
-    """The response's logprobs as far as they were rendered; None: the request did not ask."""
+    num_choices: int = 1
+    _logprobs: dict[int, ResponseLogprobs] = field(default_factory=dict)
+    """Each choice's logprobs as far as they were rendered (`logprobs_of`)."""
     _known: tuple[bytes, bytes] = field(init=False)
     """The response id and `created` as they are written in a chunk."""
     _bound: dict[str, tuple[bytes, bytes]] = field(default_factory=dict)
@@ -88,21 +94,50 @@ class Reply:
 
     def __post_init__(self) -> None:
         self._known = (json.dumps(self.response_id).encode(), str(self.created).encode())
-        self.logprobs = (
-            None if self.token_text is None
-            else ResponseLogprobs(self.kind == "chat", self.token_text)
-        )  # fmt: skip
 
-    def role_event(self) -> bytes:
-        """A chat's first chunk: the role, with empty content (no usage in it)."""
+    @property
+    def asks_logprobs(self) -> bool:
+        return self.token_text is not None
+
+    def logprobs_of(self, piece: Piece) -> dict[str, Any] | None:
+        """The `logprobs` of a piece's choice for its tokens (see `ResponseLogprobs.of`); a
+        request that asked for them only."""
+        assert self.token_text is not None
+        logprobs = self._logprobs.get(piece.index)
+        if logprobs is None:
+            logprobs = self._logprobs[piece.index] = ResponseLogprobs(
+                self.kind == "chat", self.token_text
+            )
+        output = piece.output
+        if output is None:
+            return logprobs.of((), piece.text, piece.echo)
+        return logprobs.of(output.logprobs, piece.text, piece.echo, output.prompt_logprobs)
+
+    def joined_logprobs(self, index: int, parts: Sequence[dict[str, Any] | None]) -> Any:
+        """A choice's whole `logprobs` from its pieces' (`logprobs_of`), None if not asked."""
+        logprobs = self._logprobs.get(index)
+        if logprobs is None:
+            if self.token_text is None:
+                return None
+            logprobs = ResponseLogprobs(self.kind == "chat", self.token_text)
+        return logprobs.join(parts)
+
+    def role_event(self, index: int = 0) -> bytes:
+        """A chat choice's first chunk: the role, with empty content (no usage in it)."""
+        if index:
+            return _event(self.chunk("", None, first=True, index=index))
         return self._fill("role", b"")
 
-    def text_event(self, text: str) -> bytes:
+    def text_event(self, text: str, index: int = 0) -> bytes:
         """`data: <the chunk carrying text only>` and its blank line, as `_event` would write it."""
+        if index:
+            return _event(self.chunk(text, None, index=index))
         return self._fill("text", json.dumps(text).encode())
 
-    def finish_event(self, finish_reason: str) -> bytes:
+    def finish_event(self, finish_reason: str, index: int = 0) -> bytes:
         """The chunk with the finish reason and an empty delta (no usage in it)."""
+        if index:
+            return _event(self.chunk(None, finish_reason, index=index))
         return self._fill("finish", json.dumps(finish_reason).encode())
 
     def usage_event(self, usage: dict[str, Any]) -> bytes:
@@ -112,11 +147,10 @@ class Reply:
     def logprobs_event(self, piece: Piece, usage: dict[str, Any] | None) -> bytes:
         """A piece's text chunk, with its tokens' logprobs (a request that asked for them; a
         piece with tokens is sent even without text, so that none of them is missing)."""
-        assert self.logprobs is not None
-        logprobs = _logprobs_of(self.logprobs, piece)
+        logprobs = self.logprobs_of(piece)
         if logprobs is None and not piece.text:
             return b""
-        return _event(self.chunk(piece.text, None, usage, logprobs=logprobs))
+        return _event(self.chunk(piece.text, None, usage, logprobs=logprobs, index=piece.index))
 
     def _fill(self, shape: _Shape, value: bytes) -> bytes:
         bound = self._bound.get(shape)
@@ -129,24 +163,30 @@ class Reply:
             self._bound[shape] = bound
         return bound[0] + value + bound[1]
 
-    def usage(self, piece: Piece) -> dict[str, Any]:
-        """Usage as of `piece`, with the prompt tokens the prefix cache served (vLLM's
-        `prompt_tokens_details.cached_tokens`)."""
-        return responses.usage(self.num_prompt_tokens, piece.num_tokens, piece.num_cached_tokens)
+    def usage(self, piece: Piece, others: int = 0) -> dict[str, Any]:
+        """Usage as of `piece` (and `others`: the tokens of the other choices so far; the prompt
+        counts once), with the prompt tokens the prefix cache served (vLLM's
+        `prompt_tokens_details.cached_tokens`: the first choice's)."""
+        return responses.usage(
+            self.num_prompt_tokens, piece.num_tokens + others, piece.num_cached_tokens
+        )
 
-    def whole(
-        self, text: str, finish: str, usage: dict[str, Any],
-        logprobs: dict[str, Any] | None = None,
-    ) -> dict[str, Any]:  # fmt: skip
-        build = responses.chat_completion if self.kind == "chat" else responses.completion
-        return build(
+    def whole(self, choices: Sequence[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole body, its choices in the order given (their index is their place)."""
+        chat = self.kind == "chat"
+        build = responses.chat_completion if chat else responses.completion
+        text, finish, logprobs = choices[0]
+        body = build(
             self.response_id, self.served_name, self.created, text, finish, usage,
             logprobs=logprobs,
         )  # fmt: skip
+        choice = responses.chat_choice if chat else responses.completion_choice
+        body["choices"] += [choice(i, *c) for i, c in enumerate(choices[1:], 1)]
+        return body
 
     def chunk(
         self, text: str | None, finish: str | None, usage: dict[str, Any] | None = None,
-        first: bool = False, logprobs: dict[str, Any] | None = None,
+        first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
         rid, name, created, usage_null = (
             self.response_id, self.served_name, self.created, self.include_usage
@@ -154,37 +194,43 @@ class Reply:
         if self.kind == "chat":
             return responses.chat_chunk(
                 rid, name, created, text, first, finish, usage, include_usage=usage_null,
-                logprobs=logprobs,
+                logprobs=logprobs, index=index,
             )  # fmt: skip
         return responses.completion_chunk(
-            rid, name, created, text, finish, usage, include_usage=usage_null, logprobs=logprobs
-        )
+            rid, name, created, text, finish, usage, include_usage=usage_null, logprobs=logprobs,
+            index=index,
+        )  # fmt: skip
 
 
-async def collect(pieces: AsyncGenerator[Piece, None], reply: Reply) -> dict[str, Any]:
-    """The whole body: the pieces' text, the finish reason, the usage, and the logprobs of
-    every piece when the request asked."""
-    parts: list[str] = []
-    logprobs = reply.logprobs
-    logprob_parts: list[dict[str, Any] | None] = []
-    finish, last = "stop", Piece("", None, 0)
+async def collect(
+    pieces: AsyncGenerator[Piece, None], reply: Reply, keep: int | None = None
+) -> dict[str, Any]:
+    """The whole body: each choice's text, finish reason and logprobs (when the request asked),
+    and the usage of all of them. `keep` (`best_of`): the body lists only the `keep` choices
+    whose tokens are likeliest on average (by their outputs' logprobs), likeliest first."""
+    n = reply.num_choices
+    texts: list[list[str]] = [[] for _ in range(n)]
+    parts: list[list[dict[str, Any] | None]] = [[] for _ in range(n)]
+    finish = ["stop"] * n
+    last = [Piece("", None, 0)] * n
+    logprob_sums = [0.0] * n
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
-            parts.append(piece.text)
-            if logprobs is not None:
-                logprob_parts.append(_logprobs_of(logprobs, piece))
-            last = piece
+            i = piece.index
+            texts[i].append(piece.text)
+            if reply.asks_logprobs:
+                parts[i].append(reply.logprobs_of(piece))
+            if keep is not None and piece.output is not None:
+                logprob_sums[i] += sum(lp.logprob for lp in piece.output.logprobs)
+            last[i] = piece
             if piece.finish_reason is not None:
-                finish = piece.finish_reason
-    joined = None if logprobs is None else logprobs.join(logprob_parts)
-    return reply.whole("".join(parts), finish, reply.usage(last), joined)
-
-
-def _logprobs_of(logprobs: ResponseLogprobs, piece: Piece) -> dict[str, Any] | None:
-    output = piece.output
-    if output is None:
-        return logprobs.of((), piece.text, piece.echo)
-    return logprobs.of(output.logprobs, piece.text, piece.echo, output.prompt_logprobs)
+                finish[i] = piece.finish_reason
+    order: Sequence[int] = range(n)
+    if keep is not None:
+        order = sorted(order, key=lambda i: -logprob_sums[i] / max(last[i].num_tokens, 1))[:keep]
+    choices = [("".join(texts[i]), finish[i], reply.joined_logprobs(i, parts[i])) for i in order]
+    usage = reply.usage(last[0], sum(p.num_tokens for p in last[1:]))
+    return reply.whole(choices, usage)
 
 
 async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
@@ -280,42 +326,51 @@ async def sse(
     reply: Reply, pieces: AsyncGenerator[Piece, None], count: Callable[[str], None]
 ) -> AsyncIterator[bytes]:
     """The response's events, one chunk of bytes per piece; the last piece's events, the usage
-    chunk and `[DONE]` leave together, as the body's `Last` bytes. `count` gets the response's
-    HTTP status once it ends (499: the client left)."""
+    chunk and `[DONE]` leave together, as the body's `Last` bytes (a choice that finishes before
+    the others sends its finish chunk at once). `count` gets the response's HTTP status once it
+    ends (499: the client left)."""
     status = "499"  # the client left before the end
-    last = Piece("", None, 0)
+    last = [Piece("", None, 0)] * reply.num_choices
     every = reply.continuous_usage_stats
-    asked = reply.logprobs is not None
-    tail = b""  # the finished piece's events, sent with the end
+    asked = reply.asks_logprobs
+    unfinished = reply.num_choices
+    tail = b""  # the last finished piece's events, sent with the end
     try:
         if reply.kind == "chat":
-            yield (
-                _event(reply.chunk("", None, reply.usage(last), first=True))
-                if every
-                else reply.role_event()
-            )
+            for i in range(reply.num_choices):
+                yield (
+                    _event(reply.chunk("", None, _usage(reply, last, 0), first=True, index=i))
+                    if every
+                    else reply.role_event(i)
+                )
         async with contextlib.aclosing(pieces):
             async for piece in pieces:
-                last = piece
-                usage = reply.usage(piece) if every else None
+                index = piece.index
+                last[index] = piece
+                usage = _usage(reply, last, index) if every else None
                 events = b""
                 if asked:
                     events = reply.logprobs_event(piece, usage)
                 elif piece.text and usage is None:
-                    events = reply.text_event(piece.text)
+                    events = reply.text_event(piece.text, index)
                 elif piece.text:
-                    events = _event(reply.chunk(piece.text, None, usage))
+                    events = _event(reply.chunk(piece.text, None, usage, index=index))
                 if piece.finish_reason is None:
                     if events:
                         yield events
                     continue
-                tail = events + (
-                    reply.finish_event(piece.finish_reason)
+                events += (
+                    reply.finish_event(piece.finish_reason, index)
                     if usage is None
-                    else _event(reply.chunk(None, piece.finish_reason, usage))
+                    else _event(reply.chunk(None, piece.finish_reason, usage, index=index))
                 )
+                unfinished -= 1
+                if unfinished:
+                    yield events
+                else:
+                    tail = events
         if reply.include_usage:
-            tail += reply.usage_event(reply.usage(last))
+            tail += reply.usage_event(_usage(reply, last, 0))
         status = "200"
     except ApiError as err:
         status = str(err.status)
@@ -323,3 +378,9 @@ async def sse(
     finally:
         count(status)
     yield Last(tail + b"data: [DONE]\n\n")
+
+
+def _usage(reply: Reply, last: Sequence[Piece], index: int) -> dict[str, Any]:
+    """Usage as of each choice's latest piece (`last`), `index`'s the one just in."""
+    others = sum(p.num_tokens for i, p in enumerate(last) if i != index)
+    return reply.usage(last[index], others)

@@ -165,6 +165,8 @@ class Dispatcher:
     ) -> Decision:
         candidates, num_blocks = self.candidates(job, engines)
         candidates = [c for c in candidates if c.worker_id not in exclude]
+        if job.prefer:
+            candidates = [c for c in candidates if c.worker_id == job.prefer] or candidates
         decision = self.chooser.choose(candidates, num_blocks)
         if self.on_decision is not None:
             self.on_decision(decision)

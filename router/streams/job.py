@@ -50,6 +50,9 @@ class Job:
     sampling: SamplingParams
     deadline_unix_s: float
     tenant_salt: str = ""
+    prefer: str = ""
+    """A worker to send it to while it is a candidate (another choice of the same request holds
+    the prompt's KV there); "" or gone: the router's policy chooses."""
 
     @property
     def deadline_monotonic(self) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -529,6 +530,104 @@ def test_echo_scores_the_prompt_streamed_or_not_text_or_token_ids(pool: LocalPoo
     assert _close(streamed, lp.token_logprobs)
     plain = c.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, echo=True)
     assert plain.choices[0].text.startswith(prompt) and plain.choices[0].logprobs is None
+
+
+def _ttft_counts(pool: LocalPool) -> dict[str, float]:
+    """router-a's first tokens so far, by how their prompt was prefilled."""
+    with urllib.request.urlopen(url(pool, "/metrics"), timeout=10) as reply:
+        text = reply.read().decode()
+    pattern = r'kvrail_time_to_first_token_seconds_count\{prefill_mode="(\w+)"\} (\S+)'
+    return {mode: float(value) for mode, value in re.findall(pattern, text)}
+
+
+def _story() -> str:
+    """A prompt prefilled remotely, that no earlier request began with (no prefix-cache hit)."""
+    return f"Story {uuid.uuid4().hex[:8]}. " + "Write a long story about a dragon. " * 12
+
+
+def test_n_choices_prefill_once_are_seeded_like_single_requests_and_stream_by_index(
+    pool: LocalPool,
+) -> None:
+    """n=4 with a seed: the prompt is prefilled remotely once (the other three choices find it
+    in the decode worker's prefix cache and prefill their last block there); choice i is the
+    answer a single request with seed + i gets; streamed, each index's text is the same; usage
+    counts the prompt once and every choice's tokens."""
+    c = client(pool)
+    asked: dict[str, Any] = {"model": MODEL, "prompt": _story(), "max_tokens": 8,
+                             "temperature": 1.0, "extra_body": {"ignore_eos": True}}  # fmt: skip
+    before = _ttft_counts(pool)
+    whole = c.completions.create(n=4, seed=5, **asked)
+    after = _ttft_counts(pool)
+    assert after.get("remote", 0) - before.get("remote", 0) == 1, (before, after)
+    assert after.get("local", 0) - before.get("local", 0) == 3
+    assert [ch.index for ch in whole.choices] == [0, 1, 2, 3]
+    texts = [ch.text for ch in whole.choices]
+    assert len(set(texts)) > 1, "four seeds, four draws"
+    single = c.completions.create(seed=5, **asked)
+    assert whole.usage is not None and single.usage is not None
+    assert whole.usage.prompt_tokens == single.usage.prompt_tokens
+    assert whole.usage.completion_tokens == 4 * 8
+    for index in range(4):
+        alone = c.completions.create(seed=5 + index, **asked)
+        assert alone.choices[0].text == texts[index]
+    stream = c.completions.create(n=4, seed=5, stream=True, **asked)
+    streamed = ["", "", "", ""]
+    finished = set()
+    for chunk in stream:
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+            if ch.finish_reason is not None:
+                finished.add(ch.index)
+    assert streamed == texts and finished == {0, 1, 2, 3}
+    chat = c.chat.completions.create(model=MODEL, messages=QUESTION, n=3, max_tokens=6,
+                                     temperature=0)  # fmt: skip
+    assert [ch.index for ch in chat.choices] == [0, 1, 2]
+    assert len({ch.message.content for ch in chat.choices}) == 1  # greedy: one answer thrice
+
+
+def test_best_of_returns_the_likeliest_and_choices_above_the_cap_are_refused(
+    pool: LocalPool,
+) -> None:
+    """best_of=3, n=2: three generated (usage counts them), the two likeliest per token
+    returned, likeliest first; n above the router's max_choices (16) is a 400 naming n."""
+    c = client(pool)
+    best = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                temperature=1.0, seed=11, best_of=3, n=2, logprobs=0,
+                                extra_body={"ignore_eos": True})  # fmt: skip
+    assert [ch.index for ch in best.choices] == [0, 1]
+    assert best.usage is not None and best.usage.completion_tokens == 3 * 6
+    means = []
+    for ch in best.choices:
+        assert ch.logprobs is not None and ch.logprobs.token_logprobs
+        means.append(sum(ch.logprobs.token_logprobs) / len(ch.logprobs.token_logprobs))
+    assert means[0] >= means[1]
+    for index in range(3):  # the one left out is no likelier than the two kept
+        alone = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6,
+                                     temperature=1.0, seed=11 + index, logprobs=0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+        lp = alone.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs
+        assert sum(lp.token_logprobs) / len(lp.token_logprobs) <= means[0] + 1e-4
+    with pytest.raises(openai.BadRequestError) as err:
+        c.completions.create(model=MODEL, prompt="Hi", max_tokens=2, n=17)
+    assert err.value.body["param"] == "n"
+
+
+async def test_a_client_that_leaves_an_n_stream_cancels_every_choice(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    c = openai.AsyncOpenAI(base_url=url(pool, "/v1"), api_key=KEY_A, max_retries=0)
+    stream = await c.completions.create(model=MODEL, prompt=_story(), max_tokens=900, n=4,
+                                        temperature=1.0, seed=3, stream=True,
+                                        extra_body={"ignore_eos": True})  # fmt: skip
+    seen: set[int] = set()
+    async for chunk in stream:
+        seen.update(ch.index for ch in chunk.choices)
+        if len(seen) == 4:
+            break
+    await stream.close()
+    await pool.assert_all_blocks_free(nc, timeout_s=10)
+    await c.close()
 
 
 def test_vllm_benchmark_fields_are_honoured(pool: LocalPool) -> None:

@@ -99,7 +99,8 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (chat(audio={"voice": "x"}), "audio", "not supported", "unsupported_parameter"),
     (chat(modalities=["text", "audio"]), "modalities", "not supported", "unsupported_parameter"),
     (chat(prediction={"type": "content"}), "prediction", "not supported", "unsupported_parameter"),
-    (chat(n=2), "n", "n must be 1", None),
+    (chat(n=0), "n", "greater than or equal to 1", None),
+    (chat(n=129), "n", "less than or equal to 128", None),
     (chat(stream_options={"include_usage": True}), "stream_options", "only allowed when stream",
      None),
     (chat(stream=False, stream_options={}), "stream_options", "only allowed when stream", None),
@@ -162,8 +163,9 @@ COMPLETION_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (completion(logprobs=21), "logprobs", "less than or equal to 20", None),
     (completion(logprobs=-1), "logprobs", "greater than or equal to 0", None),
     (completion(logprobs=True), "logprobs", "valid integer", None),
-    (completion(best_of=3), "best_of", "not supported", "unsupported_parameter"),
-    (completion(n=3), "n", "n must be 1", None),
+    (completion(best_of=2, n=3), "best_of", "best_of must be at least n", None),
+    (completion(best_of=3, stream=True), "best_of", "cannot be streamed", None),
+    (completion(n=1.5), "n", "valid integer", None),
     (completion(max_tokens=0), "max_tokens", "greater than or equal to 1", None),
     (completion(stream_options={"include_usage": False}), "stream_options", "only allowed", None),
     (completion(messages=[]), "messages", "unrecognized", "unknown_parameter"),
@@ -374,7 +376,7 @@ def test_the_openapi_schema_states_exactly_what_is_accepted(app: FastAPI) -> Non
     assert props["logprobs"]["anyOf"][0] == {"type": "boolean"}
     assert props["top_logprobs"]["anyOf"][0]["maximum"] == 20
     assert props["tools"]["anyOf"][0] == {"items": {}, "maxItems": 0, "type": "array"}
-    assert props["n"]["anyOf"][0]["maximum"] == 1
+    assert props["n"]["anyOf"][0]["maximum"] == schemas.MAX_CHOICES
     # The seed bound survives FastAPI writing bounds as floats.
     assert int(props["seed"]["anyOf"][0]["maximum"]) == schemas.SEED_MAX
     assert ChatCompletionRequest.model_validate(chat(seed=schemas.SEED_MAX)).seed
@@ -554,7 +556,7 @@ def test_the_openai_client_asks_for_logprobs_as_we_accept_and_reads_them() -> No
 
 
 def test_the_openai_client_raises_our_errors_with_their_fields() -> None:
-    invalid = rejected(ChatCompletionRequest, chat(n=3))
+    invalid = rejected(ChatCompletionRequest, chat(n=0))
     limited = ApiError(
         429, "tenant over its limit", "rate_limit_error", headers={"Retry-After": "2"}
     )
