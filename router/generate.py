@@ -164,7 +164,7 @@ async def serve(
             sse, on_close=lambda: ticket.release(0), request_id=response_id
         )
     try:
-        keep = asked.n if asked.best_of else None
+        keep = asked.n if asked.best_of and asked.best_of > asked.n else None
         body = await streaming.until_disconnect(receive, streaming.collect(pieces, reply, keep))
     except asgi.ClientLeft:
         state.metrics.requests.labels(endpoint, "499").inc()

@@ -268,3 +268,23 @@ def test_logit_bias_forces_or_bans_a_token_as_vllm_does(stack: Stack, codec: Tex
             second = list(plain.top_logprobs[0])[1]
             assert lp.tokens[0] == second != plain.tokens[0]
             assert lp.top_logprobs[0] == plain.top_logprobs[0]  # same position, unbiased values
+
+
+def test_n_choices_are_the_answers_to_each_choices_seed_and_echo_leads_with_the_prompt(
+    stack: Stack,
+) -> None:
+    """n=3 with a seed through the router: choice i is the answer to the same request with
+    `n: 1` and seed + i (each choice is one request to vLLM); `echo` puts the prompt first."""
+    base: dict[str, Any] = dict(
+        model=SERVED_MODEL_NAME, prompt=PROMPTS["local"], max_tokens=6, temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    got = stack.router.completions.create(n=3, seed=21, **base)
+    assert [c.index for c in got.choices] == [0, 1, 2]
+    for index, choice in enumerate(got.choices):
+        want = stack.router.completions.create(seed=21 + index, **base)
+        assert choice.text == want.choices[0].text
+    assert got.usage is not None and got.usage.completion_tokens == 3 * 6
+    assert len({c.text for c in got.choices}) > 1
+    echoed = stack.router.completions.create(seed=21, echo=True, **base)
+    assert echoed.choices[0].text == PROMPTS["local"] + got.choices[0].text
