@@ -3,8 +3,9 @@
 `serve` checks the prompt and `max_tokens` against the context every ready decode worker can
 hold (an omitted `max_tokens` means the room left, as in vLLM), admits the request against its
 tenant's limits, builds its `SamplingParams` once (`kvrail.router.api.sampling`), and follows
-the dispatcher's stream until the last token: streamed as server-sent events or collected into
-one body, and cancelled on every worker when the client leaves either way.
+the dispatcher's stream until the last token (one per choice when it asks for several:
+`kvrail.router.choices`): streamed as server-sent events or collected into one body, and
+cancelled on every worker when the client leaves either way.
 """
 
 from __future__ import annotations
