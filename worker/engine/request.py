@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvrail.outputs import TokenLogprobs
 from kvrail.sampling import SamplingParams
@@ -77,7 +76,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | None = None
     block_hashes: list[bytes] = field(default_factory=list)
-    generator: Any = None
     retain_blocks: bool = False
     hash_root: bytes | None = None
     num_in_flight: int = 0

@@ -4,12 +4,15 @@ Rows are first adjusted where their request asks for it: its `logit_bias` added,
 end-of-sequence token and the stop token ids masked while `min_tokens` is not reached, and the
 repetition, presence and frequency penalties applied over the request's tokens so far. Then
 greedy rows take the argmax; the others are scaled by their temperature, masked by their top-k,
-top-p and min-p, and drawn from what remains. A request with a seed draws each token from its
-own `torch.Generator` (kept on the request), seeded anew for that token from the request's seed
-and the token's position in the output (`draw_seed`), so its samples depend neither on the rest
-of the batch nor on preemption, nor on which worker drew its earlier tokens: after a remote
-prefill the decode worker draws the second token from the same seed as a colocated worker would,
-with nothing but the first token crossing the handoff.
+top-p and min-p, and drawn from what remains. A request with a seed draws each token by an
+exponential race (`_race`) over noise that is a hash of a key and the token id, the key made of
+the request's seed and the token's position in the output (`draw_seed`): its samples depend
+neither on the rest of the batch nor on preemption, nor on which worker drew its earlier tokens
+(after a remote prefill the decode worker draws the second token from the same seed as a
+colocated worker would, with nothing but the first token crossing the handoff), nor on the
+device: the hash is integer arithmetic. Every seeded row of a step is drawn in the same few
+tensor operations (a draw per row from its own generator cost a step of 256 seeded rows more
+than the model: bench/engine/gpu_choices.txt).
 
 Per-request sampler state is therefore a function of what both sides of a handoff know (the
 request's parameters and its output so far); every output token, sampled here or installed from
@@ -250,11 +253,9 @@ def _draw(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
         drawn[index] = torch.multinomial(probs[index], 1).squeeze(1)
     seeded = [j for j, p in enumerate(params) if p.seed is not None]
     if seeded:
-        tokens = [
-            torch.multinomial(probs[j], 1, generator=_generator(requests[j], device))
-            for j in seeded
-        ]
-        drawn[_on(device, seeded, np.int64)] = torch.cat(tokens)
+        keys = [_draw_key(requests[j]) for j in seeded]
+        index = _on(device, seeded, np.int64)
+        drawn[index] = _race(probs.index_select(0, index), keys)
     return drawn
 
 
@@ -271,17 +272,47 @@ def draw_seed(seed: int, position: int) -> int:
     return z ^ (z >> 31)
 
 
-def _generator(request: Request, device: torch.device) -> torch.Generator:
-    """The request's generator, seeded for the token this row samples: output token number
+def _draw_key(request: Request) -> int:
+    """The key of a seeded request's draw for the token this row samples: output token number
     `num_output_tokens + num_in_flight - 1` (`num_in_flight` counts this step's token, and a
     step still on the device)."""
     seed = request.sampling_params.seed
     assert seed is not None
-    if request.generator is None:
-        request.generator = torch.Generator(device=device)
-    generator: torch.Generator = request.generator
-    position = request.num_output_tokens + request.num_in_flight - 1
-    return generator.manual_seed(draw_seed(seed, position))
+    return draw_seed(seed, request.num_output_tokens + request.num_in_flight - 1)
+
+
+_MASK_32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """`x * constant` mod 2**32 for int64 `x` in [0, 2**32), in two products that never
+    overflow int64 (a 32 x 32-bit product could)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK_32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xor-shift-multiply, two rounds) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
+    """One token per row of `probs`: the argmax of p / E, E an Exp(1) variable per token,
+    picks token i with probability p_i (an exponential race). E is -log of a uniform made of 24
+    bits of a hash of the row's 64-bit key and the token id: a pure function of both."""
+    device = probs.device
+    key = np.asarray(keys, dtype=np.uint64)
+    low = to_device((key & np.uint64(_MASK_32)).astype(np.int64), device).unsqueeze(1)
+    high = to_device((key >> np.uint64(32)).astype(np.int64), device).unsqueeze(1)
+    ids = torch.arange(probs.shape[1], device=device, dtype=torch.int64).unsqueeze(0)
+    bits = _hash32(_hash32(ids ^ low) ^ high)
+    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    return (probs / -torch.log(uniform)).argmax(dim=-1)
 
 
 def _distribution(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:

@@ -223,3 +223,20 @@ def test_logprobs_are_the_raw_log_softmax_of_the_rows_that_ask_and_none_when_non
         assert torch.allclose(torch.tensor(entry.top_logprobs), top.values)
     assert requests[1].request_id not in by_id
     assert sampler.logprobs(logits, [make_request(2)] * 3, tokens) is None
+
+
+def test_seeded_draws_follow_the_distribution() -> None:
+    """The exponential race picks each token with its probability: 4,000 seeded draws (one key
+    per position) from p = (0.1, 0.2, 0.3, 0.4, 0) land within 4 standard errors of 4,000 p."""
+    p = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0])
+    logits = torch.log(p).unsqueeze(0)
+    counts = [0] * 5
+    for position in range(4000):
+        request = make_request(2, temperature=1.0, seed=123)
+        request.output_token_ids = [0] * position
+        request.num_in_flight = 1
+        counts[int(sample(logits, [request])[0])] += 1
+    assert counts[4] == 0
+    for token, share in enumerate(p.tolist()[:4]):
+        expected, spread = 4000 * share, (4000 * share * (1 - share)) ** 0.5
+        assert abs(counts[token] - expected) < 4 * spread, counts
