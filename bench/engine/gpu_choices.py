@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_llama3_8b as base
 
@@ -64,24 +62,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
     args = parser.parse_args()
-    if args.smoke:
-        base.DEVICE = "cpu"
-        base.LLAMA3_8B.update(base.SMOKE)
-        args.kv_gib = 0.05
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**base.LLAMA3_8B)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if base.DEVICE == "cuda" else torch.float32)
-    with torch.device(base.DEVICE):
-        hf: Any = HFLlama(config).eval()
-    torch.set_default_dtype(previous)
-    name = torch.cuda.get_device_name() if base.DEVICE == "cuda" else "CPU smoke run"
-    print(f"# {name}, torch {torch.__version__}")
-    engine = base.warmed(base.build_engine(hf, config, args.kv_gib, base.DEVICE == "cuda"))
-    del hf
+    engine = base.bench_engine(args.smoke, args.kv_gib)
     length, out = (512, 128) if not args.smoke else (40, 8)
     shapes = {"n=8 x 32 prompts": (32, 8), "256 prompts": (256, 1)}
     if args.smoke:

@@ -188,6 +188,30 @@ def warmed(engine: Any) -> Any:
     return engine
 
 
+def bench_engine(smoke: bool, kv_gib: float) -> Any:
+    """The measured engine of a script beside this one (`gpu_logprobs.py`, `gpu_choices.py`):
+    this shape with random weights (bf16 on the GPU; `smoke`: the tiny config in float32 on the
+    CPU), CUDA graphs on a GPU, warmed; prints the device first."""
+    global DEVICE
+    if smoke:
+        DEVICE = "cpu"
+        LLAMA3_8B.update(SMOKE)
+        kv_gib = 0.05
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA3_8B)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if DEVICE == "cuda" else torch.float32)
+    with torch.device(DEVICE):
+        hf: Any = HFLlama(config).eval()
+    torch.set_default_dtype(previous)
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
+    print(f"# {name}, torch {torch.__version__}")
+    return warmed(build_engine(hf, config, kv_gib, DEVICE == "cuda"))
+
+
 def alternate(modes: dict[str, bool], measure: Callable[[str], float]) -> dict[str, list[float]]:
     """Measure each mode twice, in the order a, b, a, b (these machines drift), after one
     untimed run of each (it pays for compiles and kernel plans of new shapes)."""

@@ -25,8 +25,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_llama3_8b as base
 
@@ -52,26 +50,9 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
     args = parser.parse_args()
-    if args.smoke:
-        base.DEVICE = "cpu"
-        base.LLAMA3_8B.update(base.SMOKE)
-        args.kv_gib = 0.05
-    from transformers import LlamaConfig
-    from transformers import LlamaForCausalLM as HFLlama
-
     from kvrail.sampling import SamplingParams
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**base.LLAMA3_8B)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if base.DEVICE == "cuda" else torch.float32)
-    with torch.device(base.DEVICE):
-        hf: Any = HFLlama(config).eval()
-    torch.set_default_dtype(previous)
-    name = torch.cuda.get_device_name() if base.DEVICE == "cuda" else "CPU smoke run"
-    print(f"# {name}, torch {torch.__version__}")
-    engine = base.warmed(base.build_engine(hf, config, args.kv_gib, base.DEVICE == "cuda"))
-    del hf
+    engine = base.bench_engine(args.smoke, args.kv_gib)
     n, prompt, out = (256, 512, 128) if not args.smoke else (8, 32, 8)
     asks = {
         "none": SamplingParams(max_tokens=out, ignore_eos=True),
