@@ -185,6 +185,15 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return reference.argmax(x)
 
 
+def race_scores(probs: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """A seeded draw's race scores (`reference.race_scores`): one Triton pass for CUDA float32
+    probabilities, torch's dozen passes otherwise."""
+    if probs.is_cuda and probs.dim() == 2 and probs.dtype == torch.float32:
+        out: torch.Tensor = _triton("race").race_scores(probs, low, high)
+        return out
+    return reference.race_scores(probs, low, high)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     impl = _triton("rms_norm") if x.is_cuda else reference
     out: torch.Tensor = impl.rms_norm(x, weight, eps)

@@ -218,6 +218,43 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+_MASK_32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """`x * constant` mod 2**32 for int64 `x` in [0, 2**32), in two products that never
+    overflow int64 (a 32 x 32-bit product could)."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK_32
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer mix (xor-shift-multiply, two rounds) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def race_scores(probs: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
+    """probs [rows, vocab] float32, each row's 64-bit key as int64 halves low, high [rows] (in
+    [0, 2**32)) -> float32 [rows, vocab]: p / E per token, E = -log(u) an Exp(1) variable, u
+    made of 23 bits of a hash of the token id and the key (in (0, 1): float32 states every such
+    u exactly, so none rounds to 1 and gives E = 0). The argmax of a row picks token i with
+    probability p_i (an exponential race), as a pure function of the key."""
+    ids = torch.arange(probs.shape[1], device=probs.device, dtype=torch.int64).unsqueeze(0)
+    bits = _hash32(_hash32(ids ^ low.unsqueeze(1)) ^ high.unsqueeze(1))
+    return probs / -torch.log(race_uniform(bits))
+
+
+def race_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64) -> float32 uniforms in (0, 1): the top 23 bits, plus a half. Every
+    value is exact in float32, so none rounds to 1 (24 bits would: 2**24 - 0.5 is not a float32)."""
+    return ((bits >> 9).float() + 0.5) * (1.0 / (1 << 23))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -18,6 +18,7 @@ import torch
 
 KERNEL_MODULES = (
     "kv_write",
+    "race",
     "paged_kv",
     "decode_attention",
     "prefill_attention",

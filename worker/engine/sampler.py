@@ -281,38 +281,15 @@ def _draw_key(request: Request) -> int:
     return draw_seed(seed, request.num_output_tokens + request.num_in_flight - 1)
 
 
-_MASK_32 = 0xFFFFFFFF
-
-
-def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
-    """`x * constant` mod 2**32 for int64 `x` in [0, 2**32), in two products that never
-    overflow int64 (a 32 x 32-bit product could)."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK_32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer mix (xor-shift-multiply, two rounds) of int64 values in [0, 2**32)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
 def _race(probs: torch.Tensor, keys: Sequence[int]) -> torch.Tensor:
     """One token per row of `probs`: the argmax of p / E, E an Exp(1) variable per token,
-    picks token i with probability p_i (an exponential race). E is -log of a uniform made of 24
-    bits of a hash of the row's 64-bit key and the token id: a pure function of both."""
+    picks token i with probability p_i (an exponential race); E is a pure function of the row's
+    64-bit key and the token id (`kvrail.kernels.reference.race_scores`)."""
     device = probs.device
     key = np.asarray(keys, dtype=np.uint64)
-    low = to_device((key & np.uint64(_MASK_32)).astype(np.int64), device).unsqueeze(1)
-    high = to_device((key >> np.uint64(32)).astype(np.int64), device).unsqueeze(1)
-    ids = torch.arange(probs.shape[1], device=device, dtype=torch.int64).unsqueeze(0)
-    bits = _hash32(_hash32(ids ^ low) ^ high)
-    uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))
-    return (probs / -torch.log(uniform)).argmax(dim=-1)
+    low = to_device((key & np.uint64(0xFFFFFFFF)).astype(np.int64), device)
+    high = to_device((key >> np.uint64(32)).astype(np.int64), device)
+    return dispatch.argmax(dispatch.race_scores(probs.float().contiguous(), low, high))
 
 
 def _distribution(scaled: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
