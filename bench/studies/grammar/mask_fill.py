@@ -12,8 +12,8 @@ over. Every filled row is checked to allow the token the row then accepts. The g
 
 Fill modes at 256 rows:
 - `serial`: one `fill` call per row from one Python thread (what a simple engine loop does);
-- `batch`: the library's own batched call (xgrammar `BatchGrammarMatcher`, llguidance
-  `LLExecutor`), 2 native threads;
+- `batch xN`: the library's own batched call (xgrammar `BatchGrammarMatcher`, llguidance
+  `LLExecutor`) with N native threads (`--batch-threads`, default 1 and 2: this VM's cores);
 - `2 py threads`: two Python threads each filling half the rows with per-row calls: faster than
   `serial` only if the call lets go of the GIL.
 `accept` is the per-row `accept_token`/`consume_token` loop; `accept batch` the batched call.
@@ -83,6 +83,9 @@ def run_mode(
     bitmask = torch.full((rows, (lib.vocab_size + 31) // 32), -1, dtype=torch.int32)
     halves = [range(0, rows // 2), range(rows // 2, rows)]
     pool = ThreadPoolExecutor(2) if mode == "2 py threads" else None
+    batch = mode.startswith("batch")
+    if batch:
+        lib.set_threads(int(mode.removeprefix("batch x")))
 
     def fill_rows(part: range) -> None:
         for r in part:
@@ -91,7 +94,7 @@ def run_mode(
     fill_wall, fill_cpu, accept_wall = [], [], []
     for _ in range(steps):
         w0, c0 = time.perf_counter(), time.process_time()
-        if mode == "batch":
+        if batch:
             lib.fill_batch(state.matchers, bitmask)
         elif pool is not None:
             list(pool.map(fill_rows, halves))
@@ -102,7 +105,7 @@ def run_mode(
         state.check(bitmask)
         tokens = state.next_tokens()
         w0 = time.perf_counter()
-        if mode == "batch":
+        if batch:
             lib.accept_batch(state.matchers, tokens)
         else:
             for m, t in zip(state.matchers, tokens, strict=True):
@@ -144,8 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokenizers", default="smollm2,llama3-like")
     parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--single-steps", type=int, default=600)
+    parser.add_argument("--batch-threads", default="1,2", help="comma-separated thread counts")
     args = parser.parse_args()
     print(machine_line())
     print(versions())
@@ -154,8 +158,8 @@ def main() -> None:
         orders = [order_tokens(tokenizer, seed, 2 + seed % 4) for seed in range(NUM_ORDERS)]
         mean_len = sum(map(len, orders)) / len(orders)
         print(f"\n== tokenizer {name}: {vocab_size} tokens; orders of {mean_len:.0f} tokens")
-        print(f"{'library':10s} {'rows':>4s} {'mode':14s} {'fill mean':>10s} {'fill p99':>10s} "
-              f"{'fill max':>10s} {'cpu mean':>10s} {'accept mean':>11s} {'accept p99':>10s}"
+        print(f"{'library':10s} {'rows':>4s} {'mode':12s} {'fill mean':>9s} {'p50':>8s} "
+              f"{'p99':>8s} {'max':>8s} {'cpu mean':>9s} {'accept mean':>11s} {'p99':>8s}"
               "   (us per step)")  # fmt: skip
         libs = [XGrammar(tokenizer, vocab_size), LLGuidance(tokenizer, vocab_size)]
         compiled = {lib.name: lib.compile("json_schema", ORDER_SCHEMA) for lib in libs}
@@ -166,21 +170,24 @@ def main() -> None:
                 for t in order:
                     lib.fill(m, bitmask, 0)
                     lib.accept(m, t)
+        modes = ["serial"] + [f"batch x{n}" for n in args.batch_threads.split(",")]
         plan = [(1, "serial", args.single_steps)] + [
-            (args.rows, mode, args.steps) for mode in ("serial", "batch", "2 py threads")
+            (args.rows, mode, args.steps) for mode in [*modes, "2 py threads"]
         ]
         for lib in libs:
             for rows, mode, steps in plan:
                 r = run_mode(lib, compiled[lib.name], orders, rows, steps, mode)
-                accept_mode = "batch" if mode == "batch" else "loop"
+                accept_mode = "batch" if mode.startswith("batch") else "loop"
                 print(
-                    f"{lib.name:10s} {rows:4d} {mode:14s} {r['fill']['mean']:10.1f} "
-                    f"{r['fill']['p99']:10.1f} {r['fill']['max']:10.1f} {r['cpu']['mean']:10.1f} "
-                    f"{r['accept']['mean']:11.1f} {r['accept']['p99']:10.1f}   "
-                    f"(accept: {accept_mode})",
+                    f"{lib.name:10s} {rows:4d} {mode:12s} {r['fill']['mean']:9.1f} "
+                    f"{r['fill']['p50']:8.1f} {r['fill']['p99']:8.1f} {r['fill']['max']:8.1f} "
+                    f"{r['cpu']['mean']:9.1f} {r['accept']['mean']:11.1f} "
+                    f"{r['accept']['p99']:8.1f}   (accept: {accept_mode})",
                     flush=True,
                 )
 
+        for lib in libs:
+            lib.set_threads(int(args.batch_threads.split(",")[-1]))
         gil_probes(libs, compiled, orders, args.rows, vocab_size)
 
 
