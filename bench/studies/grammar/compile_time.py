@@ -7,6 +7,8 @@ cached), the first mask, and the first and second pass of mask fills through a v
 For each tokenizer (SmolLM2's 49,152 tokens; the synthetic Llama-3-like 128,256) and each
 request kind (json_object, the nested order json_schema, a date-time regex, a 4-way choice, a
 small SQL grammar):
+Three rows per case: xgrammar as vLLM runs it (masks precomputed at compile), `xgrammar-dyn`
+(its `enable_dynamic_compilation`: masks built when first needed), llguidance.
 - `prepare`: once per model (xgrammar `TokenizerInfo`, llguidance `LLTokenizer`);
 - `compile, uncached`: xgrammar `compile_*` on a compiler with its cache off; llguidance
   `grammar_from_*` plus `LLMatcher(...)` (it has no separate compiled object: a matcher at the
@@ -70,11 +72,11 @@ def measure(lib: Any, uncached: Any, case: Case, tokens: list[int], reps: int) -
     cached_s = []
     for _ in range(reps):
         start = time.perf_counter()
-        matcher = lib.matcher(lib.compile(kind, spec) if lib.name == "xgrammar" else compiled)
+        matcher = lib.matcher(lib.compile(kind, spec) if isinstance(lib, XGrammar) else compiled)
         cached_s.append(time.perf_counter() - start)
     pass1 = walk(lib, lib.matcher(compiled), tokens, bitmask)
     pass2 = walk(lib, lib.matcher(compiled), tokens, bitmask)
-    size = compiled.memory_size_bytes if lib.name == "xgrammar" else None
+    size = compiled.memory_size_bytes if isinstance(lib, XGrammar) else None
     return {
         "compile": statistics.median(compile_s) * 1e3,
         "compile_cpu": statistics.median(compile_cpu_s) * 1e3,
@@ -98,11 +100,13 @@ def main() -> None:
         print(f"\n== tokenizer {name}: {vocab_size} tokens")
         xgr_cached = XGrammar(tokenizer, vocab_size)
         xgr_uncached = XGrammar(tokenizer, vocab_size, cache=False)
+        dyn_cached = XGrammar(tokenizer, vocab_size, dynamic=True)
+        dyn_uncached = XGrammar(tokenizer, vocab_size, cache=False, dynamic=True)
         llg = LLGuidance(tokenizer, vocab_size)
         print(f"prepare (once per model): xgrammar TokenizerInfo {xgr_cached.prepare_s:.2f} s, "
               f"llguidance LLTokenizer {llg.prepare_s:.2f} s")  # fmt: skip
         print(
-            f"{'case':22s} {'library':10s} {'tokens':>6s} {'compile ms':>10s} {'(cpu)':>7s} "
+            f"{'case':22s} {'library':12s} {'tokens':>6s} {'compile ms':>10s} {'(cpu)':>7s} "
             f"{'cached ms':>9s} {'1st mask ms':>11s} {'pass1 us/tok':>12s} "
             f"{'pass2 us/tok':>12s} {'compiled size':>13s}"
         )
@@ -110,14 +114,14 @@ def main() -> None:
         for case in [*cases(), extra]:
             tokens = tokenizer.encode(case.sample, add_special_tokens=False)
             tokens.append(tokenizer.eos_token_id)
-            pairs = [(xgr_cached, xgr_uncached)]
+            pairs = [(xgr_cached, xgr_uncached), (dyn_cached, dyn_uncached)]
             if case.kind != "lark":  # Lark is llguidance's own grammar row above
                 pairs.append((llg, llg))
             for lib, uncached in pairs:
                 r = measure(lib, uncached, case, tokens, args.reps)
                 size = f"{r['size'] / 1024:.0f} KiB" if r["size"] is not None else "-"
                 print(
-                    f"{case.name:22s} {lib.name:10s} {len(tokens):6d} {r['compile']:10.2f} "
+                    f"{case.name:22s} {lib.name:12s} {len(tokens):6d} {r['compile']:10.2f} "
                     f"{r['compile_cpu']:7.1f} {r['cached']:9.3f} {r['first_mask']:11.3f} "
                     f"{r['pass1']:12.1f} {r['pass2']:12.1f} {size:>13s}",
                     flush=True,

@@ -5,9 +5,14 @@ compile takes (abandoning a thread vs killing a process).
     /tmp/gvenv/bin/python bench/studies/grammar/hostile.py \
         | tee bench/studies/grammar/hostile.txt
 
+Libraries: xgrammar as vLLM runs it, `xgrammar-dyn` (its `enable_dynamic_compilation`: masks
+built on first use, so a case's cost can move from the compile into the fills of the walk; the
+`mask s` column is the whole walk and `worst` its slowest fill), and llguidance.
+
 Each library runs in a worker process (this script with `--worker`), one case at a time: the
 worker compiles the case (xgrammar `compile_*`; llguidance `grammar_from_*` + `LLMatcher`),
-then makes a matcher and fills the first mask, and for some cases walks a few tokens. The parent
+then makes a matcher and walks a few tokens of a prefix that the schema allows (filling the
+mask before each), or fills just the first mask. The parent
 kills a worker that passes `--timeout` seconds (and starts a new one for the next case), so a
 hang or a crash costs only its case. Peak memory is the worker's high-water mark during the
 case above its resident size before it (VmHWM reset through /proc/self/clear_refs). SmolLM2's
@@ -22,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import select
 import subprocess
 import sys
@@ -33,7 +37,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
-from workload import machine_line, versions
+from workload import clean_error, machine_line, versions
 
 NESTING = 10_000
 ABANDONED = "200 KB: 2.5k optional properties"
@@ -63,6 +67,9 @@ def _big_enum(target_bytes: int) -> str:
     values = [f'"value-{i:08d}"' for i in range(target_bytes // 17)]
     return '{"type":"string","enum":[' + ",".join(values) + "]}"
 
+
+DEEP = '{"a": ' * 8
+WIDE = '{"field_0000000": "x", "field_0000001": "y", "field_0000002": "z"'
 
 CASES: dict[str, tuple[str, Callable[[], Any], str]] = {
     # name: (kind, spec factory, a sample to walk: "" for none)
@@ -110,32 +117,36 @@ CASES: dict[str, tuple[str, Callable[[], Any], str]] = {
         },
         '{"children": [{"children": []}]}',
     ),
-    "nested objects 50 deep": ("json_schema", lambda: _deep_object(50), ""),
-    "nested objects 300 deep": ("json_schema", lambda: _deep_object(300), ""),
-    "nested objects 1,000 deep": ("json_schema", lambda: _deep_object(1000), ""),
+    "nested objects 50 deep": ("json_schema", lambda: _deep_object(50), DEEP),
+    "nested objects 300 deep": ("json_schema", lambda: _deep_object(300), DEEP),
+    "nested objects 1,000 deep": ("json_schema", lambda: _deep_object(1000), DEEP),
     f"nested objects {NESTING:,} deep": ("json_schema", lambda: _deep_object(NESTING), ""),
     f"nested arrays {NESTING:,} deep": ("json_schema", lambda: _deep_array(NESTING), ""),
     "200 KB: 2.5k optional properties": (
         "json_schema",
         lambda: _wide_object(200_000, required=False),
-        "",
+        WIDE,
     ),
     "200 KB: 2.5k required properties": (
         "json_schema",
         lambda: _wide_object(200_000, required=True),
-        "",
+        WIDE,
     ),
     "1 MB: 12k optional properties": (
         "json_schema",
         lambda: _wide_object(1_000_000, required=False),
-        "",
+        WIDE,
     ),
     "10 MB: 125k optional properties": (
         "json_schema",
         lambda: _wide_object(10_000_000, required=False),
-        "",
+        WIDE,
     ),
-    "10 MB: enum of 590k strings": ("json_schema", lambda: _big_enum(10_000_000), ""),
+    "10 MB: enum of 590k strings": (
+        "json_schema",
+        lambda: _big_enum(10_000_000),
+        '"value-00012345"',
+    ),
     "array minItems 10,000 of objects": (
         "json_schema",
         lambda: {
@@ -143,12 +154,12 @@ CASES: dict[str, tuple[str, Callable[[], Any], str]] = {
             "minItems": 10_000,
             "items": {"type": "object", "properties": {"x": {"type": "integer"}}},
         },
-        "",
+        '[{"x": 1}, {"x": 2}, {"x": 3}',
     ),
     "string minLength 1,000,000": (
         "json_schema",
         lambda: {"type": "string", "minLength": 1_000_000},
-        "",
+        '"' + "a" * 64,
     ),
     "regex (a+)+$": ("regex", lambda: "(a+)+$", "a" * 64),
     "schema pattern (a+)+$": (
@@ -263,7 +274,10 @@ def worker(library: str) -> None:
 
     start = time.perf_counter()
     tokenizer, vocab_size = load_tokenizer("smollm2")
-    lib = (XGrammar if library == "xgrammar" else LLGuidance)(tokenizer, vocab_size)
+    if library.startswith("xgrammar"):
+        lib: Any = XGrammar(tokenizer, vocab_size, dynamic=library == "xgrammar-dyn")
+    else:
+        lib = LLGuidance(tokenizer, vocab_size)
     print(json.dumps({"ready_s": time.perf_counter() - start}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
@@ -340,25 +354,16 @@ def _proc_status(pid: int, field: str) -> int:
     return 0
 
 
-def _short(text: str, width: int = 140) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
 def _clean(error: str) -> str:
-    """The error's gist and its full length: xgrammar's carry a timestamp, a C++ source path and
-    line, and can end with the whole schema echoed back."""
-    gist = error.split(". The JSON string is:")[0]
-    gist = re.sub(r"\[\d\d:\d\d:\d\d\] /\S+:\d+: ", "", gist)
-    gist = re.sub(r"Check failed: \(.*?\) is false: ", "", gist)
-    return f"[{len(error):,} B] " + _short(gist)
+    """The error's gist and its full length (xgrammar's can echo the whole schema)."""
+    return f"[{len(error):,} B] " + clean_error(error)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--worker")
     parser.add_argument("--timeout", type=float, default=30.0)
-    parser.add_argument("--libraries", default="xgrammar,llguidance")
+    parser.add_argument("--libraries", default="xgrammar,xgrammar-dyn,llguidance")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker)
@@ -370,7 +375,7 @@ def main() -> None:
         w = Worker(library)
         print(f"\n== {library} (worker start, imports and tokenizer: {w.start_s:.1f} s)")
         print(f"{'case':42s} {'spec':>8s} {'compile s':>9s} {'cpu s':>6s} {'mask s':>8s} "
-              f"{'walked':>7s} {'peak MiB':>8s}  outcome")  # fmt: skip
+              f"{'worst':>6s} {'walked':>7s} {'peak MiB':>8s}  outcome")  # fmt: skip
         for name in CASES:
             r = w.ask({"case": name}, args.timeout)
             if "killed_after_s" in r or "died" in r:
@@ -381,16 +386,18 @@ def main() -> None:
                         f"no answer in {r['killed_after_s']:.0f} s ({r['cpu_s']:.0f} s CPU): "
                         f"killed (worker peak {r['peak_total_mib']:.0f} MiB in all)"
                     )
-                print(f"{name:42s} {'':>8s} {'':>9s} {'':>6s} {'':>8s} {'':>7s} {'':>8s}  "
+                print(f"{name:42s} {'':>8s} {'':>9s} {'':>6s} {'':>8s} {'':>6s} {'':>7s} {'':>8s}  "
                       f"{outcome}")  # fmt: skip
                 w = Worker(library)
                 continue
             size = f"{r['spec_bytes'] / 1e6:.1f}MB" if r["spec_bytes"] > 1e5 else r["spec_bytes"]
             mask = f"{r['mask_s']:.3f}" if "mask_s" in r else "-"
+            worst = f"{r['worst_fill_ms'] / 1e3:.3f}" if "worst_fill_ms" in r else "-"
             outcome = ("ERROR " + _clean(r["error"])) if r["error"] else "compiled"
             print(
                 f"{name:42s} {size!s:>8s} {r['compile_s']:9.3f} {r['compile_cpu_s']:6.2f} "
-                f"{mask:>8s} {r.get('walked', '-'):>7s} {r['peak_mib']:8.1f}  {outcome}",
+                f"{mask:>8s} {worst:>6s} {r.get('walked', '-'):>7s} {r['peak_mib']:8.1f}  "
+                f"{outcome}",
                 flush=True,
             )
         w.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import statistics
 import subprocess
 import time
@@ -255,6 +256,16 @@ def cpu_timed(fn: Callable[[], Any]) -> tuple[float, float, Any]:
     return time.perf_counter() - wall, time.process_time() - cpu, result
 
 
+def clean_error(error: str, width: int = 140) -> str:
+    """An error's gist on one line: xgrammar's carry a timestamp, a C++ source path and line,
+    and can end with the whole schema echoed back."""
+    gist = error.split(". The JSON string is:")[0]
+    gist = re.sub(r"\[\d\d:\d\d:\d\d\] /\S+:\d+: ", "", gist)
+    gist = re.sub(r"Check failed: \(.*?\) is false: ", "", gist)
+    gist = " ".join(gist.split())
+    return gist if len(gist) <= width else gist[: width - 3] + "..."
+
+
 def machine_line() -> str:
     load = os.getloadavg()
     return (
@@ -307,15 +318,25 @@ class Library:
 class XGrammar(Library):
     name = "xgrammar"
 
-    def __init__(self, tokenizer: Any, vocab_size: int, *, cache: bool = True) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, *, cache: bool = True, dynamic: bool = False
+    ) -> None:
+        """`dynamic`: xgrammar's `enable_dynamic_compilation` (masks built on first use)."""
         import xgrammar as xgr
 
         self.xgr = xgr
         self.vocab_size = vocab_size
+        if dynamic:
+            self.name = "xgrammar-dyn"
         start = time.perf_counter()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         self.prepare_s = time.perf_counter() - start
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=THREADS, cache_enabled=cache)
+        self.compiler = xgr.GrammarCompiler(
+            self.info,
+            max_threads=THREADS,
+            cache_enabled=cache,
+            enable_dynamic_compilation=dynamic,
+        )
         self.set_threads(THREADS)
 
     def set_threads(self, n: int) -> None:
