@@ -15,18 +15,26 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
-    ConfigDict,
     Discriminator,
     Field,
     Tag,
-    WithJsonSchema,
     field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
+from kvrail.router.api.fields import (
+    STRICT,
+    EmptyList,
+    OnlyFalse,
+    OnlyTrue,
+    Stop,
+    check_logit_bias,
+    check_stop,
+    check_text,
+    fail,
+)
 from kvrail.sampling import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
@@ -39,7 +47,6 @@ from kvrail.sampling import (
 # float states exactly (FastAPI writes the OpenAPI bounds as floats; 2**63 - 1 would read 2**63).
 SEED_MIN = -(2**63)
 SEED_MAX = 2**63 - 1024
-MAX_STOP_STRINGS = 4
 MAX_CHOICES = 128  # the most `n` or `best_of` a body may state; a router's own cap is its setting
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _DEFAULT_FROM_MODEL = "default: the model's generation config, else {default}"
@@ -70,77 +77,8 @@ UNSUPPORTED: dict[str, str] = {
 _PART_TYPES = frozenset({"image_url", "input_audio", "file", "refusal"})  # quoted in messages
 
 
-def _fail(message: str) -> PydanticCustomError:
-    return PydanticCustomError("kvrail_invalid", message)
-
-
-_STRICT = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
-
-
-def _is_false(value: bool) -> bool:
-    if value:
-        raise _fail("must be false")
-    return value
-
-
-def _is_true(value: bool) -> bool:
-    if not value:
-        raise _fail("must be true")
-    return value
-
-
-OnlyFalse = Annotated[bool, AfterValidator(_is_false), WithJsonSchema({"const": False})]
-OnlyTrue = Annotated[bool, AfterValidator(_is_true), WithJsonSchema({"const": True})]
-EmptyList = Annotated[list[Any], Field(max_length=0)]
-StopString = Annotated[str, Field(min_length=1)]
-Stop = StopString | Annotated[list[StopString], Field(min_length=1, max_length=MAX_STOP_STRINGS)]
-
-
-def _check_text(value: Any) -> Any:
-    """Lone surrogates (legal in JSON escapes) cannot be tokenized: reject them up front."""
-    if isinstance(value, str) and not value.isascii():
-        try:
-            value.encode()
-        except UnicodeEncodeError:
-            raise _fail("the text is not valid Unicode (a lone surrogate)") from None
-    return value
-
-
-def _check_stop(value: Any) -> Any:
-    if value is None:
-        return value
-    if isinstance(value, str):
-        if not value:
-            raise _fail("stop must not be an empty string")
-        return _check_text(value)
-    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
-        raise _fail("stop must be a string or a list of strings")
-    if not 1 <= len(value) <= MAX_STOP_STRINGS or not all(value):
-        raise _fail(f"stop must hold 1 to {MAX_STOP_STRINGS} non-empty strings")
-    return [_check_text(s) for s in value]
-
-
-def _check_logit_bias(value: Any) -> Any:
-    """OpenAI's `logit_bias`: token ids (as JSON keys, so strings of digits) to a bias in
-    [-100, 100], at most `MAX_LOGIT_BIAS` of them. Whether an id is in the model's vocabulary is
-    the router's check (`generate.serve`), which knows the vocabulary."""
-    if value is None:
-        return value
-    if not isinstance(value, dict):
-        raise _fail("logit_bias must be an object of token ids to biases")
-    if len(value) > MAX_LOGIT_BIAS:
-        raise _fail(f"logit_bias holds {len(value)} tokens; at most {MAX_LOGIT_BIAS}")
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
-            raise _fail("logit_bias keys must be token ids (strings of digits)")
-        numeric = isinstance(bias, int | float) and not isinstance(bias, bool)
-        if not numeric or not -MAX_BIAS <= bias <= MAX_BIAS:
-            raise _fail(f"logit_bias values must be numbers in [-{MAX_BIAS:g}, {MAX_BIAS:g}]")
-    return value
-
-
 class TextPart(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
@@ -156,7 +94,7 @@ class ChatMessage(BaseModel):
     """One message. `content` is a string or a list of text parts; `name` is passed to the
     chat template, which may ignore it."""
 
-    model_config = _STRICT
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant"]
     content: Content
     name: str | None = None
@@ -165,23 +103,23 @@ class ChatMessage(BaseModel):
     @classmethod
     def _role(cls, value: Any) -> Any:
         if value in ("tool", "function"):
-            raise _fail(f"role '{value}' is not supported by kvrail (no tool calling)")
+            raise fail(f"role '{value}' is not supported by kvrail (no tool calling)")
         return value
 
     @field_validator("content", mode="before")
     @classmethod
     def _content(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return _check_text(value)
+            return check_text(value)
         if not isinstance(value, list):
-            raise _fail("content must be a string or a list of text parts")
+            raise fail("content must be a string or a list of text parts")
         for part in value:
             kind = part.get("type") if isinstance(part, dict) else None
             if isinstance(kind, str) and kind != "text":
                 what = f"'{kind}'" if kind in _PART_TYPES else "other than 'text'"
-                raise _fail(f"content parts of type {what} are not supported by kvrail")
+                raise fail(f"content parts of type {what} are not supported by kvrail")
             if isinstance(part, dict):
-                _check_text(part.get("text"))
+                check_text(part.get("text"))
         return value
 
     @property
@@ -193,7 +131,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     include_usage: bool | None = None
     continuous_usage_stats: bool | None = Field(
         None, description="vLLM's: usage in every chunk (with include_usage, also at the end)"
@@ -202,14 +140,14 @@ class StreamOptions(BaseModel):
 
 
 class ResponseFormat(BaseModel):
-    model_config = _STRICT
+    model_config = STRICT
     type: Literal["text"]
 
 
 class _GenerationRequest(BaseModel):
     """What /v1/chat/completions and /v1/completions share."""
 
-    model_config = _STRICT
+    model_config = STRICT
     model: str
     stream: bool | None = False
     stream_options: StreamOptions | None = None
@@ -256,12 +194,12 @@ class _GenerationRequest(BaseModel):
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value: Any) -> Any:
-        return _check_stop(value)
+        return check_stop(value)
 
     @field_validator("logit_bias", mode="before")
     @classmethod
     def _logit_bias(cls, value: Any) -> Any:
-        return _check_logit_bias(value)
+        return check_logit_bias(value)
 
     @model_validator(mode="after")
     def _stream_options(self) -> _GenerationRequest:
@@ -388,19 +326,19 @@ class CompletionRequest(_GenerationRequest):
     @classmethod
     def _prompt(cls, value: Any) -> Any:
         if isinstance(value, str):
-            return _check_text(value)
+            return check_text(value)
         if isinstance(value, list):
             if not value:
-                raise _fail("prompt must not be empty")
+                raise fail("prompt must not be empty")
             if len(value) > 1 and all(isinstance(p, str | list) for p in value):
-                raise _fail("batches of several prompts are not supported by kvrail")
+                raise fail("batches of several prompts are not supported by kvrail")
             if isinstance(value[0], list):
                 if not value[0] or not all(type(t) is int and t >= 0 for t in value[0]):
-                    raise _fail("prompt token ids must be integers >= 0")
+                    raise fail("prompt token ids must be integers >= 0")
             elif isinstance(value[0], str):
-                _check_text(value[0])
+                check_text(value[0])
             elif not all(type(t) is int and t >= 0 for t in value):
-                raise _fail("prompt token ids must be integers >= 0")
+                raise fail("prompt token ids must be integers >= 0")
         return value
 
     @property
