@@ -199,8 +199,8 @@ def test_bad_requests_get_openai_errors_and_leave_the_pool_intact(pool: LocalPoo
     c = client(pool)
     with pytest.raises(openai.NotFoundError, match="not served here"):
         c.chat.completions.create(model="gpt-4", messages=QUESTION)
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        c.chat.completions.create(model=MODEL, messages=QUESTION, n=2)
+    with pytest.raises(openai.BadRequestError, match="at most 16 choices"):
+        c.chat.completions.create(model=MODEL, messages=QUESTION, n=17)
     with pytest.raises(openai.BadRequestError) as err:
         c.chat.completions.create(model=MODEL, messages=QUESTION, temperature=7)
     assert err.value.body["param"] == "temperature"
