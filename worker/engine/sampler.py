@@ -11,8 +11,8 @@ neither on the rest of the batch nor on preemption, nor on which worker drew its
 (after a remote prefill the decode worker draws the second token from the same seed as a
 colocated worker would, with nothing but the first token crossing the handoff), nor on the
 device: the hash is integer arithmetic. Every seeded row of a step is drawn in the same few
-tensor operations (a draw per row from its own generator cost a step of 256 seeded rows more
-than the model: bench/engine/gpu_choices.txt).
+tensor operations (a draw per row from its own generator ran 256 seeded rows at 0.57x greedy's
+tokens/s on an H100: bench/engine/gpu_choices.txt).
 
 Per-request sampler state is therefore a function of what both sides of a handoff know (the
 request's parameters and its output so far); every output token, sampled here or installed from

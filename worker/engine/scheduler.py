@@ -258,8 +258,11 @@ class Scheduler:
         samples = start + num_new == request.num_tokens + request.num_in_flight
         item = ScheduledRequest(request, start, token_ids, block_ids, samples, on_device)
         (out.decodes if num_new == 1 else out.prefills).append(item)
-        if request.sampling_params.prompt_logprobs is not None and not on_device:
-            out.scores_prompt = True
+        if (
+            request.sampling_params.prompt_logprobs is not None
+            and start < request.num_prompt_tokens - 1
+        ):
+            out.scores_prompt = True  # a prompt position to score in this chunk
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache_manager.free(request)

@@ -36,7 +36,8 @@ class SchedulerOutput:
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     scores_prompt: bool = False
-    """Some request in the step scores prompt tokens (`SamplingParams.prompt_logprobs`)."""
+    """Some request's chunk in the step has prompt tokens to score
+    (`SamplingParams.prompt_logprobs`); a step without any prepares no score rows."""
 
     @property
     def num_batched_tokens(self) -> int:
