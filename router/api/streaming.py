@@ -113,14 +113,11 @@ class Reply:
             return logprobs.of((), piece.text, piece.echo)
         return logprobs.of(output.logprobs, piece.text, piece.echo, output.prompt_logprobs)
 
-    def joined_logprobs(self, index: int, parts: Sequence[dict[str, Any] | None]) -> Any:
+    def joined_logprobs(self, parts: Sequence[dict[str, Any] | None]) -> Any:
         """A choice's whole `logprobs` from its pieces' (`logprobs_of`), None if not asked."""
-        logprobs = self._logprobs.get(index)
-        if logprobs is None:
-            if self.token_text is None:
-                return None
-            logprobs = ResponseLogprobs(self.kind == "chat", self.token_text)
-        return logprobs.join(parts)
+        if self.token_text is None:
+            return None
+        return ResponseLogprobs(self.kind == "chat", self.token_text).join(parts)
 
     def role_event(self, index: int = 0) -> bytes:
         """A chat choice's first chunk: the role, with empty content (no usage in it)."""
@@ -213,7 +210,7 @@ async def collect(
     parts: list[list[dict[str, Any] | None]] = [[] for _ in range(n)]
     finish = ["stop"] * n
     last = [Piece("", None, 0)] * n
-    logprob_sums = [0.0] * n
+    logprobs: list[list[float]] = [[] for _ in range(n)]  # each choice's, for `keep`
     async with contextlib.aclosing(pieces):
         async for piece in pieces:
             i = piece.index
@@ -221,14 +218,14 @@ async def collect(
             if reply.asks_logprobs:
                 parts[i].append(reply.logprobs_of(piece))
             if keep is not None and piece.output is not None:
-                logprob_sums[i] += sum(lp.logprob for lp in piece.output.logprobs)
+                logprobs[i] += (lp.logprob for lp in piece.output.logprobs)
             last[i] = piece
             if piece.finish_reason is not None:
                 finish[i] = piece.finish_reason
     order: Sequence[int] = range(n)
-    if keep is not None:
-        order = sorted(order, key=lambda i: -logprob_sums[i] / max(last[i].num_tokens, 1))[:keep]
-    choices = [("".join(texts[i]), finish[i], reply.joined_logprobs(i, parts[i])) for i in order]
+    if keep is not None:  # the mean over the tokens that have logprobs (a stop string cuts some)
+        order = sorted(order, key=lambda i: -sum(logprobs[i]) / max(len(logprobs[i]), 1))[:keep]
+    choices = [("".join(texts[i]), finish[i], reply.joined_logprobs(parts[i])) for i in order]
     usage = reply.usage(last[0], sum(p.num_tokens for p in last[1:]))
     return reply.whole(choices, usage)
 
