@@ -33,7 +33,12 @@ Semantics follow vLLM's `SamplingParams`:
   cached prefix has no logits, so such a request reads nothing from the prefix cache: its whole
   prompt is computed (its blocks still join the cache for others). At most
   `MAX_PROMPT_LOGPROB_ENTRIES` entries (prompt tokens times k + 1) per request, so that the
-  scores fit one message.
+  scores fit one message;
+- `grammar` (structured outputs, forced tool calls): None samples freely; else an llguidance
+  grammar (the JSON of its `TopLevelGrammar`, as `llguidance.LLMatcher.grammar_from_*` and the
+  router's `kvrail.router.structured` write it) that every output token must keep valid: tokens it
+  does not allow are masked before sampling, and the end-of-sequence token is allowed only where
+  the grammar may end. The router has validated it; at most `MAX_GRAMMAR_CHARS` characters.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ MAX_LOGIT_BIAS = 300  # tokens a request may bias (OpenAI documents the same bou
 MAX_BIAS = 100.0  # OpenAI's bound for one token's bias
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each position (vLLM's cap)
 MAX_PROMPT_LOGPROB_ENTRIES = 65_536  # prompt tokens x (prompt_logprobs + 1): < 5 MiB as JSON
+MAX_GRAMMAR_CHARS = 1 << 20  # a grammar as it travels (the router caps a schema well below)
 
 
 def _fail(name: str, value: object, why: str) -> InvalidRequestError:
@@ -90,6 +96,7 @@ class SamplingParams:
     logit_bias: tuple[TokenBias, ...] = ()
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -124,6 +131,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise _fail(name, value, f"must be an integer in [0, {MAX_LOGPROBS}]")
+        grammar = self.grammar
+        if grammar is not None and (not isinstance(grammar, str) or not grammar):
+            raise _fail("grammar", "...", "must be a non-empty string or None")
+        if grammar is not None and len(grammar) > MAX_GRAMMAR_CHARS:
+            raise _fail("grammar", "...", f"at most {MAX_GRAMMAR_CHARS} characters")
         set_ = object.__setattr__
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty"):  # fmt: skip
