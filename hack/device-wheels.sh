@@ -5,8 +5,9 @@
 # the clients and servers of the full stack (aetcd, NATS, FastAPI, uvicorn, openai), pytest
 # (the GPU tests), py-spy (the profiles), the cuDNN frontend (FP8 attention: its graph API over
 # the cuDNN that torch ships) or llguidance (grammars: structured outputs, forced tool calls).
-# CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the list is complete on purpose. Run from the repository root; name `.whl` in the device run's
-# `carry`, then `source hack/device-env.sh`.
+# CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the list is complete on purpose.
+# Run from the repository root; name `.whl` in the device run's `carry`, then
+# `source hack/device-env.sh`.
 #
 #   hack/device-wheels.sh            # about 45 MB; a rerun downloads nothing new
 set -euo pipefail
