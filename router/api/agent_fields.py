@@ -70,23 +70,13 @@ ToolChoice = Annotated[
 
 
 class FunctionCall(BaseModel):
-    """A call as an assistant message of the history states it: `arguments` is JSON text of an
-    object (as OpenAI returns it)."""
+    """A call as an assistant message of the history states it: `arguments` is the JSON text of
+    an object as the model wrote it (one cut short by `max_tokens` is taken too, as OpenAI takes
+    any string)."""
 
     model_config = STRICT
     name: str
     arguments: str
-
-    @field_validator("arguments")
-    @classmethod
-    def _arguments(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value)
-        except (ValueError, RecursionError):
-            raise fail("arguments must be the JSON text of an object") from None
-        if not isinstance(parsed, dict):
-            raise fail("arguments must be the JSON text of an object")
-        return value
 
 
 class MessageToolCall(BaseModel):
@@ -96,8 +86,14 @@ class MessageToolCall(BaseModel):
     function: FunctionCall
 
     def template_form(self) -> dict[str, Any]:
-        """As chat templates take it (transformers' convention): the arguments an object."""
-        arguments = json.loads(self.function.arguments)
+        """As chat templates take it (transformers' convention): the arguments an object, or
+        their text when it is not the JSON of one."""
+        try:
+            arguments: Any = json.loads(self.function.arguments)
+        except (ValueError, RecursionError):
+            arguments = None
+        if not isinstance(arguments, dict):
+            arguments = self.function.arguments
         return {
             "id": self.id, "type": "function",
             "function": {"name": self.function.name, "arguments": arguments},

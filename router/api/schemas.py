@@ -3,11 +3,13 @@
 Request models are strict (`"true"` is not a boolean, `1.5` is not an integer, NaN is not a
 number) and forbid unknown fields, so their JSON schema (which FastAPI publishes and a fuzzer
 reads) says exactly what is accepted. Fields the OpenAI API has but kvrail does not implement are
-declared with only their neutral value (`tools: []`, `echo: false`, `best_of: 1`, ..., listed
-in `UNSUPPORTED`), so a client that sends the default still works and one that asks
-for the feature gets a 400 naming the field (`api_errors.validation_error` builds it).
+declared with only their neutral value (`functions: []`, `audio: null`, ..., listed in
+`UNSUPPORTED`), so a client that sends the default still works and one that asks for the
+feature gets a 400 naming the field (`api_errors.validation_error` builds it).
 
-The error format is in `api_errors`, response bodies in `responses`.
+A chat's messages are in `messages`; tools, tool choice, response formats, vLLM's
+`structured_outputs` and template variables in `agent_fields`. The error format is in
+`api_errors`, response bodies in `responses`.
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Each parser turns text into (content, `ToolCallDelta`s): a call's first delta (i
 leaves as soon as its name is read, and its arguments as the model writes them; a tail that may
 be the start of a marker is held back, so no markup ever reaches the content. What is not a
 call after all (a marker followed by something other than a call object) is content, markup
-included. `parallel=False` keeps only the first call (the text of later ones is dropped, as
+included; a call the end of the output cuts off before its name is dropped (its markup never
+reaches the content), one cut off after it keeps the arguments it had (the finish reason says
+`length`). `parallel=False` keeps only the first call (the text of later ones is dropped, as
 vLLM does). The same text gives the same result whatever pieces it arrives in, which is how a
 whole response equals its stream.
 """
@@ -89,12 +91,13 @@ class ToolCallParser:
         assert call is not None
         used = call.feed(self._buffer)
         self._buffer = self._buffer[used:]
+        cut_short = final and not call.done and not call.bad
         if final and not call.done:
             call.finish()
         self._emit(call)
         if call.bad and not self._announced:
             self._call = None
-            return call.text
+            return "" if cut_short else call.text
         if call.done or call.bad or final:
             self._call = None
             return ""

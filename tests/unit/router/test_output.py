@@ -61,6 +61,8 @@ CASES: list[tuple[ParserName, str, str, list[tuple[str, str]]]] = [
      [("f", '{"a": [1, {"b": "x\\"}"}]')]),  # cut off mid-call: the call stands as it was
     ("hermes", '<tool_call>{"name": "f"}</tool_call> And some text.', "And some text.",
      [("f", "{}")]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": {}}</tool_call>\n<tool_call>\n{"na', "",
+     [("f", "{}")]),  # a call cut off before its name is dropped, markup and all
     ("llama3_json", '{"name": "f", "parameters": {"x": [1, 2]}}; {"name": "g", "parameters": {}}',
      "", [("f", '{"x": [1, 2]}'), ("g", "{}")]),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"s": "{"}}', "",
