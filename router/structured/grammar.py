@@ -4,10 +4,12 @@ strings, a Lark or GBNF grammar), forced tool calls (`ToolFunction`s with `requi
 function), and the thinking a reasoning model does first. Pure: no grammar is compiled here
 (`kvrail.router.structured.compiler` validates each part and calls `assemble`).
 
-The grammar is llguidance's `TopLevelGrammar` as JSON: a list of grammars, the first the start.
-Each part a client wrote is a grammar of its own (its `entry`), compiled and cached alone, and
-referenced from a Lark start grammar by name (`@answer`, `@args_0`, ...); so a JSON schema keeps
-its own root (its `#/$defs/...` references resolve) and a client's Lark grammar its own rules.
+The grammar is llguidance's `TopLevelGrammar` as JSON. Each part a client wrote (its `entry`)
+is validated and cached alone; when there is more than the answer's, the parts join one Lark
+grammar, a JSON schema inline as `%json {...}` (its own root: its `#/$defs/...` references
+resolve), a regex or a choice as a rule's body, and only a client's own Lark or GBNF grammar
+as a grammar of its own referenced by name (`@answer`), so its rules stay its own. A grammar of
+one part is what vLLM pools can be sent too (`kvrail.vllm.protocol.lark_of`).
 
 - Tool calls are written in the parser family's format (`hermes`: `<tool_call>{"name": "f",
   "arguments": {...}}</tool_call>`, `llama3_json`: `{"name": "f", "parameters": {...}}`,
@@ -135,8 +137,8 @@ def assemble(
     constrained."""
     if not request.needs_grammar:
         return None
-    grammars: list[Mapping[str, Any]] = []
     rules: list[str] = []
+    parts: dict[str, Mapping[str, Any]] = {}  # rule name -> its grammar entry
     bodies: list[str] = []
     if request.forces_calls or (request.tool_mode == "auto" and request.tools):
         chosen = [
@@ -144,14 +146,14 @@ def assemble(
             if request.tool_mode != "named" or t.name == request.named
         ]  # fmt: skip
         rules += _call_rules(request, chosen)
-        grammars += [{**arguments[i], "name": f"args_{i}"} for i in chosen]
+        parts.update((f"args_{i}", arguments[i]) for i in chosen)
         bodies.append("calls")
     if answer is not None and not request.forces_calls:
-        grammars.append({**answer, "name": "answer"})
-        bodies.append("@answer")
+        if not bodies and request.reasoning is None:  # the answer's grammar alone
+            return json.dumps({"grammars": [answer]}, ensure_ascii=False)
+        parts["answer"] = answer
+        bodies.append("answer")
     body = " | ".join(bodies)
-    if body == "@answer" and request.reasoning is None:  # the answer's grammar alone
-        return json.dumps({"grammars": [answer]}, ensure_ascii=False)
     if request.reasoning == "opened":
         start = f"start: think WS ({body})"
     elif request.reasoning == "may_open":
@@ -160,8 +162,30 @@ def assemble(
         start = f"start: {body}"
     if request.reasoning is not None:
         rules += _think_rules(request.special)
+    inline = {name: _inline(entry) for name, entry in parts.items()}
+    subgrammars = []
+    for name, entry in parts.items():
+        if inline[name] is not None:
+            rules.append(f"{name}: {inline[name]}")
+        else:  # a client's own Lark grammar keeps its rules to itself: a grammar of its own
+            rules.append(f"{name}: @{name}")
+            subgrammars.append({**entry, "name": name})
     lark = "\n".join([start, *rules, _WS])
-    return json.dumps({"grammars": [{"lark_grammar": lark}, *grammars]}, ensure_ascii=False)
+    return json.dumps({"grammars": [{"lark_grammar": lark}, *subgrammars]}, ensure_ascii=False)
+
+
+def _inline(entry: Mapping[str, Any]) -> str | None:
+    """A part as the body of a Lark rule, so the whole grammar is one Lark grammar (what vLLM's
+    `structured_outputs.grammar` takes too): a JSON schema as `%json {...}` (its own root, its
+    options in its `x-guidance`), a regex or a choice (`start: ...` on one line, as the
+    router writes them) as its rule's body; None for a client's Lark or GBNF grammar."""
+    schema = entry.get("json_schema")
+    if schema is not None:
+        return "%json " + json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+    lark = entry.get("lark_grammar")
+    if isinstance(lark, str) and lark.startswith("start: ") and "\n" not in lark:
+        return lark.removeprefix("start: ")
+    return None
 
 
 def _call_rules(request: GrammarRequest, chosen: Sequence[int]) -> list[str]:
@@ -169,7 +193,7 @@ def _call_rules(request: GrammarRequest, chosen: Sequence[int]) -> list[str]:
     functions = [
         f'fn_{i}: "{{" WS {_literal(json.dumps("name"))} WS ":" WS '
         f'{_literal(json.dumps(request.tools[i].name))} WS "," WS {_literal(json.dumps(key))} '
-        f'WS ":" WS @args_{i} WS "}}"'
+        f'WS ":" WS args_{i} WS "}}"'
         for i in chosen
     ]
     one = "(" + " | ".join(f"fn_{i}" for i in chosen) + ")"

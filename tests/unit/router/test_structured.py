@@ -20,6 +20,7 @@ from kvrail.router.structured.grammar import Constraint, GrammarRequest, ToolFun
 from kvrail.router.structured.schema import MAX_SCHEMA_BYTES, MAX_SCHEMA_DEPTH, schema_text
 from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import default_cache_dir
+from kvrail.vllm.protocol import lark_of
 
 SECRET = "SECRET-SCHEMA-TEXT"
 WEATHER = {
@@ -110,6 +111,13 @@ GRAMMARS: list[tuple[GrammarRequest, list[str], list[str]]] = [
     (GrammarRequest(answer=Constraint("json_schema", WEATHER, "p"), reasoning="opened"),
      ['Let me think {not json} </think>\n\n{"city": "Paris", "unit": "c"}'],
      ['{"city": "Paris", "unit": "c"}', 'hmm </think> nope']),
+    (GrammarRequest(answer=Constraint("grammar", 'start: "a"+ "b"', "p"), reasoning="opened"),
+     ["x </think> aab"], ["aab", "x </think> b"]),  # a client's Lark keeps its own rules
+    (GrammarRequest(answer=Constraint("choice", ("yes", "no"), "p"), reasoning="opened"),
+     ["hm</think>yes"], ["hm</think>maybe"]),
+    (GrammarRequest(answer=Constraint("regex", "[0-9]{2}/[a-z]", "p"), tools=TOOLS,
+                    tool_mode="auto"),
+     ["12/a", '<tool_call>{"name": "now", "arguments": {}}</tool_call>'], ["1/a"]),
     (GrammarRequest(tools=TOOLS, tool_mode="required", reasoning="may_open"),
      ['<think>call now</think>\n<tool_call>{"name": "now", "arguments": {}}</tool_call>',
       '<tool_call>{"name": "now", "arguments": {}}</tool_call>'],
@@ -141,6 +149,20 @@ def test_a_marker_that_is_a_special_token_is_matched_as_that_token(
     call = '[{"name": "now", "arguments": {}}]'
     assert accepts(tokenizer, codec, grammar, call, special=(marker,))
     assert not accepts(tokenizer, codec, grammar, "[TOOL_CALLS]" + call)
+
+
+@pytest.mark.parametrize(("request_", "allowed", "forbidden"), GRAMMARS)
+def test_a_grammar_of_one_part_is_what_vllm_pools_take(
+    compiler: GrammarCompiler, request_: GrammarRequest, allowed: list[str],
+    forbidden: list[str],
+) -> None:  # fmt: skip
+    grammar = build(compiler, request_)
+    parts = json.loads(grammar)["grammars"]
+    own_lark = request_.answer is not None and request_.answer.kind == "grammar"
+    if len(parts) > 1:  # only a client's own Lark grammar next to something else
+        assert own_lark and request_.reasoning is not None and len(parts) == 2
+    else:
+        assert lark_of(grammar)
 
 
 def test_no_grammar_when_nothing_is_constrained(compiler: GrammarCompiler) -> None:
