@@ -232,6 +232,38 @@ def test_a_named_tool_choice_calls_that_function_once() -> None:
 
 
 @pytest.mark.usefixtures("nc")
+def test_each_choice_is_parsed_on_its_own_and_keeps_its_logprobs() -> None:
+    c = client()
+    args: dict[str, Any] = dict(
+        model=MODEL, messages=QUESTION, tools=[WEATHER, TIME], tool_choice="required",
+        parallel_tool_calls=False, max_tokens=64, temperature=0, n=2, logprobs=True,
+    )  # fmt: skip
+    whole = c.chat.completions.create(**args)
+    assert [ch.index for ch in whole.choices] == [0, 1]
+    for choice in whole.choices:
+        calls = choice.message.tool_calls or []
+        assert choice.finish_reason == "tool_calls" and len(calls) == 1
+        assert choice.logprobs is not None and choice.logprobs.content
+    assert whole.usage is not None
+    assert sum(len(ch.logprobs.content or []) for ch in whole.choices if ch.logprobs) == (
+        whole.usage.completion_tokens
+    )
+    chunks = list(c.chat.completions.create(**args, stream=True))
+    for index, choice in enumerate(whole.choices):
+        mine = [ch for ch in chunks if ch.choices and ch.choices[0].index == index]
+        _, calls, finishes = streamed_calls(mine)
+        assert finishes[-1] == "tool_calls"
+        assert [(k["name"], k["arguments"]) for k in calls] == [
+            (k.function.name, k.function.arguments) for k in choice.message.tool_calls or []
+        ]
+        entries = [
+            e for ch in mine if ch.choices[0].logprobs for e in ch.choices[0].logprobs.content or ()
+        ]
+        assert choice.logprobs is not None
+        assert len(entries) == len(choice.logprobs.content or [])
+
+
+@pytest.mark.usefixtures("nc")
 @pytest.mark.parametrize("router", ["router-tools", "router-plain"])
 def test_a_tool_round_trip_call_result_then_answer(router: str) -> None:
     c = client(router)
