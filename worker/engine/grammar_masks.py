@@ -113,8 +113,8 @@ class MaskFiller:
         return self._host[:num_rows]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
-        if self.device.type != "cuda":
-            return host.clone()  # the buffer is the next step's
+        if self.device.type != "cuda":  # a copy: the buffer is the next step's
+            return torch.from_numpy(host.numpy().copy())  # (torch's clone: OpenMP threads)
         on_device = host.to(self.device, non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
