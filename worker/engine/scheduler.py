@@ -18,8 +18,11 @@ scheduled before its sampled tokens are known. A request whose last step samples
 on the device (`Request.num_in_flight`) decodes that token next, fed from the device
 (`ScheduledRequest.token_on_device`); it is not scheduled ahead when that token may be its last
 (max_tokens reached) or when it retains its blocks. A request that stopped on the in-flight token
-(EOS, a stop token id) computes one token more, which is discarded. Scheduling ahead never preempts:
-when a request's blocks run short it returns None, and the caller resolves the running step first.
+(EOS, a stop token id, a complete grammar) computes one token more, which is discarded. A request
+with a grammar is scheduled ahead like any other: its mask, which needs the token in flight, is
+filled once that token is known, while the step's forward runs (`step_pipeline`). Scheduling
+ahead never preempts: when a request's blocks run short it returns None, and the caller resolves
+the running step first.
 
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
 `schedule()` until `install_remote` marks its KV fully written. A finished request with
