@@ -19,6 +19,13 @@ one untimed run of each (`gpu_llama3_8b.alternate`). Printed:
 - the mean output length and every request's validity (each constrained output is parsed by
   `json.loads` and validated with `jsonschema`).
 
+The bounds on the strings (`maxLength`, which random weights need to ever close a string) make
+llguidance's masks about 6x as costly as the same schema without them (bench/engine/
+cpu_grammar_fill.txt, at 64 rows and 49k tokens), so the fill measured here is pessimistic for
+schemas without length bounds, as OpenAI's strict mode writes them. On the development VM's one
+fill thread, 256 rows cost 38 ms a step at 128k tokens (p99 196 ms): the GPU host's threads
+(`--grammar-threads`) are what hide it.
+
 The tokenizer: Llama 3's cannot be downloaded here, so the grammar study's same-sized stand-in is
 used (128,256 tokens, byte-level BPE, Llama 3's split and specials;
 bench/studies/grammar/llama3_like_tokenizer.py trains it in about 40 s from local text). Build
