@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -59,8 +60,7 @@ class _Launched:
     """The prompt scores the step computed (in host memory once `done` has passed)."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Forward:
+class _Forward(NamedTuple):
     """A step whose forward pass is queued and whose sampling is not yet: the logits of its
     sampled rows, the requests they sample for, and its prompt scores."""
 
@@ -155,12 +155,7 @@ class StepPipeline:
         """Queue a step's sampling after its forward, under its grammar masks if it has
         constrained rows (filled now, from every token resolved so far), and the copies of its
         tokens (and logprobs, prompt scores) to the host."""
-        out, logits, requests, scores = (
-            forward.out,
-            forward.logits,
-            forward.requests,
-            forward.scores,
-        )
+        out, logits, requests, scores = forward
         masks = self.masks.fill(requests) if out.has_grammar else None
         tokens = (
             self.sampler.sample(logits, requests, masks)
