@@ -1,13 +1,18 @@
 """What a grammar (`SamplingParams.grammar`, structured outputs) costs the engine: Llama-3-8B
-shape, random bf16 weights, a 128k-token vocabulary.
+shape, random bf16 weights, a 128k-token vocabulary; `vllm_grammar.py` runs vLLM on the same
+workload in the same command.
 
-256 concurrent requests of 512 prompt tokens, each under a realistic nested `json_schema` (an
-order: `$defs`/`$ref`, an array of objects, enums, bounded integers, patterns, a nullable
-field, `additionalProperties: false`; strings bounded so that random weights end the JSON;
-compact separators), against 256 prompts unconstrained that run to the output lengths of a
-first constrained run (`ignore_eos`), so both have the same lengths. Alternated a, b, a, b after
-one untimed run of each (`gpu_llama3_8b.alternate`). Printed:
+256 concurrent requests of 512 random prompt tokens and at most 128 output tokens, greedy:
+unconstrained (`ignore_eos`) against constrained by `grammar_workload.ORDER_SCHEMA` (a nested
+order: `$defs`/`$ref`, an array of objects, enums, bounded numbers, a pattern, a nullable field,
+`additionalProperties: false`), compiled with llguidance's defaults (flexible whitespace, as
+vLLM's). A constrained answer ends where the schema does (the end-of-sequence token is allowed
+there) or at 128 tokens, so tokens/s counts the tokens each answer got. Each mode runs once
+untimed, then twice in the order a, b, a, b (`gpu_llama3_8b.alternate`), new prompts every run.
+Printed:
 - output tokens/s of both, and their ratio (the issue's target: constrained >= 0.9x);
+- how many constrained answers ended with the schema complete, and whether each of those parses
+  (`json.loads`) and validates (`jsonschema`); the others stopped at 128 tokens;
 - per step with constrained rows, the mask fill on the host (`MaskFiller.fill`: llguidance's
   threads, the hold-backs, the copy queued): its wall time on the engine thread and the process
   CPU time it took (every thread), mean and p99, and the engine's own histogram's mean
@@ -15,34 +20,28 @@ one untimed run of each (`gpu_llama3_8b.alternate`). Printed:
 - whether the fill hid behind the forward pass: CUDA events recorded as the fill starts and as it
   ends (after its copy is queued) time, on the device, how long the GPU waited for it past the
   forward's end (0 when the forward was still running when the masks were queued); mean, p99
-  and the share of steps that waited more than 50 us;
-- the mean output length and every request's validity (each constrained output is parsed by
-  `json.loads` and validated with `jsonschema`).
+  and the share of steps that waited more than 50 us.
 
-The bounds on the strings (`maxLength`, which random weights need to ever close a string) make
-llguidance's masks about 6x as costly as the same schema without them (bench/engine/
-cpu_grammar_fill.txt, at 64 rows and 49k tokens), so the fill measured here is pessimistic for
-schemas without length bounds, as OpenAI's strict mode writes them. On the development VM's one
-fill thread, 256 rows cost 38 ms a step at 128k tokens (p99 196 ms): the GPU host's threads
-(`--grammar-threads`) are what hide it.
+The schema's strings are bounded (`maxLength`), which makes llguidance's masks dearer: walking
+this schema with the engine's own fill on the development VM's one fill thread, 256 rows at 128k
+tokens cost 9.3 ms a step (p99 54 ms), 2.7 ms (p99 9 ms) with the bounds dropped
+(bench/engine/cpu_grammar_fill.txt). The GPU host's threads (`--grammar-threads`, default
+llguidance's: 80% of the CPUs) are what hide it behind the forward.
 
 The tokenizer: Llama 3's cannot be downloaded here, so the grammar study's same-sized stand-in is
-used (128,256 tokens, byte-level BPE, Llama 3's split and specials;
-bench/studies/grammar/llama3_like_tokenizer.py trains it in about 40 s from local text). Build
-it on the development machine into a folder the repository ignores, and carry it to the device:
+used (128,256 tokens, byte-level BPE, Llama 3's split and specials; `<|end_of_text|>` is the
+end of sequence). Build it on the development machine under build/ (ignored by git) and carry
+it to the device:
 
-  echo /.gtok/ >> .git/info/exclude
-  .venv/bin/python -P bench/studies/grammar/llama3_like_tokenizer.py --out .gtok/llama3-like
+  .venv/bin/python -P bench/studies/grammar/llama3_like_tokenizer.py --out build/gtok/llama3-like
 
-then, on the lent GPU (device `run` with `carry: [".gtok"]`, from the repository root):
+then, on the lent GPU (device `run` with `carry: ["build/gtok"]`, from the repository root):
 
   source hack/device-env.sh && python3 -P bench/engine/gpu_grammar.py \\
-      --tokenizer .gtok/llama3-like | tee bench/engine/gpu_grammar.txt
+      --tokenizer build/gtok/llama3-like | tee bench/engine/gpu_grammar.txt
 
-(the device has the same CPython and /usr/share/doc, so it could also train it there, in about
-40 s of device time). `--grammar-threads N` sets llguidance's fill threads (0: its default, 80% of
-the CPUs). `--smoke` runs a tiny model on the CPU, with SmolLM2's tokenizer unless `--tokenizer`
-is given, to check this script end to end.
+`--smoke` runs a tiny model on the CPU, with SmolLM2's tokenizer unless `--tokenizer` is given,
+to check this script end to end.
 """
 
 from __future__ import annotations
@@ -62,60 +61,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_llama3_8b as base
 
 _SEEDS = iter(range(300, 10_000))
-_ADDRESS = {
-    "type": "object",
-    "properties": {
-        "street": {"type": "string", "maxLength": 40},
-        "city": {"type": "string", "maxLength": 24},
-        "postal_code": {"type": "string", "pattern": "^[0-9]{5}$"},
-        "country": {"type": "string", "enum": ["US", "CA", "GB", "DE", "FR"]},
-    },
-    "required": ["street", "city", "postal_code", "country"],
-    "additionalProperties": False,
-}
-_ITEM = {
-    "type": "object",
-    "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "name": {"type": "string", "minLength": 1, "maxLength": 32},
-        "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
-        "unit_price_cents": {"type": "integer", "minimum": 0, "maximum": 1_000_000},
-        "category": {"type": "string", "enum": ["book", "electronics", "grocery", "toy"]},
-        "gift_wrap": {"type": "boolean"},
-    },
-    "required": ["sku", "name", "quantity", "unit_price_cents", "category"],
-    "additionalProperties": False,
-}
-ORDER_SCHEMA: dict[str, Any] = {
-    "title": "Order",
-    "type": "object",
-    "$defs": {"Address": _ADDRESS, "Item": _ITEM},
-    "properties": {
-        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{8}$"},
-        "status": {"type": "string", "enum": ["pending", "paid", "shipped", "delivered"]},
-        "customer": {
-            "type": "object",
-            "properties": {
-                "name": {"type": "string", "maxLength": 32},
-                "email": {"type": "string", "maxLength": 40},
-                "phone": {"anyOf": [{"type": "string", "maxLength": 16}, {"type": "null"}]},
-                "address": {"$ref": "#/$defs/Address"},
-            },
-            "required": ["name", "email", "address"],
-            "additionalProperties": False,
-        },
-        "items": {
-            "type": "array",
-            "items": {"$ref": "#/$defs/Item"},
-            "minItems": 1,
-            "maxItems": 3,
-        },
-        "notes": {"anyOf": [{"type": "string", "maxLength": 48}, {"type": "null"}]},
-        "total_cents": {"type": "integer", "minimum": 0, "maximum": 100_000_000},
-    },
-    "required": ["order_id", "status", "customer", "items", "total_cents"],
-    "additionalProperties": False,
-}
 
 
 class FillTimes:
@@ -162,18 +107,17 @@ def histogram_mean() -> float:
     return samples.get("kvrail_grammar_mask_fill_seconds_sum", 0.0) / count if count else 0.0
 
 
-def run(engine: Any, batch: list[list[int]], params: list[Any]) -> tuple[float, list[list[int]]]:
-    """Seconds to run `batch` with `params` (one each) to completion, and the outputs."""
+def run(engine: Any, n: int, length: int, params: Any) -> tuple[float, list[Any]]:
+    """Seconds to run `n` new prompts of `length` tokens with `params` to completion, and the
+    engine's requests (new prompts each run, so that none is served from the prefix cache)."""
+    batch = base.prompts(n, length, seed=next(_SEEDS))
     base.sync()
     started = time.perf_counter()
-    requests = [
-        engine.add_request(f"g{started}-{i}", p, sp)
-        for i, (p, sp) in enumerate(zip(batch, params, strict=True))
-    ]
+    requests = [engine.add_request(f"g{started}-{i}", p, params) for i, p in enumerate(batch)]
     while engine.has_unfinished_requests():
         engine.step()
     base.sync()
-    return time.perf_counter() - started, [r.output_token_ids for r in requests]
+    return time.perf_counter() - started, requests
 
 
 def load_tokenizer(path: str | None) -> Any:
@@ -196,10 +140,12 @@ def main() -> int:
     args = parser.parse_args()
     if args.tokenizer is None and not args.smoke:
         parser.error("--tokenizer is needed (a 128k-token one; see the docstring)")
+    import grammar_workload
     import jsonschema
     from llguidance import LLMatcher
 
     from kvrail.sampling import SamplingParams
+    from kvrail.worker.engine.request import RequestStatus
 
     tokenizer = load_tokenizer(args.tokenizer)
     eos = tokenizer.convert_tokens_to_ids("<|end_of_text|>") if args.tokenizer else None
@@ -212,44 +158,48 @@ def main() -> int:
     )  # fmt: skip
     print(f"# tokenizer: {len(tokenizer)} tokens, eos {eos}; grammar threads "
           f"{args.grammar_threads or 'llguidance default'}")  # fmt: skip
-    grammar = LLMatcher.grammar_from_json_schema(
-        ORDER_SCHEMA, defaults={"whitespace_flexible": False}
-    )
-    n, prompt, cap = (256, 512, 512) if not args.smoke else (8, 32, 512)
-    batch = base.prompts(n, prompt, seed=next(_SEEDS))
-    constrained = [SamplingParams(max_tokens=cap, ignore_eos=True, grammar=grammar)] * n
-    _, outputs = run(engine, batch, constrained)  # the lengths every later run repeats
-    lengths = [len(o) for o in outputs]
-    free = [SamplingParams(max_tokens=k, ignore_eos=True) for k in lengths]
+    schema = grammar_workload.ORDER_SCHEMA
+    grammar = LLMatcher.grammar_from_json_schema(schema)
+    n, prompt, out = (256, 512, 128) if not args.smoke else (8, 32, 128)
+    modes = {
+        "none": SamplingParams(max_tokens=out, ignore_eos=True),
+        "json_schema": SamplingParams(max_tokens=out, grammar=grammar),
+    }
     times = FillTimes(engine)
-    invalid = 0
+    counts = {"runs": 0, "complete": 0, "invalid": 0}
+    tokens: dict[str, list[int]] = {mode: [] for mode in modes}
 
     def measure(mode: str) -> float:
-        nonlocal invalid
-        fresh = base.prompts(n, prompt, seed=next(_SEEDS))  # no prefix-cache hits
-        params = constrained if mode == "json_schema" else free
-        seconds, got = run(engine, fresh, params)
+        seconds, requests = run(engine, n, prompt, modes[mode])
+        got = sum(r.num_output_tokens for r in requests)
+        tokens[mode].append(got)
         if mode == "json_schema":
-            for tokens in got:
+            counts["runs"] += 1
+            for request in requests:
+                if request.status is not RequestStatus.FINISHED_STOPPED:
+                    continue  # stopped at `out` tokens, the JSON unfinished
+                counts["complete"] += 1
                 try:
-                    text = tokenizer.decode(tokens, skip_special_tokens=True)
-                    jsonschema.validate(json.loads(text), ORDER_SCHEMA)
+                    text = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+                    jsonschema.validate(json.loads(text), schema)
                 except (ValueError, jsonschema.ValidationError):
-                    invalid += 1
-        return sum(len(t) for t in got) / seconds
+                    counts["invalid"] += 1
+        return got / seconds
 
-    values = base.alternate({"json_schema": True, "unconstrained": True}, measure)
+    values = base.alternate(dict.fromkeys(modes, True), measure)
     waits = times.waits_s()  # every event has passed: each run ends with a synchronize
-    print(
-        f"\n## {n} requests of {prompt} prompt tokens, outputs as long as the schema's "
-        f"(a first constrained run's: mean {statistics.mean(lengths):.0f}, max "
-        f"{max(lengths)} tokens; the unconstrained runs take those lengths): output tokens/s"
-    )
+    print(f"\n## kvrail: {n} requests of {prompt} prompt / <= {out} output tokens: output "
+          f"tokens/s, twice (tokens per run)")  # fmt: skip
     for mode, runs in values.items():
-        ratio = sum(runs) / sum(values["unconstrained"])
-        print(f"{mode:14} {base.fmt(runs, '.0f')}   {ratio:.3f}x unconstrained")
-    print(f"constrained outputs that are not valid JSON of the schema: {invalid} "
-          f"(of {3 * n}: the untimed run and two timed)")  # fmt: skip
+        ratio = sum(runs) / sum(values["none"])
+        got = " ".join(
+            f"{v:10.0f} ({t} tokens)" for v, t in zip(runs, tokens[mode][1:], strict=True)
+        )
+        print(f"{mode:12} {got}   {ratio:.3f}x none")
+    print(
+        f"constrained answers complete: {counts['complete']} of {counts['runs'] * n} (the "
+        f"others stopped at {out} tokens); not valid JSON of the schema: {counts['invalid']}"
+    )
     print(f"\n## mask fill per step with constrained rows ({len(times.wall)} fills, every run)")
     print(f"engine thread wall  mean {1e3 * statistics.mean(times.wall):7.3f} ms   "
           f"p99 {1e3 * p99(times.wall):7.3f} ms")  # fmt: skip
