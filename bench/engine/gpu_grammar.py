@@ -137,6 +137,8 @@ def main() -> int:
     parser.add_argument("--grammar-threads", type=int, default=0)
     parser.add_argument("--kv-gib", type=float, default=40.0)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     if args.tokenizer is None and not args.smoke:
         parser.error("--tokenizer is needed (a 128k-token one; see the docstring)")
@@ -160,7 +162,7 @@ def main() -> int:
           f"{args.grammar_threads or 'llguidance default'}")  # fmt: skip
     schema = grammar_workload.ORDER_SCHEMA
     grammar = LLMatcher.grammar_from_json_schema(schema)
-    n, prompt, out = (256, 512, 128) if not args.smoke else (8, 32, 128)
+    n, prompt, out = (256, args.prompt_len, args.max_tokens) if not args.smoke else (8, 32, 128)
     modes = {
         "none": SamplingParams(max_tokens=out, ignore_eos=True),
         "json_schema": SamplingParams(max_tokens=out, grammar=grammar),

@@ -50,6 +50,8 @@ def write_model_dir(tokenizer: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     write_model_dir(args.tokenizer)
     import grammar_workload
@@ -60,7 +62,7 @@ def main() -> int:
               seed=0)  # fmt: skip
     rng = random.Random(1)
 
-    def prompts(n: int, length: int = 512) -> list[Any]:
+    def prompts(n: int, length: int = args.prompt_len) -> list[Any]:
         return [TokensPrompt(prompt_token_ids=[rng.randrange(3, 120000) for _ in range(length)])
                 for _ in range(n)]  # fmt: skip
 
@@ -72,7 +74,7 @@ def main() -> int:
         tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
         return tokens / elapsed, tokens
 
-    greedy = dict(max_tokens=128, temperature=0.0, detokenize=False)
+    greedy = dict(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
     schema = StructuredOutputsParams(json=grammar_workload.ORDER_SCHEMA)
     modes = {
         "none": SamplingParams(**greedy, ignore_eos=True),
@@ -84,7 +86,8 @@ def main() -> int:
     for _ in range(2):
         for name, params in modes.items():
             values[name].append(run(params))
-    print("\n## vLLM: 256 requests of 512 prompt / <= 128 output tokens: output tokens/s, twice")
+    print(f"\n## vLLM: 256 requests of {args.prompt_len} prompt / <= {args.max_tokens} output "
+          "tokens: output tokens/s, twice")  # fmt: skip
     first = sum(v for v, _ in values["none"])
     for name, runs in values.items():
         ratio = sum(v for v, _ in runs) / first
