@@ -1,4 +1,4 @@
-"""Logprobs and logit_bias through a vLLM pool, live: kvrail's router in front of a real vLLM
+"""Logprobs, logit_bias and grammars through a vLLM pool, live: kvrail's router in front of a real vLLM
 prefill server and a real vLLM decode server (vLLM's CPU build, SmolLM2 in float32, each with
 its agent, over real etcd and NATS), driven with the real `openai` client, and compared with what
 the decode server itself answers to the same request sent to it straight.
@@ -15,6 +15,10 @@ token texts and bytes, log-probabilities, the most likely tokens in order, text 
   order differ in the last digits (about 1e-5 here), so values agree within `TOLERANCE` and
   tokens exactly.
 
+Grammars (structured outputs, forced tool calls) have no counterpart to compare with (vLLM's
+own chat endpoint would build its grammar and template its tools its own way): what the router's
+grammar allows must hold, whichever server prefilled.
+
 Prefix caching is off on both servers, so that each request computes its prompt from scratch and
 neither answer reads KV an earlier one left. Needs `.venv-vllm` (`make vllm-env`); the pair takes
 60-200 s to start here.
@@ -23,6 +27,7 @@ neither answer reads KV an earlier one left. Needs `.venv-vllm` (`make vllm-env`
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -288,3 +293,53 @@ def test_n_choices_are_the_answers_to_each_choices_seed_and_echo_leads_with_the_
     assert len({c.text for c in got.choices}) > 1
     echoed = stack.router.completions.create(seed=21, echo=True, **base)
     assert echoed.choices[0].text == PROMPTS["local"] + got.choices[0].text
+
+
+ORDER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 30},
+        "rooms": {"type": "integer", "minimum": 1, "maximum": 9},
+        "view": {"enum": ["sea", "garden", "street"]},
+    },
+    "required": ["city", "rooms", "view"],
+    "additionalProperties": False,
+}
+BOOK = {
+    "type": "function",
+    "function": {"name": "book", "description": "Book rooms in a hotel.", "parameters": ORDER},
+}
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_structured_outputs_and_forced_tool_calls_hold_through_a_vllm_pool(
+    stack: Stack, path: Path
+) -> None:
+    """The router's grammar reaches the decode server (vLLM's llguidance backend) whichever
+    server prefilled: the answer validates against the schema, a forced call's arguments too."""
+    import jsonschema
+
+    schema_format = {"type": "json_schema",
+                     "json_schema": {"name": "order", "schema": ORDER, "strict": True}}  # fmt: skip
+    before = transferred(stack.decode)
+    got = stack.router.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=CHATS[path], max_tokens=120, temperature=0,
+        response_format=schema_format,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert got.usage is not None
+    assert_path(path, transferred(stack.decode) - before, got.usage.prompt_tokens)
+    assert got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got.choices[0].message.content or ""), ORDER)
+    calls: dict[int, list[str]] = {}
+    finish = None
+    for chunk in stack.router.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=CHATS[path], max_tokens=160, temperature=0,
+        tools=[BOOK], tool_choice="required", parallel_tool_calls=False, stream=True,  # type: ignore[list-item]
+    ):  # fmt: skip
+        for choice in chunk.choices:
+            for delta in choice.delta.tool_calls or []:
+                if delta.function is not None:
+                    calls.setdefault(delta.index, []).append(delta.function.arguments or "")
+            finish = choice.finish_reason or finish
+    assert finish == "tool_calls" and list(calls) == [0]
+    jsonschema.validate(json.loads("".join(calls[0])), ORDER)
