@@ -1,7 +1,7 @@
-"""Logprobs, logit_bias and grammars through a vLLM pool, live: kvrail's router in front of a real vLLM
-prefill server and a real vLLM decode server (vLLM's CPU build, SmolLM2 in float32, each with
-its agent, over real etcd and NATS), driven with the real `openai` client, and compared with what
-the decode server itself answers to the same request sent to it straight.
+"""Logprobs, logit_bias and grammars through a vLLM pool, live: kvrail's router in front of a
+real vLLM prefill server and a real vLLM decode server (vLLM's CPU build, SmolLM2 in float32,
+each with its agent, over real etcd and NATS), driven with the real `openai` client, and
+compared with what the decode server itself answers to the same request sent to it straight.
 
 The router's vLLM stream turns vLLM's logprobs into kvrail's `TokenLogprobs` and renders them
 with the one renderer kvrail's own engine uses, so the two answers must agree field by field:
