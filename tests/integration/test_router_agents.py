@@ -220,6 +220,30 @@ def test_a_required_tool_call_validates_against_its_schema_streamed_or_not(route
 
 
 @pytest.mark.usefixtures("nc")
+def test_a_client_that_leaves_mid_tool_call_frees_every_block() -> None:
+    """The stream is closed after the call's first delta (its name), long before its arguments
+    (a note of up to 1,500 characters) can end: the request is cancelled on the worker, whose
+    blocks are all free again (the `nc` fixture's check)."""
+    note = function(
+        "take_note", "Write a long note.",
+        {"type": "object", "properties": {"text": {"type": "string", "maxLength": 1500}},
+         "required": ["text"], "additionalProperties": False},
+    )  # fmt: skip
+    stream = client().chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=[note], tool_choice="required", max_tokens=600,
+        temperature=1.0, seed=3, stream=True,
+    )  # fmt: skip
+    seen: list[Any] = []
+    with stream:
+        for chunk in stream:
+            seen += [c for c in chunk.choices if c.delta.tool_calls or c.finish_reason]
+            if seen:
+                break
+    assert seen and seen[0].finish_reason is None, "the call ended before the client left"
+    assert seen[0].delta.tool_calls[0].function.name == "take_note"
+
+
+@pytest.mark.usefixtures("nc")
 def test_a_named_tool_choice_calls_that_function_once() -> None:
     reply = client().chat.completions.create(
         model=MODEL, messages=QUESTION, tools=[WEATHER, TIME],
