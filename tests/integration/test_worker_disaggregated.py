@@ -540,10 +540,22 @@ async def test_a_worker_that_cannot_use_rdma_where_the_pool_requires_it_is_never
 async def test_killing_the_decode_worker_mid_request_leaves_the_prefill_side_clean(
     pool: Pool, nc: NatsClient
 ) -> None:
-    queue = PrefillQueue(nc.jetstream(), KEYS)
-    await generate(nc, "decode-1", prompt(LONG_PROMPT, seed=4), deadline_s=15, wait=False)
-    await wait_for_job(queue)
+    """Killed mid-answer, under a grammar (its matcher dies with it): the request cannot be
+    rescued (the router fails it as `worker_lost`), and nothing leaks on the prefill side."""
+    from llguidance import LLMatcher
+
+    note = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 3000}},
+            "required": ["text"]}  # fmt: skip
+    asked = SamplingParams(max_tokens=1000, temperature=1.0, seed=4,
+                           grammar=LLMatcher.grammar_from_json_schema(note))  # fmt: skip
+    decoding = asyncio.Event()
+    answer = asyncio.create_task(
+        generate(nc, "decode-1", prompt(LONG_PROMPT, seed=4), deadline_s=15, sampling=asked,
+                 started=decoding)
+    )  # fmt: skip
+    await asyncio.wait_for(decoding.wait(), 30)
     pool.kill("decode-1")
+    answer.cancel()
     # It comes back with the `fail` policy (the last test needs one).
     pool.start("decode-1", "decode", KVRAIL_KV_LOAD_FAILURE_POLICY="fail")
     await assert_all_blocks_free(nc, pool, timeout_s=25.0)
