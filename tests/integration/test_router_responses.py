@@ -99,8 +99,9 @@ def test_a_streamed_response_tells_the_same_response_event_by_event(pool: LocalP
     c = client(pool)
     whole = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
     events = list(
-        c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0,
-                           stream=True)  # fmt: skip
+        c.responses.create(
+            model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0, stream=True
+        )  # fmt: skip
     )
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))

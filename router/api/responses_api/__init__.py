@@ -18,7 +18,7 @@ from fastapi.routing import APIRoute
 
 from kvrail.router.api.errors import ApiError
 from kvrail.router.api.responses_api.body import ResponseObject, restated
-from kvrail.router.api.responses_api.events import ResponseRender
+from kvrail.router.api.responses_api.render import ResponseRender
 from kvrail.router.api.responses_api.request import ResponsesRequest
 from kvrail.router.api.responses_api.translate import Translation
 from kvrail.router.api.sampling import Defaults

@@ -65,6 +65,9 @@ OutputItem = Annotated[
 
 class InputTokensDetails(BaseModel):
     cached_tokens: int
+    cache_write_tokens: int = Field(
+        description="always 0: kvrail's prefix cache keeps blocks on its own, no request writes"
+    )
 
 
 class OutputTokensDetails(BaseModel):
@@ -80,8 +83,10 @@ class ResponseUsage(BaseModel):
 
 
 class ResponseError(BaseModel):
-    code: str
+    code: Literal["server_error", "rate_limit_exceeded", "invalid_prompt"]
     message: str
+    type: str
+    param: str | None
 
 
 class IncompleteDetails(BaseModel):
@@ -198,11 +203,20 @@ def usage(
 ) -> dict[str, Any]:
     return {
         "input_tokens": input_tokens,
-        "input_tokens_details": {"cached_tokens": cached_tokens},
+        "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
         "output_tokens": output_tokens,
         "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": input_tokens + output_tokens,
     }
+
+
+def response_error(status: int, message: str, type: str, param: str | None) -> dict[str, Any]:
+    """A failed response's `error`: its code is one of OpenAI's for a response (a request
+    refused midway is an `invalid_prompt`), its `type` and `param` the error's own."""
+    code = "rate_limit_exceeded" if status == 429 else "server_error" if status >= 500 else (
+        "invalid_prompt"
+    )  # fmt: skip
+    return {"code": code, "message": message, "type": type, "param": param}
 
 
 def output_text(text: str, logprobs: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
@@ -227,7 +241,15 @@ def function_call_item(
     }  # fmt: skip
 
 
-def reasoning_item(item_id: str, status: ItemStatus, text: str | None) -> dict[str, Any]:
-    """A reasoning item; its text, once known, is its one `reasoning_text` part."""
-    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
-    return {"id": item_id, "type": "reasoning", "status": status, "summary": [], "content": content}
+def reasoning_text(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(
+    item_id: str, status: ItemStatus, parts: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """A reasoning item: the thinking in its `content`, no `summary` (kvrail writes none)."""
+    return {
+        "id": item_id, "type": "reasoning", "status": status, "summary": [],
+        "content": list(parts),
+    }  # fmt: skip
