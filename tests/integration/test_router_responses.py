@@ -98,11 +98,10 @@ def test_a_response_is_the_chat_completion_of_the_same_conversation(pool: LocalP
 def test_a_streamed_response_tells_the_same_response_event_by_event(pool: LocalPool) -> None:
     c = client(pool)
     whole = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0)
-    events = list(
-        c.responses.create(
-            model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0, stream=True
-        )  # fmt: skip
+    stream = c.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=12, temperature=0, stream=True
     )
+    events = list(stream)
     kinds = [e.type for e in events]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert kinds[:5] == [

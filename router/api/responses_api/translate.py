@@ -26,14 +26,16 @@ from typing import Any
 from pydantic import ValidationError
 
 from kvrail.router.api.errors import ApiError, validation_error
+from kvrail.router.api.responses_api.items import (
+    FunctionCallItem,
+    FunctionCallOutputItem,
+    MessageItem,
+)
 from kvrail.router.api.responses_api.request import (
     AllowedTools,
     FormatJsonObject,
     FormatJsonSchema,
-    FunctionCallItem,
-    FunctionCallOutputItem,
     FunctionTool,
-    MessageItem,
     ResponsesRequest,
     ToolChoiceFunction,
 )

@@ -237,9 +237,9 @@ def test_tools_choices_formats_and_logprobs_become_their_chat_fields() -> None:
 
 def test_allowed_tools_keep_only_those_tools_and_name_errors_by_their_place() -> None:
     tools = [{**TOOL, "name": n} for n in ("a", "b", "c")]
-    t = Translation.of(request(tools=tools, tool_choice={
-        "type": "allowed_tools", "mode": "required",
-        "tools": [{"type": "function", "name": "c"}, {"type": "function", "name": "a"}]}))  # fmt: skip
+    allowed = [{"type": "function", "name": "c"}, {"type": "function", "name": "a"}]
+    choice = {"type": "allowed_tools", "mode": "required", "tools": allowed}
+    t = Translation.of(request(tools=tools, tool_choice=choice))
     assert [tool["function"]["name"] for tool in t.body["tools"]] == ["a", "c"]
     assert t.body["tool_choice"] == "required"
     assert t.tool_params == ("tools.0", "tools.2")
