@@ -9,12 +9,23 @@ body. Every test ends with the worker's blocks free.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import openai
 import pytest
+from agents import (
+    Agent,
+    ModelSettings,
+    OpenAIChatCompletionsModel,
+    OpenAIResponsesModel,
+    Runner,
+    function_tool,
+    set_tracing_disabled,
+)
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import connect
@@ -155,6 +166,34 @@ def test_earlier_turns_given_as_items_make_the_same_prompt_as_chat_messages(
 
 
 @pytest.mark.usefixtures("nc")
+def test_logprobs_asked_by_include_are_the_chat_completions(pool: LocalPool) -> None:
+    c = client(pool)
+    response = c.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=2,
+        include=["message.output_text.logprobs"],
+    )  # fmt: skip
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": QUESTION}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=2,
+    )  # fmt: skip
+    part = response.output[0].content[0]  # type: ignore[union-attr]
+    assert part.type == "output_text" and part.logprobs is not None
+    expected = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert expected is not None and len(part.logprobs) == len(expected) == 6
+    for got, want in zip(part.logprobs, expected, strict=True):
+        assert (got.token, got.bytes) == (want.token, want.bytes)
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+        assert [t.token for t in got.top_logprobs] == [t.token for t in want.top_logprobs]
+    streamed = c.responses.create(
+        model=MODEL, input=QUESTION, max_output_tokens=6, temperature=0, top_logprobs=2,
+        include=["message.output_text.logprobs"], stream=True,
+    )  # fmt: skip
+    tokens = [lp.token for e in streamed if e.type == "response.output_text.delta"
+              for lp in e.logprobs]  # fmt: skip
+    assert tokens == [lp.token for lp in part.logprobs]
+
+
+@pytest.mark.usefixtures("nc")
 def test_what_a_stateless_server_cannot_do_is_refused_by_name(pool: LocalPool) -> None:
     c = client(pool)
     cases: list[tuple[dict[str, Any], str]] = [
@@ -183,3 +222,163 @@ def test_what_a_stateless_server_cannot_do_is_refused_by_name(pool: LocalPool) -
     # Omitted, `store` is served (nothing is kept), and the response says so.
     ok = c.responses.create(model=MODEL, input=QUESTION, max_output_tokens=2, store=False)
     assert ok.status == "incomplete" and ok.store is False  # type: ignore[attr-defined]
+
+
+# -- tools and structured output (the grammar forces SmolLM2's calls: it makes none unasked) ----
+
+WEATHER: Any = {
+    "type": "function", "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"], "additionalProperties": False},
+    "strict": True,
+}  # fmt: skip
+WEATHER_QUESTION = "What is the weather in Paris?"
+
+
+def chat_tool(tool: dict[str, Any]) -> Any:
+    return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+
+
+@pytest.mark.usefixtures("nc")
+def test_a_required_tool_call_is_a_function_call_item_as_chat_makes_it(pool: LocalPool) -> None:
+    c = client(pool)
+    response = c.responses.create(
+        model=MODEL, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice="required",
+        max_output_tokens=64, temperature=0,
+    )  # fmt: skip
+    chat = c.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": WEATHER_QUESTION}],
+        tools=[chat_tool(WEATHER)], tool_choice="required", max_tokens=64, temperature=0,
+    )  # fmt: skip
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) >= 1 and response.status == "completed"
+    call = calls[0]
+    assert call.name == "get_weather" and call.call_id and call.status == "completed"
+    arguments = json.loads(call.arguments)  # the grammar held them to the function's schema
+    assert set(arguments) == {"city"} and isinstance(arguments["city"], str)
+    chat_calls = chat.choices[0].message.tool_calls or []
+    assert [(t.function.name, t.function.arguments) for t in chat_calls] == [  # type: ignore[union-attr]
+        (item.name, item.arguments) for item in calls
+    ]
+    # Streamed: the same call, its arguments in deltas that join to them.
+    events = list(c.responses.create(
+        model=MODEL, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice="required",
+        max_output_tokens=64, temperature=0, stream=True,
+    ))  # fmt: skip
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert added[0].item.type == "function_call" and added[0].item.name == "get_weather"  # type: ignore[union-attr]
+    deltas = "".join(
+        e.delta for e in events if e.type == "response.function_call_arguments.delta"
+        and e.output_index == added[0].output_index
+    )  # fmt: skip
+    assert deltas == call.arguments
+    assert events[-1].type == "response.completed"
+
+
+@pytest.mark.usefixtures("nc")
+def test_a_function_call_output_round_trip_answers_from_the_result(pool: LocalPool) -> None:
+    c = client(pool)
+    first = c.responses.create(
+        model=MODEL, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice="required",
+        max_output_tokens=64, temperature=0,
+    )  # fmt: skip
+    call = next(item for item in first.output if item.type == "function_call")
+    result = "It is sunny and 24 degrees in Paris."
+    history: Any = [
+        {"role": "user", "content": WEATHER_QUESTION},
+        *[item.model_dump(exclude_none=True) for item in first.output],  # replayed as the SDKs do
+        {"type": "function_call_output", "call_id": call.call_id, "output": result},
+    ]
+    second = c.responses.create(
+        model=MODEL, input=history, tools=[WEATHER], tool_choice="none", max_output_tokens=32,
+        temperature=0,
+    )  # fmt: skip
+    # The same conversation as chat messages: the same prompt, so the same answer.
+    chat = c.chat.completions.create(
+        model=MODEL, tools=[chat_tool(WEATHER)], tool_choice="none", max_tokens=32,
+        temperature=0, messages=[
+            {"role": "user", "content": WEATHER_QUESTION},
+            {"role": "assistant", "tool_calls": [
+                {"id": call.call_id, "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments}}]},
+            {"role": "tool", "tool_call_id": call.call_id, "content": result},
+        ],
+    )  # fmt: skip
+    assert [item.type for item in second.output] == ["message"]
+    assert second.output_text == chat.choices[0].message.content and second.output_text
+    assert second.usage is not None and chat.usage is not None
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.usage.input_tokens > first.usage.input_tokens  # type: ignore[union-attr]
+
+
+@pytest.mark.usefixtures("nc")
+def test_text_format_json_schema_answers_json_valid_against_it(pool: LocalPool) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
+        "required": ["country", "capital"], "additionalProperties": False,
+    }  # fmt: skip
+    response = client(pool).responses.create(
+        model=MODEL, input="Name a country and its capital, as JSON.", max_output_tokens=64,
+        temperature=0, text={"format": {"type": "json_schema", "name": "capital",
+                                        "schema": schema, "strict": True}},
+    )  # fmt: skip
+    answer = json.loads(response.output_text)
+    assert set(answer) == {"country", "capital"}
+    assert all(isinstance(v, str) for v in answer.values())
+    assert response.text is not None and response.text.format is not None
+    assert response.text.format.type == "json_schema"
+
+
+# -- the OpenAI Agents SDK -------------------------------------------------------------------------
+
+
+def _agent_client(hosts: list[str]) -> Any:
+    """An async client for the router that records every host it is asked to reach."""
+
+    async def record(request: Any) -> None:
+        hosts.append(request.url.host)
+
+    http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [record]})
+    return openai.AsyncOpenAI(base_url=URL, api_key="none", max_retries=0, http_client=http)
+
+
+@pytest.mark.parametrize("api", ["responses", "chat_completions"])
+@pytest.mark.usefixtures("nc")
+def test_an_agent_with_one_function_tool_completes_a_run(pool: LocalPool, api: str) -> None:
+    """The Agents SDK's run loop against the router, through its default model (the Responses
+    API) and through its chat-completions model. SmolLM2 calls no tool unasked, so the agent
+    forces one (`tool_choice: required`, enforced by the grammar) and stops at it
+    (`stop_on_first_tool`: the tool's result is the run's final output, no second model turn
+    whose text SmolLM2 would decide). What is asserted: the SDK made one model request, to the
+    router only (tracing off, an explicit client: nothing reached api.openai.com); the model's
+    call named the tool with arguments valid against its schema; the SDK ran the tool with
+    them; and the run ended with the tool's result as its output."""
+    set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"It is sunny in {city}."
+
+    hosts: list[str] = []
+    client_ = _agent_client(hosts)
+    model = (
+        OpenAIResponsesModel(MODEL, client_) if api == "responses"
+        else OpenAIChatCompletionsModel(MODEL, client_)
+    )  # fmt: skip
+    agent = Agent(
+        name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+        model=model, tool_use_behavior="stop_on_first_tool",
+        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+    )  # fmt: skip
+    result = asyncio.run(Runner.run(agent, WEATHER_QUESTION, max_turns=2))
+    assert len(result.raw_responses) == 1 and set(hosts) == {"127.0.0.1"}
+    assert len(cities) == 1 and result.final_output == f"It is sunny in {cities[0]}."
+    calls = [i.raw_item for i in result.new_items if i.type == "tool_call_item"]
+    outputs = [i for i in result.new_items if i.type == "tool_call_output_item"]
+    assert len(calls) == 1 and len(outputs) == 1
+    assert getattr(calls[0], "name", None) == "get_weather"
+    assert json.loads(getattr(calls[0], "arguments", "")) == {"city": cities[0]}
