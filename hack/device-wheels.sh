@@ -3,17 +3,18 @@
 # benchmarks: its image has torch, triton, transformers, numpy, httpx, pyyaml, grpcio, protobuf,
 # prometheus-client and uvloop, but not pydantic (every kvrail.settings import needs it), NIXL,
 # the clients and servers of the full stack (aetcd, NATS, FastAPI, uvicorn, openai), pytest
-# (the GPU tests), py-spy (the profiles) or the cuDNN frontend (FP8 attention: its graph API over
-# the cuDNN that torch ships). CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the
-# list is complete on purpose. Run from the repository root; name `.whl` in the device run's
-# `carry`, then `source hack/device-env.sh`.
+# (the GPU tests), py-spy (the profiles), the cuDNN frontend (FP8 attention: its graph API over
+# the cuDNN that torch ships) or llguidance (grammars: structured outputs, forced tool calls).
+# CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the list is complete on purpose.
+# Run from the repository root; name `.whl` in the device run's `carry`, then
+# `source hack/device-env.sh`.
 #
 #   hack/device-wheels.sh            # about 45 MB; a rerun downloads nothing new
 set -euo pipefail
 dest=.whl
 mkdir -p "$dest"
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
+plat=(--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64
       --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 # Pinned to the versions the CPU venv runs (`make setup`), so both machines run the same code.
 wheels=(
@@ -25,6 +26,7 @@ wheels=(
   opentelemetry-api==1.45.2 distro==1.9.0
   py-spy==0.4.3 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4
   nvidia-cudnn-frontend==1.18.0
+  llguidance==1.9.1
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${plat[@]}" -d "$dest" "${wheels[@]}"

@@ -23,6 +23,12 @@ each token `token_id:<id>` in the choice's `logprobs` (`tokens`, `token_logprobs
 computes (the model's log-softmax before logit_bias, penalties and temperature: vLLM's default
 `logprobs_mode`, `raw_logprobs`); `token_logprobs_of` turns an item into a `TokenLogprobs`.
 
+A grammar (`SamplingParams.grammar`: structured outputs, forced tool calls) is enforced by the
+decode server with the same engine kvrail's workers use: vLLM's `structured_outputs.grammar`,
+which vLLM's llguidance backend (`GRAMMAR_BACKEND`, set by `kvrail.vllm.serve`) reads as Lark,
+llguidance's dialect (`lark_of` turns the grammar into it). The prefill server's one token is
+discarded, so it is not sent the grammar.
+
 Every `SamplingParams` field is either carried with kvrail's meaning (`CARRIED`) or, set to
 anything but its default, refused by name (`uncarried`): nothing is dropped silently.
 
@@ -55,18 +61,23 @@ TOKEN_ID_PREFIX: Final = "token_id:"
 CARRIED: Final = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
     "stop_token_ids", "ignore_eos", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logit_bias", "logprobs",
+    "frequency_penalty", "logit_bias", "logprobs", "grammar",
 })  # fmt: skip
 """The `SamplingParams` fields `decode_body` hands to vLLM, each under vLLM's name for the same
 meaning (`kvrail.sampling` follows vLLM's `SamplingParams`)."""
 
+GRAMMAR_BACKEND: Final = "guidance"
+"""vLLM's structured-outputs backend for kvrail's grammars: llguidance, the engine the router
+validated them with (vLLM's `auto` might pick another, which reads Lark differently or not)."""
+
 Failure = Literal["invalid_request", "unavailable"]
-ErrorCode = Literal["malformed", "engine_error"]
+ErrorCode = Literal["malformed", "engine_error", "unsupported"]
 
 
 class VllmProtocolError(KvrailError):
     """vLLM answered something kvrail cannot use. `code` is `malformed` (not the protocol above)
-    or `engine_error` (vLLM reported an error inside the stream); the text never quotes it."""
+    or `engine_error` (vLLM reported an error inside the stream); the text never quotes it.
+    `unsupported`: a request kvrail cannot put in vLLM's words (`lark_of`)."""
 
     def __init__(self, code: ErrorCode, message: str) -> None:
         super().__init__(message)
@@ -123,7 +134,8 @@ def remote_decode_params() -> dict[str, Any]:
 
 def uncarried(s: SamplingParams, carried: frozenset[str] = CARRIED) -> str | None:
     """The first field of `s` that vLLM would not be sent (one outside `carried`) and that is
-    set to anything but its default, or None: a request vLLM cannot serve as asked."""
+    set to anything but its default, or a grammar `lark_of` cannot state; None: vLLM can serve
+    the request as asked."""
     for f in fields(s):
         if f.name in carried:
             continue
@@ -135,6 +147,11 @@ def uncarried(s: SamplingParams, carried: frozenset[str] = CARRIED) -> str | Non
             return f.name  # required, so always set
         if getattr(s, f.name) != default:
             return f.name
+    if s.grammar is not None and "grammar" in carried:
+        try:
+            lark_of(s.grammar)
+        except VllmProtocolError:
+            return "grammar"
     return None
 
 
@@ -156,13 +173,43 @@ def _sampling(s: SamplingParams) -> dict[str, Any]:
             out[name] = value
     if s.logprobs is not None:
         out["return_tokens_as_token_ids"] = True
+    if s.grammar is not None:
+        out["structured_outputs"] = {"grammar": lark_of(s.grammar)}
     return out
+
+
+def lark_of(grammar: str) -> str:
+    """A grammar as vLLM's `structured_outputs.grammar` takes it: Lark text unchanged; an
+    llguidance `TopLevelGrammar` (JSON, as `llguidance.LLMatcher.grammar_from_json_schema`
+    writes one) of a single Lark or JSON-schema grammar as the same Lark (`%json{...}`; the
+    schema's options ride in its `x-guidance`). Raises VllmProtocolError for any other
+    `TopLevelGrammar`: vLLM is not sent what it would read differently."""
+    if not grammar.lstrip().startswith("{"):
+        return grammar
+    try:
+        top = json.loads(grammar)
+        (only,) = top["grammars"]
+        lark, schema = only.get("lark_grammar"), only.get("json_schema")
+        bounded = top.get("max_tokens") is not None
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise VllmProtocolError("unsupported", _ONE_PART) from err
+    if isinstance(lark, str) and schema is None and not bounded:
+        return lark
+    if isinstance(schema, dict) and lark is None and not bounded:
+        return "start: %json" + json.dumps(schema, separators=(",", ":"))
+    raise VllmProtocolError("unsupported", _ONE_PART)
+
+
+_ONE_PART = "only a grammar of one Lark or JSON-schema part, unbounded, reaches vLLM"
 
 
 def prefill_body(c: Completion) -> dict[str, Any]:
     """Step 1's JSON body: prefill the prompt, sample one (discarded) token, keep the KV. No
     logprobs: the decode server computes the first token's itself."""
-    one = replace(c.sampling, max_tokens=1, min_tokens=min(c.sampling.min_tokens, 1), logprobs=None)
+    one = replace(
+        c.sampling, max_tokens=1, min_tokens=min(c.sampling.min_tokens, 1), logprobs=None,
+        grammar=None,
+    )  # fmt: skip
     return {
         "model": c.model,
         "prompt": list(c.prompt_token_ids),

@@ -24,6 +24,7 @@ from typing import Final, Literal
 
 from kvrail.crd.pool import VLLM_KV_CACHE_DTYPES, VLLM_KV_LOAD_FAILURE_POLICIES
 from kvrail.messages import WorkerRole
+from kvrail.vllm.protocol import GRAMMAR_BACKEND
 
 DEFAULT_VLLM_IMAGE: Final = "vllm/vllm-openai:v0.32.0"
 """The engine image of a vLLM pool without `spec.engine.image` (a CUDA build of vLLM): the
@@ -169,6 +170,8 @@ def serve_flags(cfg: ServeConfig) -> list[str]:
         flags += ["--kv-cache-dtype", cache_dtype]
     if cfg.quantization == "fp8":
         flags += ["--quantization", "fp8"]
+    # kvrail's router writes llguidance grammars (`kvrail.vllm.protocol.lark_of`)
+    flags += ["--structured-outputs-config", json.dumps({"backend": GRAMMAR_BACKEND})]
     transfer = kv_transfer_config(cfg)
     if transfer is not None:
         flags += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]

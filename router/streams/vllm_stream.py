@@ -69,7 +69,7 @@ T = TypeVar("T")
 _POLL_S = 0.5  # how often a silent decode server's record is checked
 
 
-_API_NAMES = {"prompt_logprobs": "echo"}
+_API_NAMES = {"prompt_logprobs": "echo", "grammar": "response_format"}
 """The request field that sets a `SamplingParams` field of another name."""
 
 

@@ -21,10 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
-import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +29,8 @@ from typing import Any
 
 import pytest
 
-from kvrail.local.procs import free_port
 from kvrail.model_files import resolve
+from kvrail.testing import up
 from kvrail.worker.models.loader import load_transformers_model, prepare
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -42,13 +39,11 @@ ROOT = Path(__file__).resolve().parents[2]
 LMEVAL_BIN = ROOT / ".venv-lmeval" / "bin"
 DOCS = ROOT / "docs" / "evals.md"
 EXAMPLE_DATA = ROOT / "examples" / "lm-eval" / "capitals.jsonl"
-KVRAIL = [sys.executable, "-P", "-m", "kvrail.cli"]
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 1e-4
 REMOTE_PREFILL_TOKENS = 24
 """`kvrail up`'s threshold here: the longer cases are prefilled by the prefill worker and their
 KV handed to the decode worker, the shorter ones are prefilled by the decode worker itself."""
-READY_TIMEOUT_S = 300.0
 # No dataset or tokenizer comes from a hub; without these, datasets waits on the network first.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -159,30 +154,9 @@ def lmeval_bin() -> Path:
 @pytest.fixture(scope="module")
 def kvrail_up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`kvrail up` (what `make run` starts), its output in `up.log`; yields the server's root."""
-    run_dir = tmp_path_factory.mktemp("lm-eval-up")
-    port = free_port()
-    env = {**os.environ, "KVRAIL_HTTP_PORT": str(port), "KVRAIL_POOL": f"lm-eval-{port}",
-           "KVRAIL_TORCH_NUM_THREADS": "1",
-           "KVRAIL_MIN_REMOTE_PREFILL_TOKENS": str(REMOTE_PREFILL_TOKENS)}  # fmt: skip
-    log = run_dir / "up.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen([*KVRAIL, "up", "--run-dir", str(run_dir)], env=env,
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while "press Ctrl-C" not in log.read_text():
-            assert proc.poll() is None, f"kvrail up exited:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"not serving in time:\n{log.read_text()}"
-            time.sleep(0.5)
-        assert f"http://127.0.0.1:{port}/v1" in log.read_text()
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGINT)  # `kvrail up` stops what it started, then exits
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()  # never outlive the test, even when the stop hangs
-            proc.wait()
+    env = {"KVRAIL_MIN_REMOTE_PREFILL_TOKENS": str(REMOTE_PREFILL_TOKENS)}
+    with up.kvrail_up(tmp_path_factory.mktemp("lm-eval-up"), env) as root:
+        yield root
 
 
 def _run_lm_eval(command: list[str], *, stdin: str | None = None) -> str:

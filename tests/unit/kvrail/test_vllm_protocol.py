@@ -8,6 +8,7 @@ import json
 from dataclasses import fields, replace
 from typing import Any
 
+import llguidance
 import pytest
 
 from kvrail.outputs import TokenLogprobs
@@ -21,6 +22,7 @@ from kvrail.vllm.protocol import (
     decode_body,
     failure_of_status,
     kv_transfer_params_of,
+    lark_of,
     parse_sse_line,
     prefill_body,
     uncarried,
@@ -93,7 +95,7 @@ NON_NEUTRAL: dict[str, Any] = {
     "max_tokens": 3, "min_tokens": 1, "temperature": 0.7, "top_p": 0.5, "top_k": 4,
     "min_p": 0.2, "seed": 1, "stop_token_ids": (9,), "ignore_eos": True,
     "repetition_penalty": 1.2, "presence_penalty": 0.1, "frequency_penalty": 0.1,
-    "logit_bias": (TokenBias(3, 5.0),), "logprobs": 0,
+    "logit_bias": (TokenBias(3, 5.0),), "logprobs": 0, "grammar": 'start: "yes" | "no"',
 }  # fmt: skip
 
 
@@ -289,3 +291,28 @@ def test_refused_input_is_the_clients_error_and_anything_else_the_servers(
 def test_a_success_status_is_not_a_failure() -> None:
     with pytest.raises(ValueError, match="not a failure"):
         failure_of_status(200)
+
+
+def test_a_grammar_reaches_the_decode_server_as_lark_for_vllms_llguidance_and_not_the_prefill():
+    lark = 'start: "<tool_call>" %json{"type": "object"} "</tool_call>"'
+    asked = Completion("smol", (5,), SamplingParams(max_tokens=4, grammar=lark))
+    assert decode_body(asked, PARAMS)["structured_outputs"] == {"grammar": lark}
+    assert "structured_outputs" not in prefill_body(asked)  # its one token is discarded
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    compact = {"whitespace_flexible": False}
+    top = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=compact)
+    as_lark = lark_of(top)
+    assert as_lark.startswith("start: %json{")
+    assert json.loads(as_lark.removeprefix("start: %json")) == {**schema, "x-guidance": compact}
+    assert llguidance.LLMatcher.validate_grammar_with_warnings(as_lark) == (False, [])
+
+
+def test_a_grammar_vllm_would_read_differently_is_refused_by_name() -> None:
+    two = json.dumps({"grammars": [{"lark_grammar": "start: a"}, {"lark_grammar": "start: b"}]})
+    bounded = json.dumps({"grammars": [{"lark_grammar": "start: a"}], "max_tokens": 3})
+    for grammar in (two, bounded, "{not json"):
+        with pytest.raises(VllmProtocolError) as err:
+            lark_of(grammar)
+        assert err.value.code == "unsupported"
+        assert uncarried(SamplingParams(max_tokens=2, grammar=grammar)) == "grammar"
+    assert uncarried(SamplingParams(max_tokens=2, grammar="start: /a+/")) is None
