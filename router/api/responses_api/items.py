@@ -125,8 +125,9 @@ class ReasoningText(BaseModel):
 
 
 class ReasoningItem(BaseModel):
-    """An earlier turn's reasoning, as a client replays a response's output. It is not put
-    back into the prompt: reasoning models' chat templates drop earlier turns' thinking."""
+    """An earlier turn's reasoning, as a client replays a response's output: its `content`
+    becomes the next assistant message's `reasoning_content` (`translate`); a `summary` is
+    accepted and not used (it is not the reasoning)."""
 
     model_config = STRICT
     type: Literal["reasoning"]

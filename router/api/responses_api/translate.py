@@ -8,8 +8,9 @@ field's problem by the Responses field it came from (`Translation.renamed`):
 - message items -> messages of the same role (content parts joined by newlines, as chat text
   parts are); `function_call` items -> an assistant message's `tool_calls` (consecutive calls,
   and calls right after an assistant message, join that message: one turn of the model);
-  `function_call_output` items -> `tool` messages; `reasoning` items are not put back (reasoning
-  models' chat templates drop earlier turns' thinking);
+  `function_call_output` items -> `tool` messages; a `reasoning` item's text -> the next
+  assistant message's `reasoning_content` (templates that keep a turn's thinking, as Qwen3's
+  does within a tool loop, get it back; reasoning before no assistant turn is dropped);
 - function `tools` -> chat function tools; `tool_choice` as it is, a named function as chat
   names one, `allowed_tools` -> those tools only, with its mode;
 - `text.format` -> `response_format`; `reasoning.effort` -> `reasoning_effort`;
@@ -29,7 +30,7 @@ from kvrail.router.api.errors import ApiError, validation_error
 from kvrail.router.api.responses_api.items import (
     FunctionCallItem,
     FunctionCallOutputItem,
-    MessageItem,
+    ReasoningItem,
 )
 from kvrail.router.api.responses_api.request import (
     AllowedTools,
@@ -146,26 +147,34 @@ def _messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[str]]:
         messages.append({"role": "user", "content": req.input})
         params.append("input")
         return messages, params
+    reasoning: str | None = None  # a reasoning item's text, for the assistant turn after it
     for i, item in enumerate(req.input):
-        if isinstance(item, MessageItem):
-            messages.append({"role": item.role, "content": item.text})
-            params.append(f"input.{i}")
+        if isinstance(item, ReasoningItem):
+            reasoning = "\n".join(part.text for part in item.content or ()) or None
+            continue
+        last = messages[-1] if messages else None
+        if isinstance(item, FunctionCallItem) and last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(_call(item))  # the same turn of the model
         elif isinstance(item, FunctionCallItem):
-            call = {
-                "id": item.call_id, "type": "function",
-                "function": {"name": item.name, "arguments": item.arguments},
-            }  # fmt: skip
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)
-            else:
-                messages.append({"role": "assistant", "tool_calls": [call]})
-                params.append(f"input.{i}")
+            messages.append({"role": "assistant", "tool_calls": [_call(item)]})
+            params.append(f"input.{i}")
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text})
             params.append(f"input.{i}")
-        # reasoning items: not put back (see the module docstring)
+        else:
+            messages.append({"role": item.role, "content": item.text})
+            params.append(f"input.{i}")
+        if messages[-1]["role"] == "assistant" and reasoning is not None:
+            messages[-1].setdefault("reasoning_content", reasoning)
+        reasoning = None  # reasoning not followed by the model's turn is not put back
     return messages, params
+
+
+def _call(item: FunctionCallItem) -> dict[str, Any]:
+    return {
+        "id": item.call_id, "type": "function",
+        "function": {"name": item.name, "arguments": item.arguments},
+    }  # fmt: skip
 
 
 def _tools(req: ResponsesRequest) -> tuple[list[dict[str, Any]] | None, list[str]]:

@@ -187,7 +187,8 @@ def test_items_become_the_messages_of_the_same_conversation() -> None:
     assert t.body["messages"] == [
         {"role": "developer", "content": "a\nb"},
         {"role": "user", "content": "Weather?"},
-        {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"role": "assistant", "content": "Let me look.", "reasoning_content": "think",
+         "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}},
             {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"x": 1}'}},
         ]},
@@ -199,6 +200,15 @@ def test_items_become_the_messages_of_the_same_conversation() -> None:
     ]  # fmt: skip
     # Where each message came from: the reasoning item (2) made none.
     assert t.message_params == ("input.0", "input.1", "input.3", "input.6", "input.7", "input.8")
+    # Reasoning before a turn that is not the model's is not put back.
+    dropped = Translation.of(request(input=[
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "x"}]},
+        {"role": "user", "content": "a"},
+        {"type": "reasoning", "summary": [{"type": "summary_text", "text": "s"}]},
+        {"role": "assistant", "content": "b"},
+    ]))  # fmt: skip
+    assert dropped.body["messages"] == [{"role": "user", "content": "a"},
+                                        {"role": "assistant", "content": "b"}]  # fmt: skip
 
 
 def test_tools_choices_formats_and_logprobs_become_their_chat_fields() -> None:
