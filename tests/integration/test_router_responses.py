@@ -27,6 +27,7 @@ from agents import (
     set_tracing_disabled,
 )
 from nats.aio.client import Client as NatsClient
+from pydantic import BaseModel
 
 from kvrail.bus import connect
 from kvrail.local.procs import free_port
@@ -328,6 +329,18 @@ def test_text_format_json_schema_answers_json_valid_against_it(pool: LocalPool) 
     assert all(isinstance(v, str) for v in answer.values())
     assert response.text is not None and response.text.format is not None
     assert response.text.format.type == "json_schema"
+    # The client's own helper: a pydantic model as the schema, the answer parsed into it.
+    parsed = client(pool).responses.parse(
+        model=MODEL, input="Name a country and its capital, as JSON.", max_output_tokens=64,
+        temperature=0, text_format=Capital,
+    )  # fmt: skip
+    assert isinstance(parsed.output_parsed, Capital)
+    assert parsed.output_parsed.model_dump() == json.loads(parsed.output_text)
+
+
+class Capital(BaseModel):
+    country: str
+    capital: str
 
 
 # -- the OpenAI Agents SDK -------------------------------------------------------------------------
