@@ -194,6 +194,16 @@ def race_scores(probs: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> t
     return reference.race_scores(probs, low, high)
 
 
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Mask (to -inf, in place) the tokens a grammar forbids in the constrained rows `rows` of
+    the logits (`reference.apply_token_bitmask`): one Triton pass over those rows for CUDA float
+    logits, torch otherwise."""
+    if logits.is_cuda and logits.dim() == 2 and logits.dtype in _FLOATS:
+        _triton("token_bitmask").apply_token_bitmask(logits, bitmask, rows)
+    else:
+        reference.apply_token_bitmask(logits, bitmask, rows)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     impl = _triton("rms_norm") if x.is_cuda else reference
     out: torch.Tensor = impl.rms_norm(x, weight, eps)

@@ -12,7 +12,8 @@ Attention is causal over positions: query i of a sequence with q_len queries and
 sits at position seq_len - q_len + i and sees keys 0..that position. Grouped-query attention maps
 query head h to KV head h // (Hq // Hkv). Scores and softmax are computed in float32, from a cache
 of any float dtype, FP8 included (written by `write_kv` with a scale of 1). No function
-here mutates its inputs except the destination cache of `write_kv` and `scatter_blocks`.
+here mutates its inputs except the destination cache of `write_kv` and `scatter_blocks`, and
+the logits `apply_token_bitmask` masks.
 """
 
 from __future__ import annotations
@@ -216,6 +217,24 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x [rows, vocab] -> int64 [rows]: the first index of each row's maximum (NaN counts as
     the maximum)."""
     return x.argmax(dim=-1)
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """In place: row `rows[i]` of logits [n, vocab] keeps the tokens whose bit is set in
+    bitmask [m, words] int32 row i (bit t % 32 of word t // 32, llguidance's layout) and gets
+    -inf for the others, a token past 32 * words included; other rows are untouched. Bits are
+    read through little-endian bytes and a table of each byte's eight."""
+    num_rows, words = bitmask.shape
+    if num_rows == 0:
+        return
+    cols = logits.shape[1]
+    shifts = torch.arange(8, device=bitmask.device)
+    table = (torch.arange(256, device=bitmask.device).unsqueeze(1) >> shifts) & 1 == 1
+    allowed = table[bitmask.contiguous().view(torch.uint8).long()].reshape(num_rows, 32 * words)
+    if allowed.shape[1] < cols:
+        allowed = torch.nn.functional.pad(allowed, (0, cols - allowed.shape[1]))
+    kept = logits.index_select(0, rows).masked_fill(~allowed[:, :cols], float("-inf"))
+    logits.index_copy_(0, rows, kept)
 
 
 _MASK_32 = 0xFFFFFFFF

@@ -19,6 +19,7 @@ import torch
 KERNEL_MODULES = (
     "kv_write",
     "race",
+    "token_bitmask",
     "paged_kv",
     "decode_attention",
     "prefill_attention",

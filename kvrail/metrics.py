@@ -36,6 +36,8 @@ KV_TRANSFER_FAILURES_TOTAL = PREFIX + "kv_transfer_failures_total"
 KV_TRANSPORT_BANDWIDTH_BYTES_PER_SECOND = PREFIX + "kv_transport_bandwidth_bytes_per_second"
 PREFILL_JOBS_REJECTED_TOTAL = PREFIX + "prefill_jobs_rejected_total"
 KV_WRITE_GRANTS_REFUSED_TOTAL = PREFIX + "kv_write_grants_refused_total"
+# host time to fill one engine step's grammar masks (structured outputs), no labels
+GRAMMAR_MASK_FILL_SECONDS = PREFIX + "grammar_mask_fill_seconds"
 
 # operator and planner
 PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"

@@ -48,6 +48,13 @@ KV_WRITE_GRANTS_REFUSED = Counter(
     "KV writes a decode worker refused to grant (foreign blocks, a request not waiting, ...)",
     ["reason"], registry=REGISTRY,
 )  # fmt: skip
+GRAMMAR_MASK_FILL_SECONDS = Histogram(
+    metrics.GRAMMAR_MASK_FILL_SECONDS,
+    "Host time to fill one engine step's grammar masks (every constrained row), which runs "
+    "while the device runs the step's forward pass",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.25, 1),
+    registry=REGISTRY,
+)
 RUNNING_REQUESTS = Gauge(metrics.RUNNING_REQUESTS, "Requests running", registry=REGISTRY)
 WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=REGISTRY)
 KV_CACHE_UTILIZATION = Gauge(

@@ -37,11 +37,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+from kvrail.errors import InvalidRequestError
 from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.sampling import SamplingParams
 from kvrail.worker.commands import CommandQueue
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.engine import Counts, LLMEngine
+from kvrail.worker.engine.grammar import GRAMMAR_ERROR
 from kvrail.worker.engine.scheduler_output import RemoteReservation
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,7 @@ class EngineService:
             self.engine.add_request(request_id, prompt_token_ids, params, tenant_salt=tenant_salt)
             self._tracked[request_id] = _Tracked(on_output, deadline_monotonic)
 
+        await self._compile(params)
         await self._call(run)
 
     async def reserve(
@@ -151,6 +154,7 @@ class EngineService:
                 self._held.add(request_id)
             return reservation
 
+        await self._compile(params)
         return await self._call(run)
 
     async def install(
@@ -173,7 +177,7 @@ class EngineService:
             )
             self._held.discard(request_id)
             tracked = _Tracked(on_output, deadline_monotonic)
-            if not output.finished:
+            if not output.is_last:
                 self._tracked[request_id] = tracked
             self._deliver_kv_changes()  # its prompt blocks are reported before its first token
             self._deliver_all([(on_output, output)])
@@ -191,7 +195,8 @@ class EngineService:
     ) -> PrefillResult:
         """Compute a prompt's KV and its first token, retaining the blocks; the caller must
         `release(request_id)` in a finally. Raises DeadlineExceededError or InvalidRequestError
-        (nothing retained then)."""
+        (a grammar that does not compile, or that its first token broke; nothing retained
+        then)."""
         from kvrail.errors import DeadlineExceededError
 
         done: asyncio.Future[RequestOutput] = self._loop.create_future()
@@ -209,12 +214,16 @@ class EngineService:
             self._tracked[request_id] = tracked
             self._held.add(request_id)
 
+        await self._compile(params)
         await self._call(run)
         try:
             output = await asyncio.shield(done)
         except asyncio.CancelledError:
             await self.abort(request_id)
             raise
+        if output.error == GRAMMAR_ERROR:  # its first token broke its grammar (a bug)
+            await self.abort(request_id)
+            raise InvalidRequestError(f"prefill of {request_id} broke its grammar", "grammar")
         if output.error is not None or not output.token_ids:
             await self.abort(request_id)
             raise DeadlineExceededError(f"prefill of {request_id} ended: {output.error}")
@@ -242,6 +251,13 @@ class EngineService:
 
     async def counts(self) -> Counts:
         return await self._call(self.engine.counts)
+
+    async def _compile(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (if any) into the engine's cache on a thread of its
+        own (llguidance releases the GIL), so the engine thread only finds it there; whether it
+        compiled is the engine's to say when the request is added."""
+        if params.grammar is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, params.grammar)
 
     # -- the engine thread ----------------------------------------------------------------------
 
@@ -311,9 +327,9 @@ class EngineService:
         tracked = self._tracked.get(output.request_id)
         if tracked is None:
             return None
-        if output.finished:
+        if output.is_last:
             del self._tracked[output.request_id]
-            if tracked.retains_blocks:
+            if tracked.retains_blocks and output.finished:
                 try:
                     ids = self.engine.retained_block_ids(output.request_id)
                     tracked.retained_block_ids = tuple(ids)

@@ -119,6 +119,8 @@ def build_engine(
     graphs: bool,
     quantization: str | None = None,
     dequantized: bool = False,
+    tokenizer: Any = None,
+    eos_token_id: int | None = None,
     **overrides: Any,
 ) -> Any:
     """A kvrail engine over `hf`'s weights; `quantization` and the `kv_dtype` override default
@@ -177,7 +179,7 @@ def build_engine(
         f"# engine: weights {fingerprint.quantization}, KV {fingerprint.kv_dtype}, "
         f"{num_blocks} blocks"
     )
-    return LLMEngine(model, engine_config, fingerprint, eos_token_id=None)
+    return LLMEngine(model, engine_config, fingerprint, tokenizer, eos_token_id)
 
 
 def warmed(engine: Any) -> Any:
@@ -188,10 +190,11 @@ def warmed(engine: Any) -> Any:
     return engine
 
 
-def bench_engine(smoke: bool, kv_gib: float) -> Any:
-    """The measured engine of a script beside this one (`gpu_logprobs.py`, `gpu_choices.py`):
-    this shape with random weights (bf16 on the GPU; `smoke`: the tiny config in float32 on the
-    CPU), CUDA graphs on a GPU, warmed; prints the device first."""
+def bench_engine(smoke: bool, kv_gib: float, **overrides: Any) -> Any:
+    """The measured engine of a script beside this one (`gpu_logprobs.py`, `gpu_choices.py`,
+    `gpu_grammar.py`): this shape with random weights (bf16 on the GPU; `smoke`: the tiny config
+    in float32 on the CPU), CUDA graphs on a GPU, warmed; prints the device first. `overrides`
+    go to `build_engine` (a tokenizer, EngineConfig fields)."""
     global DEVICE
     if smoke:
         DEVICE = "cpu"
@@ -209,7 +212,7 @@ def bench_engine(smoke: bool, kv_gib: float) -> Any:
     torch.set_default_dtype(previous)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
     print(f"# {name}, torch {torch.__version__}")
-    return warmed(build_engine(hf, config, kv_gib, DEVICE == "cuda"))
+    return warmed(build_engine(hf, config, kv_gib, DEVICE == "cuda", **overrides))
 
 
 def alternate(modes: dict[str, bool], measure: Callable[[str], float]) -> dict[str, list[float]]:

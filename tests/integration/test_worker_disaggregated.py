@@ -183,6 +183,50 @@ async def test_prompt_logprobs_are_the_same_remote_or_colocated(pool: Pool, nc: 
     await assert_all_blocks_free(nc, pool)
 
 
+async def test_a_grammar_gives_the_same_tokens_remote_or_colocated(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """The prefill worker samples the first token under the grammar and sends only the token;
+    the decode worker rebuilds the grammar's state by replaying it: the same valid JSON as a
+    colocated worker's, seeded. A grammar a worker cannot compile fails its request as
+    `invalid_request` before any block is reserved or job published."""
+    import json
+
+    import jsonschema
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    from kvrail.model_files import resolve
+    from kvrail.worker.models.loader import prepare
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "maxLength": 10},
+            "rank": {"type": "integer", "minimum": 1, "maximum": 9},
+            "kind": {"enum": ["port", "capital", "village"]},
+        },
+        "required": ["city", "rank", "kind"],
+        "additionalProperties": False,
+    }
+    grammar = LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    asked = SamplingParams(max_tokens=60, temperature=1.0, seed=9, grammar=grammar)
+    token_ids = prompt(LONG_PROMPT, seed=21)
+    colocated = await generate(nc, "colo-0", token_ids, sampling=asked)
+    disaggregated = await generate(nc, "decode-0", token_ids, sampling=asked)
+    assert colocated[0].prefill_mode == "local" and disaggregated[0].prefill_mode == "remote"
+    assert tokens_of(disaggregated) == tokens_of(colocated)
+    assert disaggregated[-1].output.finish_reason == "stop"
+    tokenizer = AutoTokenizer.from_pretrained(prepare(resolve("smollm2")))
+    text = tokenizer.decode(tokens_of(colocated), skip_special_tokens=True)
+    jsonschema.validate(json.loads(text), schema)
+    garbage = replace(asked, grammar="start: ( {{")
+    for worker_id in ("decode-0", "colo-0"):
+        events = await generate(nc, worker_id, token_ids, sampling=garbage)
+        assert [e.output.error for e in events] == ["invalid_request"]
+    await assert_all_blocks_free(nc, pool)
+
+
 async def test_a_short_prompt_is_prefilled_on_the_decode_worker(pool: Pool, nc: NatsClient) -> None:
     token_ids = prompt(SHORT_PROMPT, seed=2)
     local = await generate(nc, "decode-0", token_ids, max_tokens=5)

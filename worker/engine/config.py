@@ -76,6 +76,8 @@ class EngineConfig:
     (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
     and it would only delay each token by a step).
     `kv_dtype` is the KV cache's dtype by name, "auto" for the model's (see `kv_cache_dtype`).
+    `grammar_threads`: the threads that fill grammar masks (`grammar_masks.MaskFiller`; 0:
+    llguidance's default, 80% of the CPUs, at most 32).
 
     The fields the worker fills from `kvrail.settings.Settings` default to Settings' defaults
     (one default each). `block_size` is any positive size here (tests use 4); what a pool may
@@ -95,6 +97,7 @@ class EngineConfig:
     zero_kv_on_release: bool = _setting("zero_kv_on_release")
     async_scheduling: bool | None = None
     kv_dtype: str = _setting("kv_dtype")
+    grammar_threads: int = 0
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
@@ -118,6 +121,8 @@ class EngineConfig:
                 f"engine max_num_mixed_prefill_tokens must be >= 0, got "
                 f"{self.max_num_mixed_prefill_tokens}"
             )
+        if self.grammar_threads < 0:
+            raise ConfigError(f"engine grammar_threads must be >= 0, got {self.grammar_threads}")
         if self.max_num_seqs < 1:
             raise ConfigError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if (

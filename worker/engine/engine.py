@@ -39,6 +39,8 @@ from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
 from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.engine.fingerprint import make_fingerprint
+from kvrail.worker.engine.grammar import Grammars
+from kvrail.worker.engine.grammar_masks import MaskFiller
 from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request
@@ -115,9 +117,10 @@ class LLMEngine:
             kv_dtype,
             self.device,
         )
+        self.grammars = Grammars.from_hf(tokenizer, eos_token_id, shape.vocab_size)
         self.scheduler = Scheduler(
             config, root_hash(fingerprint.digest), StopChecker(eos_token_id),
-            self._zero_blocks if config.zero_kv_on_release else None,
+            self._zero_blocks if config.zero_kv_on_release else None, self.grammars,
         )  # fmt: skip
         self._tenant_roots: dict[str, bytes] = {}
         graphs = None
@@ -135,8 +138,9 @@ class LLMEngine:
             if config.async_scheduling is not None
             else self.device.type == "cuda"
         )
+        masks = MaskFiller(self.grammars, self.device, config.grammar_threads)
         self.pipeline = StepPipeline(
-            self.scheduler, runner, Sampler(eos_token_id), async_scheduling
+            self.scheduler, runner, Sampler(eos_token_id), async_scheduling, masks
         )
         self._num_generate_calls = 0
         logger.info(
@@ -357,7 +361,9 @@ class LLMEngine:
 def _output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
     """The output of the step that just gave `request` its last token, with that token's
     `logprobs` if it asked (the first output also says how many prompt tokens the prefix cache
-    served, and takes the prompt's scores)."""
+    served, and takes the prompt's scores); for a request that token failed, only its `error`."""
+    if request.error is not None:  # failed on its own (its grammar): no token, the reason
+        return RequestOutput(request.request_id, error=request.error)
     first = request.num_output_tokens == 1
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     if first and request.prompt_logprobs:

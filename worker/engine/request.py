@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvrail.outputs import TokenLogprobs
 from kvrail.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -28,6 +32,8 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()
+    """Failed on its own (`Request.error` says why); no finish reason."""
 
     @property
     def is_finished(self) -> bool:
@@ -40,7 +46,12 @@ class RequestStatus(enum.Enum):
 
 
 _FINISHED = frozenset(
-    {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+    {
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    }
 )
 _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
@@ -63,6 +74,9 @@ class Request:
     `prompt_logprobs` collects the prompt's scores (`SamplingParams.prompt_logprobs`) as its
     chunks are computed, until its first output takes them; `num_prompt_scored` counts the
     prompt tokens scored so far (a recompute after preemption scores none twice).
+    `grammar_matcher`: its grammar's state after its output tokens (`SamplingParams.grammar`;
+    made, or remade by replaying them, where it is None: see `kvrail.worker.engine.grammar`).
+    `error`: why a FINISHED_ERROR request failed (a metric-safe code, `RequestOutput.error`).
     """
 
     request_id: str
@@ -81,6 +95,8 @@ class Request:
     num_in_flight: int = 0
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_scored: int = 0
+    grammar_matcher: LLMatcher | None = None
+    error: str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

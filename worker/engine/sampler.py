@@ -1,8 +1,11 @@
 """Token sampling from logits, per request (`kvrail.sampling.SamplingParams`).
 
 Rows are first adjusted where their request asks for it: its `logit_bias` added, the
-end-of-sequence token and the stop token ids masked while `min_tokens` is not reached, and the
-repetition, presence and frequency penalties applied over the request's tokens so far. Then
+end-of-sequence token and the stop token ids masked while `min_tokens` is not reached, the
+repetition, presence and frequency penalties applied over the request's tokens so far, and last
+the tokens its grammar forbids masked (`TokenMasks`, filled by `grammar_masks.MaskFiller`: a
+grammar row's end-of-sequence and stop token ids are held back in its mask instead, so that the
+grammar wins where it allows nothing else; see `kvrail.worker.engine.grammar`). Then
 greedy rows take the argmax; the others are scaled by their temperature, masked by their top-k,
 top-p and min-p, and drawn from what remains. A request with a seed draws each token by an
 exponential race (`_race`) over noise that is a hash of a key and the token id, the key made of
@@ -22,7 +25,9 @@ The sampler never mutates the logits it is given, and `sample` never waits for t
 tokens stay there until the caller copies them.
 
 A penalized row needs the request's whole token history: the scheduler does not schedule such a
-request ahead of its previous token (`Scheduler.schedule_ahead`), so the history is complete.
+request ahead of its previous token (`Scheduler.schedule_ahead`), so the history is complete. A
+grammar row needs it too, but is scheduled ahead all the same: its mask is filled only once the
+previous step's tokens are known, while the device runs its forward pass (`step_pipeline`).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 
 from kvrail.kernels import dispatch
 from kvrail.outputs import TokenLogprobs
+from kvrail.worker.engine.grammar_masks import TokenMasks
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scores import token_scores
 from kvrail.worker.engine.staging import to_device, to_host
@@ -160,11 +166,17 @@ class Sampler:
         scored = token_scores(logits.index_select(0, index), tokens.index_select(0, index), k)
         return StepLogprobs(rows, *scored)
 
-    def sample(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """The tokens as an int64 tensor on the logits' device, one per row."""
+    def sample(
+        self,
+        logits: torch.Tensor,
+        requests: Sequence[Request],
+        masks: TokenMasks | None = None,
+    ) -> torch.Tensor:
+        """The tokens as an int64 tensor on the logits' device, one per row; the rows `masks`
+        names only among the tokens their grammar allows."""
         if logits.shape[0] != len(requests):
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
-        logits = self._adjusted(logits, requests)
+        logits = self._adjusted(logits, requests, masks)
         chosen = dispatch.argmax(logits)  # exact in any dtype
         rows = [i for i, r in enumerate(requests) if not r.sampling_params.is_greedy]
         if rows:
@@ -172,12 +184,15 @@ class Sampler:
             chosen[index] = _draw(logits.index_select(0, index), [requests[i] for i in rows])
         return chosen
 
-    def _adjusted(self, logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
-        """`logits`, or a copy with the rows that mask stop tokens or apply penalties changed."""
+    def _adjusted(
+        self, logits: torch.Tensor, requests: Sequence[Request], masks: TokenMasks | None
+    ) -> torch.Tensor:
+        """`logits`, or a copy with the rows that mask stop tokens, apply penalties or follow a
+        grammar changed."""
         masked = [i for i, r in enumerate(requests) if self._stop_ids_masked(r)]
         penalized = [i for i, r in enumerate(requests) if r.sampling_params.has_penalties]
         biased = [i for i, r in enumerate(requests) if r.sampling_params.logit_bias]
-        if not masked and not penalized and not biased:
+        if not masked and not penalized and not biased and masks is None:
             return logits
         out = logits.clone()
         if biased:
@@ -210,10 +225,14 @@ class Sampler:
             if not sampling.ignore_eos and self.eos_token_id is not None:
                 ids.append(self.eos_token_id)
             out[i, _on(logits.device, ids, np.int64)] = float("-inf")
+        if masks is not None:
+            dispatch.apply_token_bitmask(out, masks.bitmask, masks.rows)
         return out
 
     def _stop_ids_masked(self, request: Request) -> bool:
         params = request.sampling_params
+        if params.grammar is not None:
+            return False  # held back in its grammar mask (`Grammars.hold_back_ids`)
         # The row samples output token number `num_output_tokens + num_in_flight - 1` (0-based):
         # `num_in_flight` counts this step's token, and a step still on the device (async).
         if request.num_output_tokens + request.num_in_flight - 1 >= params.min_tokens:

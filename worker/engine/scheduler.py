@@ -18,8 +18,11 @@ scheduled before its sampled tokens are known. A request whose last step samples
 on the device (`Request.num_in_flight`) decodes that token next, fed from the device
 (`ScheduledRequest.token_on_device`); it is not scheduled ahead when that token may be its last
 (max_tokens reached) or when it retains its blocks. A request that stopped on the in-flight token
-(EOS, a stop token id) computes one token more, which is discarded. Scheduling ahead never preempts:
-when a request's blocks run short it returns None, and the caller resolves the running step first.
+(EOS, a stop token id, a complete grammar) computes one token more, which is discarded. A request
+with a grammar is scheduled ahead like any other: its mask, which needs the token in flight, is
+filled once that token is known, while the step's forward runs (`step_pipeline`). Scheduling
+ahead never preempts: when a request's blocks run short it returns None, and the caller resolves
+the running step first.
 
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
 `schedule()` until `install_remote` marks its KV fully written. A finished request with
@@ -35,6 +38,7 @@ from collections.abc import Callable
 
 from kvrail.errors import InvalidRequestError
 from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.grammar import Grammars
 from kvrail.worker.engine.kv_cache_manager import KVCacheManager
 from kvrail.worker.engine.request import Request, RequestStatus
 from kvrail.worker.engine.scheduler_output import (
@@ -46,6 +50,9 @@ from kvrail.worker.engine.stop import StopChecker
 
 logger = logging.getLogger(__name__)
 
+_NOT_RETAINED = frozenset({RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR})
+"""Finished states in which even a `retain_blocks` request frees its blocks at once."""
+
 
 class Scheduler:
     def __init__(
@@ -54,14 +61,17 @@ class Scheduler:
         hash_root: bytes,
         stop_checker: StopChecker,
         on_release: Callable[[list[int]], None] | None = None,
+        grammars: Grammars | None = None,
     ) -> None:
-        """`on_release`: see `BlockPool` (zeroing released blocks)."""
+        """`on_release`: see `BlockPool` (zeroing released blocks). `grammars`: what enforces
+        `SamplingParams.grammar` (None: a request with a grammar is refused)."""
         self.config = config
         self.kv_cache_manager = KVCacheManager(
             config.num_blocks, config.block_size, hash_root, config.enable_prefix_caching,
             on_release,
         )  # fmt: skip
         self.stop_checker = stop_checker
+        self.grammars = grammars if grammars is not None else Grammars(None)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -88,6 +98,7 @@ class Scheduler:
             )
         if request.request_id in self.requests or request.request_id in self.retained:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.grammars.check(request.sampling_params.grammar)
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request for admission (raises InvalidRequestError first if bad)."""
@@ -258,6 +269,8 @@ class Scheduler:
         samples = start + num_new == request.num_tokens + request.num_in_flight
         item = ScheduledRequest(request, start, token_ids, block_ids, samples, on_device)
         (out.decodes if num_new == 1 else out.prefills).append(item)
+        if samples and request.sampling_params.grammar is not None:
+            out.has_grammar = True
         if (
             request.sampling_params.prompt_logprobs is not None
             and start < request.num_prompt_tokens - 1
@@ -297,14 +310,18 @@ class Scheduler:
 
     def _append_token(self, request: Request, token_id: int) -> None:
         """The one way an output token joins a request, sampled by a step here or installed from
-        a remote prefill: per-request sampler state advances here (see `sampler`)."""
+        a remote prefill: per-request sampler state advances here (see `sampler`), a grammar's
+        matcher included (`Grammars.advance`: it may end or fail the request)."""
         request.output_token_ids.append(token_id)
         status = self.stop_checker.check(request)
+        if request.sampling_params.grammar is not None:
+            status = self.grammars.advance(request, status)
         if status is not None:
             self._finish(request, status)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
-        if request.retain_blocks and status is not RequestStatus.FINISHED_ABORTED:
+        request.grammar_matcher = None  # a retained request keeps its record, not this
+        if request.retain_blocks and status not in _NOT_RETAINED:
             self.retained[request.request_id] = request
         else:
             self.kv_cache_manager.free(request)
@@ -317,7 +334,7 @@ class Scheduler:
         logger.info(
             "request finished request_id=%s reason=%s prompt_tokens=%d output_tokens=%d",
             request.request_id,
-            status.finish_reason,
+            status.finish_reason or request.error,
             request.num_prompt_tokens,
             request.num_output_tokens,
         )

@@ -38,6 +38,9 @@ class SchedulerOutput:
     scores_prompt: bool = False
     """Some request's chunk in the step has prompt tokens to score
     (`SamplingParams.prompt_logprobs`); a step without any prepares no score rows."""
+    has_grammar: bool = False
+    """Some request in the step samples under a grammar (`SamplingParams.grammar`); a step
+    without any does no grammar work at all."""
 
     @property
     def num_batched_tokens(self) -> int:

@@ -12,16 +12,29 @@ on the device even if the host frees them meanwhile (device work is ordered); th
 outside that order, a remote KV transfer, gets blocks only through `LLMEngine.reserve_remote`,
 whose reservation carries a fence behind the step in flight (`DeviceFence`): the writer starts
 only once it has passed.
+
+Grammars (`SamplingParams.grammar`): a step with constrained rows (`SchedulerOutput
+.has_grammar`) needs each such row's mask before its sampling is queued, and the mask of a
+request scheduled ahead depends on the token the running step is still sampling. So such a step
+is launched in two halves: its forward pass is queued first (graph replay; its decodes fed from
+the device, as any), then the running step is resolved (its tokens join their requests and
+advance their grammars' matchers), then the masks are filled on the CPU (`MaskFiller`) while the
+device runs the forward, and last the sampling is queued with them. The step still runs one
+token ahead: a constrained request decodes every step, and the fill is hidden behind the forward
+as long as it takes less time. On the host everything runs in order, so `step()`'s contract is
+unchanged. A step without constrained rows is launched whole and does no grammar work.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from kvrail.outputs import TokenLogprobs
+from kvrail.worker.engine.grammar_masks import MaskFiller
 from kvrail.worker.engine.model_runner import ModelRunner, SampledOnDevice
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.sampler import Sampler, StepLogprobs
@@ -47,6 +60,16 @@ class _Launched:
     """The prompt scores the step computed (in host memory once `done` has passed)."""
 
 
+class _Forward(NamedTuple):
+    """A step whose forward pass is queued and whose sampling is not yet: the logits of its
+    sampled rows, the requests they sample for, and its prompt scores."""
+
+    out: SchedulerOutput
+    logits: torch.Tensor
+    requests: list[Request]
+    scores: PromptScores | None
+
+
 StepWaiter = Callable[[torch.cuda.Event | None], None]
 """How `step` waits for a launched step's tokens: called with the step's CUDA event (None on
 the CPU, where the step has already run), it returns once the event has passed. Whatever it
@@ -66,12 +89,18 @@ class StepPipeline:
     """The scheduler, the model runner and the sampler, one step at a time or one ahead."""
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler, async_scheduling: bool
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        sampler: Sampler,
+        async_scheduling: bool,
+        masks: MaskFiller | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler
         self.async_scheduling = async_scheduling
+        self.masks = masks or MaskFiller(scheduler.grammars, runner.device)
         self.step_waiter: StepWaiter = synchronize
         """Replaced by `EngineService`, which runs its commands while a step runs."""
         self._in_flight: _Launched | None = None
@@ -100,8 +129,14 @@ class StepPipeline:
             advanced = self._resolve(running)
             self._in_flight = self._launch(self.scheduler.schedule())
             return advanced
-        self._in_flight = self._launch(ahead, running.sampled)
-        return self._resolve(running)
+        if not ahead.has_grammar:
+            self._in_flight = self._launch(ahead, running.sampled)
+            return self._resolve(running)
+        # Its masks need the running step's tokens: queue its forward, resolve, fill, sample.
+        forward = self._forward(ahead, running.sampled)
+        advanced = self._resolve(running)
+        self._in_flight = self._sample(forward)
+        return advanced
 
     def _launch(
         self, out: SchedulerOutput, previous: SampledOnDevice | None = None
@@ -109,9 +144,21 @@ class StepPipeline:
         """Queue a scheduled step on the device (on the CPU it runs now); None if it is empty."""
         if out.is_empty:
             return None
+        return self._sample(self._forward(out, previous))
+
+    def _forward(self, out: SchedulerOutput, previous: SampledOnDevice | None) -> _Forward:
+        """Queue a step's forward pass (its decodes fed from `previous` on the device)."""
         logits, requests, scores = self.runner.execute(out, previous)
+        return _Forward(out, logits, requests, scores)
+
+    def _sample(self, forward: _Forward) -> _Launched:
+        """Queue a step's sampling after its forward, under its grammar masks if it has
+        constrained rows (filled now, from every token resolved so far), and the copies of its
+        tokens (and logprobs, prompt scores) to the host."""
+        out, logits, requests, scores = forward
+        masks = self.masks.fill(requests) if out.has_grammar else None
         tokens = (
-            self.sampler.sample(logits, requests)
+            self.sampler.sample(logits, requests, masks)
             if requests
             else logits.new_empty(0, dtype=torch.int64)
         )

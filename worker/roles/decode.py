@@ -234,17 +234,17 @@ class DecodeRole:
                 stream.mode = "recompute" if outcome == "recompute" else "local"
                 stream.submitted = time.monotonic()
                 stream.stages.admission_s = stream.submitted - arrived
-                try:
-                    await self.service.submit(
-                        engine_id, request.token_ids, params, stream.on_output,
-                        deadline_monotonic=deadline, tenant_salt=request.tenant_salt,
-                    )  # fmt: skip
-                except InvalidRequestError as err:
-                    raise RequestFailed("invalid_request") from err
+                await self.service.submit(
+                    engine_id, request.token_ids, params, stream.on_output,
+                    deadline_monotonic=deadline, tenant_salt=request.tenant_salt,
+                )  # fmt: skip
             await self._stream(stream, deadline)
         except RequestFailed as err:
             log.info("request failed request_id=%s reason=%s", request.request_id, err.reason)
             stream.fail(err.reason)
+        except InvalidRequestError as err:  # the engine refused it (reserve or submit)
+            log.info("request refused request_id=%s param=%s", request.request_id, err.param)
+            stream.fail("invalid_request")
         except (KeyError, RuntimeError) as err:  # the service stopped, or a reservation vanished
             log.warning("request failed request_id=%s error=%s", request.request_id, err)
             stream.fail("internal_error")

@@ -5,9 +5,11 @@ from __future__ import annotations
 from kvrail.worker.engine.request import RequestStatus
 
 
-def test_only_finished_statuses_have_a_finish_reason() -> None:
+def test_only_finished_statuses_have_a_finish_reason_and_a_failed_one_has_none() -> None:
     finished = {s for s in RequestStatus if s.is_finished}
-    assert finished == {s for s in RequestStatus if s.finish_reason is not None}
+    failed = {RequestStatus.FINISHED_ERROR}  # its output carries the error instead
+    assert finished - failed == {s for s in RequestStatus if s.finish_reason is not None}
+    assert failed <= finished
     assert RequestStatus.FINISHED_LENGTH.finish_reason == "length"
 
 

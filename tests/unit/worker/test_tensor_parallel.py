@@ -9,6 +9,7 @@ machine has the GPUs."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -155,6 +156,42 @@ def test_smollm2_on_three_ranks_decodes_exactly_like_one_device(tp_engine: Any) 
     split = tp_engine("smollm2", 3, block_size=16, max_num_batched_tokens=64)
     got = generate(split, prompts, 16)
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+
+
+def test_grammars_on_two_ranks_scheduled_ahead_decode_like_one_device(
+    random_model: Path, tp_engine: Any
+) -> None:
+    """Only rank 0 samples, so only it holds matchers and fills masks; a step with constrained
+    rows queues its forward (every rank's) before the masks are filled, and the ranks wait in
+    the tokens' broadcast meanwhile. The model's 49,155 logits are 3 past the tokenizer's."""
+    import re
+
+    from llguidance import LLMatcher
+    from transformers import AutoTokenizer
+
+    words = "[a-z]{2,6}( [a-z]{2,6}){0,3}"
+    number = LLMatcher.grammar_from_json_schema(
+        {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+         "required": ["n"], "additionalProperties": False},
+        defaults={"whitespace_flexible": False},
+    )  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=40, grammar=LLMatcher.grammar_from_regex(words)),
+        SamplingParams(max_tokens=40, temperature=1.0, seed=4, grammar=number),
+        SamplingParams(max_tokens=8, ignore_eos=True),
+    ]
+
+    def run(built: BuiltEngine) -> list[list[int]]:
+        outputs = built.engine.generate(PROMPTS[:3], params)
+        assert_engine_empty(built.engine)
+        return outputs
+
+    expected = run(tp_engine(str(random_model), 1, async_scheduling=True))
+    got = run(tp_engine(str(random_model), 2, async_scheduling=True))
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+    tokenizer = AutoTokenizer.from_pretrained(random_model)
+    text = [tokenizer.decode(o, skip_special_tokens=True) for o in got]
+    assert re.fullmatch(words, text[0]) and 0 <= json.loads(text[1])["n"] <= 999
 
 
 def needs_gpus(n: int) -> None:

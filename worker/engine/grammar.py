@@ -1,0 +1,208 @@
+"""Grammars (`SamplingParams.grammar`): compiled once per grammar string, a matcher per request.
+
+A grammar is an llguidance grammar string (what `llguidance.LLMatcher.grammar_from_*` and the
+router write). The router has validated it, but the worker never trusts the wire: `check`
+compiles it (and computes its first mask, where some grammars only fail) and raises
+`InvalidRequestError` naming `grammar` when it cannot, so the request is refused and nothing else
+is touched. llguidance has no compiled object apart from a matcher, so `Grammars` keeps a bounded
+LRU cache of start-state matchers by grammar string (failures too, so a bad grammar sent again
+costs nothing), and a request's matcher is a `deep_copy` of the cached one (microseconds).
+Compiling releases the GIL: `EngineService` compiles off the engine thread before it queues a
+request, so the engine thread finds the grammar in the cache.
+
+A request's matcher (`Request.grammar_matcher`) is a function of its grammar and its output
+tokens, like every per-request sampler state (see `sampler`): it advances with each output token
+as it joins the request (`advance`, from `Scheduler._append_token`), and wherever it does not
+exist yet (a decode worker after a remote prefill, whose first token the prefill worker sampled;
+a request that arrives with output tokens) it is rebuilt by replaying the request's output
+tokens (1,000 tokens in under 1 ms). After a token: a matcher in an error state (a token the
+grammar forbids: it cannot happen under the mask, but a peer or a bug could send one) fails the
+request with the error code `grammar`; a stopped matcher (the grammar is complete, nothing can
+follow) ends it with finish reason `stop`.
+
+Other sampling parameters under a grammar (the grammar wins, and nothing is refused):
+- the end-of-sequence token is allowed exactly where the grammar may end, and sampling it there
+  ends the request with `stop`;
+- `ignore_eos` and `min_tokens` hold the end-of-sequence token (and, before `min_tokens`, the
+  stop token ids) back only while the grammar allows some other token (`hold_back_ids`, applied
+  to the mask): a complete grammar ends the request, whatever they say;
+- a stop token id ends the request as without a grammar, where the grammar allows it at all;
+- `max_tokens` still ends it (`length`), with the grammar incomplete.
+
+Tokens beyond the tokenizer's (a model vocabulary, the logits' width, larger than the
+tokenizer's) are never allowed in a constrained row: the tokenizer is told the model's size,
+and llguidance allows no token it has no bytes for. Error messages are never logged or raised:
+llguidance's (even with `verbose_errors` off) can quote the grammar, which is user text; logs
+name the request, the grammar's size and a digest of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import OrderedDict
+from typing import Any
+
+from llguidance import LLMatcher, LLParserLimits, LLTokenizer
+
+from kvrail.errors import InvalidRequestError
+from kvrail.worker.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+"""Grammar strings whose start-state matcher (or failure) is kept."""
+GRAMMAR_ERROR = "grammar"
+"""The error code of a request whose grammar failed mid-answer (`RequestOutput.error`)."""
+
+
+def parser_limits() -> LLParserLimits:
+    """llguidance's limits for every matcher here. Its defaults, except: a mask step's lexer fuel
+    halved (100,000: about 7 ms of one core at the documented 14k/ms), so one pathological row
+    costs a step little; lexer states capped at 50,000 (1-2 kB each: at most about 100 MB per
+    request, where the default 250,000 would allow 500 MB); and errors without the parser's
+    state or the grammar's text (`verbose_errors` off). A grammar past a limit puts its own
+    matcher in an error state: its request fails, no other."""
+    return LLParserLimits(step_lexer_fuel=100_000, max_lexer_states=50_000, verbose_errors=False)
+
+
+def digest(grammar: str) -> str:
+    """A short digest of a grammar, to name it in logs without quoting it."""
+    return hashlib.sha256(grammar.encode()).hexdigest()[:12]
+
+
+class Grammars:
+    """The tokenizer llguidance masks with, the compile cache, and the per-request matchers.
+
+    `tokenizer` None: this engine cannot enforce grammars (it has no tokenizer, or one that
+    llguidance cannot read), and `check` refuses every grammar. `vocab_size` is the width of the
+    masks (the tokenizer's size, set to the model's vocabulary when that is larger).
+    Thread-safe for `compile` and `check`; the per-request methods are the engine thread's.
+    """
+
+    def __init__(self, tokenizer: LLTokenizer | None, cache_size: int = CACHE_SIZE) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
+        self.eos_token_id = tokenizer.eos_token if tokenizer is not None else None
+        self._cache: OrderedDict[str, LLMatcher | str] = OrderedDict()
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_hf(cls, hf_tokenizer: Any, eos_token_id: int | None, vocab_size: int) -> Grammars:
+        """From the engine's Hugging Face tokenizer (built once: 0.3 s at 49k tokens, about 2 s
+        at 128k, holding the GIL), its end-of-sequence token (the one the engine stops on) and
+        the model's vocabulary size. Without a (fast) tokenizer: a `Grammars` that refuses."""
+        if hf_tokenizer is None:
+            return cls(None)
+        import llguidance.hf
+
+        n_vocab = max(vocab_size, len(hf_tokenizer))
+        try:
+            tokenizer = llguidance.hf.from_tokenizer(
+                hf_tokenizer, n_vocab=n_vocab, eos_token=eos_token_id
+            )
+        except (ValueError, TypeError) as err:  # not a fast tokenizer
+            logger.warning("grammars disabled: llguidance cannot read the tokenizer (%s)",
+                           type(err).__name__)  # fmt: skip
+            return cls(None)
+        return cls(tokenizer)
+
+    @property
+    def num_words(self) -> int:
+        """int32 words in one row of a mask."""
+        return (self.vocab_size + 31) // 32
+
+    def compile(self, grammar: str) -> LLMatcher | str:
+        """The start-state matcher of `grammar` (shared: `deep_copy` it), or why it cannot be
+        used (llguidance's message: never log it). Cached by grammar string."""
+        with self._lock:
+            cached = self._cache.get(grammar)
+            if cached is not None:
+                self._cache.move_to_end(grammar)
+                return cached
+        compiled = self._compile(grammar)
+        with self._lock:
+            self._cache[grammar] = compiled
+            self._cache.move_to_end(grammar)
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def _compile(self, grammar: str) -> LLMatcher | str:
+        if self.tokenizer is None:
+            return "this worker has no tokenizer that llguidance can read"
+        matcher = LLMatcher(self.tokenizer, grammar, log_level=0, limits=parser_limits())
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # some grammars compile, then fail at their first mask
+        if matcher.is_error():
+            error = matcher.get_error()
+            logger.warning("grammar refused chars=%d digest=%s", len(grammar), digest(grammar))
+            return error or "the grammar does not compile"
+        return matcher
+
+    def check(self, grammar: str | None) -> None:
+        """Raise InvalidRequestError (naming `grammar`) unless `grammar` is None or compiles."""
+        if grammar is None:
+            return
+        if isinstance(self.compile(grammar), str):
+            detail = (
+                "no tokenizer to enforce it with"
+                if self.tokenizer is None
+                else ("it does not compile here")
+            )
+            raise InvalidRequestError(f"the worker cannot enforce the grammar: {detail}",
+                                      "grammar")  # fmt: skip
+
+    def matcher(self, request: Request) -> LLMatcher | None:
+        """The request's matcher, in the state after its output tokens: made (a copy of the
+        start state, the output replayed) when it has none. None when it cannot be (its grammar
+        does not compile, or its output breaks it): the request fails as its next token joins."""
+        matcher = request.grammar_matcher
+        if matcher is None:
+            grammar = request.sampling_params.grammar
+            assert grammar is not None, "only a request with a grammar has a matcher"
+            start = self.compile(grammar)
+            if isinstance(start, str):
+                return None
+            matcher = start.deep_copy()
+            if request.output_token_ids:
+                matcher.consume_tokens(request.output_token_ids)
+            request.grammar_matcher = matcher
+        return None if matcher.is_error() else matcher
+
+    def advance(self, request: Request, status: RequestStatus | None) -> RequestStatus | None:
+        """Advance the request's matcher by its last output token (just appended; or make the
+        matcher by replaying them all); `status` is what the stop checks decided without the
+        grammar. Returns the request's finished status: FINISHED_ERROR (its `error` set) when the
+        token breaks the grammar, FINISHED_STOPPED when the grammar is complete, else
+        `status`."""
+        existed = request.grammar_matcher is not None
+        matcher = self.matcher(request)
+        if matcher is not None and existed:
+            matcher.consume_token(request.output_token_ids[-1])
+        if matcher is None or matcher.is_error():
+            request.error = GRAMMAR_ERROR
+            logger.warning(
+                "grammar broken request_id=%s output_tokens=%d",
+                request.request_id, request.num_output_tokens,
+            )  # fmt: skip
+            return RequestStatus.FINISHED_ERROR
+        if matcher.is_stopped() and status is not RequestStatus.FINISHED_STOPPED:
+            last = request.output_token_ids[-1]
+            request.stop_reason = last if last == self.eos_token_id else None
+            return RequestStatus.FINISHED_STOPPED
+        return status
+
+    def hold_back_ids(self, request: Request) -> list[int]:
+        """The token ids the request's next token should avoid if its grammar allows any other
+        (see the module docstring): the end-of-sequence token under `ignore_eos` or before
+        `min_tokens`, and the stop token ids before `min_tokens`."""
+        params = request.sampling_params
+        # The row samples output token number `num_output_tokens + num_in_flight - 1` (0-based).
+        early = request.num_output_tokens + request.num_in_flight - 1 < params.min_tokens
+        ids = list(params.stop_token_ids) if early else []
+        if (early or params.ignore_eos) and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
