@@ -4,7 +4,8 @@
 # prometheus-client and uvloop, but not pydantic (every kvrail.settings import needs it), NIXL,
 # the clients and servers of the full stack (aetcd, NATS, FastAPI, uvicorn, openai), pytest
 # (the GPU tests), py-spy (the profiles), the cuDNN frontend (FP8 attention: its graph API over
-# the cuDNN that torch ships) or llguidance (grammars: structured outputs, forced tool calls).
+# the cuDNN that torch ships), llguidance (grammars: structured outputs, forced tool calls) or
+# jsonschema (the grammar tests validate what they generate).
 # CPython 3.12, manylinux x86_64 wheels, no dependencies pulled: the list is complete on purpose.
 # Run from the repository root; name `.whl` in the device run's `carry`, then
 # `source hack/device-env.sh`.
@@ -27,6 +28,8 @@ wheels=(
   py-spy==0.4.3 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.4
   nvidia-cudnn-frontend==1.18.0
   llguidance==1.9.1
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
+  attrs==26.1.0
 )
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${plat[@]}" -d "$dest" "${wheels[@]}"

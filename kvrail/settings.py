@@ -198,6 +198,19 @@ class Settings(BaseModel):
         description="encode special-token text that clients write (e.g. <|im_end|>) as control "
         "tokens; off: only the chat template emits them (for trusted clients only)",
     )
+    chat_template: Path | None = Field(
+        None, description="a Jinja chat template file used instead of the model's (router)"
+    )
+    tool_call_parser: Literal["auto", "hermes", "llama3_json", "mistral"] = Field(
+        "auto",
+        description="the format of the model's tool calls; auto: read from the chat template "
+        "([TOOL_CALLS]: mistral, <tool_call>: hermes, <|python_tag|>: llama3_json, else hermes)",
+    )
+    reasoning_parser: Literal["auto", "think", "none"] = Field(
+        "auto",
+        description="split a model's <think>...</think> reasoning from its answer; auto: when "
+        "the chat template writes both tags",
+    )
 
     # Operator.
     operator_image: str | None = Field(

@@ -31,6 +31,7 @@ from kvrail.router.api.sampling import Defaults
 from kvrail.router.app import RouterState, create_app
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
+from kvrail.router.output import detect
 from kvrail.router.policy import Chooser, WeightedScorer
 from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.vllm_options import VllmOptions
@@ -58,7 +59,13 @@ async def serve(settings: Settings) -> None:
     policy = chooser(settings)  # before anything loads: a bad profile fails at once
     tenants = TenantTable.load(settings.api_keys_file)
     log.info("loading the tokenizer model=%s", settings.model)
-    codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir)
+    template = None
+    if settings.chat_template is not None:
+        try:
+            template = settings.chat_template.read_text("utf-8")
+        except OSError as err:
+            raise ConfigError(f"chat_template {settings.chat_template}: {err.strerror}") from err
+    codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir, template)
     defaults = Defaults.of(settings.generation_config, resolve(settings.model).generation_config())
     served_name = settings.served_model_name or codec.served_name
     keys = PoolKeys(settings.namespace, settings.pool)
@@ -84,6 +91,8 @@ async def serve(settings: Settings) -> None:
         request_timeout_s=settings.request_timeout_s, defaults=defaults,
         allow_special_tokens=settings.allow_special_tokens_in_prompts,
         max_choices=settings.max_choices,
+        tool_call_parser=detect.tool_parser(settings.tool_call_parser, codec.chat_template),
+        reasoning_parser=detect.reasoning_parser(settings.reasoning_parser, codec.chat_template),
     )  # fmt: skip
     gc.collect()  # what was loaded stays: out of the collector's sight (see the worker's main)
     gc.freeze()
@@ -110,11 +119,12 @@ async def serve(settings: Settings) -> None:
         if server.started:
             log.info(
                 "router ready url=http://%s:%d model=%s policy=%s scorers=%s pool=%s/%s tenants=%s "
-                "sampling_defaults=%s",
+                "sampling_defaults=%s tool_call_parser=%s reasoning_parser=%s",
                 settings.router_host, port, served_name, settings.router_policy,
                 format_scorers(settings.router_scorers) or "default", keys.namespace,
                 keys.pool, "on" if tenants.enabled else "off",
                 ",".join(f"{k}:{v}" for k, v in defaults.describe().items()),
+                state.tool_call_parser, "think" if state.reasoning_parser else "none",
             )  # fmt: skip
         await serving
         if not server.started:

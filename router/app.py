@@ -21,7 +21,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
@@ -34,18 +34,16 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvrail.errors import KvrailError
-from kvrail.router import generate
+from kvrail.router import chat, generate
 from kvrail.router.api import asgi, responses, responses_api, schemas, streaming
 from kvrail.router.api import errors as api_errors
 from kvrail.router.api.errors import ApiError
-from kvrail.router.api.sampling import requested
 from kvrail.router.generate import Render, RouterState, context_len
 from kvrail.router.tenants import Rejected, Tenant
 
 __all__ = ["RouterApp", "RouterState", "create_app"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -124,14 +122,11 @@ async def _chat(
     request_id: str,
     render: Render | None = None,
 ) -> Served:
-    messages = body.template_messages()
-    _check_length(state, sum(len(m["content"].encode()) for m in messages), "messages")
-    prompt_ids = await _tokenize(
-        state, state.codec.chat_prompt, messages, state.allow_special_tokens
-    )
+    ready = await chat.prepare_chat(state, body)
     return await generate.serve(
         state, receive, CHAT_PATH if render is None else RESPONSES_PATH, "chat", tenant,
-        prompt_ids, requested(body), request_id, render=render,
+        ready.prompt_ids, ready.asked, request_id, output=ready.plan,
+        keep_special=ready.keep_special, render=render,
     )  # fmt: skip
 
 
@@ -144,8 +139,10 @@ async def _completion(
 ) -> Served:
     text, prompt_ids = body.prompt_text, body.prompt_ids
     if text is not None:
-        _check_length(state, len(text.encode()), "prompt")
-        prompt_ids = await _tokenize(state, state.codec.encode, text, state.allow_special_tokens)
+        chat.check_length(state, len(text.encode()), "prompt")
+        prompt_ids = await chat.tokenize(
+            state, state.codec.encode, text, state.allow_special_tokens
+        )
     assert prompt_ids is not None
     vocab = state.codec.vocab_size
     if any(t < 0 or t >= vocab for t in prompt_ids):
@@ -153,10 +150,12 @@ async def _completion(
     echo_text = ""
     if body.echo:  # the prompt as sent, or its token ids' text
         echo_text = (
-            text if text is not None else await _tokenize(state, state.codec.decode, prompt_ids)
-        )
+            text if text is not None
+            else await chat.tokenize(state, state.codec.decode, prompt_ids)
+        )  # fmt: skip
+    ready = await chat.prepare_completion(state, body)
     return await generate.serve(
-        state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, requested(body),
+        state, receive, COMPLETIONS_PATH, "completion", tenant, prompt_ids, ready.asked,
         request_id, echo_text,
     )  # fmt: skip
 
@@ -320,24 +319,6 @@ class _BodyLimit:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _check_length(state: RouterState, num_bytes: int, param: str) -> None:
-    """Refuse a prompt whose text alone proves it longer than the context, before tokenizing
-    it: no token covers more than `TextCodec.max_token_bytes` bytes."""
-    at_least = state.codec.at_least_tokens(num_bytes)
-    context = context_len(state)
-    if at_least > context:
-        raise ApiError(
-            400, f"the prompt has at least {at_least} tokens ({num_bytes} bytes of text); this "
-            f"model's context is {context} tokens", param=param, code="context_length_exceeded",
-        )  # fmt: skip
-
-
-async def _tokenize(state: RouterState, encode: Callable[..., T], *args: Any) -> T:
-    """Run `encode` on the router's tokenizer threads: the event loop keeps serving meanwhile
-    (the tokenizer releases the GIL while it works)."""
-    return await state.tokenizer.run(encode, *args)
 
 
 def _authenticate(state: RouterState, authorization: str | None) -> Tenant:

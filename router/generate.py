@@ -31,8 +31,11 @@ from kvrail.router.api.sampling import Defaults, Requested
 from kvrail.router.api.streaming import Kind
 from kvrail.router.discovery.view import WorkerView
 from kvrail.router.metrics import RouterMetrics
+from kvrail.router.output.tool_calls import ParserName
+from kvrail.router.output.transform import OutputPlan, parse_pieces
 from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.job import DispatchError, Job
+from kvrail.router.structured.compiler import GrammarCompiler
 from kvrail.router.tenants import Admission, Rejected, Tenant, TenantTable, Ticket
 from kvrail.router.text.detokenizer import Detokenizer
 from kvrail.router.text.threads import TokenizerThreads
@@ -64,6 +67,9 @@ class RouterState:
     max_choices: int = 16  # the most `n` (or `best_of`) a request may ask for
     created: int = 0  # when the router started: the served model's `created`
     tokenizer: TokenizerThreads = field(default_factory=_tokenizer_threads)
+    grammars: GrammarCompiler | None = None  # None: made on first use (`chat`)
+    tool_call_parser: ParserName = "hermes"  # the tool-call format (`tool_call_parser`)
+    reasoning_parser: bool = False  # split `<think>` reasoning from the answer
 
 
 class Render(Protocol):
@@ -100,13 +106,17 @@ async def serve(
     asked: Requested,
     request_id: str,
     echo_text: str = "",
+    output: OutputPlan | None = None,
+    keep_special: frozenset[int] = frozenset(),
     render: Render | None = None,
 ) -> JSONResponse | streaming.EventStream:
     """The response to one generation request, `request_id` (the completion's id, and the
     response's x-request-id header). Its body was read from `receive`; the client's departure
     is read from it too. With `echo` (`asked.delivery`) the text begins with `echo_text`, the
-    prompt's; `render` renders the answer in another shape than the chat's. Raises ApiError,
-    asgi.ClientLeft (not streamed, the client left before the end; counted as 499)."""
+    prompt's. `output` says how each choice's text is parsed (reasoning, tool calls), reading
+    the special tokens `keep_special` too; `render` renders the answer in another shape than
+    the chat's. Raises ApiError, asgi.ClientLeft (not streamed, the client left before the end;
+    counted as 499)."""
     started = time.monotonic()
     param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
@@ -161,12 +171,15 @@ async def serve(
         kind, response_id, state.served_name, int(time.time()), len(prompt_ids),
         delivery.include_usage, delivery.continuous_usage_stats,
         None if asked.fields.get("logprobs") is None else state.codec.token_text, count,
+        reasoning=output is not None and output.reasoning is not None,
     )  # fmt: skip
     share = choices.SharedTicket(ticket, len(prompt_ids), count) if count > 1 else ticket
 
     def start(job: Job, on_first: choices.OnFirst | None) -> AsyncGenerator[streaming.Piece]:
-        detok = state.codec.detokenizer(prompt_ids, delivery.stop, params.min_tokens)
+        detok = state.codec.detokenizer(prompt_ids, delivery.stop, params.min_tokens, keep_special)
         pieces = _generate(state, job, detok, started, tenant, share, on_first)
+        if output is not None:
+            pieces = parse_pieces(pieces, output)
         return _echoed(pieces, echo_text, prompt_ids[0]) if delivery.echo else pieces
 
     if count == 1:

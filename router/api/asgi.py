@@ -13,7 +13,8 @@ measured it). What FastAPI did for them is here, with the same outcomes:
   Python's parser holds the GIL and the event loop for the whole body (16 MiB of numbers took
   0.45 s on a 2-vCPU VM, in another thread as much), so a body with more commas than a request
   for the model's context can need is refused before it is parsed (`max_commas`), and one
-  nested deeper than the parser's recursion limit is refused, not a 500;
+  nested deeper than the parser's recursion limit is refused, not a 500; either refusal names
+  the field that made it (`body_scan`);
 - `ClientWatch` cancels the work of a request whose client disconnected, at once (no polling),
   and turns that cancellation into `ClientLeft`.
 """
@@ -27,6 +28,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope
 
+from kvrail.router.api import body_scan
 from kvrail.router.api.errors import ApiError, validation_error
 
 
@@ -71,22 +73,39 @@ def json_body(raw: bytes, content_type: str | None, max_commas: int) -> Any:
         return raw
     commas = raw.count(b",")
     if commas > max_commas:
+        field = body_scan.busiest_field(raw)
         raise ApiError(
-            400, f"the request body has {commas} commas, more than a request for this model can "
-            f"need ({max_commas}); it was not parsed", code="request_too_complex",
+            400, f"the request body has {commas} commas{_most_in(field)}, more than a request for "
+            f"this model can need ({max_commas}); it was not parsed", param=field,
+            code="request_too_complex",
         )  # fmt: skip
     try:
         return json.loads(raw)
-    except (ValueError, RecursionError) as err:  # JSONDecodeError, not UTF-8, too deep
-        reason = (
-            err.msg if isinstance(err, json.JSONDecodeError)
-            else "nested too deeply" if isinstance(err, RecursionError)
-            else "not UTF-8"
-        )  # fmt: skip
+    except RecursionError:
+        field = body_scan.deep_field(raw, _PARSED_DEPTH)
+        raise ApiError(
+            400, f"the request body is not valid JSON (nested too deeply{_deep_in(field)})",
+            param=field, code="invalid_json",
+        ) from None  # fmt: skip
+    except ValueError as err:  # JSONDecodeError, not UTF-8
+        reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
         raise validation_error(
             [{"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error",
               "ctx": {"error": reason}}]
         ) from None  # fmt: skip
+
+
+# Deeper than this is past what `json.loads` can parse anyway (its limit is the interpreter's
+# recursion limit, about 1,000, less the frames already in use).
+_PARSED_DEPTH = 500
+
+
+def _most_in(field: str | None) -> str:
+    return f" (most of them in '{field}')" if field else ""
+
+
+def _deep_in(field: str | None) -> str:
+    return f" in '{field}'" if field else ""
 
 
 def _is_json(content_type: str) -> bool:

@@ -26,7 +26,7 @@ from kvrail.errors import (
 from kvrail.router.api.schemas import UNSUPPORTED
 
 # Message fields of OpenAI features kvrail lacks (never declared: reported as unsupported).
-_MESSAGE_FEATURES = frozenset({"tool_calls", "tool_call_id", "function_call", "refusal", "audio"})
+_MESSAGE_FEATURES = frozenset({"function_call", "audio"})
 
 
 class ApiError(Exception):
@@ -154,15 +154,16 @@ def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -
     top, name = str(path[0]), str(path[-1])
     if kind == "extra_forbidden":
         if top == "messages" and name in _MESSAGE_FEATURES:
-            message = f"'{param}' is not supported by kvrail (no tool calling or audio)"
+            message = f"'{param}' is not supported by kvrail (send tool_calls; no audio)"
             return ApiError(400, message, param=param, code="unsupported_parameter")
         message = f"unrecognized request argument supplied: '{param}'"
         return ApiError(400, message, param=param, code="unknown_parameter")
     # A declared feature field sent with a value other than its neutral one (the Responses body
     # refuses its own by name, in its validators: its fields of the same names differ).
-    if top in UNSUPPORTED and getattr(exc, "title", None) != "ResponsesRequest":
-        message = f"'{top}' is not supported by kvrail (accepted: {UNSUPPORTED[top]})"
-        return ApiError(400, message, param=top, code="unsupported_parameter")
+    name = param if param in UNSUPPORTED else top
+    if name in UNSUPPORTED and getattr(exc, "title", None) != "ResponsesRequest":
+        message = f"'{name}' is not supported by kvrail (accepted: {UNSUPPORTED[name]})"
+        return ApiError(400, message, param=name, code="unsupported_parameter")
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind.startswith("kvrail"):
         return ApiError(400, msg, param=param, code=code)

@@ -4,7 +4,10 @@ The builders (`chat_completion`, `chat_chunk`, `completion`, `completion_chunk`,
 `model_list`) return plain dicts shaped as the OpenAI API returns them, for the hot path; the
 models describe the same shapes for the OpenAPI schema (tests check both against the `openai`
 client). A choice's `logprobs` is null unless the request asked for them (the `logprobs` module
-builds them). `ErrorBody` is the error format's shape (`api_errors.ApiError` builds it).
+builds them). A chat message has `tool_calls` when the model called tools (its `content` is then
+null if it wrote nothing else), and `reasoning_content` with vLLM's newer name `reasoning` when
+the router's reasoning parser is on; a streamed delta says the same in pieces. `ErrorBody` is
+the error format's shape (`api_errors.ApiError` builds it).
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-FinishReason = Literal["stop", "length"]
+from kvrail.router.output.piece import ToolCallDelta
+
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 class ErrorDetail(BaseModel):
@@ -64,10 +69,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="the arguments as JSON text, as the model wrote them")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the model only called tools")
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None
+    reasoning_content: str | None = Field(
+        None, description="the model's thinking (with the router's reasoning parser on)"
+    )
+    reasoning: str | None = Field(None, description="vLLM's newer name for reasoning_content")
 
 
 class ChatChoice(BaseModel):
@@ -87,9 +108,26 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ChunkFunction(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChunkToolCall(BaseModel):
+    """A fragment of a call: the first has its id, type and name, later ones more arguments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChunkFunction
+
+
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[ChunkToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):
@@ -178,16 +216,43 @@ def chat_completion(
 
 
 def chat_choice(
-    index: int, text: str, finish_reason: str, logprobs: dict[str, Any] | None = None
+    index: int,
+    text: str,
+    finish_reason: str,
+    logprobs: dict[str, Any] | None = None,
+    reasoning: str | None = None,
+    tool_calls: Sequence[ToolCallDelta] = (),
 ) -> dict[str, Any]:
-    """One choice of a whole chat completion (a body lists one per choice, by `index`)."""
-    message = {"role": "assistant", "content": text, "refusal": None}
+    """One choice of a whole chat completion (a body lists one per choice, by `index`);
+    `reasoning` None: no reasoning parser (the fields are left out; "": null); `tool_calls`:
+    whole calls (`ToolCallDelta.join`)."""
+    message: dict[str, Any] = {
+        "role": "assistant", "content": text if text or not tool_calls else None, "refusal": None
+    }  # fmt: skip
+    if tool_calls:
+        message["tool_calls"] = [tool_call(c) for c in tool_calls]
+    if reasoning is not None:  # null when the model did not think
+        message["reasoning_content"] = message["reasoning"] = reasoning or None
     return {
         "index": index,
         "message": message,
         "logprobs": logprobs,
         "finish_reason": finish_reason,
     }
+
+
+def tool_call(call: ToolCallDelta) -> dict[str, Any]:
+    """A whole call as a message lists it."""
+    function = {"name": call.name or "", "arguments": call.arguments}
+    return {"id": call.id or "", "type": "function", "function": function}
+
+
+def tool_call_delta(delta: ToolCallDelta) -> dict[str, Any]:
+    """A call's fragment as a streamed delta lists it: its first with id, type and name."""
+    if delta.id is None:
+        return {"index": delta.index, "function": {"arguments": delta.arguments}}
+    function = {"name": delta.name, "arguments": delta.arguments}
+    return {"index": delta.index, "id": delta.id, "type": "function", "function": function}
 
 
 def chat_chunk(
@@ -202,11 +267,13 @@ def chat_chunk(
     include_usage: bool = False,
     logprobs: dict[str, Any] | None = None,
     index: int = 0,
+    delta: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One chunk of choice `index`. The first carries `role` (and `delta_text=""`), the last a
     `finish_reason` with an empty delta; a chunk with `usage` and nothing else is the usage
     chunk (no choices). `include_usage` adds `"usage": null` to the other chunks, as OpenAI does
-    when the client asked for usage. `logprobs` are those of the chunk's tokens."""
+    when the client asked for usage. `logprobs` are those of the chunk's tokens. `delta`: more
+    fields of the delta (reasoning, tool calls)."""
     out: dict[str, Any] = {
         "id": id,
         "object": "chat.completion.chunk",
@@ -215,12 +282,13 @@ def chat_chunk(
         "system_fingerprint": system_fingerprint,
         "choices": [],
     }
-    if delta_text is not None or role or finish_reason is not None or usage is None:
-        delta: dict[str, Any] = {"role": "assistant"} if role else {}
+    if delta_text is not None or role or finish_reason is not None or usage is None or delta:
+        fields: dict[str, Any] = {"role": "assistant"} if role else {}
         if delta_text is not None:
-            delta["content"] = delta_text
+            fields["content"] = delta_text
+        fields.update(delta or {})
         choice = {
-            "index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason
+            "index": index, "delta": fields, "logprobs": logprobs, "finish_reason": finish_reason
         }  # fmt: skip
         out["choices"].append(choice)
     if usage is not None or include_usage:

@@ -3,27 +3,32 @@
 Request models are strict (`"true"` is not a boolean, `1.5` is not an integer, NaN is not a
 number) and forbid unknown fields, so their JSON schema (which FastAPI publishes and a fuzzer
 reads) says exactly what is accepted. Fields the OpenAI API has but kvrail does not implement are
-declared with only their neutral value (`tools: []`, `echo: false`, `best_of: 1`, ..., listed
-in `UNSUPPORTED`), so a client that sends the default still works and one that asks
-for the feature gets a 400 naming the field (`api_errors.validation_error` builds it).
+declared with only their neutral value (`functions: []`, `audio: null`, ..., listed in
+`UNSUPPORTED`), so a client that sends the default still works and one that asks for the
+feature gets a 400 naming the field (`api_errors.validation_error` builds it).
 
-The error format is in `api_errors`, response bodies in `responses`.
+A chat's messages are in `messages`; tools, tool choice, response formats, vLLM's
+`structured_outputs` and template variables in `agent_fields`. The error format is in
+`api_errors`, response bodies in `responses`.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import (
-    BaseModel,
-    Discriminator,
-    Field,
-    Tag,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvrail.router.api.agent_fields import (
+    MAX_TOOLS,
+    NamedToolChoice,
+    ReasoningEffort,
+    ResponseFormat,
+    StructuredOutputs,
+    TemplateKwargs,
+    Tool,
+    ToolChoice,
+)
 from kvrail.router.api.fields import (
     STRICT,
     EmptyList,
@@ -35,6 +40,7 @@ from kvrail.router.api.fields import (
     check_text,
     fail,
 )
+from kvrail.router.api.messages import ChatMessage, template_message
 from kvrail.sampling import (
     MAX_BIAS,
     MAX_LOGIT_BIAS,
@@ -53,15 +59,14 @@ _DEFAULT_FROM_MODEL = "default: the model's generation config, else {default}"
 
 # Feature fields that are accepted only with their neutral value -> what that value is.
 UNSUPPORTED: dict[str, str] = {
-    "tools": "null or []",
-    "tool_choice": 'null or "none"',
-    "functions": "null or []",
-    "function_call": 'null or "none"',
-    "response_format": '{"type": "text"}',
+    "functions": "null or [] (send tools)",
+    "function_call": 'null or "none" (send tool_choice)',
+    "structured_outputs.disable_additional_properties": "null or false",
+    "structured_outputs.whitespace_pattern": "null",
+    "structured_outputs.structural_tag": "null",
     "audio": "null",
     "modalities": '["text"]',
     "prediction": "null",
-    "reasoning_effort": "null",
     "verbosity": "null",
     "web_search_options": "null",
     "service_tier": 'null, "auto" or "default"',
@@ -74,60 +79,6 @@ UNSUPPORTED: dict[str, str] = {
     "skip_special_tokens": "true",
     "include_stop_str_in_output": "false",
 }
-_PART_TYPES = frozenset({"image_url", "input_audio", "file", "refusal"})  # quoted in messages
-
-
-class TextPart(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-    text: str
-
-
-# Tagged by the input's type, so an error inside a part is reported at its own path.
-Content = Annotated[
-    Annotated[str, Tag("str")] | Annotated[list[TextPart], Tag("list")],
-    Discriminator(lambda v: "str" if isinstance(v, str) else "list"),
-]
-
-
-class ChatMessage(BaseModel):
-    """One message. `content` is a string or a list of text parts; `name` is passed to the
-    chat template, which may ignore it."""
-
-    model_config = STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Content
-    name: str | None = None
-
-    @field_validator("role", mode="before")
-    @classmethod
-    def _role(cls, value: Any) -> Any:
-        if value in ("tool", "function"):
-            raise fail(f"role '{value}' is not supported by kvrail (no tool calling)")
-        return value
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _content(cls, value: Any) -> Any:
-        if isinstance(value, str):
-            return check_text(value)
-        if not isinstance(value, list):
-            raise fail("content must be a string or a list of text parts")
-        for part in value:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if isinstance(kind, str) and kind != "text":
-                what = f"'{kind}'" if kind in _PART_TYPES else "other than 'text'"
-                raise fail(f"content parts of type {what} are not supported by kvrail")
-            if isinstance(part, dict):
-                check_text(part.get("text"))
-        return value
-
-    @property
-    def text(self) -> str:
-        """The content as one string; text parts are joined by newlines (as vLLM does)."""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
 
 
 class StreamOptions(BaseModel):
@@ -137,11 +88,6 @@ class StreamOptions(BaseModel):
         None, description="vLLM's: usage in every chunk (with include_usage, also at the end)"
     )
     include_obfuscation: bool | None = Field(None, description="accepted; kvrail never pads")
-
-
-class ResponseFormat(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
 
 
 class _GenerationRequest(BaseModel):
@@ -226,18 +172,26 @@ class ChatCompletionRequest(_GenerationRequest):
         description="the most likely tokens at each position, with theirs; above 0 it needs "
         "`logprobs: true`",
     )  # fmt: skip
-    tools: EmptyList | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = Field(
+        None, description="function tools the model may call (rendered by the chat template)"
+    )
+    tool_choice: ToolChoice | None = Field(
+        None, description="none, auto (the default with tools), required, or one function"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call per answer")
     functions: EmptyList | None = None
     function_call: Literal["none"] | None = None
-    parallel_tool_calls: bool | None = Field(
-        None, description="accepted: without tools it changes nothing"
-    )
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, json_object"
+    )
+    reasoning_effort: ReasoningEffort | None = Field(
+        None, description="given to the chat template where it takes it (see docs/router.md)"
+    )
+    chat_template_kwargs: TemplateKwargs | None = None
     audio: None = None
     modalities: Annotated[list[Literal["text"]], Field(max_length=1)] | None = None
     prediction: None = None
-    reasoning_effort: None = None
     verbosity: None = None
     web_search_options: None = None
     service_tier: Literal["auto", "default"] | None = None
@@ -266,15 +220,25 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         return self
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them: role, content string, name if given."""
-        out: list[dict[str, str]] = []
-        for m in self.messages:
-            item = {"role": m.role, "content": m.text}
-            if m.name is not None:
-                item["name"] = m.name
-            out.append(item)
-        return out
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise _invalid("tools", "two tools have the same name")
+        choice = self.tool_choice
+        if choice == "required" and not names:
+            raise _invalid("tool_choice", "tool_choice required needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _invalid("tool_choice", "tool_choice names a function that is not in tools")
+        return self
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> ChatCompletionRequest:
+        return _one_format(self)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them (`messages.template_message`)."""
+        return [template_message(m) for m in self.messages]
 
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
@@ -294,6 +258,10 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: Prompt
     max_tokens: int | None = Field(DEFAULT_COMPLETION_MAX_TOKENS, ge=1)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="vLLM's: exactly one of json, regex, choice, grammar, json_object"
+    )
     echo: bool | None = Field(
         None, description="return the prompt before the completion (with `logprobs`: scored)"
     )
@@ -321,6 +289,10 @@ class CompletionRequest(_GenerationRequest):
                 "at the end)", {"param": "best_of"},
             )  # fmt: skip
         return self
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> CompletionRequest:
+        return _one_format(self)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -357,3 +329,19 @@ class CompletionRequest(_GenerationRequest):
             return None
         ids = p[0] if isinstance(p[0], list) else p
         return [int(t) for t in ids]
+
+
+def _invalid(param: str, message: str) -> PydanticCustomError:
+    return PydanticCustomError("kvrail_invalid", message, {"param": param})
+
+
+RequestBody = TypeVar("RequestBody", ChatCompletionRequest, CompletionRequest)
+
+
+def _one_format(body: RequestBody) -> RequestBody:
+    """A `structured_outputs` and a `response_format` other than text are two answers to one
+    question: refused (vLLM lets structured_outputs win)."""
+    kind = body.response_format.type if body.response_format is not None else "text"
+    if body.structured_outputs is not None and kind != "text":
+        raise _invalid("structured_outputs", "send structured_outputs or response_format, not both")
+    return body

@@ -7,7 +7,10 @@ role, a chunk per piece with text, one with the finish reason, the usage chunk w
 `stream_options.include_usage` asks (and usage in every chunk when `continuous_usage_stats`
 does), and always ends with `data: [DONE]`; an error while streaming is sent before it as an
 event in OpenAI's error shape. A request that asked for logprobs gets its tokens' in the chunk
-of their piece (sent for a piece with tokens and no text too). `EventStream` closes the pieces
+of their piece (sent for a piece with tokens and no text too). A piece with reasoning or tool
+calls (`kvrail.router.output`) makes a chunk each for its reasoning (`reasoning_content` and
+`reasoning`), its text and its calls (`tool_calls` deltas); plain text keeps the fast
+templates. `EventStream` (`event_stream`) closes the pieces
 however the response ends, so a client that disconnects (before the first byte included)
 cancels the request on every worker at once. Not streamed, `collect` joins the pieces (and
 their logprobs) and `until_disconnect` cancels them if the client leaves meanwhile. Every
@@ -17,49 +20,29 @@ mid-stream).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import functools
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, TypeVar, cast
-
-from starlette.types import Receive, Scope, Send
+from typing import Any, Literal, cast
 
 from kvrail.codec import compact_json
-from kvrail.outputs import RequestOutput
-from kvrail.router.api import asgi, responses
+from kvrail.router.api import responses
 from kvrail.router.api.errors import ApiError
+from kvrail.router.api.event_stream import REQUEST_ID_HEADER, EventStream, Last, until_disconnect
 from kvrail.router.api.logprobs import ResponseLogprobs, TokenText
+from kvrail.router.output.piece import Piece, ToolCallDelta
 
 Kind = Literal["chat", "completion"]
-REQUEST_ID_HEADER: Final = "x-request-id"
-"""Every generation response's id header (OpenAI's name): the completion's `id`."""
-T = TypeVar("T")
-Choice = tuple[str, str, dict[str, Any] | None]
-"""A whole choice: its text, finish reason and logprobs (None: not asked)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Piece:
-    """What one chunk of a response says: its text (detokenized, stop strings applied), its
-    finish reason on the last, the output tokens so far and the prompt tokens the prefix cache
-    served, and the engine's `RequestOutput` it came from (`output`: the record whose further
-    fields a renderer reads)."""
-
-    text: str
-    finish_reason: str | None
-    num_tokens: int
-    num_cached_tokens: int = 0
-    output: RequestOutput | None = None
-    echo: tuple[int, ...] = ()
-    """An echoed completion's first piece: the prompt's first token id (its text leads
-    `text`; the rest of the prompt's tokens are scored in `output.prompt_logprobs`)."""
-    index: int = 0
-    """The choice it belongs to (`n` > 1: each choice's pieces come in order, the choices'
-    interleaved)."""
+Choice = tuple[str, str, dict[str, Any] | None, str | None, Sequence[ToolCallDelta]]
+"""A whole choice: its text, finish reason, logprobs (None: not asked), reasoning (None: no
+reasoning parser) and tool calls."""
+__all__ = [
+    "REQUEST_ID_HEADER", "EventStream", "Last", "Piece", "Reply", "collect", "sse",
+    "until_disconnect",
+]  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -73,7 +56,9 @@ class Reply:
     holds the two equal). A text chunk is sent per token, the others once per response.
 
     `token_text` is given when the request asked for logprobs: its text chunks are then built
-    in full (`logprobs_event`), with the logprobs of their tokens.
+    in full (`logprobs_event`), with the logprobs of their tokens. So are the chunks of a piece
+    with reasoning or tool calls (`parsed_events`); `reasoning` says a whole message has the
+    reasoning fields (the router's reasoning parser is on).
     """
 
     kind: Kind
@@ -85,6 +70,7 @@ class Reply:
     continuous_usage_stats: bool = False
     token_text: TokenText | None = None
     num_choices: int = 1
+    reasoning: bool = False
     _logprobs: dict[int, ResponseLogprobs] = field(default_factory=dict)
     """Each choice's logprobs as far as they were rendered (`logprobs_of`)."""
     _known: tuple[bytes, bytes] = field(init=False)
@@ -149,6 +135,26 @@ class Reply:
             return b""
         return _event(self.chunk(piece.text, None, usage, logprobs=logprobs, index=piece.index))
 
+    def parsed_events(self, piece: Piece, usage: dict[str, Any] | None) -> bytes:
+        """A piece's chunks when it has reasoning or tool calls: one for its reasoning, one for
+        its text, one for its calls, in that order (the first with the logprobs of its tokens,
+        when the request asked)."""
+        deltas: list[dict[str, Any]] = []
+        if piece.reasoning:
+            deltas.append({"reasoning_content": piece.reasoning, "reasoning": piece.reasoning})
+        if piece.text:
+            deltas.append({"content": piece.text})
+        if piece.tool_calls:
+            calls = [responses.tool_call_delta(d) for d in piece.tool_calls]
+            deltas.append({"tool_calls": calls})
+        logprobs = self.logprobs_of(piece) if self.token_text is not None else None
+        events = [
+            _event(self.chunk(None, None, usage, logprobs=logprobs if i == 0 else None,
+                              index=piece.index, delta=delta))
+            for i, delta in enumerate(deltas)
+        ]  # fmt: skip
+        return b"".join(events)
+
     def _fill(self, shape: _Shape, value: bytes) -> bytes:
         bound = self._bound.get(shape)
         if bound is None:  # this response's id and `created` put in the shape's template
@@ -172,18 +178,18 @@ class Reply:
         """The whole body, its choices in the order given (their index is their place)."""
         chat = self.kind == "chat"
         build = responses.chat_completion if chat else responses.completion
-        text, finish, logprobs = choices[0]
-        body = build(
-            self.response_id, self.served_name, self.created, text, finish, usage,
-            logprobs=logprobs,
-        )  # fmt: skip
-        choice = responses.chat_choice if chat else responses.completion_choice
-        body["choices"] += [choice(i, *c) for i, c in enumerate(choices[1:], 1)]
+        body = build(self.response_id, self.served_name, self.created, "", "stop", usage)
+        body["choices"] = [
+            responses.chat_choice(i, text, finish, logprobs, reasoning, calls) if chat
+            else responses.completion_choice(i, text, finish, logprobs)
+            for i, (text, finish, logprobs, reasoning, calls) in enumerate(choices)
+        ]  # fmt: skip
         return body
 
     def chunk(
         self, text: str | None, finish: str | None, usage: dict[str, Any] | None = None,
         first: bool = False, logprobs: dict[str, Any] | None = None, index: int = 0,
+        delta: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         rid, name, created, usage_null = (
             self.response_id, self.served_name, self.created, self.include_usage
@@ -191,7 +197,7 @@ class Reply:
         if self.kind == "chat":
             return responses.chat_chunk(
                 rid, name, created, text, first, finish, usage, include_usage=usage_null,
-                logprobs=logprobs, index=index,
+                logprobs=logprobs, index=index, delta=delta,
             )  # fmt: skip
         return responses.completion_chunk(
             rid, name, created, text, finish, usage, include_usage=usage_null, logprobs=logprobs,
@@ -207,6 +213,8 @@ async def collect(
     whose tokens are likeliest on average (by their outputs' logprobs), likeliest first."""
     n = reply.num_choices
     texts: list[list[str]] = [[] for _ in range(n)]
+    reasonings: list[list[str]] = [[] for _ in range(n)]
+    calls: list[list[ToolCallDelta]] = [[] for _ in range(n)]
     parts: list[list[dict[str, Any] | None]] = [[] for _ in range(n)]
     finish = ["stop"] * n
     last = [Piece("", None, 0)] * n
@@ -215,6 +223,9 @@ async def collect(
         async for piece in pieces:
             i = piece.index
             texts[i].append(piece.text)
+            if not piece.is_plain:
+                reasonings[i].append(piece.reasoning)
+                calls[i] += piece.tool_calls
             if reply.asks_logprobs:
                 parts[i].append(reply.logprobs_of(piece))
             if keep is not None and piece.output is not None:
@@ -225,60 +236,13 @@ async def collect(
     order: Sequence[int] = range(n)
     if keep is not None:  # the mean over the tokens that have logprobs (a stop string cuts some)
         order = sorted(order, key=lambda i: -sum(logprobs[i]) / max(len(logprobs[i]), 1))[:keep]
-    choices = [("".join(texts[i]), finish[i], reply.joined_logprobs(parts[i])) for i in order]
+    choices = [
+        ("".join(texts[i]), finish[i], reply.joined_logprobs(parts[i]),
+         "".join(reasonings[i]) if reply.reasoning else None, ToolCallDelta.join(calls[i]))
+        for i in order
+    ]  # fmt: skip
     usage = reply.usage(last[0], sum(p.num_tokens for p in last[1:]))
     return reply.whole(choices, usage)
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await `work`; if the client leaves meanwhile it is cancelled (which cancels the request
-    on the workers) and `asgi.ClientLeft` is raised."""
-    async with asgi.ClientWatch(receive):
-        return await work
-
-
-class Last(bytes):
-    """A response body's last bytes: `EventStream` sends them with the end of the body, in one
-    write."""
-
-
-class EventStream:
-    """An ASGI response of server-sent events, written straight to `send`, one message per
-    chunk the body yields (`sse` yields one per piece: the events a piece makes leave in one
-    write). The body generator is closed however the response ends; a client that disconnects
-    (before the first byte included) cancels it at once (`asgi.ClientWatch`), which cancels the
-    request."""
-
-    def __init__(
-        self, body: AsyncIterator[bytes], on_close: Callable[[], None], request_id: str
-    ) -> None:
-        self._body = body
-        self._on_close = on_close
-        self.headers = [
-            (b"content-type", b"text/event-stream; charset=utf-8"),
-            (REQUEST_ID_HEADER.encode(), request_id.encode()),
-        ]
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with asgi.ClientWatch(receive):
-                await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-                last = False
-                async for chunk in self._body:
-                    last = type(chunk) is Last
-                    await send({"type": "http.response.body", "body": chunk, "more_body": not last})
-                if not last:
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asgi.ClientLeft:
-            pass  # counted as 499 by `sse`, cancelled on the workers by closing the body
-        finally:
-            await asyncio.shield(self._close())
-
-    async def _close(self) -> None:
-        aclose = getattr(self._body, "aclose", None)
-        if aclose is not None:
-            await aclose()
-        self._on_close()
 
 
 def _event(body: dict[str, Any]) -> bytes:
@@ -346,7 +310,9 @@ async def sse(
                 last[index] = piece
                 usage = _usage(reply, last, index) if every else None
                 events = b""
-                if asked:
+                if not piece.is_plain:
+                    events = reply.parsed_events(piece, usage)
+                elif asked:
                     events = reply.logprobs_event(piece, usage)
                 elif piece.text and usage is None:
                     events = reply.text_event(piece.text, index)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import jinja2
+import jinja2.meta
 import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -103,6 +104,25 @@ def _tojson(
 def compile_template(template: str) -> jinja2.Template:
     """`template` compiled as transformers compiles chat templates. Raises ModelNotFoundError
     when it does not compile."""
+    env = _environment()
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ModelNotFoundError(f"the model's chat template does not compile: {err}") from err
+
+
+def template_variables(template: str) -> frozenset[str]:
+    """The names `template` reads from its render arguments (`messages`, `tools`,
+    `enable_thinking`, ...), as vLLM finds which `chat_template_kwargs` a template takes.
+    Raises ModelNotFoundError when it does not compile."""
+    env = _environment()
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateSyntaxError as err:
+        raise ModelNotFoundError(f"the model's chat template does not compile: {err}") from err
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, loopcontrols]
     )
@@ -111,7 +131,4 @@ def compile_template(template: str) -> jinja2.Template:
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
     env.globals["dict"] = _Dict()
     env.globals["namespace"] = _Namespace
-    try:
-        return env.from_string(template)
-    except jinja2.TemplateSyntaxError as err:
-        raise ModelNotFoundError(f"the model's chat template does not compile: {err}") from err
+    return env

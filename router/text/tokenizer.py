@@ -2,25 +2,21 @@
 request (`TextCodec`).
 
 Everything here runs on `tokenizers` and `jinja2` only; the router process never imports torch
-(an import-linter contract). Tokenizer files come from, in order:
-1. a model directory that has `tokenizer.json` (read in place);
-2. the worker's converted cache, `<cache_dir>/models/<name>-<weights id prefix>/` (the naming
-   rule and the atomic build are shared with the worker's loader in `kvrail.model_files`), when a
-   worker on this machine prepared it;
-3. the router's own cache, `<cache_dir>/tokenizers/<name>-<weights id prefix>/`, written once by
-   a subprocess that runs transformers (which imports torch) on the GGUF file or directory and
-   saves its tokenizer. The entry is written into a temporary directory and renamed into place,
-   so a reader sees nothing or a complete entry.
+(an import-linter contract). Where the tokenizer files come from is
+`kvrail.router.text.tokenizer_files`.
 
 The chat template is rendered as transformers renders it (`kvrail.router.text.chat_template`), so
 `chat_prompt` equals transformers' `apply_chat_template(..., tokenize=True,
-add_generation_prompt=True)`, with one exception: text a client wrote never becomes a control
-token. Only the template emits special tokens (`<|im_start|>`, `<|eot_id|>`, `[INST]`, ...); the
-same strings inside a message or a completion prompt are encoded as plain text, unless the
-deployment trusts its clients (`allow_special_tokens_in_prompts`). A template that rewrites the
-content it inserts (e.g. `| trim`) cannot be encoded piecewise: such a conversation is encoded
-whole, and refused if a message holds a special token's text. Incremental detokenization with
-stop strings is `kvrail.router.text.detokenizer`.
+add_generation_prompt=True)` (with `tools`, and template variables such as `enable_thinking`,
+when given), with one exception: text a client wrote never becomes a control token. Only the
+template emits special tokens (`<|im_start|>`, `<|eot_id|>`, `[INST]`, ...); the same strings
+inside a message or a completion prompt are encoded as plain text, unless the deployment trusts
+its clients (`allow_special_tokens_in_prompts`). What a template renders outside the message
+contents (tool definitions, the calls and ids of a tool conversation, names, variables) cannot
+be told apart from the template's own text, so there a special token's text is refused. A
+template that rewrites the content it inserts (e.g. `| trim`) cannot be encoded piecewise: such
+a conversation is encoded whole, and refused if a message holds a special token's text.
+Incremental detokenization with stop strings is `kvrail.router.text.detokenizer`.
 
 Encoding runs `tokenizers`' batch call, which releases the GIL, so a caller may run it on a
 thread while the event loop keeps serving; `at_least_tokens` bounds a text's token count from
@@ -34,10 +30,7 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -47,15 +40,8 @@ import jinja2
 from tokenizers import Tokenizer
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
-from kvrail.model_files import (
-    PREPARED_MARKER,
-    ModelSource,
-    building,
-    cache_entry_name,
-    resolve,
-)
-from kvrail.model_files import cache_dir as models_cache_dir
-from kvrail.router.text.chat_template import chat_template, compile_template
+from kvrail.model_files import resolve
+from kvrail.router.text.chat_template import chat_template, compile_template, template_variables
 from kvrail.router.text.detokenizer import Detokenizer
 from kvrail.router.text.template_parts import (
     UNSTABLE_TEMPLATE_WORDS,
@@ -65,11 +51,10 @@ from kvrail.router.text.template_parts import (
     sentinel,
     split_at,
 )
+from kvrail.router.text.tokenizer_files import read_json, token_content, tokenizer_dir
 
 log = logging.getLogger(__name__)
 
-TOKENIZER_MARKER = "kvrail-tokenizer.json"  # written last by ours
-CONVERT_TIMEOUT_S = 600.0
 _SPECIAL_TOKENS = (
     "bos_token",
     "eos_token",
@@ -79,19 +64,6 @@ _SPECIAL_TOKENS = (
     "cls_token",
     "mask_token",
 )
-_CONVERT = """
-import sys
-from pathlib import Path
-from transformers import AutoTokenizer
-src, out = Path(sys.argv[1]), Path(sys.argv[2])
-if src.suffix == ".gguf":
-    tok = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
-else:
-    tok = AutoTokenizer.from_pretrained(str(src))
-tok.save_pretrained(str(out))
-if not (out / "tokenizer.json").is_file():
-    sys.exit("this tokenizer has no tokenizers (fast) form")
-"""
 
 
 class TextCodec:
@@ -120,6 +92,10 @@ class TextCodec:
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         self._fingerprint = fingerprint
         self._template = compile_template(chat_template) if chat_template else None
+        self.template_variables = (
+            template_variables(chat_template) if chat_template else frozenset()
+        )
+        """The names the chat template reads (`tools`, `enable_thinking`, ...)."""
         # The sentinel render (`chat_prompt`) of a conversation without names depends on its
         # roles alone, unless the template reads a clock or draws random text.
         self._marked_by_roles: Callable[[tuple[str, ...]], str] | None = None
@@ -149,13 +125,14 @@ class TextCodec:
         )
 
     @classmethod
-    def load(cls, model: str, cache_dir: Path) -> TextCodec:
+    def load(cls, model: str, cache_dir: Path, template: str | None = None) -> TextCodec:
         """Resolve `model` (see `kvrail.model_files.resolve`) and load its tokenizer, converting a
-        GGUF file once into the cache when no worker did. Raises ModelNotFoundError."""
+        GGUF file once into the cache when no worker did; `template` replaces the model's chat
+        template. Raises ModelNotFoundError."""
         started = time.monotonic()
         source = resolve(model)
         directory = tokenizer_dir(source, cache_dir)
-        codec = cls.from_directory(directory, source.served_name)
+        codec = cls.from_directory(directory, source.served_name, template)
         log.info(
             "tokenizer loaded name=%s path=%s vocab=%d seconds=%.2f",
             source.served_name,
@@ -166,17 +143,19 @@ class TextCodec:
         return codec
 
     @classmethod
-    def from_directory(cls, directory: Path, served_name: str) -> TextCodec:
-        """Load `tokenizer.json`, `tokenizer_config.json` and the chat template from a directory
-        laid out by transformers' `save_pretrained`."""
+    def from_directory(
+        cls, directory: Path, served_name: str, template: str | None = None
+    ) -> TextCodec:
+        """Load `tokenizer.json`, `tokenizer_config.json` and the chat template (unless
+        `template` replaces it) from a directory laid out by transformers' `save_pretrained`."""
         tokenizer_file = directory / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise ModelNotFoundError(f"no tokenizer.json in {directory}")
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-        config = _read_json(directory / "special_tokens_map.json")
-        config.update(_read_json(directory / "tokenizer_config.json"))
-        special = {k: t for k in _SPECIAL_TOKENS if (t := _token_content(config.get(k)))}
-        template = chat_template(directory, config)
+        config = read_json(directory / "special_tokens_map.json")
+        config.update(read_json(directory / "tokenizer_config.json"))
+        special = {k: t for k in _SPECIAL_TOKENS if (t := token_content(config.get(k)))}
+        template = template or chat_template(directory, config)
         eos: list[int] = []
         if (
             "eos_token" in special
@@ -184,7 +163,7 @@ class TextCodec:
         ):
             eos.append(tid)
         for name in ("generation_config.json", "config.json"):
-            value = _read_json(directory / name).get("eos_token_id")
+            value = read_json(directory / name).get("eos_token_id")
             for tid in value if isinstance(value, list) else [value]:
                 if isinstance(tid, int) and tid not in eos:
                     eos.append(tid)
@@ -208,46 +187,68 @@ class TextCodec:
         tokenizer = self.tokenizer if allow_special else self._plain
         return list(tokenizer.encode_batch_fast([text], add_special_tokens=True)[0].ids)
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The chat template applied to `messages` with `add_generation_prompt=True`. A template
-        that does not know the `developer` role sees it as `system`. Raises InvalidRequestError
-        when the model has no template or the template rejects the conversation."""
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders `tools` (SmolLM2's ignores them)."""
+        return "tools" in self.template_variables
+
+    def render_chat(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
+    ) -> str:
+        """The chat template applied to `messages` with `add_generation_prompt=True`, `tools`
+        and the template `variables` given. A template that does not know the `developer` role
+        sees it as `system`. Raises InvalidRequestError when the model has no template or the
+        template rejects the conversation."""
         if self._template is None:
             raise InvalidRequestError(f"model {self.served_name} has no chat template")
         knows_developer = "developer" in (self.chat_template or "")
         chat = []
         for m in messages:
-            item = {k: v for k, v in m.items() if v is not None}
+            item = {k: v for k, v in m.items() if v is not None or k == "content"}
             if item.get("role") == "developer" and not knows_developer:
                 item["role"] = "system"
             chat.append(item)
         try:
             return self._template.render(
-                messages=chat, tools=None, documents=None, add_generation_prompt=True,
-                **self.special_tokens,
+                messages=chat, tools=tools, documents=None, add_generation_prompt=True,
+                **self.special_tokens, **(variables or {}),
             )  # fmt: skip
-        except jinja2.TemplateError as err:
+        except (jinja2.TemplateError, TypeError) as err:
             raise InvalidRequestError(f"the chat template rejected the messages: {err}") from err
 
     def chat_prompt(
-        self, messages: Sequence[Mapping[str, str]], allow_special: bool = False
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        allow_special: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        variables: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The prompt token ids of a conversation: the rendered template, encoded without adding
         special tokens (the template writes them). Message contents are plain text unless
         `allow_special` (see the module docstring); raises InvalidRequestError when that cannot
         be guaranteed."""
-        rendered = self.render_chat(messages)
+        rendered = self.render_chat(messages, tools, variables)
         if allow_special:
             return self._encode_with_special(rendered)
-        contents = [m.get("content") or "" for m in messages]
-        sentinels = [sentinel(i) for i in range(len(messages))]
-        roles_only = all(m.keys() <= {"role", "content"} for m in messages)
+        self._refuse_special_outside(messages, tools, variables)
+        marked_at = [i for i, m in enumerate(messages) if isinstance(m.get("content"), str)]
+        contents = [messages[i]["content"] for i in marked_at]
+        sentinels = [sentinel(i) for i in marked_at]
+        roles_only = (
+            tools is None and not variables and len(marked_at) == len(messages)
+            and all(m.keys() <= {"role", "content"} for m in messages)
+        )  # fmt: skip
         if self._marked_by_roles is not None and roles_only:
             marked = self._marked_by_roles(tuple(m["role"] for m in messages))
         else:
+            marks = dict(zip(marked_at, sentinels, strict=True))
             marked = self.render_chat(
-                [{**m, "content": s} for m, s in zip(messages, sentinels, strict=True)]
-            )
+                [{**m, "content": marks[i]} if i in marks else m for i, m in enumerate(messages)],
+                tools, variables,
+            )  # fmt: skip
         pieces = split_at(marked, sentinels)
         if pieces is None or join(pieces, contents) != rendered:
             # The template changed the content it inserted: encode the whole text, but never
@@ -265,6 +266,29 @@ class TextCodec:
             spans.append((start, start + len(content)))
             start += len(content)
         return self._encode_outside(rendered, spans)
+
+    def _refuse_special_outside(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        variables: Mapping[str, Any] | None,
+    ) -> None:
+        """Raise InvalidRequestError if what the template renders outside the message contents
+        holds a special token's text (see the module docstring)."""
+        if self._special_pattern is None:
+            return
+        outside_contents = {
+            "messages": [{k: v for k, v in m.items() if k not in ("role", "content")}
+                         for m in messages],
+            "tools": tools or [],
+            "chat_template_kwargs": dict(variables or {}),
+        }  # fmt: skip
+        for param, value in outside_contents.items():
+            if value and self._special_pattern.search(json.dumps(value, ensure_ascii=False)):
+                raise InvalidRequestError(
+                    f"{param} holds the text of a special token where the chat template renders "
+                    "it as the template's own text", param,
+                )  # fmt: skip
 
     def _render_marked(self, roles: tuple[str, ...]) -> str:
         """The template rendered over `roles`, message i's content being `sentinel(i)`."""
@@ -326,67 +350,26 @@ class TextCodec:
             text = self._token_texts[token_id] = self.decode([token_id], False)
         return text
 
+    def special_ids(self, texts: Sequence[str]) -> dict[str, int]:
+        """Those of `texts` that are special tokens of this tokenizer, with their ids."""
+        return {t: self._special_ids[t] for t in texts if t in self._special_ids}
+
     def detokenizer(
-        self, prompt_ids: Sequence[int], stop: Sequence[str] = (), min_tokens: int = 0
+        self,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        min_tokens: int = 0,
+        keep_special: frozenset[int] = frozenset(),
     ) -> Detokenizer:
-        """A fresh incremental detokenizer for one request's output."""
-        return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
+        """A fresh incremental detokenizer for one request's output; the special tokens in
+        `keep_special` (markers a parser reads, such as `[TOOL_CALLS]`) are kept in its text,
+        the others left out."""
+        if not keep_special:
+            return Detokenizer(self.decode, prompt_ids, stop, min_tokens)
+        drop = frozenset(self._special_ids.values()) - keep_special
 
+        def decode(ids: list[int]) -> str:
+            kept = [i for i in ids if i not in drop]
+            return str(self.tokenizer.decode(kept, skip_special_tokens=False))
 
-# ---------------------------------------------------------------------------------------------
-# Finding and converting tokenizer files
-
-
-def tokenizer_dir(source: ModelSource, cache_dir: Path) -> Path:
-    """A directory with `tokenizer.json` for `source`, converting it once if needed."""
-    if not source.is_gguf and (source.path / "tokenizer.json").is_file():
-        return source.path
-    entry = cache_entry_name(source)
-    prepared = models_cache_dir(cache_dir) / entry
-    if (prepared / PREPARED_MARKER).is_file() and (prepared / "tokenizer.json").is_file():
-        return prepared
-    own = cache_dir / "tokenizers" / entry
-    if not (own / TOKENIZER_MARKER).is_file():
-        _convert(source, own)
-    return own
-
-
-def _convert(source: ModelSource, target: Path) -> None:
-    """Run transformers in a subprocess (it imports torch) to save the tokenizer of `source`
-    into `target`, atomically. Raises ModelNotFoundError."""
-    started = time.monotonic()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    with building(target, TOKENIZER_MARKER, source) as tmp:
-        try:
-            done = subprocess.run(
-                [sys.executable, "-P", "-c", _CONVERT, str(source.path), str(tmp)],
-                env=env, cwd=tmp, capture_output=True, text=True, timeout=CONVERT_TIMEOUT_S,
-                check=False,
-            )  # fmt: skip
-        except subprocess.TimeoutExpired as err:
-            raise ModelNotFoundError(
-                f"converting the tokenizer of {source.path} took over {CONVERT_TIMEOUT_S:.0f} s"
-            ) from err
-        if done.returncode != 0:
-            lines = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
-            raise ModelNotFoundError(f"cannot convert the tokenizer of {source.path}: {lines[-1]}")
-    log.info(
-        "tokenizer converted name=%s path=%s seconds=%.1f",
-        source.name,
-        target,
-        time.monotonic() - started,
-    )
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    return data if isinstance(data, dict) else {}
-
-
-def _token_content(value: Any) -> str | None:
-    """A special token as tokenizer_config.json stores it: a string or an AddedToken dict."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
+        return Detokenizer(decode, prompt_ids, stop, min_tokens)

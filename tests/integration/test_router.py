@@ -206,10 +206,9 @@ def test_bad_requests_get_openai_errors_and_leave_the_pool_intact(pool: LocalPoo
     assert err.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError, match="context"):
         c.completions.create(model=MODEL, prompt="word " * 1100, max_tokens=4)
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match="functions"):
         c.chat.completions.create(
-            model=MODEL, messages=QUESTION,
-            tools=[{"type": "function", "function": {"name": "f"}}],
+            model=MODEL, messages=QUESTION, functions=[{"name": "f"}]
         )  # fmt: skip
     with pytest.raises(openai.AuthenticationError):
         client(pool, key="sk-wrong").models.list()

@@ -37,8 +37,21 @@ from kvrail.testing.pool import LocalPool
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
 INSTRUCTIONS = "You are a geography teacher."
-PORT = free_port()
+PORT, THINK_PORT = free_port(), free_port()
 URL = f"http://127.0.0.1:{PORT}/v1"
+# The second router's template is a reasoning model's: its generation prompt opens `<think>`,
+# unless the request turns thinking off (`reasoning.effort: none`), which closes it empty.
+THINK_TEMPLATE = """\
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% else %}<think>
+{% endif %}{% endif %}"""
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +60,17 @@ def pool(
 ) -> Iterator[LocalPool]:
     env = {"KVRAIL_DISAGGREGATION_MODE": "colocated", "KVRAIL_NUM_KV_BLOCKS": "128",
            "KVRAIL_MAX_MODEL_LEN": "1024", "KVRAIL_REQUEST_TIMEOUT_S": "120"}  # fmt: skip
-    p = LocalPool(
-        etcd_server, nats_server, tmp_path_factory.mktemp("responses-pool"),
-        f"resp-{uuid.uuid4().hex[:8]}", env,
-    )  # fmt: skip
+    logs = tmp_path_factory.mktemp("responses-pool")
+    (logs / "think.jinja").write_text(THINK_TEMPLATE)
+    p = LocalPool(etcd_server, nats_server, logs, f"resp-{uuid.uuid4().hex[:8]}", env)
     try:
         p.start("colo-0", "colocated")
         p.wait_ready("colo-0")
         p.start_router("router", KVRAIL_HTTP_PORT=str(PORT))
+        p.start_router("router-think", KVRAIL_HTTP_PORT=str(THINK_PORT),
+                       KVRAIL_CHAT_TEMPLATE=str(logs / "think.jinja"))  # fmt: skip
         p.wait_ready("router")
+        p.wait_ready("router-think")
         yield p
     finally:
         p.stop()
@@ -69,8 +84,8 @@ async def nc(pool: LocalPool) -> AsyncIterator[NatsClient]:
     await client_.close()
 
 
-def client(pool: LocalPool) -> openai.OpenAI:
-    return openai.OpenAI(base_url=URL, api_key="none", max_retries=0)
+def client(pool: LocalPool, port: int = PORT) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
 
 
 def chat_text(pool: LocalPool, max_tokens: int, **messages: str) -> tuple[str, str]:
@@ -225,6 +240,39 @@ def test_what_a_stateless_server_cannot_do_is_refused_by_name(pool: LocalPool) -
     assert ok.status == "incomplete" and ok.store is False  # type: ignore[attr-defined]
 
 
+@pytest.mark.usefixtures("nc")
+def test_a_reasoning_models_thinking_is_a_reasoning_item_before_the_answer(
+    pool: LocalPool,
+) -> None:
+    c = client(pool, THINK_PORT)
+    args: dict[str, Any] = {"model": MODEL, "max_output_tokens": 48, "temperature": 0}
+    response = c.responses.create(input=QUESTION, **args)
+    chat = c.chat.completions.create(
+        messages=[{"role": "user", "content": QUESTION}], model=MODEL, max_tokens=48,
+        temperature=0,
+    ).choices[0]  # fmt: skip
+    thinking = getattr(chat.message, "reasoning_content", None)
+    assert thinking  # the template opened the thinking: the answer starts with it
+    reasoning = response.output[0]
+    assert reasoning.type == "reasoning" and reasoning.summary == []
+    assert [part.text for part in reasoning.content or ()] == [thinking]
+    assert response.output_text == (chat.message.content or "")
+    usage = response.usage
+    assert usage is not None and usage.output_tokens_details.reasoning_tokens > 0
+    assert usage.output_tokens_details.reasoning_tokens <= usage.output_tokens
+    # Streamed: the reasoning in reasoning_text deltas, the same response at the end.
+    events = list(c.responses.create(input=QUESTION, stream=True, **args))
+    deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert deltas == thinking
+    streamed = events[-1].response.output  # type: ignore[union-attr]
+    assert [i.model_dump(exclude={"id"}) for i in streamed] == [
+        i.model_dump(exclude={"id"}) for i in response.output
+    ]
+    # Thinking turned off (the template closes it): no reasoning item, only the answer.
+    off = c.responses.create(input=QUESTION, reasoning={"effort": "none"}, **args)
+    assert [item.type for item in off.output] == ["message"] and off.output_text
+
+
 # -- tools and structured output (the grammar forces SmolLM2's calls: it makes none unasked) ----
 
 WEATHER: Any = {
@@ -281,9 +329,9 @@ def test_a_function_call_output_round_trip_answers_from_the_result(pool: LocalPo
     c = client(pool)
     first = c.responses.create(
         model=MODEL, input=WEATHER_QUESTION, tools=[WEATHER], tool_choice="required",
-        max_output_tokens=64, temperature=0,
+        parallel_tool_calls=False, max_output_tokens=64, temperature=0,
     )  # fmt: skip
-    call = next(item for item in first.output if item.type == "function_call")
+    [call] = [item for item in first.output if item.type == "function_call"]
     result = "It is sunny and 24 degrees in Paris."
     history: Any = [
         {"role": "user", "content": WEATHER_QUESTION},
@@ -361,7 +409,8 @@ def _agent_client(hosts: list[str]) -> Any:
 def test_an_agent_with_one_function_tool_completes_a_run(pool: LocalPool, api: str) -> None:
     """The Agents SDK's run loop against the router, through its default model (the Responses
     API) and through its chat-completions model. SmolLM2 calls no tool unasked, so the agent
-    forces one (`tool_choice: required`, enforced by the grammar) and stops at it
+    forces one (`tool_choice: required`, enforced by the grammar; `parallel_tool_calls: false`,
+    or SmolLM2 calls it twice) and stops at it
     (`stop_on_first_tool`: the tool's result is the run's final output, no second model turn
     whose text SmolLM2 would decide). What is asserted: the SDK made one model request, to the
     router only (tracing off, an explicit client: nothing reached api.openai.com); the model's
@@ -385,7 +434,9 @@ def test_an_agent_with_one_function_tool_completes_a_run(pool: LocalPool, api: s
     agent = Agent(
         name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
         model=model, tool_use_behavior="stop_on_first_tool",
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=64),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64
+        ),
     )  # fmt: skip
     result = asyncio.run(Runner.run(agent, WEATHER_QUESTION, max_turns=2))
     assert len(result.raw_responses) == 1 and set(hosts) == {"127.0.0.1"}

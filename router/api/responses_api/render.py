@@ -27,7 +27,7 @@ from kvrail.router.api.streaming import Piece, Reply
 
 def _status(finish_reason: str | None) -> tuple[Status, str | None]:
     """A response's status, and why it is incomplete (None when it is not), from its chat
-    finish reason."""
+    finish reason (`stop`, `tool_calls`: completed; `length`: cut at the token limit)."""
     if finish_reason == "length":
         return "incomplete", "max_output_tokens"
     return "completed", None
@@ -46,18 +46,17 @@ class ResponseRender:
 
     async def collect(self, pieces: AsyncGenerator[Piece, None], reply: Reply) -> dict[str, Any]:
         """The whole Response. Raises ApiError (named as the Responses field)."""
-        output = Output(reply.response_id)
-        last, finish = Piece("", None, 0), None
+        answer = _Answer(reply)
         try:
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
-                    _feed(output, reply, piece)
-                    last, finish = piece, piece.finish_reason or finish
+                    answer.feed(piece)
         except ApiError as err:
             raise self._rename(err) from None
-        status, incomplete = _status(finish)
-        output.finish("incomplete" if incomplete else "completed")
-        return self._response(reply, status, output.items, _usage(reply, last), None, incomplete)
+        status, incomplete = _status(answer.finish_reason)
+        answer.output.finish("incomplete" if incomplete else "completed")
+        items = answer.output.items
+        return self._response(reply, status, items, answer.usage(), None, incomplete)
 
     async def sse(
         self, reply: Reply, pieces: AsyncGenerator[Piece, None], count: Callable[[str], None]
@@ -77,8 +76,8 @@ class ResponseRender:
             return "".join(out).encode()
 
         status_code = "499"  # the client left before the end
-        output = Output(reply.response_id)
-        last, finish = Piece("", None, 0), None
+        answer = _Answer(reply)
+        output = answer.output
         opening = self._response(reply, "in_progress", [], None)
         tail = b""
         try:
@@ -86,15 +85,12 @@ class ResponseRender:
                          {"type": "response.in_progress", "response": opening}])  # fmt: skip
             async with contextlib.aclosing(pieces):
                 async for piece in pieces:
-                    events = _feed(output, reply, piece)
-                    last, finish = piece, piece.finish_reason or finish
+                    events = answer.feed(piece)
                     if events:
                         yield write(events)
-            status, incomplete = _status(finish)
+            status, incomplete = _status(answer.finish_reason)
             events = output.finish("incomplete" if incomplete else "completed")
-            whole = self._response(
-                reply, status, output.items, _usage(reply, last), None, incomplete
-            )
+            whole = self._response(reply, status, output.items, answer.usage(), None, incomplete)
             events.append({"type": f"response.{status}", "response": whole})
             tail = write(events)
             status_code = "200"
@@ -103,7 +99,7 @@ class ResponseRender:
             status_code = str(err.status)
             error = body.response_error(err.status, err.message, err.type, err.param)
             events = output.fail()  # what came so far, before the response that holds it
-            failed = self._response(reply, "failed", output.items, _usage(reply, last), error)
+            failed = self._response(reply, "failed", output.items, answer.usage(), error)
             tail = write([*events, {"type": "response.failed", "response": failed}])
         finally:
             count(status_code)
@@ -124,14 +120,36 @@ class ResponseRender:
         )  # fmt: skip
 
 
-def _feed(output: Output, reply: Reply, piece: Piece) -> list[Event]:
-    """The piece's deltas into `output`: the events they make."""
-    logprobs: list[dict[str, Any]] = []
-    if reply.asks_logprobs:  # the piece's tokens', with its text (OpenAI has them nowhere else)
-        entries = reply.logprobs_of(piece)
-        logprobs = list(entries["content"] or ()) if entries else []
-    return output.text(piece.text, logprobs)
+class _Answer:
+    """One answer's pieces into its `Output` (`feed`), counting its reasoning's tokens: those of
+    the pieces that held only reasoning (a piece where the thinking ends and the answer begins
+    counts for the answer)."""
 
+    def __init__(self, reply: Reply) -> None:
+        self.reply = reply
+        self.output = Output(reply.response_id)
+        self.last = Piece("", None, 0)
+        self.finish_reason: str | None = None
+        self.num_reasoning_tokens = 0
 
-def _usage(reply: Reply, last: Piece) -> dict[str, Any]:
-    return body.usage(reply.num_prompt_tokens, last.num_tokens, last.num_cached_tokens)
+    def feed(self, piece: Piece) -> list[Event]:
+        """The piece's deltas into the output, in the model's order: the events they make."""
+        if piece.reasoning and not piece.text and not piece.tool_calls:
+            self.num_reasoning_tokens += piece.num_tokens - self.last.num_tokens
+        self.last, self.finish_reason = piece, piece.finish_reason or self.finish_reason
+        output = self.output
+        logprobs: list[dict[str, Any]] = []
+        if self.reply.asks_logprobs and piece.text:  # OpenAI has them with the text only
+            entries = self.reply.logprobs_of(piece)
+            logprobs = list(entries["content"] or ()) if entries else []
+        events = output.reasoning(piece.reasoning) + output.text(piece.text, logprobs)
+        for call in piece.tool_calls:
+            events += output.tool_call(call.index, call.id, call.name, call.arguments)
+        return events
+
+    def usage(self) -> dict[str, Any]:
+        last = self.last
+        return body.usage(
+            self.reply.num_prompt_tokens, last.num_tokens, last.num_cached_tokens,
+            self.num_reasoning_tokens,
+        )  # fmt: skip

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvrail.router.api import asgi
+from kvrail.router.api import asgi, body_scan
 from kvrail.router.api.errors import ApiError
 
 Message = dict[str, Any]
@@ -118,3 +118,26 @@ def _set() -> asyncio.Event:
     event = asyncio.Event()
     event.set()
     return event
+
+
+def test_a_body_too_deep_or_too_big_to_parse_is_refused_naming_its_field() -> None:
+    deep = b'{"model": "m", "messages": [], "response_format": {"type": "json_schema", '
+    deep += b'"json_schema": {"name": "x", "schema": ' + b'{"a": ' * 5_000 + b"1" + b"}" * 5_000
+    deep += b"}}}"
+    with pytest.raises(ApiError) as refused:
+        asgi.json_body(deep, None, 100_000)
+    assert refused.value.param == "response_format.json_schema.schema"
+    assert "nested too deeply in 'response_format.json_schema.schema'" in refused.value.message
+    after_text = b'{"messages": [{"content": "' + b'{[\\"' * 1000 + b'"}], "tools": '
+    after_text += b"[" * 5_000 + b"]" * 5_000 + b"}"
+    with pytest.raises(ApiError) as refused:  # brackets in strings do not count
+        asgi.json_body(after_text, None, 100_000)
+    assert refused.value.param == "tools"
+    many = json.dumps({"model": "m", "messages": [{"role": "user", "content": "a, b, c"}],
+                       "tools": [{"function": {"name": f"f{i}"}} for i in range(50)]})  # fmt: skip
+    with pytest.raises(ApiError) as refused:
+        asgi.json_body(many.encode(), None, 20)
+    assert refused.value.param == "tools" and refused.value.code == "request_too_complex"
+    assert "most of them in 'tools'" in refused.value.message
+    assert body_scan.busiest_field(b'{"model": "m", "seed": 1}') is None
+    assert body_scan.deep_field(b"[[[]]]", 5) is None

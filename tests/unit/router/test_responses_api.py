@@ -26,6 +26,7 @@ from kvrail.router.api.responses_api.request import ResponsesRequest
 from kvrail.router.api.responses_api.translate import Translation
 from kvrail.router.api.sampling import Defaults
 from kvrail.router.api.streaming import Last, Piece, Reply
+from kvrail.router.output.piece import ToolCallDelta
 
 try:  # the openai client 3.x speaks httpx2, older ones httpx
     import httpx2 as http
@@ -464,6 +465,32 @@ def test_a_cut_answer_is_incomplete_and_a_failure_is_told_by_response_failed() -
     with pytest.raises(ApiError) as info:
         asyncio.run(r.collect(_pieces(cut[:1], failure), reply))
     assert info.value.param == "max_output_tokens"
+
+
+def test_reasoning_text_and_calls_of_the_pieces_are_items_in_order_streamed_or_not() -> None:
+    r, reply = render(tools=[TOOL])
+    pieces = [
+        Piece("", None, 2, reasoning="Paris? "), Piece("", None, 5, reasoning="Use the tool."),
+        Piece("Let me look.", None, 8, reasoning=""),
+        Piece("", None, 12, tool_calls=(ToolCallDelta(0, "call_a", "get_weather", '{"city"'),)),
+        Piece("", "tool_calls", 15, tool_calls=(ToolCallDelta(0, None, None, ': "Paris"}'),)),
+    ]  # fmt: skip
+    whole = asyncio.run(r.collect(_pieces(pieces), reply))
+    parsed = OpenAIResponse.model_validate(whole)
+    assert [item.type for item in parsed.output] == ["reasoning", "message", "function_call"]
+    reasoning, _, call = parsed.output
+    assert reasoning.content is not None  # type: ignore[union-attr]
+    assert reasoning.content[0].text == "Paris? Use the tool."  # type: ignore[union-attr]
+    assert parsed.output_text == "Let me look." and parsed.status == "completed"
+    assert (call.call_id, call.name, call.arguments) == (  # type: ignore[union-attr]
+        "call_a",
+        "get_weather",
+        '{"city": "Paris"}',
+    )
+    assert parsed.usage is not None and parsed.usage.output_tokens == 15
+    assert parsed.usage.output_tokens_details.reasoning_tokens == 5  # the pieces of reasoning only
+    events, _ = streamed(r, reply, pieces)
+    assert events[-1]["response"] == whole
 
 
 def _client(handler: Callable[[Any], Any]) -> openai.OpenAI:

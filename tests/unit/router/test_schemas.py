@@ -53,6 +53,14 @@ def message(**changes: Any) -> dict[str, Any]:
     return {"role": "user", "content": SECRET, **changes}
 
 
+def tool(name: str, **function: Any) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+def call(call_id: str, arguments: str, name: str = "f") -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
 def rejected(model: type[BaseModel], body: Any) -> ApiError:
     with pytest.raises(ValidationError) as info:
         model.model_validate(body)
@@ -68,10 +76,51 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (chat(messages=[]), "messages", "at least 1", None),
     (chat(bogus=1), "bogus", "unrecognized request argument supplied: 'bogus'",
      "unknown_parameter"),
-    (chat(tools=[{"type": "function"}]), "tools", "not supported by kvrail",
-     "unsupported_parameter"),
-    (chat(tool_choice="auto"), "tool_choice", "not supported", "unsupported_parameter"),
+    (chat(tools=[{"type": "function"}]), "tools.0.function", "missing required parameter", None),
+    (chat(tools=[{"type": "code_interpreter"}]), "tools.0.type", "Input should be 'function'",
+     None),
+    (chat(tools=[tool("get-weather!")]), "tools.0.function.name", "should match pattern", None),
+    (chat(tools=[tool("f"), tool("f")]), "tools", "the same name", None),
+    (chat(tools=[tool("f", parameters=[SECRET])]), "tools.0.function.parameters",
+     "valid dictionary", None),
+    (chat(tools=[tool("f", strict="yes")]), "tools.0.function.strict", "valid boolean", None),
+    (chat(tools=[tool(f"f{i}") for i in range(129)]), "tools", "at most 128", None),
+    (chat(tool_choice="required"), "tool_choice", "needs tools", None),
+    (chat(tool_choice=SECRET), "tool_choice", "'none', 'auto' or 'required'", None),
+    (chat(tools=[tool("f")], tool_choice={"type": "function", "function": {"name": "g"}}),
+     "tool_choice", "not in tools", None),
+    (chat(tool_choice={"type": "function", "function": {}}), "tool_choice.function.name",
+     "missing required parameter", None),
+    (chat(parallel_tool_calls="no"), "parallel_tool_calls", "valid boolean", None),
     (chat(functions=[{}]), "functions", "not supported", "unsupported_parameter"),
+    (chat(function_call="auto"), "function_call", "send tool_choice", "unsupported_parameter"),
+    (chat(response_format={"type": SECRET}), "response_format",
+     "must be text, json_object or json_schema", None),
+    (chat(response_format={"type": "json_schema"}), "response_format.json_schema",
+     "missing required parameter", None),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a b"}}),
+     "response_format.json_schema.name", "should match pattern", None),
+    (chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": [1]}}),
+     "response_format.json_schema.schema", "valid dictionary", None),
+    (chat(response_format={"type": "json_object", "schema": {}}), "response_format.schema",
+     "unrecognized", "unknown_parameter"),
+    (chat(structured_outputs={"regex": "a", "choice": ["a"]}), "structured_outputs",
+     "exactly one of", None),
+    (chat(structured_outputs={}), "structured_outputs", "exactly one of", None),
+    (chat(structured_outputs={"json_object": False}), "structured_outputs", "exactly one", None),
+    (chat(structured_outputs={"json": "[1]"}), "structured_outputs.json",
+     "JSON schema object", None),
+    (chat(structured_outputs={"json": SECRET}), "structured_outputs.json", "JSON schema", None),
+    (chat(structured_outputs={"choice": []}), "structured_outputs.choice", "at least 1", None),
+    (chat(structured_outputs={"regex": "a", "structural_tag": "x"}),
+     "structured_outputs.structural_tag", "not supported", "unsupported_parameter"),
+    (chat(structured_outputs={"regex": "a", "whitespace_pattern": " "}),
+     "structured_outputs.whitespace_pattern", "not supported", "unsupported_parameter"),
+    (chat(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+     "structured_outputs", "not both", None),
+    (chat(reasoning_effort="extreme"), "reasoning_effort", "Input should be", None),
+    (chat(chat_template_kwargs={"enable_thinking": [1]}), "chat_template_kwargs.enable_thinking",
+     "valid", None),
     (chat(top_logprobs=3), "top_logprobs", "needs logprobs: true", None),
     (chat(logprobs=False, top_logprobs=1), "top_logprobs", "needs logprobs: true", None),
     (chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20", None),
@@ -82,8 +131,6 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (chat(logit_bias={"word": 5}), "logit_bias", "token ids (strings of digits)", None),
     (chat(logit_bias=[5]), "logit_bias", "an object of token ids", None),
     (chat(logit_bias={str(i): 1 for i in range(301)}), "logit_bias", "at most 300", None),
-    (chat(response_format={"type": "json_object"}), "response_format", "not supported",
-     "unsupported_parameter"),
     (chat(frequency_penalty=2.5), "frequency_penalty", "less than or equal to 2", None),
     (chat(presence_penalty=-3), "presence_penalty", "greater than or equal to -2", None),
     (chat(top_k=-2), "top_k", "greater than or equal to -1", None),
@@ -119,8 +166,18 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
     (chat(stream="true"), "stream", "valid boolean", None),
     (chat(max_tokens=True), "max_tokens", "valid integer", None),
     (chat(user=5), "user", "valid string", None),
-    (chat(messages=[message(role="tool")]), "messages.0.role", "role 'tool' is not supported",
-     None),
+    (chat(messages=[message(role="tool")]), "messages.0", "needs tool_call_id", None),
+    (chat(messages=[message(tool_call_id="c")]), "messages.0", "only a tool message", None),
+    (chat(messages=[message(role="function")]), "messages.0.role",
+     "role 'function' is not supported", None),
+    (chat(messages=[{"role": "assistant"}]), "messages.0", "content or tool_calls", None),
+    (chat(messages=[message(role="assistant", tool_calls=[call("c", {"a": 1})])]),
+     "messages.0.tool_calls.0.function.arguments", "valid string", None),
+    (chat(messages=[message(role="assistant", tool_calls=[{"id": "c", "type": "function"}])]),
+     "messages.0.tool_calls.0.function", "missing required parameter", None),
+    (chat(messages=[message(reasoning_content="r")]), "messages.0", "only assistant", None),
+    (chat(messages=[message(function_call={"name": "f"})]), "messages.0.function_call",
+     "not supported", "unsupported_parameter"),
     (chat(messages=[message(role="robot")]), "messages.0.role", "Input should be", None),
     (chat(messages=[message(content=None)]), "messages.0.content", "string or a list", None),
     (chat(messages=[message(content=[{"type": "image_url", "image_url": {"url": "x"}}])]),
@@ -131,8 +188,7 @@ CHAT_ERRORS: list[tuple[dict[str, Any], str | None, str, str | None]] = [
      "messages.0.content.0.text", "valid string", None),
     (chat(messages=[message(content=[{"type": "text", "text": "x", "extra": 1}])]),
      "messages.0.content.0.extra", "unrecognized", "unknown_parameter"),
-    (chat(messages=[message(tool_calls=[])]), "messages.0.tool_calls", "not supported",
-     "unsupported_parameter"),
+    (chat(messages=[message(tool_calls=[])]), "messages.0", "only assistant messages", None),
     (chat(messages=[message(content="\ud800" + SECRET)]), "messages.0.content", "surrogate",
      None),
     (chat(messages=[message(), "hello"]), "messages.1", "valid dictionary", None),
@@ -372,10 +428,13 @@ def test_the_openapi_schema_states_exactly_what_is_accepted(app: FastAPI) -> Non
         "messages",
     ]
     props = request["properties"]
-    assert props["tools"]["anyOf"][0]["maxItems"] == 0
+    assert props["tools"]["anyOf"][0]["maxItems"] == 128
+    assert props["tools"]["anyOf"][0]["items"] == {"$ref": "#/components/schemas/Tool"}
+    assert props["functions"]["anyOf"][0] == {"items": {}, "maxItems": 0, "type": "array"}
     assert props["logprobs"]["anyOf"][0] == {"type": "boolean"}
     assert props["top_logprobs"]["anyOf"][0]["maximum"] == 20
-    assert props["tools"]["anyOf"][0] == {"items": {}, "maxItems": 0, "type": "array"}
+    function = components["FunctionDefinition"]
+    assert function["additionalProperties"] is False and function["required"] == ["name"]
     assert props["n"]["anyOf"][0]["maximum"] == schemas.MAX_CHOICES
     # The seed bound survives FastAPI writing bounds as floats.
     assert int(props["seed"]["anyOf"][0]["maximum"]) == schemas.SEED_MAX
@@ -605,3 +664,85 @@ def test_no_error_message_quotes_the_request_text(changes: dict[str, Any], part:
         except ValidationError as exc:
             err = validation_error(exc)
             assert err.status == 400 and SECRET not in json.dumps(err.body())
+
+
+# -- what agent frameworks send, accepted as sent -----------------------------------------------
+
+_TOOL_CALL = {"id": "call_1", "type": "function",
+              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+_CALLED = {
+    "id": "c", "object": "chat.completion", "created": 1, "model": "m",
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": None,
+                 "message": {"role": "assistant", "content": None, "refusal": None,
+                             "tool_calls": [_TOOL_CALL], "reasoning_content": "hm",
+                             "reasoning": "hm"}}],
+    "usage": USAGE,
+}  # fmt: skip
+
+
+def _accepting(answer: dict[str, Any], seen: list[ChatCompletionRequest]) -> Callable[[Any], Any]:
+    def handler(request: Any) -> Any:
+        seen.append(ChatCompletionRequest.model_validate(json.loads(request.content)))
+        return http.Response(200, json=answer)
+
+    return handler
+
+
+def test_the_openai_clients_tool_round_trip_and_parse_are_accepted_as_sent() -> None:
+    seen: list[ChatCompletionRequest] = []
+    client = _client(_accepting(_CALLED, seen))
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "strict": True,
+                                                    "parameters": {"type": "object"}}}]  # fmt: skip
+    messages: Any = [{"role": "user", "content": "Weather?"}]
+    called = client.chat.completions.create(
+        model="m", messages=messages, tools=tools, tool_choice="required"
+    )
+    reply = called.choices[0].message
+    assert reply.tool_calls and getattr(reply, "reasoning_content", None) == "hm"
+    tool_result: Any = {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+    client.chat.completions.create(model="m", messages=[*messages, reply, tool_result])
+    history = seen[-1].template_messages()
+    assert history[1] == {
+        "role": "assistant", "content": None, "reasoning_content": "hm",
+        "tool_calls": [{"id": "call_1", "type": "function",
+                        "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}],
+    }  # fmt: skip
+    assert history[2] == {"role": "tool", "content": "sunny", "tool_call_id": "call_1"}
+    # Arguments a call cut short left unfinished reach the template as the text they are.
+    cut = {**_TOOL_CALL, "function": {"name": "get_weather", "arguments": '{"city": "Par'}}
+    body = chat(messages=[message(role="assistant", content=None, tool_calls=[cut])])
+    rendered = ChatCompletionRequest.model_validate(body).template_messages()[0]
+    assert rendered["tool_calls"][0]["function"]["arguments"] == '{"city": "Par'
+
+    class City(BaseModel):
+        name: str
+
+    with pytest.raises(openai.LengthFinishReasonError):  # the canned answer ends in `length`
+        _client(_accepting({**_CALLED, "choices": [{**_CALLED["choices"][0],  # type: ignore[dict-item]
+                "finish_reason": "length"}]}, seen)).chat.completions.parse(
+            model="m", messages=messages, response_format=City)  # fmt: skip
+    assert seen[-1].response_format is not None and seen[-1].response_format.type == "json_schema"
+
+
+def test_langchains_tools_and_structured_output_are_accepted_as_sent() -> None:
+    from langchain_openai import ChatOpenAI
+
+    seen: list[ChatCompletionRequest] = []
+    answer = {**_CALLED, "choices": [{**_CALLED["choices"][0], "finish_reason": "stop",  # type: ignore[dict-item]
+              "message": {"role": "assistant", "content": '{"name": "Paris"}'}}]}  # fmt: skip
+    llm = ChatOpenAI(
+        model="m", api_key="sk-test", base_url="http://kvrail.test/v1", max_retries=0,  # type: ignore[arg-type]
+        http_client=http.Client(transport=http.MockTransport(_accepting(answer, seen))),
+    )  # fmt: skip
+
+    class City(BaseModel):
+        name: str
+
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return "sunny"
+
+    llm.bind_tools([get_weather], tool_choice="get_weather").invoke("Weather in Paris?")
+    assert seen[-1].tools and seen[-1].tools[0].function.name == "get_weather"
+    assert llm.with_structured_output(City).invoke("Facts?") == City(name="Paris")
+    assert seen[-1].response_format is not None and seen[-1].response_format.type == "json_schema"

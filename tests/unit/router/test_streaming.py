@@ -5,6 +5,7 @@ every token's in OpenAI's shapes (parsed by the `openai` client's types)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -16,8 +17,10 @@ from openai.types.chat import ChatCompletionChunk as OpenAIChatCompletionChunk
 from openai.types.completion_choice import Logprobs as OpenAICompletionLogprobs
 
 from kvrail.outputs import RequestOutput, TokenLogprobs
+from kvrail.router.api import responses
 from kvrail.router.api.errors import ApiError
 from kvrail.router.api.streaming import EventStream, Piece, Reply, _event, collect, sse
+from kvrail.router.output.piece import ToolCallDelta
 
 TEXTS = [
     "",
@@ -218,3 +221,66 @@ def test_a_request_that_did_not_ask_gets_the_same_bytes_and_null_logprobs(
     whole = asyncio.run(collect(_pieces(LOGPROB_PIECES), _reply(kind, asked=False)))
     assert whole["choices"][0]["logprobs"] is None
     assert whole == asyncio.run(collect(_pieces(plain), _reply(kind, asked=False)))
+
+
+PARSED = [
+    Piece("", None, 1, reasoning="Let me "),
+    Piece("", None, 2, reasoning="check."),
+    Piece("Sure.", None, 3, tool_calls=(ToolCallDelta(0, "call_a", "get_weather", '{"ci'),)),
+    Piece("", None, 4, tool_calls=(ToolCallDelta(0, arguments='ty": "Oslo"}'),
+                                   ToolCallDelta(1, "call_b", "now", "{}"))),
+    Piece("", "tool_calls", 5),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("logprobs", [False, True])
+def test_reasoning_and_tool_calls_stream_as_openai_deltas_and_join_into_the_whole_body(
+    logprobs: bool,
+) -> None:
+    output = RequestOutput("r", (7,), logprobs=(TokenLogprobs(7, -0.5),))
+    pieces = [dataclasses.replace(p, output=output) for p in PARSED]
+    reply = Reply("chat", "chatcmpl-1", "m", 1, 5, token_text=(lambda _: "x") if logprobs else None,
+                  reasoning=True)  # fmt: skip
+    sent = asyncio.run(_written(reply, pieces))
+    events = b"".join(m.get("body", b"") for m in sent[1:]).split(b"\n\n")
+    chunks = [OpenAIChatCompletionChunk.model_validate_json(e.removeprefix(b"data: "))
+              for e in events if e.startswith(b"data: {")]  # fmt: skip
+    deltas = [c.choices[0].delta for c in chunks]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "Let me check."
+    assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == "Let me check."
+    assert "".join(d.content or "" for d in deltas) == "Sure."
+    calls = [t for d in deltas for t in d.tool_calls or ()]
+    assert [(t.index, t.id, t.type) for t in calls] == [
+        (0, "call_a", "function"), (0, None, None), (1, "call_b", "function"),
+    ]  # fmt: skip
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    if logprobs:  # every piece's token, once, in its first chunk
+        entries = [
+            e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content or ()
+        ]
+        assert len(entries) == len(pieces)
+    whole = OpenAIChatCompletion.model_validate(asyncio.run(collect(_gen(pieces), reply)))
+    message = whole.choices[0].message
+    assert message.content == "Sure." and whole.choices[0].finish_reason == "tool_calls"
+    assert [(c.id, c.function.name, c.function.arguments) for c in message.tool_calls or ()] == [
+        ("call_a", "get_weather", '{"city": "Oslo"}'), ("call_b", "now", "{}"),
+    ]  # fmt: skip
+    assert getattr(message, "reasoning_content", None) == "Let me check."
+    assert getattr(message, "reasoning", None) == "Let me check."
+
+
+def test_a_message_with_only_calls_has_null_content_and_no_thinking_is_null() -> None:
+    reply = Reply("chat", "chatcmpl-1", "m", 1, 5, reasoning=True)
+    pieces = [Piece("", "tool_calls", 1, tool_calls=(ToolCallDelta(0, "call_a", "f", "{}"),))]
+    body = asyncio.run(collect(_gen(pieces), reply))
+    message = body["choices"][0]["message"]
+    assert message["content"] is None and message["reasoning_content"] is None
+    _roundtrip = responses.ChatCompletion.model_validate(body).model_dump(mode="json")
+    assert _roundtrip["choices"][0]["message"]["tool_calls"] == message["tool_calls"]
+    plain = asyncio.run(collect(_gen([Piece("hi", "stop", 1)]), Reply("chat", "c", "m", 1, 5)))
+    assert set(plain["choices"][0]["message"]) == {"role", "content", "refusal"}
+
+
+async def _gen(pieces: list[Piece]) -> AsyncGenerator[Piece, None]:
+    for piece in pieces:
+        yield piece

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvrail.errors import InvalidRequestError, ModelNotFoundError
 from kvrail.model_files import PREPARED_MARKER, resolve
-from kvrail.router.text import tokenizer as text
+from kvrail.router.text import tokenizer_files as text
 from kvrail.router.text.detokenizer import Detokenizer
 from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import default_cache_dir
