@@ -394,11 +394,14 @@ class Capital(BaseModel):
 # -- the OpenAI Agents SDK -------------------------------------------------------------------------
 
 
-def _agent_client(hosts: list[str]) -> Any:
-    """An async client for the router that records every host it is asked to reach."""
+def _agent_client(hosts: list[str], bodies: list[Any] | None = None) -> Any:
+    """An async client for the router that records every host it is asked to reach (and the
+    bodies it sends, into `bodies`)."""
 
     async def record(request: Any) -> None:
         hosts.append(request.url.host)
+        if bodies is not None:
+            bodies.append(json.loads(request.content))
 
     http = openai.DefaultAsyncHttpxClient(event_hooks={"request": [record]})
     return openai.AsyncOpenAI(base_url=URL, api_key="none", max_retries=0, http_client=http)
@@ -446,3 +449,49 @@ def test_an_agent_with_one_function_tool_completes_a_run(pool: LocalPool, api: s
     assert len(calls) == 1 and len(outputs) == 1
     assert getattr(calls[0], "name", None) == "get_weather"
     assert json.loads(getattr(calls[0], "arguments", "")) == {"city": cities[0]}
+
+
+@pytest.mark.usefixtures("nc")
+def test_an_agent_answers_from_its_tools_result_the_same_through_either_api(
+    pool: LocalPool,
+) -> None:
+    """The SDK's default loop: a forced call on the first turn, the tool run, its result sent
+    back (a `function_call_output` item, or a `tool` message through chat completions) with
+    `tool_choice` reset (`reset_tool_choice`, the default), and the model's answer ending the
+    run. Asserted: two model requests each, the second carrying the tool's result; the same
+    final answer through the Responses API as through chat completions (greedy, and the same
+    conversation makes the same prompt), which is the run's output."""
+    set_tracing_disabled(True)
+
+    @function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        return f"It is sunny in {city}."
+
+    answers, sent = {}, {}
+    for api in ("responses", "chat_completions"):
+        hosts: list[str] = []
+        bodies: list[Any] = []
+        client_ = _agent_client(hosts, bodies)
+        model = (
+            OpenAIResponsesModel(MODEL, client_) if api == "responses"
+            else OpenAIChatCompletionsModel(MODEL, client_)
+        )  # fmt: skip
+        agent = Agent(
+            name="weather", instructions="Answer with the weather tool.", tools=[get_weather],
+            model=model, model_settings=ModelSettings(
+                tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=64
+            ),
+        )  # fmt: skip
+        result = asyncio.run(Runner.run(agent, WEATHER_QUESTION, max_turns=4))
+        assert set(hosts) == {"127.0.0.1"} and len(result.raw_responses) == len(bodies) == 2
+        assert [i.type for i in result.new_items] == [
+            "tool_call_item", "tool_call_output_item", "message_output_item",
+        ]  # fmt: skip
+        answers[api] = result.final_output
+        sent[api] = bodies[1]
+    assert answers["responses"] == answers["chat_completions"] and answers["responses"]
+    [output] = [i for i in sent["responses"]["input"] if i.get("type") == "function_call_output"]
+    [tool] = [m for m in sent["chat_completions"]["messages"] if m["role"] == "tool"]
+    assert output["output"] == tool["content"] and output["output"].startswith("It is sunny in")
+    assert "tool_choice" not in sent["responses"]  # reset after the call: the model may answer
