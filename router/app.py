@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP API over the dispatcher (`RouterApp`).
 
-`/v1/chat/completions` and `/v1/completions` (streamed as server-sent events or not),
+`/v1/chat/completions`, `/v1/completions`, `/v1/responses` (streamed as server-sent events or not),
 `/v1/models` and `/v1/models/{model}`, `/health` (the process answers), `/ready` (a ready decode
-worker is known), `/metrics`. The two generation endpoints are plain ASGI (`RouterApp.__call__`,
+worker is known), `/metrics`. The generation endpoints are plain ASGI (`RouterApp.__call__`,
 `kvrail.router.api.asgi`): FastAPI's per-request machinery cost more than the rest of a short
 request; everything else is FastAPI. Every error has OpenAI's shape,
 `{"error": {"message", "type", "param", "code"}}`, with the status the OpenAI API uses (400 bad
@@ -35,10 +35,10 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvrail.errors import KvrailError
 from kvrail.router import chat, generate
-from kvrail.router.api import asgi, responses, schemas, streaming
+from kvrail.router.api import asgi, responses, responses_api, schemas, streaming
 from kvrail.router.api import errors as api_errors
 from kvrail.router.api.errors import ApiError
-from kvrail.router.generate import RouterState, context_len
+from kvrail.router.generate import Render, RouterState, context_len
 from kvrail.router.tenants import Rejected, Tenant
 
 __all__ = ["RouterApp", "RouterState", "create_app"]
@@ -54,6 +54,7 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
+RESPONSES_PATH = responses_api.PATH
 
 
 def create_app(state: RouterState) -> RouterApp:
@@ -119,11 +120,13 @@ async def _chat(
     tenant: Tenant,
     receive: Receive,
     request_id: str,
+    render: Render | None = None,
 ) -> Served:
     ready = await chat.prepare_chat(state, body)
     return await generate.serve(
-        state, receive, CHAT_PATH, "chat", tenant, ready.prompt_ids, ready.asked, request_id,
-        output=ready.plan, keep_special=ready.keep_special,
+        state, receive, CHAT_PATH if render is None else RESPONSES_PATH, "chat", tenant,
+        ready.prompt_ids, ready.asked, request_id, output=ready.plan,
+        keep_special=ready.keep_special, render=render,
     )  # fmt: skip
 
 
@@ -157,11 +160,20 @@ async def _completion(
     )  # fmt: skip
 
 
-_ID_PREFIX = {CHAT_PATH: "chatcmpl", COMPLETIONS_PATH: "cmpl"}  # OpenAI's
-GenerationBody = type[schemas.ChatCompletionRequest] | type[schemas.CompletionRequest]
+async def _responses(state: RouterState, body: responses_api.ResponsesRequest, tenant: Tenant,
+                     receive: Receive, request_id: str) -> Served:  # fmt: skip
+    """Served as the chat completion it translates to (`kvrail.router.api.responses_api`)."""
+    return await responses_api.respond(body, state.defaults, lambda chat, render: _chat(
+        state, chat, tenant, receive, request_id, render))  # fmt: skip
+
+
+_ID_PREFIX = {CHAT_PATH: "chatcmpl-", COMPLETIONS_PATH: "cmpl-", RESPONSES_PATH: "resp_"}
+GenerationBody = type[schemas.ChatCompletionRequest | schemas.CompletionRequest
+                      | responses_api.ResponsesRequest]  # fmt: skip
 _GENERATION: dict[str, tuple[GenerationBody, Callable[..., Awaitable[Served]]]] = {
     CHAT_PATH: (schemas.ChatCompletionRequest, _chat),
     COMPLETIONS_PATH: (schemas.CompletionRequest, _completion),
+    RESPONSES_PATH: (responses_api.ResponsesRequest, _responses),
 }
 
 
@@ -184,7 +196,7 @@ class RouterApp(FastAPI):
         state, path = self.router_state, scope["path"]
         # The id the request is known by: its completion's `id`, the router's and workers' logs'
         # request_id, and every response's x-request-id header (OpenAI's name for it).
-        request_id = f"{_ID_PREFIX[path]}-{self.request_ids.next()}"
+        request_id = f"{_ID_PREFIX[path]}{self.request_ids.next()}"
         if scope["method"] != "POST":
             refused = ApiError(405, "Method Not Allowed", headers={"Allow": "POST"})
             await error_response(state, path, refused, request_id)(scope, receive, send)
@@ -257,6 +269,7 @@ def _documented_routes() -> list[APIRoute]:
                  response_model=responses.ChatCompletion, responses=_ERROR_RESPONSES),
         APIRoute(COMPLETIONS_PATH, completions, methods=["POST"],
                  response_model=responses.Completion, responses=_ERROR_RESPONSES),
+        responses_api.documented_route(_ERROR_RESPONSES),
     ]  # fmt: skip
 
 
@@ -271,11 +284,12 @@ def _check_message_count(context: int, payload: Any) -> None:
     """Refuse a chat with more messages than the context has tokens (each message takes at
     least one) before validating them: validation costs about 3 us a message on the event loop,
     and a body within the comma bound can hold 30,000 of them."""
-    messages = payload.get("messages") if isinstance(payload, dict) else None
+    param = "input" if isinstance(payload, dict) and "input" in payload else "messages"  # items
+    messages = payload.get(param) if isinstance(payload, dict) else None
     if isinstance(messages, list) and len(messages) > context:
         raise ApiError(
-            400, f"{len(messages)} messages: more than this model's context of {context} tokens "
-            "can hold (each message takes at least one)", param="messages",
+            400, f"{len(messages)} {param}: more than this model's context of {context} tokens "
+            "can hold (each message or item takes at least one)", param=param,
             code="context_length_exceeded",
         )  # fmt: skip
 

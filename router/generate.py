@@ -15,8 +15,9 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from starlette.responses import JSONResponse
 from starlette.types import Receive
@@ -71,6 +72,20 @@ class RouterState:
     reasoning_parser: bool = False  # split `<think>` reasoning from the answer
 
 
+class Render(Protocol):
+    """Another shape for a chat's answer than the chat completion's (the Responses API's,
+    `kvrail.router.api.responses_api`): its whole body, or its events, from the same pieces."""
+
+    def collect(
+        self, pieces: AsyncGenerator[streaming.Piece, None], reply: streaming.Reply
+    ) -> Awaitable[dict[str, Any]]: ...
+
+    def sse(
+        self, reply: streaming.Reply, pieces: AsyncGenerator[streaming.Piece, None],
+        count: Callable[[str], None],
+    ) -> AsyncIterator[bytes]: ...  # fmt: skip
+
+
 def context_len(state: RouterState) -> int:
     """The longest prompt + completion every ready decode worker can hold (each announces its
     model's limit or what its KV pool holds, whichever is smaller), capped by the configured
@@ -93,13 +108,15 @@ async def serve(
     echo_text: str = "",
     output: OutputPlan | None = None,
     keep_special: frozenset[int] = frozenset(),
+    render: Render | None = None,
 ) -> JSONResponse | streaming.EventStream:
     """The response to one generation request, `request_id` (the completion's id, and the
     response's x-request-id header). Its body was read from `receive`; the client's departure
     is read from it too. With `echo` (`asked.delivery`) the text begins with `echo_text`, the
     prompt's. `output` says how each choice's text is parsed (reasoning, tool calls), reading
-    the special tokens `keep_special` too. Raises ApiError, asgi.ClientLeft (not streamed, the
-    client left before the end; counted as 499)."""
+    the special tokens `keep_special` too; `render` renders the answer in another shape than
+    the chat's. Raises ApiError, asgi.ClientLeft (not streamed, the client left before the end;
+    counted as 499)."""
     started = time.monotonic()
     param = "messages" if kind == "chat" else "prompt"
     if not prompt_ids:
@@ -170,7 +187,7 @@ async def serve(
     else:
         pieces = choices.pieces_of(choices.choice_jobs(job, count), start)
     if delivery.stream:
-        sse = streaming.sse(
+        sse = (render.sse if render is not None else streaming.sse)(
             reply, pieces, lambda status: state.metrics.requests.labels(endpoint, status).inc()
         )
         return streaming.EventStream(
@@ -178,7 +195,11 @@ async def serve(
         )
     try:
         keep = asked.n if asked.best_of and asked.best_of > asked.n else None
-        body = await streaming.until_disconnect(receive, streaming.collect(pieces, reply, keep))
+        work = (
+            render.collect(pieces, reply) if render is not None
+            else streaming.collect(pieces, reply, keep)
+        )  # fmt: skip
+        body = await streaming.until_disconnect(receive, work)
     except asgi.ClientLeft:
         state.metrics.requests.labels(endpoint, "499").inc()
         raise

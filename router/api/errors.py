@@ -138,8 +138,9 @@ def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -
         detail = f" ({_safe(str(reason))})" if reason else ""
         return ApiError(400, f"the request body is not valid JSON{detail}", code="invalid_json")
     ctx = first.get("ctx") or {}
+    code = "unsupported_parameter" if kind == "kvrail_unsupported" else None  # refused by name
     if "param" in ctx:
-        return ApiError(400, str(first.get("msg")), param=str(ctx["param"]))
+        return ApiError(400, str(first.get("msg")), param=str(ctx["param"]), code=code)
     path = [p for p in loc if not _is_union_tag(p)]
     if kind == "extra_forbidden" and loc:
         path = path[:-1] + [loc[-1]]  # the unknown key itself may look like a tag
@@ -157,14 +158,15 @@ def validation_error(exc: ValidationError | Sequence[Mapping[str, Any]] | Any) -
             return ApiError(400, message, param=param, code="unsupported_parameter")
         message = f"unrecognized request argument supplied: '{param}'"
         return ApiError(400, message, param=param, code="unknown_parameter")
-    # A declared feature field sent with a value other than its neutral one.
+    # A declared feature field sent with a value other than its neutral one (the Responses body
+    # refuses its own by name, in its validators: its fields of the same names differ).
     name = param if param in UNSUPPORTED else top
-    if name in UNSUPPORTED:
+    if name in UNSUPPORTED and getattr(exc, "title", None) != "ResponsesRequest":
         message = f"'{name}' is not supported by kvrail (accepted: {UNSUPPORTED[name]})"
         return ApiError(400, message, param=name, code="unsupported_parameter")
     msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     if kind.startswith("kvrail"):
-        return ApiError(400, msg, param=param)
+        return ApiError(400, msg, param=param, code=code)
     return ApiError(400, f"invalid '{param}': {msg}", param=param)
 
 
