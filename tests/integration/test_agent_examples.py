@@ -1,6 +1,7 @@
 """The agents' examples (examples/agents/) run as written against `kvrail up`, each with its
 real client: the `openai` SDK (a structured output parsed into a pydantic model, a forced tool
-call and its round trip) and LangChain (`with_structured_output`, `bind_tools`).
+call and its round trip), LangChain (`with_structured_output`, `bind_tools`) and the OpenAI
+Agents SDK (an agent with one tool, through the Responses API and through chat completions).
 
 Each example is a script a user runs with `OPENAI_BASE_URL` pointing at the local stack; it
 prints what it got, one labelled line per step, and this test reads those lines back and checks
@@ -72,3 +73,13 @@ def test_the_langchain_example_gets_a_structured_output_and_a_forced_tool_call(
     args = json.loads(arguments)
     assert name == "multiply" and set(args) == {"a", "b"}
     assert all(type(v) is int for v in args.values()) and int(product) == args["a"] * args["b"]
+
+
+def test_the_agents_sdk_example_runs_an_agent_through_responses_and_chat_completions(
+    base_url: str,
+) -> None:
+    out = _run("agents_sdk.py", base_url)
+    for api in ("responses", "chat_completions"):
+        counts, _, output = out[api].partition("; output ")
+        assert counts == "1 model call(s), 1 tool call(s)"
+        assert output.startswith("'It is sunny in ") and output.endswith(".'")
