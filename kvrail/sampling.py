@@ -38,7 +38,10 @@ Semantics follow vLLM's `SamplingParams`:
   grammar (the JSON of its `TopLevelGrammar`, as `llguidance.LLMatcher.grammar_from_*` and the
   router's `kvrail.router.structured` write it) that every output token must keep valid: tokens it
   does not allow are masked before sampling, and the end-of-sequence token is allowed only where
-  the grammar may end. The router has validated it; at most `MAX_GRAMMAR_CHARS` characters.
+  the grammar may end. The grammar wins over `ignore_eos` and `min_tokens`: they hold the
+  end-of-sequence token (and, before `min_tokens`, the stop token ids) back only while the grammar
+  allows some other token, and a complete grammar ends the request. The router has validated it;
+  at most `MAX_GRAMMAR_CHARS` characters.
 """
 
 from __future__ import annotations
