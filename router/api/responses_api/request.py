@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Discriminator, Field, Tag, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from kvrail.router.api.agent_fields import FunctionName, JsonObjectFormat, TextFormat
 from kvrail.router.api.fields import STRICT, OnlyFalse
 from kvrail.router.api.responses_api.items import Input, Text, by_type
 from kvrail.router.api.responses_api.refusals import LOGPROBS_INCLUDE, refuse_unserved
@@ -28,7 +29,7 @@ class FunctionTool(BaseModel):
 
     model_config = STRICT
     type: Literal["function"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    name: FunctionName
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -61,22 +62,12 @@ ToolChoice = Annotated[
 ]
 
 
-class FormatText(BaseModel):
-    model_config = STRICT
-    type: Literal["text"]
-
-
-class FormatJsonObject(BaseModel):
-    model_config = STRICT
-    type: Literal["json_object"]
-
-
 class FormatJsonSchema(BaseModel):
     """The answer is JSON valid against `schema` (`schema_` here: the name is pydantic's)."""
 
     model_config = STRICT
     type: Literal["json_schema"]
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    name: FunctionName
     schema_: dict[str, Any] = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
@@ -85,8 +76,8 @@ class FormatJsonSchema(BaseModel):
 class TextConfig(BaseModel):
     model_config = STRICT
     format: Annotated[
-        Annotated[FormatText, Tag("type[text]")]
-        | Annotated[FormatJsonObject, Tag("type[json_object]")]
+        Annotated[TextFormat, Tag("type[text]")]
+        | Annotated[JsonObjectFormat, Tag("type[json_object]")]
         | Annotated[FormatJsonSchema, Tag("type[json_schema]")],
         by_type("text.format"),
     ] | None = None  # fmt: skip

@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from kvrail.router.api.agent_fields import JsonObjectFormat
 from kvrail.router.api.errors import ApiError, validation_error
 from kvrail.router.api.responses_api.items import (
     FunctionCallItem,
@@ -34,7 +35,6 @@ from kvrail.router.api.responses_api.items import (
 )
 from kvrail.router.api.responses_api.request import (
     AllowedTools,
-    FormatJsonObject,
     FormatJsonSchema,
     FunctionTool,
     ResponsesRequest,
@@ -205,7 +205,7 @@ def chat_tool(tool: FunctionTool) -> dict[str, Any]:
 
 def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     fmt = req.text.format if req.text is not None else None
-    if isinstance(fmt, FormatJsonObject):
+    if isinstance(fmt, JsonObjectFormat):
         return {"type": "json_object"}
     if isinstance(fmt, FormatJsonSchema):
         schema: dict[str, Any] = {"name": fmt.name, "schema": fmt.schema_}
