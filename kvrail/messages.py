@@ -171,6 +171,12 @@ class KvEvent(Message):
     cleared: bool = False
 
 
+KvTier = Literal["gpu", "host", "disk"]
+"""Where a worker holds a cached KV block: GPU memory (what a step reads), the pinned host-memory
+tier or the local disk tier (loaded back to the GPU before a step reads it)."""
+KV_TIERS: tuple[KvTier, ...] = ("gpu", "host", "disk")
+"""The tiers, fastest first."""
+
 WorkerRole = Literal["prefill", "decode", "colocated"]
 """What a worker does: `colocated` workers prefill and decode (a colocated pool's only role)."""
 DECODE_ROLES: tuple[WorkerRole, ...] = ("decode", "colocated")

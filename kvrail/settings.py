@@ -107,6 +107,15 @@ class Settings(BaseModel):
         False, description="checksum every transferred KV block (always on in tests)"
     )
     num_kv_blocks: int = Field(512, ge=2, description="KV cache blocks per worker (incl. null)")
+    kv_host_tier_bytes: int = Field(
+        0, ge=0,
+        description="pinned host memory of the worker's host KV tier (0: none): full GPU blocks "
+        "are written behind to it and loaded back on a prefix hit",
+    )  # fmt: skip
+    kv_disk_tier_path: str = Field(
+        "", description="directory of the worker's disk KV tier, fed by the host tier (empty: none)"
+    )
+    kv_disk_tier_bytes: int = Field(0, ge=0, description="bytes the disk KV tier may hold")
     max_num_mixed_prefill_tokens: int = Field(
         0, ge=0,
         description="prefill tokens at most in a step that also decodes (0: the step budget "
@@ -273,6 +282,16 @@ class Settings(BaseModel):
         if not re.match(r"^(nats|tls)://[^/]+:\d+$", value):
             raise ValueError(f"{value!r} is not nats://host:port or tls://host:port")
         return value
+
+    @model_validator(mode="after")
+    def _kv_tiers(self) -> Settings:
+        """A disk tier is fed by the host tier and needs a size; a size without a path is a
+        tier that silently does not exist."""
+        if self.kv_disk_tier_path and not (self.kv_host_tier_bytes and self.kv_disk_tier_bytes):
+            raise ValueError("kv_disk_tier_path needs kv_host_tier_bytes and kv_disk_tier_bytes")
+        if self.kv_disk_tier_bytes and not self.kv_disk_tier_path:
+            raise ValueError("kv_disk_tier_bytes needs kv_disk_tier_path")
+        return self
 
     @model_validator(mode="after")
     def _etcd_tls(self) -> Settings:

@@ -82,6 +82,9 @@ def build_engine(settings: Settings, agent_name: str | None = None) -> BuiltEngi
         max_num_mixed_prefill_tokens=settings.max_num_mixed_prefill_tokens,
         max_mixed_graph_tokens=settings.max_mixed_graph_tokens,
         zero_kv_on_release=settings.zero_kv_on_release, kv_dtype=settings.kv_dtype,
+        kv_host_tier_bytes=settings.kv_host_tier_bytes,
+        kv_disk_tier_path=settings.kv_disk_tier_path,
+        kv_disk_tier_bytes=settings.kv_disk_tier_bytes,
     )  # fmt: skip
     return build_sharded_engine(
         settings.model, config, dtype=dtype, device_type=device,

@@ -23,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvrail.messages import KvTier
+
 
 @dataclass(frozen=True, slots=True)
 class KvChanges:
@@ -33,6 +35,9 @@ class KvChanges:
 
     stored: tuple[bytes, ...] = ()
     removed: tuple[bytes, ...] = ()
+    tier: KvTier = "gpu"
+    """The tier the changes are of (the GPU's prefix cache, or a lower tier, see
+    `kvrail.worker.engine.kv_tiers`)."""
 
     @property
     def is_empty(self) -> bool:

@@ -76,6 +76,8 @@ class EngineConfig:
     (see `LLMEngine`); None means on for CUDA devices, off elsewhere (on a CPU nothing overlaps,
     and it would only delay each token by a step).
     `kv_dtype` is the KV cache's dtype by name, "auto" for the model's (see `kv_cache_dtype`).
+    `kv_host_tier_bytes`, `kv_disk_tier_path`, `kv_disk_tier_bytes`: the lower KV tiers (pinned
+    host memory; a directory fed by it), see `kvrail.worker.engine.kv_tiers`; 0 and "": none.
     `grammar_threads`: the threads that fill grammar masks (`grammar_masks.MaskFiller`; 0:
     llguidance's default, 80% of the CPUs, at most 32).
 
@@ -98,6 +100,9 @@ class EngineConfig:
     async_scheduling: bool | None = None
     kv_dtype: str = _setting("kv_dtype")
     grammar_threads: int = 0
+    kv_host_tier_bytes: int = _setting("kv_host_tier_bytes")
+    kv_disk_tier_path: str = _setting("kv_disk_tier_path")
+    kv_disk_tier_bytes: int = _setting("kv_disk_tier_bytes")
 
     def __post_init__(self) -> None:
         if self.kv_dtype != "auto" and self.kv_dtype not in DTYPES:
@@ -123,6 +128,12 @@ class EngineConfig:
             )
         if self.grammar_threads < 0:
             raise ConfigError(f"engine grammar_threads must be >= 0, got {self.grammar_threads}")
+        if self.kv_host_tier_bytes < 0 or self.kv_disk_tier_bytes < 0:
+            raise ConfigError("engine KV tier sizes must be >= 0")
+        if bool(self.kv_disk_tier_path) != bool(self.kv_disk_tier_bytes):
+            raise ConfigError("engine kv_disk_tier_path and kv_disk_tier_bytes go together")
+        if self.kv_disk_tier_path and not self.kv_host_tier_bytes:
+            raise ConfigError("engine disk KV tier is fed by the host tier: set kv_host_tier_bytes")
         if self.max_num_seqs < 1:
             raise ConfigError(f"engine max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if (

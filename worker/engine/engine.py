@@ -31,6 +31,7 @@ import torch
 from kvrail.errors import ConfigError, InvalidRequestError
 from kvrail.fingerprint import ModelFingerprint
 from kvrail.hashing import root_hash
+from kvrail.messages import KvTier
 from kvrail.model_files import ModelSource
 from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.sampling import SamplingParams
@@ -308,6 +309,19 @@ class LLMEngine:
     def cached_block_hashes(self) -> list[bytes]:
         """Every block hash in the prefix cache now (those of running requests included)."""
         return self.scheduler.kv_cache_manager.cached_block_hashes()
+
+    def take_tier_events(self) -> list[KvChanges]:
+        """The lower tiers' net changes since the last call, one `KvChanges` per tier that
+        changed (`tier` "host" or "disk"), fastest tier first. A stored hash's block is resident
+        and checksummed in that tier; a block may be in several tiers at once (the GPU's
+        included: `take_kv_events`)."""
+        return []
+
+    def tier_block_hashes(self, tier: KvTier) -> list[bytes]:
+        """Every block hash a tier holds now (`cached_block_hashes` for "gpu")."""
+        if tier == "gpu":
+            return self.cached_block_hashes()
+        return []
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """Zero released blocks (every layer, K and V). On a GPU the fill is queued on the
