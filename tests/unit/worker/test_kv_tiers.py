@@ -22,9 +22,16 @@ BLOCK_BYTES = 2 * 2 * 4 * 2 * 8 * 4  # layers x (K, V) x 4 tokens x 2 KV heads x
 PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
 
 
-def _engine(**overrides: Any) -> LLMEngine:
+DEVICES = ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+])]  # fmt: skip
+"""On a GPU the copies run on their own streams, with async scheduling and CUDA graphs."""
+
+
+def _engine(device: str = "cpu", **overrides: Any) -> LLMEngine:
     overrides.setdefault("num_blocks", 16)  # 15 blocks = 60 tokens: one session at a time
-    return make_engine(tiny_llama_config(), seed=3, max_model_len=60, **overrides)
+    with torch.device(device):
+        return make_engine(tiny_llama_config(), seed=3, max_model_len=60, **overrides)
 
 
 def _run(engine: LLMEngine, request_id: str, prompt: list[int], tenant: str = "") -> Any:
@@ -55,9 +62,12 @@ def _serve(engine: LLMEngine) -> tuple[list[list[int]], list[int]]:
     return outputs, cached
 
 
-def test_sessions_larger_than_the_gpu_pool_hit_the_host_tier_with_the_same_tokens() -> None:
-    plain_outputs, plain_cached = _serve(_engine())
-    tiers = _engine(kv_host_tier_bytes=200 * BLOCK_BYTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_sessions_larger_than_the_gpu_pool_hit_the_host_tier_with_the_same_tokens(
+    device: str,
+) -> None:
+    plain_outputs, plain_cached = _serve(_engine(device))
+    tiers = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
     outputs, cached = _serve(tiers)
     assert outputs == plain_outputs
     # Without tiers the other sessions evicted each session's prefix before its next turn.
@@ -67,8 +77,9 @@ def test_sessions_larger_than_the_gpu_pool_hit_the_host_tier_with_the_same_token
     tiers.tiers.host.check_invariants()
 
 
-def test_a_corrupted_host_block_is_caught_by_its_checksum_and_recomputed() -> None:
-    engine = _engine(kv_host_tier_bytes=200 * BLOCK_BYTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_corrupted_host_block_is_caught_by_its_checksum_and_recomputed(device: str) -> None:
+    engine = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
     prompt = list(range(3, 43))  # 10 blocks
     first = _run(engine, "first", prompt)
     _run(engine, "evict", list(range(50, 90)))  # another prompt fills the GPU pool
@@ -100,8 +111,9 @@ def test_tenants_never_share_a_lower_tier_block() -> None:
     assert _run(engine, "alpha2", prompt, tenant="alpha").num_cached_tokens > 0
 
 
-def test_an_abort_while_loading_frees_every_block_once_the_load_is_done() -> None:
-    engine = _engine(kv_host_tier_bytes=200 * BLOCK_BYTES)
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_abort_while_loading_frees_every_block_once_the_load_is_done(device: str) -> None:
+    engine = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
     prompt = list(range(3, 43))
     _run(engine, "first", prompt)
     _run(engine, "evict", list(range(50, 90)))
