@@ -190,5 +190,8 @@ def test_tiers_gives_both_kvrail_setups_and_vllm_the_same_kv_budget() -> None:
     assert "--enable-prompt-tokens-details" in argv
     smoke = tiers.parse_args(["--cpu-smoke"])
     assert smoke.device == "cpu" and smoke.setups == ["kvrail", "kvrail-host"]
+    assert smoke.kv_blocks == 32 and smoke.sessions == 8 and smoke.concurrency == [8]
+    small = tiers.parse_args(["--cpu-smoke", "--sessions", "2", "--concurrency", "2"])
+    assert (small.sessions, small.concurrency, small.kv_blocks) == (2, [2], 32)
     with pytest.raises(SystemExit):
         tiers.parse_args(["--setups", "vllm"])  # no --shape: no model directory for vLLM
