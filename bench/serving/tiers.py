@@ -107,11 +107,11 @@ KV_METRIC = re.compile(r"^(kvrail_kv\w*)(\{[^}]*\})? (\S+)$")
 
 def kv_metrics(text: str) -> dict[str, float]:
     """The `kvrail_kv*` samples of a Prometheus text page (the tiers' and the GPU pool's), without
-    histogram buckets."""
+    histogram buckets and the client's `_created` timestamps."""
     out: dict[str, float] = {}
     for raw in text.splitlines():
         m = KV_METRIC.match(raw)
-        if m and not m.group(1).endswith("_bucket"):
+        if m and not m.group(1).endswith(("_bucket", "_created")):
             out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
 

@@ -165,6 +165,7 @@ def test_tiers_reads_the_kv_metrics_and_sizes_the_pool() -> None:
         "# HELP kvrail_kv_tier_bytes bytes", 'kvrail_kv_tier_bytes{tier="host"} 4096.0',
         'kvrail_kv_tier_load_seconds_bucket{tier="host",le="0.1"} 3.0',
         'kvrail_kv_tier_load_seconds_count{tier="host"} 3.0',
+        'kvrail_kv_tier_loads_created{tier="host"} 1796556328.9',
         "kvrail_kv_cache_utilization_ratio 0.5", "kvrail_running_requests 2.0",
     ])  # fmt: skip
     assert tiers.kv_metrics(page) == {
