@@ -81,6 +81,8 @@ class PrefillDone(Message):
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """The prompt's scores, when the job's sampling asked (`SamplingParams.prompt_logprobs`):
     one per prompt token after the first."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefill worker did not compute: its own prefix hits, in any KV tier."""
 
     def __post_init__(self) -> None:
         if len(self.first_logprobs) > 1 or any(
