@@ -101,6 +101,15 @@ _VLLM_RULES = (
         "it cannot run an FP8 checkpoint unquantized, so none is not offered",
         ".model.quantization",
     ),
+    *(
+        _vllm_rule(
+            f"!has(self.{role}) || !has(self.{role}.kvTiers.disk)",
+            "engine.kind vllm has no disk KV tier (its native offloading keeps KV in host "
+            "memory only): remove kvTiers.disk, or use kvrail's engine",
+            f".{role}.kvTiers.disk",
+        )
+        for role in ("decode", "prefill")
+    ),
     _vllm_rule(
         "!self.security.zeroKvOnRelease",
         "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",
