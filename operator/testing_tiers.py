@@ -28,13 +28,25 @@ TIER_REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "a host tier above 16Ti",
         (("spec.decode.kvTiers", {"host": {"size": "17Ti"}}),),
         ".spec.decode.kvTiers.host.size",
-        "at most 16Ti",
+        "1Mi to 16Ti",
     ),
     (
         "a disk tier above 1Pi",
         (("spec.prefill.kvTiers", _disk(size="1025Ti")),),
         ".spec.prefill.kvTiers.disk.size",
-        "at most 1Pi",
+        "1Mi to 1Pi",
+    ),
+    (
+        "a host tier of a few bytes",
+        (("spec.decode.kvTiers", {"host": {"size": "512"}}),),
+        ".spec.decode.kvTiers.host.size",
+        "0 (off)",
+    ),
+    (
+        "vllm with a host tier in a disaggregated pool",
+        (*VLLM, ("spec.decode.kvTiers", HOST_64GI)),
+        ".spec.decode.kvTiers.host",
+        "colocated",
     ),
     (
         "a disk tier without a host tier",
@@ -73,14 +85,14 @@ TIER_REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "mounts already",
     ),
     (
-        "vllm with a disk tier on decode",
-        (*VLLM, ("spec.decode.kvTiers", HOST_AND_DISK)),
+        "vllm with a disk tier",
+        (*VLLM, *COLOCATED, ("spec.decode.kvTiers", HOST_AND_DISK)),
         ".spec.decode.kvTiers.disk",
         "no disk KV tier",
     ),
     (
         "vllm with a disk tier on prefill",
-        (*VLLM, ("spec.prefill.kvTiers", HOST_AND_DISK)),
+        (*VLLM, ("spec.prefill.kvTiers", {"disk": {"path": "/nvme/kv", "size": "0"}})),
         ".spec.prefill.kvTiers.disk",
         "no disk KV tier",
     ),
@@ -98,5 +110,5 @@ TIER_ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
     ("a disk tier of exactly 1Pi", (("spec.decode.kvTiers", _disk(size="1Pi")),)),
     ("a disk path like /tmpfs (not under /tmp)", (("spec.decode.kvTiers", _disk(path="/tmpfs")),)),
     ("a colocated pool with tiers", (*COLOCATED, ("spec.decode.kvTiers", HOST_AND_DISK))),
-    ("vllm with a host tier", (*VLLM, ("spec.decode.kvTiers", HOST_64GI))),
+    ("colocated vllm with a host tier", (*VLLM, *COLOCATED, ("spec.decode.kvTiers", HOST_64GI))),
 ]  # fmt: skip

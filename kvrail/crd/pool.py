@@ -110,6 +110,17 @@ _VLLM_RULES = (
         )
         for role in ("decode", "prefill")
     ),
+    *(
+        _vllm_rule(
+            f"self.disaggregation.mode == 'colocated' || !has(self.{role}) || "
+            f"!has(self.{role}.kvTiers.host)",
+            "engine.kind vllm offloads KV to host memory with its OffloadingConnector, which "
+            "takes the place of the NIXL connector a disaggregated pool needs: a host tier on "
+            "vLLM needs disaggregation.mode colocated",
+            f".{role}.kvTiers.host",
+        )
+        for role in ("decode", "prefill")
+    ),
     _vllm_rule(
         "!self.security.zeroKvOnRelease",
         "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",

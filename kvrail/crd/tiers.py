@@ -21,6 +21,8 @@ from pydantic import AfterValidator, ConfigDict, Field, field_validator, model_v
 from kvrail.crd.base import CrdModel, rule, rules
 from kvrail.crd.quantity import BYTES_PATTERN, quantity_bytes
 
+MIN_TIER: Final = "1Mi"
+"""The smallest tier that is not off: below it a tier holds hardly a block."""
 MAX_HOST_TIER: Final = "16Ti"
 """The largest host tier: more host memory than any one node has."""
 MAX_DISK_TIER: Final = "1Pi"
@@ -32,17 +34,21 @@ disk tier may be neither one of them nor under one. `kvrail.operator.builders.po
 
 def _bounded(maximum: str) -> AfterValidator:
     def check(value: str) -> str:
-        if quantity_bytes(value) > quantity_bytes(maximum):
-            raise ValueError(f"{value} is larger than {maximum}")
+        num_bytes = quantity_bytes(value)
+        if num_bytes and not quantity_bytes(MIN_TIER) <= num_bytes <= quantity_bytes(maximum):
+            raise ValueError(f"{value} is not 0 (off) or from {MIN_TIER} to {maximum}")
         return value
 
     return AfterValidator(check)
 
 
 def _size_rule(maximum: str) -> dict[str, str]:
+    q = "quantity(self.size)"
     return rule(
-        f"!isQuantity(self.size) || quantity(self.size).compareTo(quantity('{maximum}')) <= 0",
-        f"size must be at most {maximum}",
+        f"!isQuantity(self.size) || {q}.compareTo(quantity('0')) == 0 || "
+        f"({q}.compareTo(quantity('{MIN_TIER}')) >= 0 && "
+        f"{q}.compareTo(quantity('{maximum}')) <= 0)",
+        f"size must be 0 (off) or from {MIN_TIER} to {maximum}",
         ".size",
     )
 
