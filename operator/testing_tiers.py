@@ -49,6 +49,12 @@ TIER_REFUSED: list[tuple[str, tuple[Change, ...], str, str]] = [
         "colocated",
     ),
     (
+        "kvrail's engine with tiers on two gpus",
+        (("spec.prefill.gpus", 2), ("spec.decode.gpus", 2), ("spec.decode.kvTiers", HOST_64GI)),
+        ".spec.decode.kvTiers.host",
+        "one GPU",
+    ),
+    (
         "a disk tier without a host tier",
         (("spec.decode.kvTiers", {"disk": _disk()["disk"]}),),
         ".spec.decode.kvTiers.disk",
@@ -110,5 +116,9 @@ TIER_ACCEPTED: list[tuple[str, tuple[Change, ...]]] = [
     ("a disk tier of exactly 1Pi", (("spec.decode.kvTiers", _disk(size="1Pi")),)),
     ("a disk path like /tmpfs (not under /tmp)", (("spec.decode.kvTiers", _disk(path="/tmpfs")),)),
     ("a colocated pool with tiers", (*COLOCATED, ("spec.decode.kvTiers", HOST_AND_DISK))),
+    ("tiers on one gpu", (("spec.prefill.gpus", 1), ("spec.decode.gpus", 1),
+                          ("spec.decode.kvTiers", HOST_AND_DISK))),
+    ("colocated vllm with a host tier on two gpus",
+     (*VLLM, *COLOCATED, ("spec.decode.gpus", 2), ("spec.decode.kvTiers", HOST_64GI))),
     ("colocated vllm with a host tier", (*VLLM, *COLOCATED, ("spec.decode.kvTiers", HOST_64GI))),
 ]  # fmt: skip

@@ -128,6 +128,20 @@ _VLLM_RULES = (
     ),
 )
 
+MAX_KV_TIER_GPUS: Final = 1
+"""kvrail's engine keeps KV tiers on one rank for now (`kvrail.worker.engine.kv_tiers.build`
+refuses more): raise both together."""
+_KV_TIER_RULES = tuple(
+    rule(
+        f"self.engine.kind != 'kvrail' || !has(self.{role}) || "
+        f"!has(self.{role}.kvTiers.host) || self.{role}.gpus <= {MAX_KV_TIER_GPUS}",
+        f"kvrail's engine keeps KV tiers on one GPU per replica for now: kvTiers needs gpus "
+        f"at most {MAX_KV_TIER_GPUS}",
+        f".{role}.kvTiers.host",
+    )
+    for role in ("decode", "prefill")
+)
+
 _SPEC_RULES = rules(
     rule(
         "self.disaggregation.mode == 'colocated' || has(self.prefill)",
@@ -191,6 +205,7 @@ _SPEC_RULES = rules(
         ".autoscaling.enabled",
         "FieldValueRequired",
     ),
+    *_KV_TIER_RULES,
     *_VLLM_RULES,
 )
 

@@ -22,7 +22,7 @@ from kvrail.crd.base import CrdModel, rule, rules
 from kvrail.crd.quantity import BYTES_PATTERN, quantity_bytes
 
 MIN_TIER: Final = "1Mi"
-"""The smallest tier that is not off: below it a tier holds hardly a block."""
+"""The smallest tier that is not off: a smaller one holds hardly a block."""
 MAX_HOST_TIER: Final = "16Ti"
 """The largest host tier: more host memory than any one node has."""
 MAX_DISK_TIER: Final = "1Pi"
@@ -67,9 +67,9 @@ class HostTierSpec(CrdModel):
 
     model_config = ConfigDict(json_schema_extra=rules(_size_rule(MAX_HOST_TIER)))
     size: HostTierSize
-    """Bytes of host memory per replica, as a quantity (e.g. `64Gi`; at most 16Ti; 0: no host
-    tier). Added to the worker container's memory request and limit. Useful only when several
-    times the replica's GPU KV pool: see the sizing rule in docs/configuration.md."""
+    """Bytes of host memory per replica, as a quantity (e.g. `64Gi`): 0 (no host tier) or 1Mi
+    to 16Ti. Added to the worker container's memory request and limit. Useful only when several
+    times the replica's GPU KV pool: see the sizing rule in docs/kv-tiers.md."""
 
     @property
     def num_bytes(self) -> int:
@@ -102,8 +102,8 @@ class DiskTierSpec(CrdModel):
     `/var/lib/kvrail/kv`), mounted from an `emptyDir` of `size`. Files left there by an earlier
     container of the same pod are validated and checksummed before use, never trusted."""
     size: DiskTierSize
-    """Bytes the tier may hold per replica, as a quantity (e.g. `500Gi`; at most 1Pi; 0: no
-    disk tier). The pod requests this much ephemeral storage, plus headroom for the tier's own
+    """Bytes the tier may hold per replica, as a quantity (e.g. `500Gi`): 0 (no disk tier) or
+    1Mi to 1Pi. The pod requests this much ephemeral storage, plus headroom for the tier's own
     bookkeeping (`kvrail.operator.builders.tiers`)."""
 
     @field_validator("path")
