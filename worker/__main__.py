@@ -51,6 +51,7 @@ from kvrail.worker.roles.kv_events import KvEventPublisher
 from kvrail.worker.roles.peers import PeerTable
 from kvrail.worker.roles.prefill import PrefillRole
 from kvrail.worker.service import EngineService
+from kvrail.worker.tier_usage import kv_tier_usage
 from kvrail.worker.transfer.connector import Connector
 from kvrail.worker.transfer.kv_connector import KvConnector
 from kvrail.worker.transfer.rdma import rdma_devices, rdma_problem
@@ -236,9 +237,12 @@ class Worker:
                 metrics.RUNNING_REQUESTS.set(c.num_running)
                 metrics.WAITING_REQUESTS.set(c.num_waiting)
                 metrics.KV_CACHE_UTILIZATION.set(utilization)
+                usage = {t: (c.tiers.used_bytes[t], c.tiers.capacity_bytes[t], n)
+                         for t, n in c.tiers.blocks.items()}  # fmt: skip
                 record = _with(
                     record, num_running=c.num_running, num_waiting=c.num_waiting,
                     kv_utilization=utilization,
+                    kv_tiers=kv_tier_usage(usage, c.tiers.hit_blocks, c.tiers.loads),
                 )  # fmt: skip
                 await _update(registration, record)
             health.set_ready(False)

@@ -43,7 +43,7 @@ from kvrail.worker.engine.fingerprint import make_fingerprint
 from kvrail.worker.engine.grammar import Grammars
 from kvrail.worker.engine.grammar_masks import MaskFiller
 from kvrail.worker.engine.kv_tiers.build import build_tiers
-from kvrail.worker.engine.kv_tiers.tiers import TierStats
+from kvrail.worker.engine.kv_tiers.stats import TierStats
 from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
 from kvrail.worker.engine.request import Request, request_output
@@ -72,6 +72,8 @@ class Counts:
     num_retained: int
     num_running: int
     num_waiting: int
+    tiers: TierStats
+    """The lower KV tiers' use (empty without tiers)."""
 
 
 class LLMEngine:
@@ -361,6 +363,7 @@ class LLMEngine:
             num_retained=len(scheduler.retained),
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
+            tiers=self.tier_stats(),
         )
 
     def step(self) -> list[RequestOutput]:

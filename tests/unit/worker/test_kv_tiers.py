@@ -75,6 +75,9 @@ def test_sessions_larger_than_the_gpu_pool_hit_the_host_tier_with_the_same_token
     assert all(c >= len(p) - 16 for c, (_, p) in zip(cached[3:], _sessions()[3:], strict=True))
     assert tiers.tiers is not None and tiers.tiers.host.num_resident > 0
     tiers.tiers.host.check_invariants()
+    stats = tiers.counts().tiers  # what the worker record and `kvrail status` show
+    assert 0 < stats.hit_blocks["host"] * 4 <= sum(cached)
+    assert stats.loads["host"] > 0 and stats.blocks["host"] == tiers.tiers.host.num_resident
 
 
 @pytest.mark.parametrize("device", DEVICES)

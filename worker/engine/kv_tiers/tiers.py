@@ -25,9 +25,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from kvrail.messages import KvTier
 from kvrail.worker import metrics
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.kv_tiers.copier import Copier, CopyHandle
@@ -39,6 +39,7 @@ from kvrail.worker.engine.kv_tiers.disk import (
     DiskThread,
 )
 from kvrail.worker.engine.kv_tiers.host import HostEntry, HostIndex
+from kvrail.worker.engine.kv_tiers.stats import LowerTier, TierStats
 from kvrail.worker.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -47,7 +48,6 @@ MAX_DISK_QUEUE = 256
 """Disk jobs queued at most before write-behind to disk skips blocks."""
 
 Pins = Callable[[Sequence[int]], None]
-LowerTier = Literal["host", "disk"]
 
 
 @dataclass(eq=False, slots=True)
@@ -67,15 +67,6 @@ class _Offload:
     hashes: list[bytes]
     block_ids: list[int]
     handle: CopyHandle
-
-
-@dataclass(slots=True)
-class TierStats:
-    """What `kvrail status` and the metrics show of each lower tier (bytes are block bytes)."""
-
-    capacity_bytes: dict[str, int] = field(default_factory=dict)
-    used_bytes: dict[str, int] = field(default_factory=dict)
-    blocks: dict[str, int] = field(default_factory=dict)
 
 
 class KvTiers:
@@ -106,6 +97,8 @@ class KvTiers:
         self._offloads: list[_Offload] = []
         self._offloaded_from: dict[int, bytes] = {}  # zero_on_release: GPU block -> its hash
         self._doomed: set[bytes] = set()  # to drop once no longer pinned (zero_on_release)
+        self._hit_blocks: dict[KvTier, int] = {"host": 0, "disk": 0}
+        self._num_loads: dict[KvTier, int] = {"host": 0, "disk": 0}
         self.disk: DiskIndex | None = None
         self._files: DiskFiles | None = None
         self._disk_thread: DiskThread | None = None
@@ -208,10 +201,17 @@ class KvTiers:
             self._drop_if_doomed(block_hash, entry)
         self._unpin(load.block_ids)
         num_host = min(num_ok, len(load.hashes) - load.num_from_disk)
-        metrics.KV_TIER_HIT_BLOCKS.labels(tier="host").inc(num_host)
-        metrics.KV_TIER_HIT_BLOCKS.labels(tier="disk").inc(num_ok - num_host)
-        metrics.KV_TIER_LOADS.labels(tier="disk" if load.num_from_disk else "host").inc()
-        metrics.KV_TIER_LOAD_SECONDS.labels(tier="disk" if load.num_from_disk else "host").observe(
+        slowest: LowerTier = "disk" if load.num_from_disk else "host"
+        counts: tuple[tuple[LowerTier, int], ...] = (
+            ("host", num_host),
+            ("disk", num_ok - num_host),
+        )
+        for tier, count in counts:
+            self._hit_blocks[tier] += count
+            metrics.KV_TIER_HIT_BLOCKS.labels(tier=tier).inc(count)
+        self._num_loads[slowest] += 1
+        metrics.KV_TIER_LOADS.labels(tier=slowest).inc()
+        metrics.KV_TIER_LOAD_SECONDS.labels(tier=slowest).observe(
             time.perf_counter() - load.started
         )
         return num_ok
@@ -361,14 +361,22 @@ class KvTiers:
         return self.disk.hashes() if self.disk is not None else []
 
     def stats(self) -> TierStats:
+        """Each tier's use now (and the metrics' gauges set to it)."""
         stats = TierStats()
-        tiers: list[tuple[str, int, int]] = [("host", self.host.num_slots, self.host.num_resident)]
+        tiers: list[tuple[LowerTier, int, int]] = [
+            ("host", self.host.num_slots, self.host.num_resident)
+        ]
         if self.disk is not None:
             tiers.append(("disk", self.disk.max_blocks, len(self.disk)))
         for tier, capacity, used in tiers:
             stats.capacity_bytes[tier] = capacity * self.block_bytes
             stats.used_bytes[tier] = used * self.block_bytes
             stats.blocks[tier] = used
+            stats.hit_blocks[tier] = self._hit_blocks[tier]
+            stats.loads[tier] = self._num_loads[tier]
+            metrics.KV_TIER_CAPACITY_BYTES.labels(tier=tier).set(capacity * self.block_bytes)
+            metrics.KV_TIER_BYTES.labels(tier=tier).set(used * self.block_bytes)
+            metrics.KV_TIER_BLOCKS.labels(tier=tier).set(used)
         return stats
 
     @property
