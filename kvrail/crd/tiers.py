@@ -132,7 +132,7 @@ class KvTiersSpec(CrdModel):
                 + " || (has(self.host) && isQuantity(self.host.size) && "
                 + _positive("self.host.size")
                 + ")",
-                "a disk tier is fed by the host tier's evictions: set host.size above 0",
+                "a disk tier is fed by the host tier: set host.size above 0",
                 ".disk",
                 "FieldValueRequired",
             ),
@@ -146,7 +146,7 @@ class KvTiersSpec(CrdModel):
     @model_validator(mode="after")
     def _disk_needs_host(self) -> KvTiersSpec:
         if self.disk_bytes and not self.host_bytes:
-            raise ValueError("a disk tier is fed by the host tier's evictions: set host.size")
+            raise ValueError("a disk tier is fed by the host tier: set host.size")
         return self
 
     @property
