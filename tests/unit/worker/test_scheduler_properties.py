@@ -1,14 +1,18 @@
 """Random workloads through the scheduler (Hypothesis): shared prefixes, chunked prefill,
-preemption, aborts and remote reservations. After every step the block invariants hold and the
+preemption, aborts and remote reservations, with and without a host KV tier (loads, aborts
+while loading, write-behind pins). After every step the block invariants hold and the
 token budget is respected; at the end every surviving request has exactly max_tokens tokens and
 the engine is empty."""
 
 from __future__ import annotations
 
+import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
+from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import RequestStatus
+from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.testing import assert_engine_empty, make_request, make_scheduler
 
 REQUEST = st.tuples(
@@ -25,13 +29,25 @@ REQUEST = st.tuples(
     num_blocks=st.integers(13, 24),  # 13: the largest request (48 tokens) just fits
     budget=st.integers(1, 24),
     arrival_gap=st.integers(0, 2),
+    host_blocks=st.sampled_from([0, 3, 40]),  # no tier, one that evicts, one that keeps all
 )
 def test_random_workloads_finish_with_every_block_returned(
-    requests: list[tuple[int, int, int, str]], num_blocks: int, budget: int, arrival_gap: int
+    requests: list[tuple[int, int, int, str]],
+    num_blocks: int,
+    budget: int,
+    arrival_gap: int,
+    host_blocks: int,
 ) -> None:
     scheduler = make_scheduler(
         num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_model_len=48
     )
+    tiers = None
+    if host_blocks:
+        manager = scheduler.kv_cache_manager
+        region = KVCache(torch.zeros(num_blocks, 16), num_blocks)  # 64 bytes a block
+        tiers = KvTiers(region, host_blocks * 64, pin=manager.pin, unpin=manager.unpin,
+                        layout=bytes(32))  # fmt: skip
+        scheduler.attach_tiers(tiers)
     prefixes = [list(range(100 * p + 10, 100 * p + 40)) for p in range(3)]
     pending = [
         (make_request(prompt_token_ids=prefixes[p][:n], max_tokens=m), kind)
@@ -63,6 +79,8 @@ def test_random_workloads_finish_with_every_block_returned(
         out = scheduler.schedule()
         if out.preempted_ids:
             event("a step preempted")
+        if any(r.status is RequestStatus.WAITING_FOR_TIER_KV for r in scheduler.requests.values()):
+            event("a request loaded from the host tier")
         if any(s.num_computed_tokens > 0 for s in out.prefills):
             event("a prefill continued after computed tokens")
         assert out.num_batched_tokens <= budget
@@ -70,6 +88,10 @@ def test_random_workloads_finish_with_every_block_returned(
         sampled = {s.request.request_id: 50 for s in out.decodes + out.prefills}
         scheduler.update_from_output(out, sampled)
         scheduler.check_invariants()
+    while tiers is not None and tiers.busy:  # write-behind still pins its last blocks
+        scheduler.schedule()
+    if tiers is not None and tiers.host.num_resident:
+        event("blocks written behind to the host tier")
     for request, kind in admitted:
         if kind.startswith("abort"):
             assert request.status in {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_LENGTH}
