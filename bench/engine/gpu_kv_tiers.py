@@ -42,11 +42,12 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
     """Serve every session's turns; returns the measures and each turn's answer."""
     from kvrail.sampling import SamplingParams
 
-    rng = random.Random(seed)
+    rng = random.Random(seed)  # think times: they depend on the order turns end in
+    texts = {s: random.Random(f"{seed}-{s}") for s in range(args.sessions)}  # not the text
     high = 120000 if base.DEVICE == "cuda" else 90
-    words = lambda n: [rng.randrange(3, high) for _ in range(n)]  # noqa: E731
+    words = lambda s, n: [texts[s].randrange(3, high) for _ in range(n)]  # noqa: E731
     params = SamplingParams(max_tokens=args.answer, ignore_eos=True)
-    prompts = {s: words(args.system) for s in range(args.sessions)}
+    prompts = {s: words(s, args.system) for s in range(args.sessions)}
     turns = dict.fromkeys(prompts, 0)
     ready: list[tuple[float, int]] = [(rng.random() * args.think, s) for s in prompts]
     heapq.heapify(ready)
@@ -61,7 +62,7 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
         now = time.perf_counter() - started
         while ready and ready[0][0] <= now:
             _, s = heapq.heappop(ready)
-            prompts[s] += words(args.user)
+            prompts[s] += words(s, args.user)
             rid = f"s{s}t{turns[s]}"
             live[rid] = (s, engine.add_request(rid, list(prompts[s]), params), time.perf_counter())
         if not engine.has_unfinished_requests():
@@ -148,6 +149,7 @@ def main() -> int:
     parser.add_argument("--user", type=int, default=256, help="tokens a turn adds")
     parser.add_argument("--answer", type=int, default=64, help="tokens of each answer")
     parser.add_argument("--think", type=float, default=0.5, help="mean think time, seconds")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each engine, alternating")
     args = parser.parse_args()
     sizes: dict[str, Any] = {"max_num_seqs": 64}
     if args.smoke:  # a pool of 12 blocks, about a quarter of the live prefixes
@@ -165,7 +167,7 @@ def main() -> int:
     print(f"# GPU KV pool {pool_tokens} tokens; host tier {args.host_gib} GiB; "
           f"{args.sessions} sessions x {args.turns} turns")  # fmt: skip
     reference: dict[str, list[int]] = {}
-    for round_ in range(2):
+    for round_ in range(args.rounds):
         for name, engine in (("plain", plain), ("host tier", tiered)):
             r = run_sessions(engine, args, seed=round_)
             if name == "plain":

@@ -61,7 +61,7 @@ class Copier:
                 raise RuntimeError(f"cannot page-lock {nbytes} bytes for the host KV tier: {err}")
             # Unregistered before the pages go back (the finalizer keeps them until it ran):
             # a later mapping at the same address could not be registered otherwise.
-            weakref.finalize(self, cudart.cudaHostUnregister, self.host.data_ptr(), self._memory)
+            weakref.finalize(self, _unregister, self.host.data_ptr(), self._memory)
             self._streams = tuple(torch.cuda.Stream(self.device) for _ in range(3))
 
     def host_bytes(self, slot: int) -> memoryview:
@@ -115,6 +115,11 @@ class Copier:
         if self._streams is None:
             return _StreamScope(None, None)
         return _StreamScope(self._streams[which], None if after is None else self._streams[after])
+
+
+def _unregister(address: int, memory: mmap.mmap) -> None:
+    """Unpin `memory` (held until now so its pages outlive the registration)."""
+    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
