@@ -45,7 +45,7 @@ from kvrail.errors import DeadlineExceededError
 from kvrail.keys import PoolKeys
 from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
 from kvrail.registry import Registry
-from kvrail.router.discovery.index import KvIndex
+from kvrail.router.discovery.index import KvIndex, PrefixMatch
 from kvrail.router.discovery.records import RecordFollower
 from kvrail.router.policy import Candidate
 
@@ -53,6 +53,7 @@ STATE_TIMEOUT_S = 2.0
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 10.0
 RESYNC_INTERVAL_S = 30.0
+_NO_MATCH = PrefixMatch(0)
 
 
 class WorkerView(RecordFollower):
@@ -152,9 +153,9 @@ class WorkerView(RecordFollower):
         engines: Collection[str] | None = None,
     ) -> list[Candidate]:
         """A routing `Candidate` per ready decode worker (of `fingerprint` and `engines`, when
-        given), with the leading blocks of the prompt `hashes` it caches and this router's
-        `in_flight` on it."""
-        matched = self.index.match_all(hashes)
+        given), with the leading blocks of the prompt `hashes` it caches (in any KV tier, and how
+        many only in a lower one) and this router's `in_flight` on it."""
+        matched = self.index.match_tiers(hashes)
         return _candidates(
             self.decode_workers(), matched, in_flight, self._at_report(), fingerprint, engines
         )
@@ -212,7 +213,7 @@ class WorkerView(RecordFollower):
 
 def _candidates(
     records: Sequence[WorkerRecord],
-    matched: Mapping[str, int],
+    matched: Mapping[str, PrefixMatch],
     in_flight: Mapping[str, int] | None,
     at_report: Mapping[str, int] | None,
     fingerprint: str | None,
@@ -222,7 +223,9 @@ def _candidates(
     return [
         Candidate(
             worker_id=r.worker_id,
-            matched_blocks=matched.get(r.worker_id, 0),
+            matched_blocks=(m := matched.get(r.worker_id, _NO_MATCH)).num_blocks,
+            num_host_blocks=m.num_host_blocks,
+            num_disk_blocks=m.num_disk_blocks,
             num_running=r.num_running,
             num_waiting=r.num_waiting,
             in_flight=counts.get(r.worker_id, 0),
