@@ -160,6 +160,7 @@ tier or the local disk tier (loaded back to the GPU before a step reads it)."""
 KV_TIERS: tuple[KvTier, ...] = ("gpu", "host", "disk")
 """The tiers, fastest first."""
 
+
 @dataclass(frozen=True, slots=True)
 class KvTierState:
     """Every block hash one lower tier of a worker holds (part of a `kv_state` reply)."""

@@ -30,8 +30,9 @@ Why these terms and weights:
   block left the tier in the second the index lags. A disk block is charged 0.4: an NVMe read at
   3-7 GB/s takes 0.3-0.7 ms (20-45% of computing it), then the same host copy and checks.
   A worker with no lower tiers has no such blocks and costs what it did before the tiers. So a
-  2k-token prefix (128 blocks) in host memory costs 26 instead of 128: it beats a worker up to
-  three requests busier that would compute it, and loses to a GPU hit on an equally busy one.
+  2k-token prefix (128 blocks) in host memory costs 26 instead of 128: its worker wins over one
+  that would compute it and has up to three fewer requests, and loses to a GPU hit on a worker
+  as busy.
 - Load: `num_running`/`num_waiting` are the worker's own counts but reach us through etcd about a
   second late; `in_flight` is this router's requests on the worker, known at once. With
   `in_flight_at_report`, what of ours the worker's last report may have counted, the load is the

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvrail.codec import MAX_BLOCKS, MAX_MESSAGE_BYTES, decode
 from kvrail.hashing import block_hashes, root_hash
-from kvrail.messages import KvEvent, KvTierState
+from kvrail.messages import KvEvent
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.roles.kv_event_log import MAX_STATE_BLOCKS, KvEventLog, block_limits
@@ -244,7 +244,8 @@ def test_a_router_fed_by_the_events_mirrors_the_engine_cache_after_a_random_work
         engine.step()
     for event in log.events_for(engine.take_kv_events()):
         router.apply(event)
-    assert router.cached == {x.hex() for x in engine.cached_block_hashes()} == set(log.cached["gpu"])
+    cached = {x.hex() for x in engine.cached_block_hashes()}
+    assert router.cached == cached == set(log.cached["gpu"])
     late = Router()  # a router that starts now sees the same through the state
     late.apply_state(decode(log.state().encode(), KvEvent))
     assert late.cached == router.cached and late.seq == log.seq
