@@ -262,6 +262,10 @@ class GenerateRequest(Message):
     deadline_unix_s: float
     sampling: SamplingParams
     tenant_salt: str = ""
+    prefill_worker_id: str = ""
+    """The prefill worker the router saw holding more of the prompt's prefix than this decode
+    worker (in any KV tier), to send the remote prefill to; "" (and a worker no longer
+    registered): whichever prefill worker takes it from the queue."""
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:
