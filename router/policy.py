@@ -2,8 +2,9 @@
 
 A policy that scores is a profile: scorers under weights. A scorer is a small pure function of a
 candidate and the prompt's length in blocks that returns a cost (lower is better); the chooser
-minimises the weighted sum of its profile's scorers. A new signal (KV tiers, say) is one more
-scorer in `SCORERS`, one more name in `kvrail.crd.spec.ScorerName` and a weight, never a branch.
+minimises the weighted sum of its profile's scorers. A new signal (say, network locality) is one
+more scorer in `SCORERS`, one more name in `kvrail.crd.spec.ScorerName` and a weight, never a
+branch (KV tiers are not a new signal: `prefix-cache` prices them, see below).
 The scorers are importable on their own for other pickers (a Gateway API endpoint picker).
 
 `kv-aware` (the default) is the profile `prefix-cache` 1, `load` 32, `kv-utilization` 16, so it
