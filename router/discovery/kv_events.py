@@ -145,7 +145,7 @@ class KvEventFollower:
             return None
         try:
             state = decode(reply.data, KvEvent)
-            if state.worker_id != worker_id or not state.cleared:
+            if state.worker_id != worker_id or not state.cleared or state.tier != "gpu":
                 raise MessageError("kv state reply is not a cleared state of this worker")
         except MessageError as err:
             self.num_malformed_events += 1

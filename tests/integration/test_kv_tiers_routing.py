@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import nats
 import pytest
 from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
 
 from kvrail.keys import PoolKeys
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import KvTier, WorkerRecord, WorkerRole
+from kvrail.messages import KvEvent, KvTier, KvTierState, WorkerRecord, WorkerRole
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.router.discovery.index import PrefixMatch, prompt_hashes
 from kvrail.router.discovery.view import WorkerView
@@ -188,3 +189,28 @@ async def test_the_prefill_worker_holding_more_of_the_prefix_is_named_for_the_pr
     assert dispatcher.prefill_worker_for(salted, decision) == ""
     for worker in (decode, holder, other):
         await worker.stop()
+
+
+async def test_a_kv_state_reply_of_a_lower_tier_alone_is_refused_and_retried(pool: Pool) -> None:
+    """A state is the GPU's with the lower tiers beside it: a reply that claims to be one tier's
+    is invalid (counted, retried), and the worker's next valid reply is loaded."""
+    replies = [
+        KvEvent("d-0", 1, 0, stored=(PROMPT[0],), cleared=True, tier="host"),
+        KvEvent("d-0", 1, 0, stored=(PROMPT[0],), cleared=True,
+                lower_tiers=(KvTierState("host", (PROMPT[1],)),)),
+    ]  # fmt: skip
+
+    async def answer(msg: Msg) -> None:
+        await msg.respond(replies.pop(0).encode() if len(replies) > 1 else replies[0].encode())
+
+    sub = await pool.nc.subscribe(pool.keys.kv_state("d-0"), cb=answer)
+    record = WorkerRecord(worker_id="d-0", pod_uid="uid-d-0", incarnation=1, role="decode",
+                          fingerprint=FINGERPRINT, block_size=BLOCK_SIZE,
+                          is_ready=True)  # fmt: skip
+    registration = await pool.registry.register(record)
+    await pool.view.start()
+    await pool.view.wait_for_workers(1, WAIT_S, with_state=True)
+    assert pool.view.num_malformed_events == 1
+    assert matches(pool) == {"d-0": (2, 1, 0)}
+    await registration.close()
+    await sub.unsubscribe()
