@@ -38,6 +38,15 @@ PREFILL_JOBS_REJECTED_TOTAL = PREFIX + "prefill_jobs_rejected_total"
 KV_WRITE_GRANTS_REFUSED_TOTAL = PREFIX + "kv_write_grants_refused_total"
 # host time to fill one engine step's grammar masks (structured outputs), no labels
 GRAMMAR_MASK_FILL_SECONDS = PREFIX + "grammar_mask_fill_seconds"
+KV_TIER_BYTES = PREFIX + "kv_tier_bytes"
+KV_TIER_CAPACITY_BYTES = PREFIX + "kv_tier_capacity_bytes"
+KV_TIER_BLOCKS = PREFIX + "kv_tier_blocks"
+KV_TIER_HIT_BLOCKS_TOTAL = PREFIX + "kv_tier_hit_blocks_total"
+KV_TIER_LOADS_TOTAL = PREFIX + "kv_tier_loads_total"
+KV_TIER_OFFLOADS_TOTAL = PREFIX + "kv_tier_offloads_total"
+KV_TIER_OFFLOADS_SKIPPED_TOTAL = PREFIX + "kv_tier_offloads_skipped_total"
+KV_TIER_CHECKSUM_FAILURES_TOTAL = PREFIX + "kv_tier_checksum_failures_total"
+KV_TIER_LOAD_SECONDS = PREFIX + "kv_tier_load_seconds"
 
 # operator and planner
 PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"

@@ -55,6 +55,41 @@ GRAMMAR_MASK_FILL_SECONDS = Histogram(
     buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.25, 1),
     registry=REGISTRY,
 )
+KV_TIER_BYTES = Gauge(
+    metrics.KV_TIER_BYTES, "KV bytes a lower tier holds", ["tier"], registry=REGISTRY
+)
+KV_TIER_CAPACITY_BYTES = Gauge(
+    metrics.KV_TIER_CAPACITY_BYTES, "KV bytes a lower tier may hold", ["tier"], registry=REGISTRY
+)
+KV_TIER_BLOCKS = Gauge(metrics.KV_TIER_BLOCKS, "KV blocks a lower tier holds", ["tier"],
+                       registry=REGISTRY)  # fmt: skip
+KV_TIER_HIT_BLOCKS = Counter(
+    metrics.KV_TIER_HIT_BLOCKS_TOTAL, "Prompt blocks loaded from a lower tier instead of computed",
+    ["tier"], registry=REGISTRY,
+)  # fmt: skip
+KV_TIER_LOADS = Counter(
+    metrics.KV_TIER_LOADS_TOTAL, "Loads to the GPU, by the slowest tier each read", ["tier"],
+    registry=REGISTRY,
+)  # fmt: skip
+KV_TIER_OFFLOADS = Counter(
+    metrics.KV_TIER_OFFLOADS_TOTAL, "Blocks written behind to a lower tier", ["tier"],
+    registry=REGISTRY,
+)  # fmt: skip
+KV_TIER_OFFLOADS_SKIPPED = Counter(
+    metrics.KV_TIER_OFFLOADS_SKIPPED_TOTAL,
+    "Blocks not written behind because the tier was busy (every slot in use, disk queue full)",
+    ["tier"], registry=REGISTRY,
+)  # fmt: skip
+KV_TIER_CHECKSUM_FAILURES = Counter(
+    metrics.KV_TIER_CHECKSUM_FAILURES_TOTAL,
+    "Blocks loaded from a lower tier that failed their checksum (dropped and recomputed)",
+    ["tier"], registry=REGISTRY,
+)  # fmt: skip
+KV_TIER_LOAD_SECONDS = Histogram(
+    metrics.KV_TIER_LOAD_SECONDS,
+    "From a prefix hit in a lower tier to its blocks resident on the GPU and checked",
+    ["tier"], buckets=_SECONDS, registry=REGISTRY,
+)  # fmt: skip
 RUNNING_REQUESTS = Gauge(metrics.RUNNING_REQUESTS, "Requests running", registry=REGISTRY)
 WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=REGISTRY)
 KV_CACHE_UTILIZATION = Gauge(

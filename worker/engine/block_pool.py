@@ -44,6 +44,34 @@ class KvChanges:
         return not self.stored and not self.removed
 
 
+class ChangeJournal:
+    """The net changes of one tier's set of hashes since the last `take`: at most one entry per
+    hash (True = stored, absent at the interval's start; False = removed, present at its start),
+    so it stays bounded by the hashes the tier can hold even if nobody takes it."""
+
+    def __init__(self, tier: KvTier) -> None:
+        self.tier: KvTier = tier
+        self._changes: dict[bytes, bool] = {}
+
+    def record(self, block_hash: bytes, *, stored: bool) -> None:
+        if self._changes.get(block_hash) is (not stored):
+            del self._changes[block_hash]  # the opposite change in this interval: net nothing
+        else:
+            self._changes[block_hash] = stored
+
+    def take(self) -> KvChanges:
+        """The net changes since the last call (see `KvChanges`); resets the journal."""
+        if not self._changes:
+            return KvChanges(tier=self.tier)
+        changes = KvChanges(
+            stored=tuple(h for h, is_stored in self._changes.items() if is_stored),
+            removed=tuple(h for h, is_stored in self._changes.items() if not is_stored),
+            tier=self.tier,
+        )
+        self._changes = {}
+        return changes
+
+
 @dataclass(eq=False, slots=True)
 class KVBlock:
     """One block of `block_size` token slots in the KV cache."""
@@ -75,9 +103,7 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
-        # Net changes since the last take_changes(): True = stored (absent at the interval's
-        # start), False = removed (present at its start). Bounded by 2 x num_blocks.
-        self._changes: dict[bytes, bool] = {}
+        self._changes = ChangeJournal("gpu")
 
     @property
     def num_free_blocks(self) -> int:
@@ -129,17 +155,19 @@ class BlockPool:
         if self.on_release is not None and released:
             self.on_release(released)
 
-    def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Record that `block` (full, its KV written) holds `block_hash`. If another block already
-        holds that hash, this one stays uncached (it is freed as a plain block later)."""
+    def cache_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Record that `block` (full, its KV written) holds `block_hash`; whether it did. If
+        another block already holds that hash, this one stays uncached (it is freed as a plain
+        block later)."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         assert block.ref_cnt > 0, "only a referenced, just-written block can be cached"
         if block_hash in self._cached:
-            return
+            return False
         block.block_hash = block_hash
         self._cached[block_hash] = block
         self._record(block_hash, stored=True)
+        return True
 
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached hash (referenced blocks keep theirs, so this is
@@ -156,22 +184,12 @@ class BlockPool:
         self._record(block_hash, stored=False)
 
     def _record(self, block_hash: bytes, *, stored: bool) -> None:
-        if self._changes.get(block_hash) is (not stored):
-            del self._changes[block_hash]  # the opposite change in this interval: net nothing
-        else:
-            self._changes[block_hash] = stored
+        self._changes.record(block_hash, stored=stored)
 
     def take_changes(self) -> KvChanges:
         """The net prefix-cache changes since the last call (see `KvChanges`); resets the
         journal."""
-        if not self._changes:
-            return KvChanges()
-        changes = KvChanges(
-            stored=tuple(h for h, is_stored in self._changes.items() if is_stored),
-            removed=tuple(h for h, is_stored in self._changes.items() if not is_stored),
-        )
-        self._changes = {}
-        return changes
+        return self._changes.take()
 
     def cached_hashes(self) -> list[bytes]:
         """Every hash in the prefix cache now (referenced blocks included)."""

@@ -42,9 +42,11 @@ from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.engine.fingerprint import make_fingerprint
 from kvrail.worker.engine.grammar import Grammars
 from kvrail.worker.engine.grammar_masks import MaskFiller
+from kvrail.worker.engine.kv_tiers.build import build_tiers
+from kvrail.worker.engine.kv_tiers.tiers import TierStats
 from kvrail.worker.engine.model_runner import ModelRunner
 from kvrail.worker.engine.rank_commands import CaptureGraphs, RankPeers, ZeroBlocks
-from kvrail.worker.engine.request import Request
+from kvrail.worker.engine.request import Request, request_output
 from kvrail.worker.engine.sampler import Sampler
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import RemoteReservation
@@ -123,6 +125,7 @@ class LLMEngine:
             config, root_hash(fingerprint.digest), StopChecker(eos_token_id),
             self._zero_blocks if config.zero_kv_on_release else None, self.grammars,
         )  # fmt: skip
+        self.tiers = build_tiers(config, self.kv_cache, self.scheduler, fingerprint, peers)
         self._tenant_roots: dict[str, bytes] = {}
         graphs = None
         if self.device.type == "cuda" and config.enable_cuda_graphs:
@@ -276,7 +279,7 @@ class LLMEngine:
         if request is not None and prompt_logprobs:
             request.prompt_logprobs.extend(prompt_logprobs)
             request.num_prompt_scored = len(prompt_logprobs)
-        return _output(self.scheduler.install_remote(request_id, first_token_id), logprobs)
+        return request_output(self.scheduler.install_remote(request_id, first_token_id), logprobs)
 
     def _hash_root(self, tenant_salt: str) -> bytes | None:
         if not tenant_salt:
@@ -315,24 +318,36 @@ class LLMEngine:
         changed (`tier` "host" or "disk"), fastest tier first. A stored hash's block is resident
         and checksummed in that tier; a block may be in several tiers at once (the GPU's
         included: `take_kv_events`)."""
-        return []
+        return self.tiers.take_changes() if self.tiers is not None else []
 
     def tier_block_hashes(self, tier: KvTier) -> list[bytes]:
         """Every block hash a tier holds now (`cached_block_hashes` for "gpu")."""
         if tier == "gpu":
             return self.cached_block_hashes()
-        return []
+        return self.tiers.hashes(tier) if self.tiers is not None else []
+
+    def tier_stats(self) -> TierStats:
+        """Capacity and use of each lower tier (empty without tiers)."""
+        return self.tiers.stats() if self.tiers is not None else TierStats()
+
+    def close(self) -> None:
+        """Finish what the tiers queued for the disk (the engine is not used after this)."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     def _zero_blocks(self, block_ids: list[int]) -> None:
         """Zero released blocks (every layer, K and V). On a GPU the fill is queued on the
         stream, after every kernel that used the blocks and before any later write."""
+        if self.tiers is not None:
+            self.tiers.released(block_ids)  # their copies in host memory and on disk go too
         ids = np.asarray(block_ids, dtype=np.int64)
         if self.peers is not None:
             self.peers.send(ZeroBlocks(ids))
         self.kv_cache.zero_blocks(to_device(ids, self.device))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.scheduler.requests)
+        """Whether a step has work: requests, or the KV tiers' copies to finish."""
+        return bool(self.scheduler.requests) or (self.tiers is not None and self.tiers.busy)
 
     def counts(self) -> Counts:
         """What the KV pool and the scheduler hold right now."""
@@ -353,8 +368,8 @@ class LLMEngine:
         `async_scheduling` it leaves the next step queued on the device."""
         advanced, logprobs = self.pipeline.step()
         if not logprobs:
-            return [_output(r) for r in advanced]
-        return [_output(r, logprobs.get(r.request_id)) for r in advanced]
+            return [request_output(r) for r in advanced]
+        return [request_output(r, logprobs.get(r.request_id)) for r in advanced]
 
     def generate(
         self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
@@ -370,26 +385,3 @@ class LLMEngine:
         while self.has_unfinished_requests():
             self.step()
         return [r.output_token_ids for r in requests]
-
-
-def _output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
-    """The output of the step that just gave `request` its last token, with that token's
-    `logprobs` if it asked (the first output also says how many prompt tokens the prefix cache
-    served, and takes the prompt's scores); for a request that token failed, only its `error`."""
-    if request.error is not None:  # failed on its own (its grammar): no token, the reason
-        return RequestOutput(request.request_id, error=request.error)
-    first = request.num_output_tokens == 1
-    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
-    if first and request.prompt_logprobs:
-        prompt_logprobs = tuple(request.prompt_logprobs)
-        request.prompt_logprobs.clear()
-    return RequestOutput(
-        request.request_id,
-        (request.output_token_ids[-1],),
-        request.status.finish_reason,
-        request.stop_reason,
-        None,
-        request.num_cached_tokens if first else 0,
-        (logprobs,) if logprobs is not None else (),
-        prompt_logprobs,
-    )

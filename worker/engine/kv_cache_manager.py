@@ -9,12 +9,14 @@ Guarantees:
   block's KV has been written (or, for remote KV, after it was fully installed), so a prefix hit
   never reads a half-written block.
 - Block tables are append-only while a request holds them; `free` releases them tail first.
+- A block pinned by a copy (`pin`, the KV tiers') holds one reference more until `unpin`.
 - `take_kv_changes` returns the hashes that entered or left the prefix cache since its last call
   (a hash enters only through `cache_blocks`, so its block's KV is complete by then).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvrail.hashing import block_hashes
@@ -49,6 +51,10 @@ class KVCacheManager:
         # engine thread a step in the H200 profile, bench/serving/README.md).
         self._block_ids: dict[str, list[int]] = {}
         self._num_cached_blocks: dict[str, int] = {}
+        self._pins: Counter[int] = Counter()  # references held by the KV tiers' copies
+        self.newly_cached: list[tuple[int, bytes]] | None = None
+        """When a list: (block id, hash) of the blocks `cache_blocks` published since its owner
+        last emptied it (the scheduler, for the KV tiers' write-behind)."""
 
     @property
     def num_usable_blocks(self) -> int:
@@ -74,16 +80,22 @@ class KVCacheManager:
         block has no logits)."""
         if not self.enable_prefix_caching:
             return []
-        limit = (request.num_tokens - 1) // self.block_size
-        if request.sampling_params.prompt_logprobs is not None:
-            limit = min(limit, request.num_prompt_scored // self.block_size)
         hits: list[KVBlock] = []
-        for block_hash in self.block_hashes_of(request)[:limit]:
+        for block_hash in self.block_hashes_of(request)[: self.hit_limit(request)]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits
+
+    def hit_limit(self, request: Request) -> int:
+        """How many of the request's first blocks a prefix hit may serve, in any tier: all but
+        the one holding its last token, and none past a prompt token it has to score
+        (`SamplingParams.prompt_logprobs`: a cached block has no logits)."""
+        limit = (request.num_tokens - 1) // self.block_size
+        if request.sampling_params.prompt_logprobs is not None:
+            limit = min(limit, request.num_prompt_scored // self.block_size)
+        return limit
 
     def allocate_slots(
         self,
@@ -135,7 +147,9 @@ class KVCacheManager:
             return
         hashes = self.block_hashes_of(request)
         for i in range(start, num_full):
-            self.block_pool.cache_block(table[i], hashes[i])
+            cached = self.block_pool.cache_block(table[i], hashes[i])
+            if cached and self.newly_cached is not None:
+                self.newly_cached.append((table[i].block_id, hashes[i]))
         self._num_cached_blocks[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
@@ -144,6 +158,17 @@ class KVCacheManager:
         self._block_ids.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         self.block_pool.free(reversed(table))
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to each block for a copy that reads or writes it (a KV tier's), so
+        it is neither reallocated nor zeroed under the copy."""
+        self.block_pool.touch(self.block_pool.blocks[i] for i in block_ids)
+        self._pins.update(block_ids)
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        """Drop `pin`'s references (tail first, as `free`)."""
+        self._pins.subtract(block_ids)
+        self.block_pool.free(self.block_pool.blocks[i] for i in reversed(block_ids))
 
     def take_kv_changes(self) -> KvChanges:
         """Net prefix-cache changes since the last call (see `BlockPool.take_changes`)."""
@@ -172,4 +197,5 @@ class KVCacheManager:
                 owners[block_id] += 1
         assert self._block_ids.keys() == self.req_to_blocks.keys(), "id tables of freed requests"
         for block in self.block_pool.blocks:
-            assert owners[block.block_id] == block.ref_cnt, (block.block_id, block.ref_cnt)
+            held = owners[block.block_id] + self._pins[block.block_id]
+            assert held == block.ref_cnt, (block.block_id, block.ref_cnt)

@@ -11,7 +11,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvrail.outputs import TokenLogprobs
+from kvrail.outputs import RequestOutput, TokenLogprobs
 from kvrail.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -25,6 +25,9 @@ class RequestStatus(enum.Enum):
     """Queued for admission; holds no blocks."""
     WAITING_FOR_REMOTE_KV = enum.auto()
     """Blocks reserved; its prompt KV is being written from elsewhere. Never scheduled."""
+    WAITING_FOR_TIER_KV = enum.auto()
+    """Blocks allocated; part of its prompt KV is being loaded from a lower tier (host memory,
+    disk). Never scheduled until the load is done."""
     RUNNING = enum.auto()
     """Holds blocks for every token it has computed or will compute this step."""
     PREEMPTED = enum.auto()
@@ -126,3 +129,26 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+
+def request_output(request: Request, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+    """The output of the step that just gave `request` its last token, with that token's
+    `logprobs` if it asked (the first output also says how many prompt tokens the prefix cache
+    served, and takes the prompt's scores); for a request that token failed, only its `error`."""
+    if request.error is not None:  # failed on its own (its grammar): no token, the reason
+        return RequestOutput(request.request_id, error=request.error)
+    first = request.num_output_tokens == 1
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
+    if first and request.prompt_logprobs:
+        prompt_logprobs = tuple(request.prompt_logprobs)
+        request.prompt_logprobs.clear()
+    return RequestOutput(
+        request.request_id,
+        (request.output_token_ids[-1],),
+        request.status.finish_reason,
+        request.stop_reason,
+        None,
+        request.num_cached_tokens if first else 0,
+        (logprobs,) if logprobs is not None else (),
+        prompt_logprobs,
+    )

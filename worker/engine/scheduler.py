@@ -24,6 +24,9 @@ filled once that token is known, while the step's forward runs (`step_pipeline`)
 ahead never preempts: when a request's blocks run short it returns None, and the caller resolves
 the running step first.
 
+KV tiers (`attach_tiers`): prefix hits past the GPU's load from host memory or disk before the
+request runs (`tier_loads` says how; such a request is admitted but waits for its load).
+
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
 `schedule()` until `install_remote` marks its KV fully written. A finished request with
 `retain_blocks` keeps its blocks until `release`. `abort` releases everything, in any state.
@@ -40,6 +43,7 @@ from kvrail.errors import InvalidRequestError
 from kvrail.worker.engine.config import EngineConfig
 from kvrail.worker.engine.grammar import Grammars
 from kvrail.worker.engine.kv_cache_manager import KVCacheManager
+from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import Request, RequestStatus
 from kvrail.worker.engine.scheduler_output import (
     RemoteReservation,
@@ -47,6 +51,7 @@ from kvrail.worker.engine.scheduler_output import (
     SchedulerOutput,
 )
 from kvrail.worker.engine.stop import StopChecker
+from kvrail.worker.engine.tier_loads import TierLoads
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,12 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.retained: dict[str, Request] = {}
+        self.tier_loads: TierLoads | None = None
         self._num_arrived = 0
+
+    def attach_tiers(self, tiers: KvTiers) -> None:
+        """Serve prefix hits from `tiers` and write every newly cached block behind to them."""
+        self.tier_loads = TierLoads(tiers, self.kv_cache_manager)
 
     def validate(self, request: Request) -> None:
         """Raise InvalidRequestError unless the request could ever complete here."""
@@ -133,6 +143,8 @@ class Scheduler:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV")
         request.num_computed_tokens = request.num_prompt_tokens
         self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        if self.tier_loads is not None:
+            self.tier_loads.offload_new_blocks()
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self._append_token(request, first_token_id)
@@ -172,6 +184,8 @@ class Scheduler:
         return self._schedule(ahead=True)
 
     def _schedule(self, *, ahead: bool) -> SchedulerOutput | None:
+        if self.tier_loads is not None:
+            self.running.extend(self.tier_loads.take_finished())
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         scheduled: set[str] = set()
@@ -242,17 +256,22 @@ class Scheduler:
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         manager = self.kv_cache_manager
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._num_admitted < self.config.max_num_seqs:
             request = self.waiting[0]
             hits = manager.get_computed_blocks(request)
             num_hit_tokens = len(hits) * self.config.block_size
-            num_new = request.num_tokens - num_hit_tokens
+            num_lower = self.tier_loads.hits(request, len(hits)) if self.tier_loads else 0
+            num_new = request.num_tokens - num_hit_tokens - num_lower * self.config.block_size
             if not self.config.enable_chunked_prefill and num_new > budget:
                 break
             # Reserve blocks for every known token before running any of them.
-            if manager.allocate_slots(request, request.num_tokens, hits) is None:
+            new_blocks = manager.allocate_slots(request, request.num_tokens, hits)
+            if new_blocks is None:
                 break
             self.waiting.popleft()
+            loads = self.tier_loads
+            if num_lower and loads and loads.start(request, len(hits), new_blocks[:num_lower]):
+                continue
             request.num_computed_tokens = num_hit_tokens
             request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
             request.status = RequestStatus.RUNNING
@@ -260,6 +279,10 @@ class Scheduler:
             num_new = min(num_new, budget)
             self._emit(out, request, num_new)
             budget -= num_new
+
+    @property
+    def _num_admitted(self) -> int:
+        return len(self.running) + (len(self.tier_loads.loading) if self.tier_loads else 0)
 
     def _emit(self, out: SchedulerOutput, request: Request, num_new: int) -> None:
         block_ids = self.kv_cache_manager.get_block_ids(request.request_id)
@@ -306,6 +329,8 @@ class Scheduler:
             if item.samples:
                 self._append_token(request, sampled_token_ids[request.request_id])
                 advanced.append(request)
+        if self.tier_loads is not None:
+            self.tier_loads.offload_new_blocks()
         return advanced
 
     def _append_token(self, request: Request, token_id: int) -> None:
@@ -327,6 +352,8 @@ class Scheduler:
             self.kv_cache_manager.free(request)
         if request in self.running:
             self.running.remove(request)
+        elif self.tier_loads is not None and self.tier_loads.forget(request.request_id):
+            pass  # its load still runs into the blocks: the tiers hold them until it is done
         elif request in self.waiting:
             self.waiting.remove(request)
         del self.requests[request.request_id]
@@ -348,3 +375,5 @@ class Scheduler:
             assert live, f"finished request {request_id} holds blocks"
         for request in self.waiting:
             assert request.request_id not in self.kv_cache_manager.req_to_blocks
+        for request in self.tier_loads.loading.values() if self.tier_loads else ():
+            assert request.status is RequestStatus.WAITING_FOR_TIER_KV

@@ -12,7 +12,8 @@ from kvrail.worker.engine.config import EngineConfig
 
 FROM_SETTINGS = (
     "block_size", "max_num_batched_tokens", "max_num_seqs", "max_num_mixed_prefill_tokens",
-    "max_mixed_graph_tokens", "zero_kv_on_release", "kv_dtype",
+    "max_mixed_graph_tokens", "zero_kv_on_release", "kv_dtype", "kv_host_tier_bytes",
+    "kv_disk_tier_path", "kv_disk_tier_bytes",
 )  # fmt: skip
 """The fields the worker fills from the Settings field of the same name."""
 
@@ -34,6 +35,9 @@ def test_every_field_named_after_a_setting_is_one_the_worker_fills() -> None:
         ({"block_size": 0}, "block_size"),
         ({"max_num_batched_tokens": 0}, "max_num_batched_tokens"),
         ({"kv_dtype": "int4"}, "kv_dtype"),
+        ({"kv_disk_tier_path": "/tmp/kv"}, "kv_disk_tier_path and kv_disk_tier_bytes"),
+        ({"kv_disk_tier_path": "/tmp/kv", "kv_disk_tier_bytes": 1 << 30}, "kv_host_tier_bytes"),
+        ({"kv_host_tier_bytes": -1}, "KV tier sizes"),
     ],
 )
 def test_invalid_engine_config_names_the_field(change: dict[str, object], message: str) -> None:

@@ -1,0 +1,166 @@
+"""The host KV tier on a multi-turn workload, in the engine (Llama-3-8B shape, random bf16).
+
+N sessions of T turns: a turn's prompt is the session's previous prompt, the previous answer and
+a new user message; a session sends its next turn a think time after its answer ends. The GPU KV
+pool is set small (`--kv-gib`) so that the sessions' live prefixes are several times what it
+holds: without tiers the other sessions evict a session's prefix before its next turn, and it is
+computed again; with the host tier (`--host-gib`) it loads back. One engine of each kind over the
+same weights, the same sessions, run in the order a, b, a, b. Printed per run:
+- prompt tokens computed (prompt tokens minus those served from any cache) and how many came
+  from the host tier;
+- TTFT p50/p99 (from a turn's submission to its first token, engine time);
+- the worst gap between two tokens of one request, over the run (no decode step may wait for an
+  offload or a load);
+- tokens equal: every answer of the tiered run against the plain run's (greedy).
+Then the host tier's load bandwidth against the link's: 1 GiB of blocks loaded through the tier's
+own path (copies on its stream, checksums compared on the GPU) against one pinned 1 GiB
+host-to-device copy, in the same process.
+
+    source hack/device-env.sh && python3 -P bench/engine/gpu_kv_tiers.py
+    .venv/bin/python -P bench/engine/gpu_kv_tiers.py --smoke      # CPU, tiny model
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvrail.testing.scripts import load_script
+
+HERE = Path(__file__).resolve().parent
+base: Any = load_script("kvrail_bench_engine_gpu_llama3_8b", HERE / "gpu_llama3_8b.py")
+
+
+def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
+    """Serve every session's turns; returns the measures and each turn's answer."""
+    from kvrail.sampling import SamplingParams
+
+    rng = random.Random(seed)
+    high = 120000 if base.DEVICE == "cuda" else 90
+    words = lambda n: [rng.randrange(3, high) for _ in range(n)]  # noqa: E731
+    params = SamplingParams(max_tokens=args.answer, ignore_eos=True)
+    prompts = {s: words(args.system) for s in range(args.sessions)}
+    turns = dict.fromkeys(prompts, 0)
+    ready: list[tuple[float, int]] = [(rng.random() * args.think, s) for s in prompts]
+    heapq.heapify(ready)
+    live: dict[str, tuple[int, Any, float]] = {}
+    answers: dict[str, list[int]] = {}
+    ttft, computed, from_cache, worst_gap = [], 0, 0, 0.0
+    last_token: dict[str, float] = {}
+    started = time.perf_counter()
+    while ready or live:
+        now = time.perf_counter() - started
+        while ready and ready[0][0] <= now:
+            _, s = heapq.heappop(ready)
+            prompts[s] += words(args.user)
+            rid = f"s{s}t{turns[s]}"
+            live[rid] = (s, engine.add_request(rid, list(prompts[s]), params), time.perf_counter())
+        if not engine.has_unfinished_requests():
+            time.sleep(0.001)
+            continue
+        for out in engine.step():
+            t = time.perf_counter()
+            s, request, submitted = live[out.request_id]
+            if out.request_id not in last_token:
+                ttft.append(t - submitted)
+                computed += request.num_prompt_tokens - request.num_cached_tokens
+                from_cache += request.num_cached_tokens
+            else:
+                worst_gap = max(worst_gap, t - last_token[out.request_id])
+            last_token[out.request_id] = t
+            if out.finished:
+                answers[out.request_id] = list(request.output_token_ids)
+                prompts[s] += request.output_token_ids
+                del live[out.request_id]
+                turns[s] += 1
+                if turns[s] < args.turns:
+                    think = rng.expovariate(1 / args.think) if args.think else 0.0
+                    heapq.heappush(ready, (time.perf_counter() - started + think, s))
+    ttft.sort()
+    return {
+        "computed": computed, "cached": from_cache, "answers": answers,
+        "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
+        "worst_gap": worst_gap, "final_prompt": max(len(p) for p in prompts.values()),
+    }  # fmt: skip
+
+
+def load_bandwidth(engine: Any, nbytes: int) -> tuple[float, float]:
+    """(GB/s of the tier's load path, GB/s of one pinned host-to-device copy), same bytes."""
+    tiers = engine.tiers
+    copier = tiers.copier
+    n = min(nbytes // tiers.block_bytes, tiers.host.num_slots, engine.config.num_blocks - 1)
+    slots, blocks = list(range(n)), list(range(1, n + 1))
+    checksums = copier.offload(blocks, slots)  # fill the slots (the pool's bytes, whatever)
+    base.sync()
+    sums = checksums.result()
+    rates = []
+    for _ in range(3):
+        base.sync()
+        t = time.perf_counter()
+        handle = copier.load(slots, blocks, sums)
+        base.sync()
+        rates.append(n * tiers.block_bytes / (time.perf_counter() - t) / 1e9)
+        assert all(handle.result()), "a load of unchanged bytes failed its checksum"
+    src = torch.empty(n * tiers.block_bytes, dtype=torch.uint8, pin_memory=base.DEVICE == "cuda")
+    dst = torch.empty_like(src, device=base.DEVICE)
+    raw = []
+    for _ in range(3):
+        base.sync()
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        base.sync()
+        raw.append(n * tiers.block_bytes / (time.perf_counter() - t) / 1e9)
+    return max(rates), max(raw)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--kv-gib", type=float, default=2.0, help="the GPU KV pool")
+    parser.add_argument("--host-gib", type=float, default=24.0, help="the host tier")
+    parser.add_argument("--sessions", type=int, default=32)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--system", type=int, default=1024, help="first prompt's tokens")
+    parser.add_argument("--user", type=int, default=256, help="tokens a turn adds")
+    parser.add_argument("--answer", type=int, default=64, help="tokens of each answer")
+    parser.add_argument("--think", type=float, default=0.5, help="mean think time, seconds")
+    args = parser.parse_args()
+    sizes: dict[str, Any] = {"max_num_seqs": 64}
+    if args.smoke:  # a pool of 12 blocks, about a quarter of the live prefixes
+        args.sessions, args.turns, args.system, args.user, args.answer = 4, 3, 64, 32, 4
+        args.think, args.host_gib = 0.0, 0.01
+        sizes.update(num_blocks=13, max_model_len=192)
+    host_bytes = int(args.host_gib * 2**30)
+    plain = base.bench_engine(args.smoke, args.kv_gib, **sizes)
+    tiered = base.bench_engine(args.smoke, args.kv_gib, kv_host_tier_bytes=host_bytes, **sizes)
+    pool_tokens = (plain.config.num_blocks - 1) * plain.config.block_size
+    print(f"# GPU KV pool {pool_tokens} tokens; host tier {args.host_gib} GiB; "
+          f"{args.sessions} sessions x {args.turns} turns")  # fmt: skip
+    reference: dict[str, list[int]] = {}
+    for round_ in range(2):
+        for name, engine in (("plain", plain), ("host tier", tiered)):
+            r = run_sessions(engine, args, seed=round_)
+            if name == "plain":
+                reference = r["answers"]
+            same = r["answers"] == reference
+            live = args.sessions * r["final_prompt"] / pool_tokens
+            print(f"{name:10s} round {round_}: prompt tokens computed {r['computed']:8d} "
+                  f"cached {r['cached']:8d}  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms "
+                  f"p99 {r['ttft_p99'] * 1e3:8.1f} ms  worst token gap "
+                  f"{r['worst_gap'] * 1e3:7.1f} ms  live prefixes {live:.1f}x the pool  "
+                  f"tokens equal {same}")  # fmt: skip
+    tier_gbs, raw_gbs = load_bandwidth(tiered, 1 << 30 if not args.smoke else 1 << 20)
+    print(f"host tier load {tier_gbs:.1f} GB/s (copies + GPU checksums) vs one pinned "
+          f"host-to-device copy {raw_gbs:.1f} GB/s: {tier_gbs / raw_gbs:.0%}")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
