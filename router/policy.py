@@ -96,8 +96,8 @@ class Candidate:
     """This router's requests the worker's record may count (`WorkerView`), or None: unknown."""
     num_host_blocks: int = 0
     num_disk_blocks: int = 0
-    """Of `matched_blocks`, those the worker holds only in its host-memory or disk KV tier (in
-    the fastest that holds them; the rest are in GPU memory), to load before they are used."""
+    """Of `matched_blocks`, those the worker would load from its host-memory or disk KV tier
+    before using them (`KvIndex.match_tiers`; the rest are GPU hits)."""
 
     @property
     def load(self) -> int:

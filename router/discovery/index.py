@@ -28,8 +28,11 @@ Guarantees:
   256 GiB host tier of the same shape holds 128k blocks of 2 MiB more (about 50 MB).
 
 `match_tiers()` relies on the chained hash: block i's hash covers every token before it, so a hit
-on block i after a miss on an earlier block can never be used, and only leading runs count. A
-block held in several tiers counts in its fastest; the run stops at the first block held in none.
+on block i after a miss on an earlier block can never be used, and only leading runs count. It
+counts what the worker's engine would use (`kvrail.worker.engine.kv_tiers`): the prompt's leading
+run in GPU memory, then the run that continues in the lower tiers, each block from the fastest
+lower tier holding it (host memory, else disk), loaded back. A block in GPU memory after that
+point is not a GPU hit: the engine loads it from a lower tier too, or ends the run there.
 """
 
 from __future__ import annotations
@@ -55,9 +58,9 @@ def prompt_hashes(
 
 @dataclass(frozen=True, slots=True)
 class PrefixMatch:
-    """How much of a prompt's prefix one worker holds: `num_blocks` leading blocks in some tier,
-    of which `num_host_blocks` are fastest in host memory and `num_disk_blocks` on disk (the
-    rest in GPU memory)."""
+    """How much of a prompt's prefix one worker can use: `num_blocks` leading blocks, the first
+    `num_gpu_blocks` in GPU memory, then `num_host_blocks` to load from host memory and
+    `num_disk_blocks` from disk (in prompt order, each from the faster tier holding it)."""
 
     num_blocks: int
     num_host_blocks: int = 0
@@ -159,15 +162,17 @@ class KvIndex:
         return state.num_hashes if tier is None else len(state.hashes[tier])
 
     def matched_blocks(self, worker_id: str, hashes: Sequence[str]) -> int:
-        """How many leading blocks of the prompt (`hashes`, in order) the worker holds in some
-        tier."""
+        """How many leading blocks of the prompt (`hashes`, in order) the worker can use, as
+        `match_tiers` counts them."""
         state = self._workers.get(worker_id)
         if state is None:
             return 0
-        tiers = state.hashes.values()
+        gpu, host, disk = (state.hashes[t] for t in ("gpu", "host", "disk"))
         num = 0
+        on_gpu = True
         for h in hashes:
-            if not any(h in held for held in tiers):
+            on_gpu = on_gpu and h in gpu
+            if not on_gpu and h not in host and h not in disk:
                 break
             num += 1
         return num
@@ -177,31 +182,38 @@ class KvIndex:
         return {w: m.num_blocks for w, m in self.match_tiers(hashes).items()}
 
     def match_tiers(self, hashes: Sequence[str]) -> dict[str, PrefixMatch]:
-        """Per worker holding at least the prompt's first block (in some tier), the leading run
-        of the prompt's blocks it holds and how many of them are fastest in each lower tier."""
+        """Per worker holding at least the prompt's first block (in some tier), the prefix of
+        the prompt it can use as its engine does: the leading run in GPU memory, then the run
+        that continues in a lower tier (host memory, else disk), stopping at the first block
+        held in neither."""
         matched: dict[str, PrefixMatch] = {}
         if not hashes:
             return matched
         gpu, host, disk = (self._holders[t] for t in ("gpu", "host", "disk"))
-        alive: set[str] = set()
+        on_gpu: set[str] = set()  # workers whose run is still in GPU memory
         for holders in (gpu, host, disk):
-            alive |= holders.get(hashes[0], _NONE)
-        lower: dict[str, list[int]] = {}  # worker -> [host blocks, disk blocks] so far
+            on_gpu |= holders.get(hashes[0], _NONE)
+        loading: set[str] = set()  # workers whose run went on in a lower tier
+        lower: dict[str, list[int]] = {}  # worker -> [host blocks, disk blocks]
         for i, h in enumerate(hashes):
-            rest = alive - gpu.get(h, _NONE)
-            if not rest:
-                continue  # the usual case: every worker still alive holds it in GPU memory
+            missed = on_gpu - gpu.get(h, _NONE)
+            if missed:
+                on_gpu -= missed
+                loading |= missed
+            if not loading:
+                continue  # the usual case: every worker still matching holds it in GPU memory
+            rest = set(loading)
             for k, holders in enumerate((host, disk)):
                 held = rest & holders.get(h, _NONE)
                 for worker_id in held:
                     lower.setdefault(worker_id, [0, 0])[k] += 1
                 rest -= held
-            for worker_id in rest:  # in no tier: the worker's run ends before block i
+            for worker_id in rest:  # in no lower tier: the worker's run ends before block i
                 matched[worker_id] = _match(i, lower.get(worker_id))
-            alive -= rest
-            if not alive:
+            loading -= rest
+            if not on_gpu and not loading:
                 return matched
-        for worker_id in alive:
+        for worker_id in on_gpu | loading:
             matched[worker_id] = _match(len(hashes), lower.get(worker_id))
         return matched
 

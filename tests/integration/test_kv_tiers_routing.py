@@ -132,7 +132,9 @@ async def test_a_worker_s_tiers_reach_the_router_by_events_and_by_its_kv_state(
     worker.publisher.event_log.events_for(KvChanges(removed=(bytes.fromhex(PROMPT[0]),)))
     worker.changes("disk", removed=range(9, 10))  # seq 7 after a seq 6 nobody saw: a gap
     await until(pool, lambda: pool.view.index.last_seq("d-0") == 7)
-    assert matches(pool) == {"d-0": (9, 5, 3)}  # block 0 now in the host tier alone
+    # Block 0 left the GPU: the engine would load 0-5 from the host (block 1 too, though it is
+    # in GPU memory: its GPU run ended at block 0) and 6-8 from disk.
+    assert matches(pool) == {"d-0": (9, 6, 3)}
     await worker.stop()
 
 

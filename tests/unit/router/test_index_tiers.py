@@ -60,24 +60,28 @@ def test_one_seq_sequence_spans_the_tiers_and_a_gap_in_any_tier_is_refused() -> 
     assert index.num_hashes("d-0", "gpu") == 0 and index.num_hashes("d-0", "host") == 1
 
 
-def test_a_block_counts_in_its_fastest_tier_and_the_prefix_stops_at_a_block_in_none() -> None:
+def test_the_gpu_run_then_the_lower_tiers_run_count_up_to_a_block_in_neither() -> None:
     index = KvIndex()
     prompt = ["h0", "h1", "h2", "h3", "h4"]
     index.load_state(state("gpu-only", gpu=("h0", "h1", "h2")))
-    index.load_state(state("mixed", gpu=("h0", "h3"), host=("h0", "h1"), disk=("h1", "h2", "h4")))
+    index.load_state(
+        state("mixed", gpu=("h0", "h3"), host=("h0", "h1", "h3"), disk=("h1", "h2", "h4"))
+    )
     index.load_state(state("host-first", host=("h0",), gpu=("h1", "h2")))
     index.load_state(state("gap", gpu=("h0", "h2"), disk=("h3",)))
     index.load_state(state("late", disk=("h1", "h2")))  # no first block: nothing usable
     assert index.match_tiers(prompt) == {
         "gpu-only": PrefixMatch(3),
-        "mixed": PrefixMatch(5, 1, 2),  # h0 GPU (also host), h1 host (also disk), h2 disk, h3 GPU
-        "host-first": PrefixMatch(3, 1, 0),
+        # h0 in GPU (also host); then h1 host (also disk), h2 disk, h3 host (also GPU: loaded,
+        # as the engine does after its GPU run), h4 disk
+        "mixed": PrefixMatch(5, 2, 2),
+        "host-first": PrefixMatch(1, 1, 0),  # h1 is in GPU memory only: the engine stops there
         "gap": PrefixMatch(1),
     }
-    assert index.match_tiers(prompt)["mixed"].num_gpu_blocks == 2
-    assert index.match_all(prompt) == {"gpu-only": 3, "mixed": 5, "host-first": 3, "gap": 1}
-    assert index.matched_blocks("mixed", prompt) == 5
+    assert index.match_tiers(prompt)["mixed"].num_gpu_blocks == 1
+    assert index.match_all(prompt) == {"gpu-only": 3, "mixed": 5, "host-first": 1, "gap": 1}
     assert index.matched_blocks("late", prompt) == 0
+    assert [index.matched_blocks(w, prompt) for w in ("mixed", "host-first", "gap")] == [5, 1, 1]
 
 
 def test_forget_drops_every_tier_of_the_worker_at_once() -> None:
@@ -110,7 +114,7 @@ def test_a_live_event_cannot_carry_lower_tiers_and_a_state_must_be_of_the_gpu() 
 
 
 # A model of the index with tiers: per worker and tier a plain set; a prompt's match is the
-# leading run of blocks held in some tier, each counted in the fastest tier holding it.
+# leading run in GPU memory, then the run in host memory or on disk (the host first).
 _hash = st.sampled_from([f"h{i}" for i in range(6)])
 _worker = st.sampled_from(["a", "b", "c"])
 _tier = st.sampled_from(KV_TIERS)
@@ -145,14 +149,18 @@ def test_match_tiers_agrees_with_a_set_model(
     expected: dict[str, PrefixMatch] = {}
     for worker_id, tiers in model.items():
         counts = dict.fromkeys(KV_TIERS, 0)
+        usable: tuple[KvTier, ...] = KV_TIERS
         for h in prompt:
-            fastest = next((t for t in KV_TIERS if h in tiers[t]), None)
+            fastest = next((t for t in usable if h in tiers[t]), None)
             if fastest is None:
                 break
             counts[fastest] += 1
+            usable = usable if fastest == "gpu" else ("host", "disk")
         if sum(counts.values()):
             expected[worker_id] = PrefixMatch(sum(counts.values()), counts["host"], counts["disk"])
         for tier in KV_TIERS:
             assert index.num_hashes(worker_id, tier) == len(tiers[tier])
     assert index.match_tiers(prompt) == expected
     assert index.match_all(prompt) == {w: m.num_blocks for w, m in expected.items()}
+    for worker_id in model:
+        assert index.matched_blocks(worker_id, prompt) == index.match_all(prompt).get(worker_id, 0)

@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 import pytest
+import torch
 
 from kvrail.codec import MessageError, decode
+from kvrail.hashing import block_hashes, root_hash
 from kvrail.messages import KV_TIERS, KvEvent, KvTier, KvTierState
+from kvrail.router.discovery.index import KvIndex, PrefixMatch
+from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.roles.kv_event_log import KvEventLog
+from kvrail.worker.testing import make_engine, tiny_llama_config
 
 
 def h(i: int) -> bytes:
@@ -117,3 +123,54 @@ def test_a_kv_event_without_a_tier_decodes_as_gpu_and_an_unknown_tier_is_refused
         decode(json.dumps({**old, "lower_tiers": [{"tier": "host"}]}).encode(), KvEvent)
     host = KvEvent("d-0", 1, 4, stored=hx(2), removed=hx(1), tier="host")
     assert decode(host.encode(), KvEvent) == host
+
+
+# -- a real (tiny) engine with a host and a disk tier ------------------------------------------
+
+PARAMS = SamplingParams(max_tokens=4, ignore_eos=True)
+BLOCK_SIZE = 4
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 8 * 4  # layers x (K, V) x tokens x KV heads x dim x fp32
+
+
+def test_events_mirror_every_tier_of_an_engine_and_predict_its_hits(tmp_path: Path) -> None:
+    """Sessions whose prefixes outgrow the GPU pool, on an engine with tiers: after each turn the
+    log's mirror and a router fed by its events hold exactly each tier's hashes, and the
+    router's index counts as many usable prompt blocks for the next turn as the engine uses."""
+    with torch.device("cpu"):
+        engine = make_engine(tiny_llama_config(), seed=3, max_model_len=60, num_blocks=16,
+                             block_size=BLOCK_SIZE, kv_host_tier_bytes=12 * BLOCK_BYTES,
+                             kv_disk_tier_path=str(tmp_path),
+                             kv_disk_tier_bytes=400 * BLOCK_BYTES)  # fmt: skip
+    log = KvEventLog("d-0", 1, max_event_blocks=5)
+    router = TieredRouter(log.state())
+    index = KvIndex()
+    index.load_state(log.state())
+    root = root_hash(engine.fingerprint.digest)
+    prompts = [[5 + s, 6 + s, 7 + s] for s in range(3)]
+    num_lower_hits = 0
+    for turn in range(4):
+        for s, prompt in enumerate(prompts):
+            prompt.extend((11 * s + 7 * turn + i) % 90 + 3 for i in range(13))
+            hashes = [h.hex() for h in block_hashes(prompt, BLOCK_SIZE, root)]
+            match = index.match_tiers(hashes).get("d-0", PrefixMatch(0))
+            request = engine.add_request(f"s{s}t{turn}", list(prompt), PARAMS)
+            while engine.has_unfinished_requests():
+                engine.step()
+            # What the router predicted is what the engine used (the last prompt token is
+            # always computed, so a fully cached prompt uses one block fewer).
+            assert request.num_cached_tokens // BLOCK_SIZE == min(
+                match.num_blocks, (len(prompt) - 1) // BLOCK_SIZE
+            )
+            num_lower_hits += match.num_host_blocks + match.num_disk_blocks
+            for changes in (engine.take_kv_events(), *engine.take_tier_events()):
+                for event in log.events_for(changes):
+                    router.apply(event)
+                    assert index.apply(decode(event.encode(), KvEvent))
+            for tier in KV_TIERS:
+                held = {h.hex() for h in engine.tier_block_hashes(tier)}
+                assert set(log.cached[tier]) == router.cached[tier] == held, tier
+    engine.close()
+    assert num_lower_hits > 0  # the sessions were served from the lower tiers
+    assert log.cached["disk"]  # and the host tier overflowed to disk
+    late = TieredRouter(log.state())  # a router starting now sees the same through the state
+    assert late.cached == router.cached
