@@ -3,7 +3,9 @@
 `collect()` reads the discovery plane (every worker record under the root prefix, or one pool's)
 and each pool's JetStream prefill stream; `render()` is pure and turns that into text. A worker
 that should be there (one the local stack started) but has no record is shown as lost: its lease
-expired, so it died or cannot reach etcd.
+expired, so it died or cannot reach etcd. A worker with KV tiers below the GPU gets a line per
+tier under its row: bytes used of the tier's capacity, blocks held, and since it started, prompt
+blocks found there and loads back to the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from nats.js.errors import NotFoundError
 
 from kvrail.codec import MessageError, decode
 from kvrail.keys import ROOT_PREFIX, PoolKeys, parse_worker_key
-from kvrail.messages import WorkerRecord
+from kvrail.messages import KvTierUsage, WorkerRecord
 
 
 @dataclass
@@ -68,6 +70,25 @@ def _kv(w: WorkerRecord) -> str:
     return f"{w.kv_utilization:.0%} ({used}/{w.num_blocks} blocks)"
 
 
+def _bytes(num_bytes: int) -> str:
+    """Bytes for people: `512 B`, `1.5 KiB`, `64.0 GiB`."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{num_bytes} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _tier(t: KvTierUsage) -> str:
+    """`host 12.0 GiB of 64.0 GiB (19%), 768 blocks, 4096 hit blocks, 310 loads`."""
+    share = f" ({t.used_bytes / t.capacity_bytes:.0%})" if t.capacity_bytes else ""
+    return (
+        f"{t.tier} {_bytes(t.used_bytes)} of {_bytes(t.capacity_bytes)}{share}, "
+        f"{t.num_blocks} blocks, {t.num_hit_blocks} hit blocks, {t.num_loads} loads"
+    )
+
+
 def render(pools: list[PoolStatus], expected_workers: tuple[str, ...] = ()) -> str:
     """The status table, one block per pool. Identifiers and numbers only. `expected_workers`
     that have no record in a pool are listed there as lost (the first pool, when none has any
@@ -86,19 +107,23 @@ def render(pools: list[PoolStatus], expected_workers: tuple[str, ...] = ()) -> s
         out.append(f"pool {p.namespace}/{p.pool}: {roles}; {queue}")
         if p.invalid_records:
             out.append(f"  ({p.invalid_records} invalid worker records ignored)")
+        workers = sorted(p.workers, key=lambda w: (w.role, w.worker_id))
         rows = [COLUMNS] + [
             (
                 w.worker_id, w.role, str(w.incarnation), "yes" if w.is_ready else "no",
                 w.transport or "-", str(w.num_running), str(w.num_waiting), _kv(w),
             )
-            for w in sorted(p.workers, key=lambda w: (w.role, w.worker_id))
+            for w in workers
         ]  # fmt: skip
+        tiers = {i + 1: [_tier(t) for t in w.kv_tiers] for i, w in enumerate(workers)}
         present = {w.worker_id for w in p.workers}
         if p is pools[0]:
             rows += [(w, "-", "-", "lost", "-", "-", "-", "-")
                      for w in expected_workers if w not in present]  # fmt: skip
         widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
         if len(rows) > 1:
-            out.extend("  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True))
-                       .rstrip() for r in rows)  # fmt: skip
+            for i, r in enumerate(rows):
+                out.append("  " + "  ".join(c.ljust(wd) for c, wd in zip(r, widths, strict=True))
+                           .rstrip())  # fmt: skip
+                out.extend(f"    {line}" for line in tiers.get(i, ()))
     return "\n".join(out) + "\n"

@@ -81,6 +81,8 @@ class PrefillDone(Message):
     prompt_logprobs: tuple[TokenLogprobs, ...] = ()
     """The prompt's scores, when the job's sampling asked (`SamplingParams.prompt_logprobs`):
     one per prompt token after the first."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the prefill worker did not compute: its own prefix hits, in any KV tier."""
 
     def __post_init__(self) -> None:
         if len(self.first_logprobs) > 1 or any(
@@ -206,6 +208,27 @@ DECODE_ROLES: tuple[WorkerRole, ...] = ("decode", "colocated")
 
 
 @dataclass(frozen=True, slots=True)
+class KvTierUsage:
+    """One lower KV tier of a worker as its record reports it (`kvrail status`): bytes held and
+    the tier's capacity, blocks held, and since the worker started, the prompt blocks found in the
+    tier and the loads from it back to the GPU. Counts, never contents."""
+
+    tier: KvTier
+    used_bytes: int
+    capacity_bytes: int
+    num_blocks: int
+    num_hit_blocks: int = 0
+    num_loads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.tier == "gpu":
+            raise ValueError("the GPU tier is the record's own num_blocks and kv_utilization")
+        for name in ("used_bytes", "capacity_bytes", "num_blocks", "num_hit_blocks", "num_loads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerRecord(Message):
     """One worker's record in etcd, under its lease, refreshed about every second."""
 
@@ -240,6 +263,9 @@ class WorkerRecord(Message):
     # kvrail's own). `vllm`: a `vllm serve` process whose kvrail agent registered it; `address`
     # is then its OpenAI API's base URL and the router speaks vLLM's protocol to it over HTTP.
     engine: Literal["kvrail", "vllm"] = "kvrail"
+    # The worker's KV tiers below the GPU, fastest first, one entry per tier it has (optional on
+    # the wire: absent means none, as from a worker that predates tiers).
+    kv_tiers: tuple[KvTierUsage, ...] = ()
 
 
 _SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")

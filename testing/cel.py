@@ -4,17 +4,21 @@ The API server first applies the schema's defaults, then evaluates each `x-kuber
 rule with `self` bound to the value at that node (only where the value is present). This module
 does the same with cel-python (a development dependency, imported lazily), so the rules' logic is
 unit-tested without a server. It does not replace the cluster tests: Kubernetes' CEL library has
-extensions and cost limits cel-python lacks; the rules here use only standard CEL.
+extensions and cost limits cel-python lacks. The rules use standard CEL, and of Kubernetes'
+extensions only the part of the quantity library below (`quantity`, `isQuantity`, `compareTo`,
+`isGreaterThan`, `isLessThan`), which this module provides with the same meaning.
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from fractions import Fraction
 from functools import cache
 from typing import Any
 
 from kvrail.crd.gen import openapi_schema
+from kvrail.crd.quantity import parse_quantity
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,4 +102,37 @@ def _program(rule: str) -> Any:
     import celpy
 
     env = celpy.Environment()
-    return env.program(env.compile(rule))
+    return env.program(env.compile(rule), functions=_quantity_library())
+
+
+class _Quantity:
+    """A value of Kubernetes' CEL `Quantity` type: comparable only through its methods (CEL's
+    `<` does not apply to it on the API server, so it does not here either)."""
+
+    def __init__(self, value: Fraction) -> None:
+        self.value = value
+
+
+def _quantity_library() -> dict[str, Any]:
+    from celpy import celtypes
+
+    def quantity(text: Any) -> _Quantity:
+        return _Quantity(parse_quantity(str(text)))
+
+    def is_quantity(text: Any) -> Any:
+        try:
+            parse_quantity(str(text))
+        except ValueError:
+            return celtypes.BoolType(False)
+        return celtypes.BoolType(True)
+
+    def compare_to(a: _Quantity, b: _Quantity) -> Any:
+        return celtypes.IntType((a.value > b.value) - (a.value < b.value))
+
+    return {
+        "quantity": quantity,
+        "isQuantity": is_quantity,
+        "compareTo": compare_to,
+        "isGreaterThan": lambda a, b: celtypes.BoolType(a.value > b.value),
+        "isLessThan": lambda a, b: celtypes.BoolType(a.value < b.value),
+    }

@@ -52,7 +52,9 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
     heapq.heapify(ready)
     live: dict[str, tuple[int, Any, float]] = {}
     answers: dict[str, list[int]] = {}
-    ttft, computed, from_cache, worst_gap = [], 0, 0, 0.0
+    ttft: list[float] = []  # turns after the first: the ones a cache can serve
+    first_ttft: list[float] = []
+    computed, from_cache, worst_gap = 0, 0, 0.0
     last_token: dict[str, float] = {}
     started = time.perf_counter()
     while ready or live:
@@ -69,7 +71,7 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
             t = time.perf_counter()
             s, request, submitted = live[out.request_id]
             if out.request_id not in last_token:
-                ttft.append(t - submitted)
+                (ttft if turns[s] else first_ttft).append(t - submitted)
                 computed += request.num_prompt_tokens - request.num_cached_tokens
                 from_cache += request.num_cached_tokens
             else:
@@ -84,11 +86,26 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
                     think = rng.expovariate(1 / args.think) if args.think else 0.0
                     heapq.heappush(ready, (time.perf_counter() - started + think, s))
     ttft.sort()
+    wall = time.perf_counter() - started
     return {
+        "wall": wall, "first_ttft_p50": statistics.median(first_ttft),
         "computed": computed, "cached": from_cache, "answers": answers,
         "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
         "worst_gap": worst_gap, "final_prompt": max(len(p) for p in prompts.values()),
     }  # fmt: skip
+
+
+def _agreement(answers: dict[str, list[int]], reference: dict[str, list[int]]) -> str:
+    """How many answers equal the plain run's, and where the others first differ: greedy
+    decoding over bf16 KV computed in other chunks (a cache hit) may flip a near-tie of random
+    weights' logits, late in an answer; a wrong block would differ from the first token."""
+    firsts = [
+        next((i for i, (x, y) in enumerate(zip(a, reference[rid], strict=True)) if x != y), None)
+        for rid, a in answers.items()
+    ]
+    differ = sorted(i for i in firsts if i is not None)
+    where = f", first differing token at {differ[len(differ) // 2]} (median)" if differ else ""
+    return f"answers equal {len(firsts) - len(differ)}/{len(firsts)}{where}"
 
 
 def load_bandwidth(engine: Any, nbytes: int) -> tuple[float, float]:
@@ -138,8 +155,12 @@ def main() -> int:
         args.think, args.host_gib = 0.0, 0.01
         sizes.update(num_blocks=13, max_model_len=192)
     host_bytes = int(args.host_gib * 2**30)
-    plain = base.bench_engine(args.smoke, args.kv_gib, **sizes)
-    tiered = base.bench_engine(args.smoke, args.kv_gib, kv_host_tier_bytes=host_bytes, **sizes)
+    hf, config = base.random_model(args.smoke)  # both engines over the very same weights
+    graphs = base.DEVICE == "cuda"
+    plain = base.warmed(base.build_engine(hf, config, args.kv_gib, graphs, **sizes))
+    tiered = base.warmed(base.build_engine(hf, config, args.kv_gib, graphs,
+                                           kv_host_tier_bytes=host_bytes, **sizes))  # fmt: skip
+    del hf
     pool_tokens = (plain.config.num_blocks - 1) * plain.config.block_size
     print(f"# GPU KV pool {pool_tokens} tokens; host tier {args.host_gib} GiB; "
           f"{args.sessions} sessions x {args.turns} turns")  # fmt: skip
@@ -149,13 +170,14 @@ def main() -> int:
             r = run_sessions(engine, args, seed=round_)
             if name == "plain":
                 reference = r["answers"]
-            same = r["answers"] == reference
+            same = _agreement(r["answers"], reference)
             live = args.sessions * r["final_prompt"] / pool_tokens
             print(f"{name:10s} round {round_}: prompt tokens computed {r['computed']:8d} "
                   f"cached {r['cached']:8d}  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms "
-                  f"p99 {r['ttft_p99'] * 1e3:8.1f} ms  worst token gap "
-                  f"{r['worst_gap'] * 1e3:7.1f} ms  live prefixes {live:.1f}x the pool  "
-                  f"tokens equal {same}")  # fmt: skip
+                  f"p99 {r['ttft_p99'] * 1e3:8.1f} ms (turns 2+; turn 1 p50 "
+                  f"{r['first_ttft_p50'] * 1e3:.0f} ms)  worst token gap "
+                  f"{r['worst_gap'] * 1e3:7.1f} ms  {r['wall']:.1f} s  live prefixes "
+                  f"{live:.1f}x the pool  {same}")  # fmt: skip
     tier_gbs, raw_gbs = load_bandwidth(tiered, 1 << 30 if not args.smoke else 1 << 20)
     print(f"host tier load {tier_gbs:.1f} GB/s (copies + GPU checksums) vs one pinned "
           f"host-to-device copy {raw_gbs:.1f} GB/s: {tier_gbs / raw_gbs:.0%}")  # fmt: skip

@@ -190,16 +190,13 @@ def warmed(engine: Any) -> Any:
     return engine
 
 
-def bench_engine(smoke: bool, kv_gib: float, **overrides: Any) -> Any:
-    """The measured engine of a script beside this one (`gpu_logprobs.py`, `gpu_choices.py`,
-    `gpu_grammar.py`): this shape with random weights (bf16 on the GPU; `smoke`: the tiny config
-    in float32 on the CPU), CUDA graphs on a GPU, warmed; prints the device first. `overrides`
-    go to `build_engine` (a tokenizer, EngineConfig fields)."""
+def random_model(smoke: bool) -> tuple[Any, Any]:
+    """(transformers model, its config): this shape with random weights, seeded (bf16 on the
+    GPU; `smoke`: the tiny config in float32 on the CPU); prints the device first."""
     global DEVICE
     if smoke:
         DEVICE = "cpu"
         LLAMA3_8B.update(SMOKE)
-        kv_gib = 0.05
     from transformers import LlamaConfig
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -212,6 +209,15 @@ def bench_engine(smoke: bool, kv_gib: float, **overrides: Any) -> Any:
     torch.set_default_dtype(previous)
     name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU smoke run"
     print(f"# {name}, torch {torch.__version__}")
+    return hf, config
+
+
+def bench_engine(smoke: bool, kv_gib: float, **overrides: Any) -> Any:
+    """The measured engine of a script beside this one (`gpu_logprobs.py`, `gpu_choices.py`,
+    `gpu_grammar.py`): `random_model`'s weights, CUDA graphs on a GPU, warmed. `overrides` go
+    to `build_engine` (a tokenizer, EngineConfig fields)."""
+    hf, config = random_model(smoke)
+    kv_gib = 0.05 if smoke else kv_gib
     return warmed(build_engine(hf, config, kv_gib, DEVICE == "cuda", **overrides))
 
 

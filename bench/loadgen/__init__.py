@@ -74,6 +74,7 @@ from .client import (
     _chunk_text,
     in_shard,
     send_request,
+    stream_into,
 )
 from .points import CLIENT_BOUND, run, run_point, run_point_measured, shard_urls
 from .report import machine, plot, request_record, table
@@ -106,5 +107,5 @@ __all__ = [
     "_workload_from", "arrival_times", "distribution", "in_shard", "load_points", "machine",
     "main", "make_request", "meets_slo", "parse_args", "percentile", "plot", "request_itl_s",
     "request_record", "run", "run_point", "run_point_measured", "send_request", "shard_urls",
-    "summarize", "system_prompts", "table", "words",
+    "stream_into", "summarize", "system_prompts", "table", "words",
 ]  # fmt: skip

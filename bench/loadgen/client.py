@@ -96,25 +96,43 @@ async def send_request(
     client: openai.AsyncOpenAI, target: Target, spec: RequestSpec, point_start: float
 ) -> RequestResult:
     """Send one streamed request and time every chunk."""
-    start = time.perf_counter()
     result = RequestResult(
-        spec.index, spec.is_warmup, start - point_start, start - point_start,
+        spec.index, spec.is_warmup, 0.0, 0.0,
         approx_prompt_tokens=spec.approx_prompt_tokens, prefix_id=spec.prefix_id,
     )  # fmt: skip
+    if target.endpoint == "chat":
+        messages: list[ChatCompletionMessageParam] = []
+        if spec.system:
+            messages.append({"role": "system", "content": spec.system})
+        messages.append({"role": "user", "content": spec.user})
+        await stream_into(client, target, result, point_start, spec.max_tokens, messages=messages)
+    else:
+        prompt = f"{spec.system}\n\n{spec.user}" if spec.system else spec.user
+        await stream_into(client, target, result, point_start, spec.max_tokens, prompt=prompt)
+    return result
+
+
+async def stream_into(
+    client: openai.AsyncOpenAI, target: Target, result: RequestResult, point_start: float,
+    max_tokens: int, *, messages: list[ChatCompletionMessageParam] | None = None,
+    prompt: str | None = None,
+) -> str:  # fmt: skip
+    """Send one streamed request now (chat `messages` or a completions `prompt`), time every
+    chunk into `result` (its start, end, chunk times, usage, finish reason or error) and return
+    the text it streamed (a multi-turn client's next prompt holds it)."""
+    start = time.perf_counter()
+    result.start_s = result.end_s = start - point_start
     options: dict[str, Any] = {
-        "model": target.model, "max_tokens": spec.max_tokens, "temperature": target.temperature,
+        "model": target.model, "max_tokens": max_tokens, "temperature": target.temperature,
         "stream_options": {"include_usage": True}, "extra_body": target.extra_body,
     }  # fmt: skip
+    texts: list[str] = []
     stream: openai.AsyncStream[ChatCompletionChunk] | openai.AsyncStream[Completion]
     try:
-        if target.endpoint == "chat":
-            messages: list[ChatCompletionMessageParam] = []
-            if spec.system:
-                messages.append({"role": "system", "content": spec.system})
-            messages.append({"role": "user", "content": spec.user})
+        if messages is not None:
             stream = await client.chat.completions.create(messages=messages, stream=True, **options)
         else:
-            prompt = f"{spec.system}\n\n{spec.user}" if spec.system else spec.user
+            assert prompt is not None, "give messages or a prompt"
             stream = await client.completions.create(prompt=prompt, stream=True, **options)
         async with stream:
             async for chunk in stream:
@@ -123,6 +141,7 @@ async def send_request(
                 text, finish_reason = _chunk_text(chunk)
                 if text:
                     result.chunk_times_s.append(now - start)
+                    texts.append(text)
                 if finish_reason:
                     result.finish_reason = finish_reason
                 if chunk.usage is not None:
@@ -139,7 +158,7 @@ async def send_request(
     except (openai.APIError, httpx.HTTPError, TimeoutError, OSError) as err:
         result.error = _error_name(err)
     result.end_s = time.perf_counter() - point_start
-    return result
+    return "".join(texts)
 
 
 def in_shard(index: int, shard: int, num_shards: int) -> bool:

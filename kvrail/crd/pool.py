@@ -101,11 +101,45 @@ _VLLM_RULES = (
         "it cannot run an FP8 checkpoint unquantized, so none is not offered",
         ".model.quantization",
     ),
+    *(
+        _vllm_rule(
+            f"!has(self.{role}) || !has(self.{role}.kvTiers.disk)",
+            "engine.kind vllm has no disk KV tier (its native offloading keeps KV in host "
+            "memory only): remove kvTiers.disk, or use kvrail's engine",
+            f".{role}.kvTiers.disk",
+        )
+        for role in ("decode", "prefill")
+    ),
+    *(
+        _vllm_rule(
+            f"self.disaggregation.mode == 'colocated' || !has(self.{role}) || "
+            f"!has(self.{role}.kvTiers.host)",
+            "engine.kind vllm offloads KV to host memory with its OffloadingConnector, which "
+            "takes the place of the NIXL connector a disaggregated pool needs: a host tier on "
+            "vLLM needs disaggregation.mode colocated",
+            f".{role}.kvTiers.host",
+        )
+        for role in ("decode", "prefill")
+    ),
     _vllm_rule(
         "!self.security.zeroKvOnRelease",
         "engine.kind vllm does not zero freed KV blocks: set security.zeroKvOnRelease to false",
         ".security.zeroKvOnRelease",
     ),
+)
+
+MAX_KV_TIER_GPUS: Final = 1
+"""kvrail's engine keeps KV tiers on one rank for now (`kvrail.worker.engine.kv_tiers.build`
+refuses more): raise both together."""
+_KV_TIER_RULES = tuple(
+    rule(
+        f"self.engine.kind != 'kvrail' || !has(self.{role}) || "
+        f"!has(self.{role}.kvTiers.host) || self.{role}.gpus <= {MAX_KV_TIER_GPUS}",
+        f"kvrail's engine keeps KV tiers on one GPU per replica for now: kvTiers needs gpus "
+        f"at most {MAX_KV_TIER_GPUS}",
+        f".{role}.kvTiers.host",
+    )
+    for role in ("decode", "prefill")
 )
 
 _SPEC_RULES = rules(
@@ -171,6 +205,7 @@ _SPEC_RULES = rules(
         ".autoscaling.enabled",
         "FieldValueRequired",
     ),
+    *_KV_TIER_RULES,
     *_VLLM_RULES,
 )
 

@@ -10,6 +10,7 @@ from typing import Annotated, Final, Literal
 from pydantic import ConfigDict, Field
 
 from kvrail.crd.base import CrdModel, Quantity, rule, rules, sub
+from kvrail.crd.tiers import KvTiersSpec
 
 DType = Literal["float32", "float16", "bfloat16"]
 KvDType = Literal["auto", "float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
@@ -199,6 +200,8 @@ class RoleSpec(CrdModel):
     env: list[EnvVar] = Field(default_factory=list, max_length=64)
     """Extra environment variables for the worker container (with engine kind `vllm`, for the
     `engine` container running vLLM)."""
+    kv_tiers: KvTiersSpec = sub(KvTiersSpec)
+    """KV tiers below the GPU of each replica (pinned host memory, a local disk). Optional."""
     termination_grace_period_seconds: int = Field(60, ge=0, le=3600)
     """Time a worker gets to drain (finish in-flight transfers) before it is killed. Default 60."""
 

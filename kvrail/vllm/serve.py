@@ -9,6 +9,11 @@ decode pool as `kv_consumer` (vLLM 0.32 warns that `kv_both` is deprecated), and
 each request through both with vLLM's `kv_transfer_params` (`kvrail.vllm.protocol`).
 Colocated mode (`role: colocated`) runs no connector at all.
 
+A KV host tier is vLLM's native offloading (`--kv-offloading-backend native
+--kv-offloading-size <GiB>`, the size summed over the tensor-parallel ranks, as kvrail's tier
+size is per replica). vLLM implements it by setting its KV connector to `OffloadingConnector`,
+in place of any other, so it is offered in colocated mode only; vLLM has no disk tier.
+
 vLLM's words differ from kvrail's in two places, mapped here and nowhere else: the KV cache dtype
 (`float8_e4m3fn` is vLLM's `fp8_e4m3`) and the failure policy (vLLM knows `recompute` and `fail`,
 not kvrail's `reroute`). The CRD refuses what cannot be mapped (`kvrail.crd.pool`), and
@@ -18,6 +23,7 @@ not kvrail's `reroute`). The CRD refuses what cannot be mapped (`kvrail.crd.pool
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Final, Literal
@@ -40,6 +46,7 @@ NIXL_CONNECTOR: Final = "NixlConnector"
 VllmRole = WorkerRole
 """What one server does: `colocated` is a colocated pool's only role."""
 KvBufferDevice = Literal["cuda", "cpu"]
+_MIB: Final = 1 << 20
 KV_ROLES: Final = {"prefill": "kv_producer", "decode": "kv_consumer"}
 """The NIXL connector's `kv_role` of a disaggregated pool's servers."""
 
@@ -97,6 +104,12 @@ class ServeConfig:
     `none` is refused."""
     kv_load_failure_policy: str = "recompute"
     kv_buffer_device: KvBufferDevice = "cuda"
+    kv_host_tier_bytes: int = 0
+    """vLLM's native KV offloading to host memory, in bytes for the whole server (0: none);
+    colocated only, and at least 1 MiB (as the CRD's `kvTiers.host.size`; vLLM's flag is in GiB,
+    kvrail passes MiB precision)."""
+    kv_disk_tier_bytes: int = 0
+    """Refused unless 0: vLLM has no disk KV tier. A field so the refusal has one place."""
     extra_args: tuple[str, ...] = ()
     """Appended verbatim after every flag kvrail sets (so a repeated flag overrides kvrail's)."""
     host: str = "0.0.0.0"
@@ -123,12 +136,32 @@ class ServeConfig:
                      "tensor_parallel_size", "port", "side_channel_port"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"ServeConfig.{name} must be positive")
+        if self.kv_disk_tier_bytes:
+            raise ValueError(
+                "vLLM has no disk KV tier (its native offloading keeps KV in host memory only)"
+            )
+        if self.kv_host_tier_bytes < 0:
+            raise ValueError("ServeConfig.kv_host_tier_bytes must not be negative")
+        if self.kv_host_tier_bytes and self.is_disaggregated:
+            raise ValueError(
+                "vLLM's native KV offloading replaces the NIXL connector a disaggregated server "
+                "needs: a host tier on vLLM needs colocated mode"
+            )
+        if 0 < self.kv_host_tier_bytes < _MIB:
+            raise ValueError("a host tier must be 0 (off) or at least 1Mi")
         if not self.model or not self.served_model_name:
             raise ValueError("ServeConfig needs a model and a served model name")
 
     @property
     def is_disaggregated(self) -> bool:
         return self.role != "colocated"
+
+
+def kv_offloading_size(num_bytes: int) -> str:
+    """`--kv-offloading-size`: bytes as GiB, rounded down to whole MiB (so vLLM never pins more
+    than the pod's memory was raised by), written exactly: `64`, `1.5`, `0.0009765625`."""
+    gib = math.floor(num_bytes / _MIB) / 1024
+    return str(int(gib)) if gib.is_integer() else repr(gib)
 
 
 def kv_transfer_config(cfg: ServeConfig) -> dict[str, str] | None:
@@ -172,6 +205,9 @@ def serve_flags(cfg: ServeConfig) -> list[str]:
         flags += ["--quantization", "fp8"]
     # kvrail's router writes llguidance grammars (`kvrail.vllm.protocol.lark_of`)
     flags += ["--structured-outputs-config", json.dumps({"backend": GRAMMAR_BACKEND})]
+    if cfg.kv_host_tier_bytes:
+        flags += ["--kv-offloading-backend", "native",
+                  "--kv-offloading-size", kv_offloading_size(cfg.kv_host_tier_bytes)]  # fmt: skip
     transfer = kv_transfer_config(cfg)
     if transfer is not None:
         flags += ["--kv-transfer-config", json.dumps(transfer, separators=(",", ":"))]

@@ -24,6 +24,7 @@ from kvrail.operator.builders.secret import (
     shared_access,
     username_key,
 )
+from kvrail.operator.builders.tiers import tier_settings
 from kvrail.settings import format_scorers
 
 SECRETS_DIR = "/var/run/secrets/kvrail"
@@ -182,6 +183,7 @@ def worker_env(pool: InferencePool, spec: RoleSpec, ctx: BuildContext) -> list[d
         setting("cache_dir", CACHE_DIR),
         setting("drain_timeout_s", drain_timeout_s(spec.termination_grace_period_seconds)),
         *ucx_env(pool, spec),
+        *(setting(name, value) for name, value in tier_settings(spec)),
     ]
     if pool.spec.security.zero_kv_on_release:
         env.append(setting("zero_kv_on_release", "true"))

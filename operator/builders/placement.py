@@ -6,7 +6,8 @@
 - Co-location: prefill and decode prefer the same `colocationKey` domain (a rack, an NVLink
   clique), so KV transfers stay inside it. Preferred only: a full domain must not block a pool.
 - Spread: replicas of one role spread over `spreadKey` (default: the node), best effort.
-- Hardware: GPUs as `gpuResource` requests and limits, a toleration for the usual GPU taint, and
+- Hardware: the role's memory and storage grown by its KV tiers, GPUs as `gpuResource` requests
+  and limits, a toleration for the usual GPU taint, and
   the role's own node selector, so prefill and decode can use different GPU types.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 from kvrail.crd.pool import InferencePool, Role
 from kvrail.crd.spec import RoleSpec
 from kvrail.operator.builders.meta import POOL_LABEL, ROLE_LABEL, selector_labels
+from kvrail.operator.builders.tiers import add_tier_resources
 
 NODE_AFFINITY_WEIGHT = 100
 COLOCATION_WEIGHT = 50
@@ -59,9 +61,11 @@ def topology_spread(pool: InferencePool, role: Role) -> list[dict[str, Any]]:
 
 
 def resources(pool: InferencePool, spec: RoleSpec) -> dict[str, Any]:
-    """Requests and limits: the role's own, its GPUs, and the RDMA device when required."""
+    """Requests and limits: the role's own grown by its KV tiers (`builders.tiers`), its GPUs,
+    and the RDMA device when required."""
     requests: dict[str, Any] = dict(spec.resources.requests)
     limits: dict[str, Any] = dict(spec.resources.limits)
+    add_tier_resources(spec, requests, limits)
     extended: dict[str, int] = {}
     if spec.gpus:
         extended[spec.gpu_resource] = spec.gpus

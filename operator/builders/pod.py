@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from kvrail.crd.pool import InferencePool, Role
+from kvrail.crd.spec import RoleSpec
 from kvrail.messages import WorkerRole
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import CACHE_DIR, infrastructure
+from kvrail.operator.builders.tiers import tier_volumes
 
 SHM_SIZE = "1Gi"
 MODELS_DIR = "/models"
@@ -110,15 +112,19 @@ class WorkerVolumes(NamedTuple):
     """etcd and NATS credentials and CAs."""
     model_mounts: list[dict[str, Any]]
     """The weights' claim at `/models`, when the pool names one."""
+    tier_mounts: list[dict[str, Any]]
+    """The role's disk KV tier, when it has one (`builders.tiers`)."""
 
 
-def worker_volumes(pool: InferencePool, ctx: BuildContext) -> WorkerVolumes:
+def worker_volumes(pool: InferencePool, ctx: BuildContext, spec: RoleSpec) -> WorkerVolumes:
     _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
     volumes, scratch_mounts = scratch_volumes(shm=True)
     volumes += secret_volumes
+    disk_volumes, tier_mounts = tier_volumes(spec)
+    volumes += disk_volumes
     model_mounts: list[dict[str, Any]] = []
     if pool.spec.model.volume_claim:
         claim = {"claimName": pool.spec.model.volume_claim, "readOnly": True}
         volumes.append({"name": "models", "persistentVolumeClaim": claim})
         model_mounts.append({"name": "models", "mountPath": MODELS_DIR, "readOnly": True})
-    return WorkerVolumes(volumes, scratch_mounts, secret_mounts, model_mounts)
+    return WorkerVolumes(volumes, scratch_mounts, secret_mounts, model_mounts, tier_mounts)

@@ -60,7 +60,12 @@ def worker_container(
         "env": worker_env(pool, spec, ctx),
         "resources": placement.resources(pool, spec),
         "securityContext": container_security_context(placement.capabilities(pool)),
-        "volumeMounts": [*volumes.scratch_mounts, *volumes.secret_mounts, *volumes.model_mounts],
+        "volumeMounts": [
+            *volumes.scratch_mounts,
+            *volumes.secret_mounts,
+            *volumes.model_mounts,
+            *volumes.tier_mounts,
+        ],
         **probes(slow_start=True, ready_path=WORKER_READY_PATH, live_path=WORKER_LIVE_PATH),
     }
 
@@ -73,7 +78,7 @@ def build_statefulset(
     spec = pool.role(role)
     if spec is None:
         raise ValueError(f"pool {pool.metadata.name} has no {role} pool")
-    volumes = worker_volumes(pool, ctx)
+    volumes = worker_volumes(pool, ctx, spec)
     if pool.spec.engine.kind == "vllm":
         containers = vllm_containers(pool, role, spec, ctx, volumes)
     else:

@@ -91,6 +91,8 @@ def serve_config(pool: InferencePool, role: Role, spec: RoleSpec) -> ServeConfig
         tensor_parallel_size=spec.gpus or 1,
         kv_load_failure_policy=pool.spec.disaggregation.kv_load_failure_policy,
         kv_buffer_device="cuda" if spec.gpus else "cpu",
+        kv_host_tier_bytes=spec.kv_tiers.host_bytes,
+        kv_disk_tier_bytes=spec.kv_tiers.disk_bytes,
         extra_args=tuple(pool.spec.engine.extra_args),
     )
 

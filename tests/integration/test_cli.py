@@ -21,7 +21,7 @@ from kvrail.bus import PrefillQueue, connect
 from kvrail.keys import PoolKeys
 from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
-from kvrail.messages import WorkerRecord
+from kvrail.messages import KvTierUsage, WorkerRecord
 from kvrail.registry import etcd_client
 from kvrail.settings import Settings
 
@@ -103,6 +103,11 @@ def test_status_shows_registered_workers_and_the_prefill_backlog(
                                   fingerprint="f", is_ready=True, transport="nixl-ucx",
                                   num_running=2, kv_utilization=0.5)  # fmt: skip
             await etcd.put(keys.worker("decode-0").encode(), record.encode())
+            host = KvTierUsage("host", used_bytes=3 << 30, capacity_bytes=4 << 30,
+                               num_blocks=96, num_hit_blocks=1200, num_loads=40)  # fmt: skip
+            tiered = WorkerRecord(worker_id="decode-1", pod_uid="v", incarnation=1,
+                                  role="decode", fingerprint="f", kv_tiers=(host,))  # fmt: skip
+            await etcd.put(keys.worker("decode-1").encode(), tiered.encode())
         nc = await connect(Settings(nats_url=nats_server.url), name="test")
         queue = PrefillQueue(nc.jetstream(), keys)
         await queue.ensure_stream()
@@ -114,9 +119,12 @@ def test_status_shows_registered_workers_and_the_prefill_backlog(
            "KVRAIL_NATS_URL": nats_server.url, "KVRAIL_POOL": "status-test"}  # fmt: skip
     out = subprocess.run([*KVRAIL, "status"], capture_output=True, text=True, timeout=60,
                          env=env, check=True)  # fmt: skip
-    assert "pool default/status-test: 1 decode; 1 queued jobs" in out.stdout
-    assert out.stdout.splitlines()[2].split() == [
+    assert "pool default/status-test: 2 decode; 1 queued jobs" in out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[2].split() == [
         "decode-0", "decode", "3", "yes", "nixl-ucx", "2", "0", "50%"]  # fmt: skip
+    assert lines[3].split()[0] == "decode-1"
+    assert lines[4] == "    host 3.0 GiB of 4.0 GiB (75%), 96 blocks, 1200 hit blocks, 40 loads"
 
 
 def test_status_reports_an_unreachable_etcd_clearly(nats_server: NatsServer) -> None:

@@ -22,8 +22,14 @@ from kubernetes.client.exceptions import ApiException
 
 from kvrail.crd.gen import CRD_FILENAME, CRD_NAME
 from kvrail.crd.pool import GROUP, PLURAL, VERSION
-from kvrail.operator.testing import ACCEPTED, REFUSED, Change, mutate, pool_manifest
+from kvrail.operator.testing import ACCEPTED as BASE_ACCEPTED
+from kvrail.operator.testing import REFUSED as BASE_REFUSED
+from kvrail.operator.testing import Change, mutate, pool_manifest
+from kvrail.operator.testing_tiers import TIER_ACCEPTED, TIER_REFUSED
 from kvrail.testing.kube import ADMIN, KubeControlPlane
+
+REFUSED = BASE_REFUSED + TIER_REFUSED
+ACCEPTED = BASE_ACCEPTED + TIER_ACCEPTED
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -139,6 +145,18 @@ def test_schema_refuses_unknown_enum_value_and_out_of_range_number(
         ((("spec.decode.replicas", -1),), "spec.decode.replicas"),
         ((("spec.router.scorers", [{"name": "queue", "weight": 1}]),), "spec.router.scorers"),
         ((("spec.router.scorers", [{"name": "load", "weight": -1}]),), "spec.router.scorers"),
+        # KV tier sizes are non-negative byte quantities; the disk path is absolute
+        ((("spec.decode.kvTiers", {"host": {"size": "-1Gi"}}),), "spec.decode.kvTiers.host.size"),
+        ((("spec.decode.kvTiers", {"host": {"size": "500m"}}),), "spec.decode.kvTiers.host.size"),
+        (
+            (
+                (
+                    "spec.decode.kvTiers",
+                    {"host": {"size": "1Gi"}, "disk": {"path": "kv", "size": "1Gi"}},
+                ),
+            ),
+            "spec.decode.kvTiers.disk.path",
+        ),
     ):
         with pytest.raises(ApiException) as err:
             create(objects, mutate(base, *changes))

@@ -133,7 +133,11 @@ class Scheduler:
         request.status = RequestStatus.WAITING_FOR_REMOTE_KV
         self.requests[request.request_id] = request
         block_ids = manager.get_block_ids(request.request_id)
-        return RemoteReservation(request.request_id, block_ids, request.num_cached_tokens)
+        num_lower = self.tier_loads.hits(request, len(hits)) if self.tier_loads else 0
+        return RemoteReservation(
+            request.request_id, block_ids, request.num_cached_tokens,
+            num_lower_tier_tokens=num_lower * self.config.block_size,
+        )  # fmt: skip
 
     def install_remote(self, request_id: str, first_token_id: int) -> Request:
         """Make a reserved request runnable: its whole prompt KV is written and `first_token_id`

@@ -65,3 +65,6 @@ class RemoteReservation:
     block_ids: list[int]
     num_cached_tokens: int
     fence: DeviceFence = PASSED
+    num_lower_tier_tokens: int = 0
+    """Prompt tokens after the local hit that this worker's lower KV tiers hold: a prefill here
+    would load them instead of computing them (the caller may prefer that to the remote one)."""

@@ -57,12 +57,10 @@ from kvrail.worker.transfer.envelope import Reservation, validate
 
 log = logging.getLogger(__name__)
 
-# NIXL notifications are polled (NIXL offers no wait): every _WRITE_POLL_S while a write this
-# worker granted may land at any moment (a copy takes milliseconds, so this costs little; the
-# handoff's copy stage measured 1 ms shorter than with _POLL_S, bench/sweep/README.md), every
-# _POLL_S while a remote prefill is pending and not yet granted (its prefill is being computed),
-# every _IDLE_POLL_S otherwise (late completions only lift quarantines). Not below 1 ms:
-# uvloop's timers count whole milliseconds, and a shorter sleep returns at once (a busy loop).
+# NIXL notifications are polled (NIXL has no wait): every _WRITE_POLL_S while a granted write may
+# land (1 ms off the handoff's copy stage against _POLL_S, bench/sweep/README.md), _POLL_S while a
+# remote prefill is computed, _IDLE_POLL_S otherwise (late completions only lift quarantines).
+# Not below 1 ms: uvloop's timers count whole milliseconds (a shorter sleep would busy-loop).
 _WRITE_POLL_S = 0.001
 _POLL_S = 0.002
 _IDLE_POLL_S = 0.05
@@ -73,8 +71,8 @@ Outcome = Literal["installed", "local", "recompute"]
 
 @dataclass(frozen=True, slots=True)
 class Handoff:
-    """How a remote prefill ended (see `KvReceiver.prefill`) and, when installed, how many of
-    the prompt's tokens this worker had cached already."""
+    """How a remote prefill ended (see `KvReceiver.prefill`); when installed, the prompt's
+    tokens that came from a prefix cache (this worker's, or the prefill worker's)."""
 
     outcome: Outcome
     num_cached_tokens: int = 0
@@ -150,7 +148,7 @@ class KvReceiver:
         return write_grants.refusal(ask, self._pending.get(ask.request_id), self.ctx.incarnation)
 
     def wants(self, request: GenerateRequest) -> bool:
-        """Whether to try a remote prefill: disaggregated, long enough, a prefill worker ready."""
+        """Whether to try a remote prefill: disaggregated, long, a prefill worker ready."""
         return (
             self.ctx.settings.disaggregation_mode == "disaggregated"
             and len(request.token_ids) >= self.ctx.settings.min_remote_prefill_tokens
@@ -178,7 +176,9 @@ class KvReceiver:
             return Handoff("local")  # the pool is short now: queue it locally, to wait for blocks
         first_block = reservation.num_cached_tokens // self.ctx.block_size
         dest = tuple(reservation.block_ids[first_block:])
-        uncached = len(request.token_ids) - reservation.num_cached_tokens
+        # What a prefill here would compute (its lower tiers' hits would load instead).
+        held = reservation.num_cached_tokens + reservation.num_lower_tier_tokens
+        uncached = len(request.token_ids) - held
         if not dest or uncached < self.ctx.settings.min_remote_prefill_tokens:
             await self.ctx.service.abort(rid)
             return Handoff("local")
@@ -231,7 +231,8 @@ class KvReceiver:
                         for outstanding in job_ids:  # an earlier attempt must never write now
                             self._settle_soon(outstanding)  # (same blocks, same prompt if it did)
                             self._granted.discard(outstanding)
-                        return Handoff("installed", reservation.num_cached_tokens)
+                        return Handoff("installed", max(reservation.num_cached_tokens,
+                                                        done.num_cached_tokens))  # fmt: skip
                     reason = "kv_invalid"
                 else:
                     job_ids.remove(job.request_id)  # the prefill worker refused it for good

@@ -283,7 +283,7 @@ class PrefillRole:
                 prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
                 block_checksums=sums, transfer_bytes=len(src) * self.ctx.connector.block_bytes,
                 transport=self.ctx.connector.transport_to(job.dest_agent_name),
-                queue_wait_s=queue_wait_s,
+                queue_wait_s=queue_wait_s, num_cached_tokens=result.output.num_cached_tokens,
                 prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
             )  # fmt: skip
             notification = done.encode()

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from kvrail.cli.status import PoolStatus, render
 from kvrail.keys import PoolKeys, parse_worker_key
-from kvrail.messages import WorkerRecord
+from kvrail.messages import KvTierUsage, WorkerRecord
 
 
 def worker(worker_id: str, role: str, **kw: object) -> WorkerRecord:
@@ -51,3 +51,22 @@ def test_kv_use_shows_blocks_and_a_worker_the_stack_started_but_etcd_lost_is_lis
     assert render([], expected_workers=("decode-0",)) == (
         "no pools have registered workers; lost: decode-0\n"
     )
+
+
+def test_a_worker_with_kv_tiers_gets_a_line_per_tier_under_its_row() -> None:
+    tiers = (
+        KvTierUsage("host", used_bytes=12 << 30, capacity_bytes=64 << 30, num_blocks=768,
+                    num_hit_blocks=4096, num_loads=310),
+        KvTierUsage("disk", used_bytes=0, capacity_bytes=500 << 30, num_blocks=0),
+    )  # fmt: skip
+    pools = [PoolStatus("default", "p", [
+        worker("decode-0", "decode", kv_tiers=tiers), worker("decode-1", "decode"),
+    ], queued_jobs=0)]  # fmt: skip
+    lines = render(pools).splitlines()
+    assert lines[2].split()[0] == "decode-0"
+    assert lines[3] == (
+        "    host 12.0 GiB of 64.0 GiB (19%), 768 blocks, 4096 hit blocks, 310 loads"
+    )
+    assert lines[4] == "    disk 0 B of 500.0 GiB (0%), 0 blocks, 0 hit blocks, 0 loads"
+    assert lines[5].split()[0] == "decode-1"
+    assert len(lines) == 6

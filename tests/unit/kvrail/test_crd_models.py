@@ -95,3 +95,32 @@ def test_invalid_field_is_refused_by_the_model(
 ) -> None:
     with pytest.raises(ValidationError, match=expected):
         make_pool(mutate(pool_manifest(), change))
+
+
+def test_kv_tiers_default_to_none_and_read_their_sizes_as_bytes() -> None:
+    assert make_pool().spec.decode.kv_tiers.host_bytes == 0
+    tiers = {"host": {"size": "1.5Gi"}, "disk": {"path": "/nvme/kv", "size": "500G"}}
+    pool = make_pool(mutate(pool_manifest(), ("spec.decode.kvTiers", tiers)))
+    assert pool.spec.decode.kv_tiers.host_bytes == 3 * 2**29
+    assert pool.spec.decode.kv_tiers.disk_bytes == 500 * 10**9
+    assert pool.spec.prefill is not None and pool.spec.prefill.kv_tiers.disk is None
+
+
+@pytest.mark.parametrize(
+    ("tiers", "word"),
+    [
+        ({"host": {"size": "-1Gi"}}, "pattern"),
+        ({"host": {"size": "500m"}}, "pattern"),
+        ({"host": {"size": "1e9"}}, "pattern"),
+        ({"host": {"size": "17Ti"}}, "1Mi to 16Ti"),
+        ({"host": {"size": "1Ki"}}, "1Mi to 16Ti"),
+        ({"host": {"size": "1Gi"}, "disk": {"path": "kv", "size": "1Gi"}}, "pattern"),
+        ({"host": {"size": "1Gi"}, "disk": {"path": "/a/./b", "size": "1Gi"}}, "normalised"),
+        ({"host": {"size": "1Gi"}, "disk": {"path": "/dev/shm/kv", "size": "1Gi"}}, "mounts"),
+        ({"disk": {"path": "/nvme/kv", "size": "1Gi"}}, "host tier"),
+        ({"host": {"size": "0"}, "disk": {"path": "/nvme/kv", "size": "1Gi"}}, "host tier"),
+    ],
+)
+def test_models_refuse_kv_tiers_the_crd_refuses(tiers: dict[str, Any], word: str) -> None:
+    with pytest.raises(ValidationError, match=word):
+        make_pool(mutate(pool_manifest(), ("spec.decode.kvTiers", tiers)))

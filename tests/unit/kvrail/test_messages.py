@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from kvrail.codec import MAX_MESSAGE_BYTES, MessageError, decode
-from kvrail.messages import Cancel, KvEvent, PrefillDone, PrefillJob, WorkerRecord
+from kvrail.messages import Cancel, KvEvent, KvTierUsage, PrefillDone, PrefillJob, WorkerRecord
 from kvrail.sampling import SamplingParams
 
 
@@ -117,3 +117,36 @@ def test_a_worker_record_from_before_block_size_still_decodes_with_block_size_un
         worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f"
     )
     assert decode(current.encode(), WorkerRecord).block_size == 16
+
+
+def test_a_worker_records_kv_tiers_round_trip_and_a_record_without_them_has_none() -> None:
+    tiers = (KvTierUsage("host", 3 << 30, 64 << 30, 192, num_hit_blocks=40, num_loads=5),)
+    record = WorkerRecord(
+        worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f",
+        kv_tiers=tiers,
+    )  # fmt: skip
+    assert decode(record.encode(), WorkerRecord).kv_tiers == tiers
+    body = json.loads(record.encode())
+    del body["kv_tiers"]  # what a worker built before tiers publishes
+    assert decode(json.dumps(body).encode(), WorkerRecord).kv_tiers == ()
+
+
+@pytest.mark.parametrize(
+    ("entry", "fragment"),
+    [
+        ({"tier": "host", "used_bytes": -1, "capacity_bytes": 1, "num_blocks": 0}, "negative"),
+        ({"tier": "gpu", "used_bytes": 0, "capacity_bytes": 1, "num_blocks": 0}, "GPU tier"),
+        ({"tier": "ssd", "used_bytes": 0, "capacity_bytes": 1, "num_blocks": 0}, "tier"),
+        ({"tier": "host", "used_bytes": 0, "capacity_bytes": 1}, "num_blocks"),
+    ],
+)
+def test_a_worker_record_with_a_bad_tier_entry_is_refused(
+    entry: dict[str, object], fragment: str
+) -> None:
+    record = WorkerRecord(
+        worker_id="d-0", pod_uid="u", incarnation=1, role="decode", fingerprint="f"
+    )
+    body = json.loads(record.encode())
+    body["kv_tiers"] = [entry]
+    with pytest.raises(MessageError, match=fragment):
+        decode(json.dumps(body).encode(), WorkerRecord)

@@ -16,6 +16,7 @@ from kvrail.vllm.serve import (
     VLLM_PORT,
     ServeConfig,
     kv_cache_dtype,
+    kv_offloading_size,
     kv_transfer_config,
     serve_argv,
     serve_env,
@@ -197,3 +198,42 @@ def test_fp8_weights_are_vllms_online_quantization_and_auto_leaves_the_checkpoin
     assert flag(serve_argv(config()), "--quantization") is None  # vLLM reads the checkpoint's
     with pytest.raises(ValueError, match="as stored"):
         config(quantization="none")
+
+
+def _flag(argv: list[str], name: str) -> str | None:
+    return argv[argv.index(name) + 1] if name in argv else None
+
+
+def test_host_tier_is_vllms_native_offloading_in_gib_for_the_whole_server() -> None:
+    argv = serve_argv(config(role="colocated", tensor_parallel_size=2, kv_host_tier_bytes=64 << 30))
+    assert _flag(argv, "--kv-offloading-backend") == "native"
+    assert _flag(argv, "--kv-offloading-size") == "64"
+    assert "--kv-transfer-config" not in argv
+    assert "--kv-offloading-backend" not in serve_argv(config(role="colocated"))
+
+
+@pytest.mark.parametrize(
+    ("num_bytes", "gib"),
+    [(1 << 30, "1"), (3 << 29, "1.5"), (1 << 20, "0.0009765625"), (1_500_000_000, "1.396484375")],
+)
+def test_offloading_size_rounds_down_to_whole_mib(num_bytes: int, gib: str) -> None:
+    assert kv_offloading_size(num_bytes) == gib
+    assert float(gib) * 2**30 <= num_bytes
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"role": "decode", "kv_host_tier_bytes": 1 << 30}, "needs colocated mode"),
+        ({"role": "prefill", "kv_host_tier_bytes": 1 << 30}, "needs colocated mode"),
+        ({"role": "colocated", "kv_host_tier_bytes": 4096}, "at least 1Mi"),
+        ({"role": "colocated", "kv_host_tier_bytes": -1}, "must not be negative"),
+        ({"role": "colocated", "kv_host_tier_bytes": 1 << 30, "kv_disk_tier_bytes": 1 << 30},
+         "no disk KV tier"),
+    ],
+)  # fmt: skip
+def test_tiers_vllm_cannot_run_are_refused_as_the_crd_refuses_them(
+    changes: dict[str, Any], fragment: str
+) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        config(**changes)

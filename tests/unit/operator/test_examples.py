@@ -69,3 +69,16 @@ def test_vllm_example_runs_vllm_serve_beside_the_agent_on_a_gpu() -> None:
             "volumeMounts"
         ]
         assert agent["command"] == ["python", "-P", "-m", "kvrail.agent"]
+
+
+def test_the_kv_tiers_example_grows_decode_memory_and_mounts_its_disk_tier() -> None:
+    sts = workload("gpu-8b-kv-tiers.yaml", "StatefulSet", "-decode")
+    worker = sts["spec"]["template"]["spec"]["containers"][0]
+    assert worker["resources"]["requests"]["memory"] == "320Gi"  # 64Gi + the 256Gi host tier
+    assert worker["resources"]["limits"]["memory"] == "352Gi"
+    assert {"name": "kv-disk", "mountPath": "/var/lib/kvrail/kv"} in worker["volumeMounts"]
+    prefill = workload("gpu-8b-kv-tiers.yaml", "StatefulSet", "-prefill")
+    assert (
+        prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
+        == "64Gi"
+    )

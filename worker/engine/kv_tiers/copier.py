@@ -11,6 +11,8 @@ as they are queued.
 
 from __future__ import annotations
 
+import mmap
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +21,9 @@ import torch
 from kvrail.worker.engine.kv_tiers.checksum import block_checksums
 from kvrail.worker.engine.staging import to_device, to_host
 from kvrail.worker.kv_cache import KVCache
+
+_CHUNK_BYTES = 64 << 20
+"""Bytes a load copies before checksumming them beside the next chunk's copy."""
 
 
 class CopyHandle:
@@ -44,14 +49,20 @@ class Copier:
         num_blocks, block_bytes = kv_cache.num_blocks, kv_cache.block_bytes
         self.region = kv_cache.tensor.view(-1).view(torch.uint8).view(num_blocks, block_bytes)
         self.device = kv_cache.tensor.device
-        self.host = torch.zeros((num_slots, block_bytes), dtype=torch.uint8)
-        self._streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None
+        # Anonymous pages: page-aligned (as registering needs) and zero until written.
+        self._memory = mmap.mmap(-1, num_slots * block_bytes)
+        self.host = torch.frombuffer(self._memory, dtype=torch.uint8).view(num_slots, block_bytes)
+        self._streams: tuple[torch.cuda.Stream, ...] | None = None
         if self.device.type == "cuda":
             nbytes = self.host.numel()
-            err = torch.cuda.cudart().cudaHostRegister(self.host.data_ptr(), nbytes, 0)
+            cudart = torch.cuda.cudart()
+            err = cudart.cudaHostRegister(self.host.data_ptr(), nbytes, 0)
             if int(err) != 0:
                 raise RuntimeError(f"cannot page-lock {nbytes} bytes for the host KV tier: {err}")
-            self._streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+            # Unregistered before the pages go back (the finalizer keeps them until it ran):
+            # a later mapping at the same address could not be registered otherwise.
+            weakref.finalize(self, cudart.cudaHostUnregister, self.host.data_ptr(), self._memory)
+            self._streams = tuple(torch.cuda.Stream(self.device) for _ in range(3))
 
     def host_bytes(self, slot: int) -> memoryview:
         """A slot's bytes, for the disk thread to write from or read into."""
@@ -60,22 +71,32 @@ class Copier:
     def offload(self, block_ids: Sequence[int], slots: Sequence[int]) -> CopyHandle:
         """Queue GPU blocks -> host slots; the handle's result is each block's checksum."""
         with self._on(0):
-            for block_id, slot in zip(block_ids, slots, strict=True):
-                self.host[slot].copy_(self.region[block_id], non_blocking=True)
             index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
-            return self._handle(block_checksums(self.region, index))
+            sums = block_checksums(self.region, index)
+            for src, dst, n in _runs(block_ids, slots):
+                self.host[dst : dst + n].copy_(self.region[src : src + n], non_blocking=True)
+            return self._handle(sums)
 
     def load(
         self, slots: Sequence[int], block_ids: Sequence[int], checksums: Sequence[int]
     ) -> CopyHandle:
         """Queue host slots -> GPU blocks; the handle's result says, per block, whether the
-        bytes that landed have the checksum given."""
-        with self._on(1):
-            for slot, block_id in zip(slots, block_ids, strict=True):
-                self.region[block_id].copy_(self.host[slot], non_blocking=True)
+        bytes that landed have the checksum given. The checksums of a chunk run on a third
+        stream while the next chunk copies, so they add about one chunk's sum to the copy."""
+        with self._on(2):  # its tensors belong to the checksum stream, which alone uses them
             index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
             expected = to_device(np.asarray(checksums, dtype=np.int64), self.device)
-            return self._handle(block_checksums(self.region, index) == expected)
+            sums = torch.empty_like(expected)
+        step = max(1, _CHUNK_BYTES // self.region.shape[1])
+        for start in range(0, len(block_ids), step):
+            end = start + step
+            with self._on(1):
+                for src, dst, n in _runs(slots[start:end], block_ids[start:end]):
+                    self.region[dst : dst + n].copy_(self.host[src : src + n], non_blocking=True)
+            with self._on(2, after=1):
+                sums[start:end] = block_checksums(self.region, index[start:end])
+        with self._on(2, after=1):
+            return self._handle(sums == expected)
 
     def zero_slot(self, slot: int) -> None:
         self.host[slot].zero_()
@@ -88,20 +109,39 @@ class Copier:
         event.record()
         return CopyHandle(event, host)
 
-    def _on(self, which: int) -> _StreamScope:
-        return _StreamScope(self._streams[which] if self._streams is not None else None)
+    def _on(self, which: int, after: int | None = None) -> _StreamScope:
+        """Stream `which` (0 write-behind, 1 load copies, 2 load checksums), ordered after the
+        work queued so far on the engine's stream, or on stream `after`."""
+        if self._streams is None:
+            return _StreamScope(None, None)
+        return _StreamScope(self._streams[which], None if after is None else self._streams[after])
+
+
+def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length) of the runs where both sides are consecutive: one copy
+    each instead of one per block (fresh slots and blocks are often in order)."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
 
 
 class _StreamScope:
-    """Run on `stream`, ordered after the work queued on the current stream so far."""
+    """Run on `stream`, ordered after the work queued so far on `after` (the current stream
+    when None)."""
 
-    def __init__(self, stream: torch.cuda.Stream | None) -> None:
+    def __init__(self, stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None) -> None:
         self._stream = stream
+        self._after = after
         self._ctx: torch.cuda.StreamContext | None = None
 
     def __enter__(self) -> None:
         if self._stream is not None:
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+            after = self._after or torch.cuda.current_stream(self._stream.device)
+            self._stream.wait_stream(after)
             self._ctx = torch.cuda.stream(self._stream)
             self._ctx.__enter__()
 
