@@ -183,13 +183,12 @@ class KvReceiver:
             await self.ctx.service.abort(rid)
             return Handoff("local")
         policy = self.ctx.settings.kv_load_failure_policy
-        named = self.ctx.peers.prefill_worker(request.prefill_worker_id, self.ctx.fingerprint)
         job_ids: list[str] = []
         failed_worker = ""
         reason = "kv_load_failed"
         try:
             for attempt in range(2 if policy == "reroute" else 1):
-                target = named
+                target = self.ctx.peers.prefill_worker(request, self.ctx.fingerprint)
                 if attempt > 0:
                     others = [
                         r.worker_id

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aetcd
 
-from kvrail.messages import WorkerRecord
+from kvrail.messages import GenerateRequest, WorkerRecord
 from kvrail.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -46,12 +46,13 @@ class PeerTable:
             and r.fingerprint == fingerprint
         ]
 
-    def prefill_worker(self, worker_id: str, fingerprint: str) -> str | None:
-        """`worker_id` while it is one of `prefill_workers(fingerprint)`, else None: where a
-        remote prefill goes first when the router named a prefill worker holding more of the
-        prompt's prefix (`GenerateRequest.prefill_worker_id`), None: any, from the queue."""
-        known = any(r.worker_id == worker_id for r in self.prefill_workers(fingerprint))
-        return worker_id if worker_id and known else None
+    def prefill_worker(self, request: GenerateRequest, fingerprint: str) -> str | None:
+        """Where `request`'s remote prefill goes first: the prefill worker the router named as
+        holding more of the prompt's prefix (`GenerateRequest.prefill_worker_id`) while it is
+        one of `prefill_workers(fingerprint)`; None: any, from the queue."""
+        named = request.prefill_worker_id
+        known = any(r.worker_id == named for r in self.prefill_workers(fingerprint))
+        return named if named and known else None
 
     async def run(self) -> None:
         """Follow the registry until cancelled; a broken watch is re-established."""
