@@ -156,12 +156,31 @@ class Cancel(Message):
     reason: Literal["client_disconnect", "deadline", "error", "stop"] = "client_disconnect"
 
 
+KvTier = Literal["gpu", "host", "disk"]
+"""Where a worker holds a cached KV block: GPU memory (what a step reads), the pinned host-memory
+tier or the local disk tier (loaded back to the GPU before a step reads it)."""
+KV_TIERS: tuple[KvTier, ...] = ("gpu", "host", "disk")
+"""The tiers, fastest first."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvTierState:
+    """Every block hash one lower tier of a worker holds (part of a `kv_state` reply)."""
+
+    tier: KvTier
+    stored: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class KvEvent(Message):
-    """Worker -> routers: blocks entered or left this worker's prefix cache.
+    """Worker -> routers: blocks entered or left one tier of this worker's prefix cache.
 
-    `seq` increases by one per event of an incarnation; a gap tells a router to rebuild its view
-    of this worker.
+    `seq` increases by one per event of an incarnation, over every tier (one sequence); a gap
+    tells a router to rebuild its view of this worker. `tier` says which tier `stored`,
+    `removed` and `cleared` are about ("gpu" when absent: a worker without tiers, or one from
+    before them). A `kv_state` reply (`cleared=True`, `tier="gpu"`) carries the GPU's hashes in
+    `stored` and each lower tier's in `lower_tiers` (one entry per tier holding any), all as of
+    the same `seq`.
     """
 
     kind: ClassVar[str] = "kv_event"
@@ -171,13 +190,16 @@ class KvEvent(Message):
     stored: tuple[str, ...] = ()
     removed: tuple[str, ...] = ()
     cleared: bool = False
+    tier: KvTier = "gpu"
+    lower_tiers: tuple[KvTierState, ...] = ()
 
+    def __post_init__(self) -> None:
+        tiers = [t.tier for t in self.lower_tiers]
+        if "gpu" in tiers or len(set(tiers)) != len(tiers):
+            raise ValueError("lower_tiers names each lower tier at most once, never gpu")
+        if self.lower_tiers and (not self.cleared or self.tier != "gpu"):
+            raise ValueError("lower_tiers belong to a kv_state reply (cleared, tier gpu)")
 
-KvTier = Literal["gpu", "host", "disk"]
-"""Where a worker holds a cached KV block: GPU memory (what a step reads), the pinned host-memory
-tier or the local disk tier (loaded back to the GPU before a step reads it)."""
-KV_TIERS: tuple[KvTier, ...] = ("gpu", "host", "disk")
-"""The tiers, fastest first."""
 
 WorkerRole = Literal["prefill", "decode", "colocated"]
 """What a worker does: `colocated` workers prefill and decode (a colocated pool's only role)."""
@@ -266,6 +288,10 @@ class GenerateRequest(Message):
     deadline_unix_s: float
     sampling: SamplingParams
     tenant_salt: str = ""
+    prefill_worker_id: str = ""
+    """The prefill worker the router saw holding more of the prompt's prefix than this decode
+    worker (in any KV tier), to send the remote prefill to; "" (and a worker no longer
+    registered): whichever prefill worker takes it from the queue."""
 
     def __post_init__(self) -> None:
         if not self.request_id or len(self.request_id) > 128:

@@ -83,7 +83,8 @@ class RouterMetrics:
             ["worker"], registry=r,
         )  # fmt: skip
         self.worker_cached = Gauge(
-            metrics.ROUTER_WORKER_CACHED_BLOCKS, "Blocks the router's KV index holds per worker",
+            metrics.ROUTER_WORKER_CACHED_BLOCKS,
+            "Blocks the router's KV index holds per worker in GPU memory",
             ["worker"], registry=r,
         )  # fmt: skip
 
@@ -122,7 +123,7 @@ class RouterMetrics:
             self.worker_requests.labels(w, "waiting").set(record.num_waiting)
             self.worker_requests.labels(w, "in_flight").set(in_flight.get(w, 0))
             self.worker_kv.labels(w).set(record.kv_utilization)
-            self.worker_cached.labels(w).set(view.index.num_hashes(w))
+            self.worker_cached.labels(w).set(view.index.num_hashes(w, "gpu"))
         return generate_latest(self.registry)
 
 

@@ -2,20 +2,38 @@
 
 A policy that scores is a profile: scorers under weights. A scorer is a small pure function of a
 candidate and the prompt's length in blocks that returns a cost (lower is better); the chooser
-minimises the weighted sum of its profile's scorers. A new signal (KV tiers, say) is one more
-scorer in `SCORERS`, one more name in `kvrail.crd.spec.ScorerName` and a weight, never a branch.
+minimises the weighted sum of its profile's scorers. A new signal (say, network locality) is one
+more scorer in `SCORERS`, one more name in `kvrail.crd.spec.ScorerName` and a weight, never a
+branch (KV tiers are not a new signal: `prefix-cache` prices them, see below).
 The scorers are importable on their own for other pickers (a Gateway API endpoint picker).
 
 `kv-aware` (the default) is the profile `prefix-cache` 1, `load` 32, `kv-utilization` 16, so it
 minimises, in units of prompt blocks,
 
     cost = (num_prompt_blocks - matched_blocks)                      blocks to prefill
+         + 0.2 * num_host_blocks + 0.4 * num_disk_blocks             blocks to load
          + 32 * max(num_running + num_waiting, in_flight)            load
          + 16 * kv_utilization
 
 and the InferencePool's `router.scorers` (`Settings.router_scorers`) may replace those weights.
 Why these terms and weights:
 - Blocks to prefill: the work a cached prefix saves, and what time to first token grows with.
+- Blocks to load: a prefix block a worker holds only in a lower KV tier (host memory or disk,
+  `Candidate.num_host_blocks`/`num_disk_blocks`) is loaded back to the GPU before the request is
+  scheduled: cheaper than computing it, dearer than a GPU hit (free). `prefix-cache` prices it
+  (`HOST_BLOCK_COST`, `DISK_BLOCK_COST`, in computed blocks) rather than a scorer of its own: a
+  load and a prefill are one quantity, the prompt's work before its first token, and a separate
+  weight could price a load above the recomputation it replaces. Llama-3-8B (16-token blocks,
+  2 MiB of bf16 KV each) prefills about 10k tokens/s on one H100/H200, 1.6 ms a block; its
+  host-to-device copy at 25-50 GB/s (PCIe 5, pinned) takes 40-85 us, 3-5% of that. A host block
+  is charged 0.2: the copy, plus the checksum verified on every load, the request's wait until
+  all its blocks are resident (its own load does not overlap its prefill), and the chance the
+  block left the tier in the second the index lags. A disk block is charged 0.4: an NVMe read at
+  3-7 GB/s takes 0.3-0.7 ms (20-45% of computing it), then the same host copy and checks.
+  A worker with no lower tiers has no such blocks and costs what it did before the tiers. So a
+  2k-token prefix (128 blocks) in host memory costs 26 instead of 128: its worker wins over one
+  that would compute it and has up to three fewer requests, and loses to a GPU hit on a worker
+  as busy.
 - Load: `num_running`/`num_waiting` are the worker's own counts but reach us through etcd about a
   second late; `in_flight` is this router's requests on the worker, known at once. With
   `in_flight_at_report`, what of ours the worker's last report may have counted, the load is the
@@ -67,7 +85,7 @@ class Candidate:
 
     worker_id: str
     matched_blocks: int
-    """Leading prompt blocks the worker caches (`KvIndex.matched_blocks`)."""
+    """Leading prompt blocks the worker caches in any KV tier (`KvIndex.match_tiers`)."""
     num_running: int
     num_waiting: int
     """From the worker's etcd record (about a second old)."""
@@ -76,6 +94,10 @@ class Candidate:
     kv_utilization: float
     in_flight_at_report: int | None = None
     """This router's requests the worker's record may count (`WorkerView`), or None: unknown."""
+    num_host_blocks: int = 0
+    num_disk_blocks: int = 0
+    """Of `matched_blocks`, those the worker would load from its host-memory or disk KV tier
+    before using them (`KvIndex.match_tiers`; the rest are GPU hits)."""
 
     @property
     def load(self) -> int:
@@ -92,9 +114,22 @@ Scorer = Callable[[Candidate, int], float]
 Pure: a function of its arguments alone, so any picker may call it, in any order."""
 
 
+HOST_BLOCK_COST = 0.2
+"""What loading one prompt block from a worker's host-memory tier costs, in computed blocks."""
+DISK_BLOCK_COST = 0.4
+"""What loading one prompt block from a worker's disk tier costs, in computed blocks."""
+
+
 def prefix_cache_cost(candidate: Candidate, num_prompt_blocks: int) -> float:
-    """Prompt blocks the candidate does not cache: what it would prefill (never below 0)."""
-    return float(max(num_prompt_blocks - candidate.matched_blocks, 0))
+    """Prompt blocks the candidate does not cache, which it would prefill (never below 0), plus
+    those it caches only in a lower tier at their load's price (the module docstring says why):
+    0 to `num_prompt_blocks`, and exactly the blocks to prefill for a worker with no tiers."""
+    matched = min(candidate.matched_blocks, num_prompt_blocks)
+    num_host = min(max(candidate.num_host_blocks, 0), matched)
+    num_disk = min(max(candidate.num_disk_blocks, 0), matched - num_host)
+    return float(num_prompt_blocks - matched) + (
+        HOST_BLOCK_COST * num_host + DISK_BLOCK_COST * num_disk
+    )
 
 
 def load_cost(candidate: Candidate, num_prompt_blocks: int) -> float:

@@ -156,6 +156,7 @@ async def generate(
     wait: bool = True,
     started: asyncio.Event | None = None,
     sampling: SamplingParams | None = None,
+    prefill_worker_id: str = "",
 ) -> list[TokenEvent]:
     """Send one request to a decode worker as the router would (greedy, no EOS, unless
     `sampling` says otherwise); with `wait`, collect its events until the last, checking they
@@ -167,6 +168,7 @@ async def generate(
         request_id=request_id, token_ids=token_ids, stream_subject=subject,
         deadline_unix_s=time.time() + deadline_s,
         sampling=sampling or SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+        prefill_worker_id=prefill_worker_id,
     )  # fmt: skip
     await nc.publish(keys.decode_requests(worker_id), request.encode())
     events: list[TokenEvent] = []

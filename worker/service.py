@@ -12,9 +12,10 @@ to each request's callback, called on the event loop in order: a step's are hand
 (one `loop.call_soon_threadsafe` per step, so the engine thread and the loop do not trade the GIL
 and a wake-up per token), and a callback that raises is logged without costing the others their
 outputs. Prefix-cache changes go the same way to `on_kv_changes` (if given): the engine's net
-`KvChanges` at the end of each loop iteration (its commands and its step), in order and never
-empty, so a subscriber that applies them in order holds exactly the engine's cached hashes as of
-the last batch delivered; a request's prompt blocks are delivered before its first token.
+`KvChanges` at the end of each loop iteration (its commands and its step), the GPU cache's first
+and then each lower tier's (`KvChanges.tier`), in order and never empty, so a subscriber that
+applies them in order holds exactly the engine's cached hashes of every tier as of the last batch
+delivered; a request's prompt blocks are delivered before its first token.
 
 Guarantees:
 - a request with a deadline is aborted by the engine thread once the deadline passes, and its
@@ -55,6 +56,11 @@ _BUSY_WAIT_S = 0.002  # after a step that produced nothing (e.g. only reserved r
 
 OnOutput = Callable[[RequestOutput], None]
 OnKvChanges = Callable[[KvChanges], None]
+
+
+def _deliver_each(on_kv_changes: OnKvChanges, batches: list[KvChanges]) -> None:
+    for changes in batches:
+        on_kv_changes(changes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,13 +318,18 @@ class EngineService:
         self._deliver_kv_changes()
 
     def _deliver_kv_changes(self) -> None:
+        """Hand the GPU cache's net changes, then each lower tier's, to the loop (one wake-up)."""
         if self._on_kv_changes is None:
-            return  # nobody listens: the engine's journal stays bounded on its own
-        changes = self.engine.take_kv_events()
-        if changes.is_empty:
+            return  # nobody listens: the engine's journals stay bounded on their own
+        batches = [
+            c
+            for c in (self.engine.take_kv_events(), *self.engine.take_tier_events())
+            if not c.is_empty
+        ]
+        if not batches:
             return
         try:
-            self._loop.call_soon_threadsafe(self._on_kv_changes, changes)
+            self._loop.call_soon_threadsafe(_deliver_each, self._on_kv_changes, batches)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             pass
 

@@ -1,9 +1,10 @@
 """KV events and state fetches: the half of `WorkerView` that keeps its `KvIndex` in step.
 
-`KvEventFollower` applies each decode worker's live `KvEvent`s (`PoolKeys.kv_events`) to the
-index, and fetches the worker's whole state (`PoolKeys.kv_state`, request/reply) when an event is
-out of step or a new incarnation registers; events that arrive during a fetch are buffered and
-replayed on top of the state. The guarantees are in the docstring of `kvrail.router.discovery.view`.
+`KvEventFollower` applies each kvrail worker's live `KvEvent`s (`PoolKeys.kv_events`; every role,
+every KV tier) to the index, and fetches the worker's whole state (`PoolKeys.kv_state`,
+request/reply) when an event is out of step or a new incarnation registers; events that arrive
+during a fetch are buffered and replayed on top of the state. The guarantees are in the
+docstring of `kvrail.router.discovery.view`.
 The class holds no state of its own: `WorkerView.__init__` sets every attribute declared on it.
 """
 
@@ -20,7 +21,7 @@ from nats.aio.msg import Msg
 
 from kvrail.codec import MessageError, decode
 from kvrail.keys import PoolKeys
-from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
+from kvrail.messages import KvEvent, WorkerRecord
 from kvrail.router.discovery.index import KvIndex
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,6 @@ class KvEventFollower:
         record = self._records.get(worker_id)
         if (
             record is None
-            or record.role not in DECODE_ROLES
             or record.engine not in INDEXED_ENGINES
             or event.incarnation < record.incarnation
         ):
@@ -145,7 +145,7 @@ class KvEventFollower:
             return None
         try:
             state = decode(reply.data, KvEvent)
-            if state.worker_id != worker_id or not state.cleared:
+            if state.worker_id != worker_id or not state.cleared or state.tier != "gpu":
                 raise MessageError("kv state reply is not a cleared state of this worker")
         except MessageError as err:
             self.num_malformed_events += 1

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import aetcd
 
-from kvrail.messages import DECODE_ROLES, WorkerRecord
+from kvrail.messages import WorkerRecord
 from kvrail.registry import Registry
 from kvrail.router.discovery.kv_events import INDEXED_ENGINES, KvEventFollower
 
@@ -119,7 +119,7 @@ class RecordFollower(KvEventFollower):
                 "fingerprint=%s", worker_id, record.incarnation, record.role, record.engine,
                 record.is_ready, record.fingerprint[:12],
             )  # fmt: skip
-            if record.role not in DECODE_ROLES or record.engine not in INDEXED_ENGINES:
+            if record.engine not in INDEXED_ENGINES:
                 self._cancel_fetch(worker_id)
                 self.index.forget(worker_id)
             elif self.index.incarnation(worker_id) != record.incarnation:

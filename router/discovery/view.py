@@ -3,10 +3,10 @@
 `WorkerView` follows the registry (a snapshot, then every change from the revision after it) and
 the pool's KV events, and feeds both into one `KvIndex`:
 
-- A decode worker that appears, or comes back with a new incarnation, has its old index state
-  dropped and its whole state fetched (`PoolKeys.kv_state`, request/reply). A worker whose record
-  disappears (lease expired or revoked) leaves `records()`, `decode_workers()` and the index at
-  once, and any fetch for it stops.
+- A kvrail worker that appears (any role), or comes back with a new incarnation, has its old
+  index state dropped and its whole state fetched (`PoolKeys.kv_state`, request/reply). A worker
+  whose record disappears (lease expired or revoked: stopped, or killed -9) leaves `records()`,
+  `decode_workers()` and the index (every KV tier of it) at once, and any fetch for it stops.
 - A live event is applied if it is the next one of the loaded incarnation. Otherwise (a gap, no
   state yet, a newer incarnation) the state is fetched again. While a fetch is in flight the
   worker's events are buffered (at most `kv_events.MAX_BUFFERED_EVENTS`) and the ones newer than
@@ -16,7 +16,8 @@ the pool's KV events, and feeds both into one `KvIndex`:
   never fetched nor indexed, so the index matches no block on them.
 - Events of a worker that is not in the registry, or of an older incarnation than its record, are
   dropped and counted in `num_dropped_events`: the state fetch when the worker's record appears
-  covers everything they carried. Prefill-only workers are not indexed.
+  covers everything they carried. Prefill-only workers are indexed too (`prefill_candidates`),
+  so a prompt's remote prefill can go to the prefill worker holding its prefix.
 - A fetch that times out, finds no responder or gets an invalid reply is retried with exponential
   backoff (jittered, capped at `retry_max_s`) for as long as the worker is registered.
 - A malformed event is logged without its payload and counted in `num_malformed_events`.
@@ -45,7 +46,7 @@ from kvrail.errors import DeadlineExceededError
 from kvrail.keys import PoolKeys
 from kvrail.messages import DECODE_ROLES, KvEvent, WorkerRecord
 from kvrail.registry import Registry
-from kvrail.router.discovery.index import KvIndex
+from kvrail.router.discovery.index import KvIndex, PrefixMatch
 from kvrail.router.discovery.records import RecordFollower
 from kvrail.router.policy import Candidate
 
@@ -53,6 +54,7 @@ STATE_TIMEOUT_S = 2.0
 RETRY_INITIAL_S = 0.1
 RETRY_MAX_S = 10.0
 RESYNC_INTERVAL_S = 30.0
+_NO_MATCH = PrefixMatch(0)
 
 
 class WorkerView(RecordFollower):
@@ -152,9 +154,9 @@ class WorkerView(RecordFollower):
         engines: Collection[str] | None = None,
     ) -> list[Candidate]:
         """A routing `Candidate` per ready decode worker (of `fingerprint` and `engines`, when
-        given), with the leading blocks of the prompt `hashes` it caches and this router's
-        `in_flight` on it."""
-        matched = self.index.match_all(hashes)
+        given), with the leading blocks of the prompt `hashes` it caches (in any KV tier, and how
+        many only in a lower one) and this router's `in_flight` on it."""
+        matched = self.index.match_tiers(hashes)
         return _candidates(
             self.decode_workers(), matched, in_flight, self._at_report(), fingerprint, engines
         )
@@ -164,11 +166,15 @@ class WorkerView(RecordFollower):
         in_flight: Mapping[str, int] | None = None,
         fingerprint: str | None = None,
         engines: Collection[str] | None = None,
+        *,
+        hashes: Sequence[str] = (),
     ) -> list[Candidate]:
         """A `Candidate` per ready prefill worker (of `fingerprint` and `engines`, when given),
-        for a choice by load (no cached blocks)."""
+        with the leading blocks of the prompt `hashes` it caches, as `candidates` counts them
+        (none without `hashes`: a choice by load)."""
+        matched = self.index.match_tiers(hashes)
         return _candidates(
-            self.prefill_workers(), {}, in_flight, self._at_report(), fingerprint, engines
+            self.prefill_workers(), matched, in_flight, self._at_report(), fingerprint, engines
         )
 
     def _at_report(self) -> Mapping[str, int] | None:
@@ -212,7 +218,7 @@ class WorkerView(RecordFollower):
 
 def _candidates(
     records: Sequence[WorkerRecord],
-    matched: Mapping[str, int],
+    matched: Mapping[str, PrefixMatch],
     in_flight: Mapping[str, int] | None,
     at_report: Mapping[str, int] | None,
     fingerprint: str | None,
@@ -222,7 +228,9 @@ def _candidates(
     return [
         Candidate(
             worker_id=r.worker_id,
-            matched_blocks=matched.get(r.worker_id, 0),
+            matched_blocks=(m := matched.get(r.worker_id, _NO_MATCH)).num_blocks,
+            num_host_blocks=m.num_host_blocks,
+            num_disk_blocks=m.num_disk_blocks,
             num_running=r.num_running,
             num_waiting=r.num_waiting,
             in_flight=counts.get(r.worker_id, 0),

@@ -160,6 +160,27 @@ class Dispatcher:
     def prefill_candidates(self, fingerprint: str, engines: tuple[Engine, ...]) -> list[Candidate]:
         return self.view.prefill_candidates(self.in_flight, fingerprint, engines)
 
+    def prefill_worker_for(self, job: Job, decision: Decision) -> str:
+        """The ready kvrail prefill worker of the decode worker's fingerprint that the chooser
+        prefers for `job`'s prompt (its cached prefix in any KV tier, priced as for decode
+        workers, against its load), if it holds more of the prefix than the decode worker
+        (whose own blocks a remote prefill skips); "" otherwise, or under a policy that does
+        not weigh cached blocks: the prefill queue balances the load by itself."""
+        record = self.view.records().get(decision.worker_id)
+        if record is None or record.engine != "kvrail" or self.chooser.policy != "kv-aware":
+            return ""
+        if not any(r.fingerprint == record.fingerprint for r in self.view.prefill_workers()):
+            return ""
+        block_size = record.block_size or self.block_size
+        hashes = prompt_hashes(job.token_ids, block_size, record.fingerprint, job.tenant_salt)
+        candidates = self.view.prefill_candidates(
+            self.in_flight, record.fingerprint, ("kvrail",), hashes=hashes
+        )
+        if not any(c.matched_blocks > decision.matched_blocks for c in candidates):
+            return ""
+        chosen = self.chooser.choose(candidates, len(hashes))
+        return chosen.worker_id if chosen.matched_blocks > decision.matched_blocks else ""
+
     def choose(
         self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None
     ) -> Decision:

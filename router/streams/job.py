@@ -99,6 +99,12 @@ class Workers(Protocol):
         """The ready prefill workers of `engines` with `fingerprint`, with their load."""
         ...
 
+    def prefill_worker_for(self, job: Job, decision: Decision) -> str:
+        """The kvrail prefill worker to send the remote prefill of `job` to, when its decode
+        worker is `decision`'s: one holding more of the prompt's prefix than that worker, or ""
+        (any prefill worker)."""
+        ...
+
     def count_in_flight(self, worker_id: str, delta: int) -> None:
         """Count a request in flight on `worker_id` (+1) or no longer (-1)."""
         ...

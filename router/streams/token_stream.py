@@ -97,6 +97,7 @@ class TokenStream:
             request_id=rid, token_ids=self.job.token_ids,
             stream_subject=self.inbox.events_subject, deadline_unix_s=self.job.deadline_unix_s,
             sampling=self.job.sampling, tenant_salt=self.job.tenant_salt,
+            prefill_worker_id=self.workers.prefill_worker_for(self.job, decision),
         )  # fmt: skip
         self.workers.count_in_flight(self.worker_id, +1)
         self._counted = True

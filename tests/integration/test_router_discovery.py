@@ -150,7 +150,7 @@ async def test_the_snapshot_is_applied_before_ready_and_states_are_fetched(pool:
     assert [r.worker_id for r in pool.view.decode_workers()] == ["d-0", "d-1"]
     await pool.view.wait_for_workers(2, WAIT_S, with_state=True)
     assert matched(pool) == {"d-0": 3, "d-1": 1}
-    assert pool.view.index.workers() == {"d-0", "d-1"}  # d-2 has no responder yet; p-0 never
+    assert pool.view.index.workers() == {"d-0", "d-1"}  # d-2 and p-0 have no responder yet
     assert w0.num_state_requests == w1.num_state_requests == 1
     for reg in regs:
         await reg.close()

@@ -435,6 +435,31 @@ async def test_workers_publish_kv_events_and_answer_their_kv_state(
     await assert_all_blocks_free(nc, pool)
 
 
+async def test_a_remote_prefill_goes_to_the_prefill_worker_the_router_named(
+    pool: Pool, nc: NatsClient
+) -> None:
+    """`GenerateRequest.prefill_worker_id` (the router's pick: a prefill worker holding more of
+    the prompt's prefix) takes every job named for it; a name no longer registered falls back
+    to the shared queue. The tokens are the colocated worker's either way."""
+    pool.start("prefill-1", "prefill")
+    await asyncio.to_thread(pool.wait_ready, "prefill-1")
+    ids = [f"pn-{uuid.uuid4().hex[:8]}" for _ in range(4)]
+    for i, request_id in enumerate(ids):
+        token_ids = prompt(LONG_PROMPT, seed=61 + i)
+        events = await generate(nc, "decode-0", token_ids, request_id=request_id,
+                                prefill_worker_id="prefill-1")  # fmt: skip
+        assert events[0].prefill_mode == "remote"
+        assert tokens_of(events) == tokens_of(await generate(nc, "colo-0", token_ids))
+    logs = {name: pool.procs[name].log_path.read_text() for name in ("prefill-0", "prefill-1")}
+    for request_id in ids:
+        assert f"request_id={request_id} " in logs["prefill-1"]
+        assert f"request_id={request_id} " not in logs["prefill-0"]
+    gone = await generate(nc, "decode-0", prompt(LONG_PROMPT, seed=65), prefill_worker_id="p-9")
+    assert gone[0].prefill_mode == "remote" and gone[-1].output.error is None
+    await assert_all_blocks_free(nc, pool)
+    await asyncio.to_thread(pool.procs["prefill-1"].stop, 20)
+
+
 def stored_by(received: dict[str, list[KvEvent]], worker_id: str) -> set[str]:
     """What a router learned of one worker's cache from the events it received."""
     cached: set[str] = set()

@@ -1,36 +1,37 @@
-"""KV events: tell routers which prompt blocks this worker caches.
+"""KV events: tell routers which prompt blocks this worker caches, in which tier.
 
-The engine thread hands over its net prefix-cache changes (`KvChanges`, see `EngineService`) on
-the event loop; each batch becomes one `KvEvent` on `PoolKeys.kv_events(worker_id)`, split into
-several events with consecutive seqs when a list would exceed the block limit (see Limits, at
-most `MAX_BLOCKS`). Hashes are `block_hash.hex()`, the 16-byte `kvrail.hashing` hashes the
-engine's prefix cache is keyed by.
+The engine thread hands over its net changes on the event loop (`KvChanges`, see
+`EngineService`): the GPU prefix cache's, then each lower tier's that changed in the same loop
+iteration (the host-memory and disk tiers, `KvChanges.tier`). Each batch becomes one `KvEvent`
+of its tier on `PoolKeys.kv_events(worker_id)`, split into several events with consecutive seqs
+when a list would exceed the block limit (`kv_event_log`, which also holds the limits). Hashes
+are `block_hash.hex()`, the 16-byte `kvrail.hashing` hashes the engine's prefix cache and its
+tiers are keyed by.
 
 Guarantees (the router's contract):
-- `seq` is 1 for an incarnation's first event and grows by exactly one per event (a publish
-  that fails is logged and leaves a gap, so routers fetch the state again);
-- a stored hash's KV is fully written here, so a request with that prefix would hit it; a
-  removed hash left the cache (evicted on reuse, or reset); no hash is in both lists of one
-  event, and a hash is never removed before it was stored;
-- `PoolKeys.kv_state(worker_id)` answers with one `KvEvent` (`cleared=True`, `stored` = every
-  hash cached after event `seq`, `seq` = the last event's seq, 0 before any). It is read from a
-  mirror updated in the same place seqs are assigned, so it is exactly the state after `seq`: a
-  router that subscribed to the events before asking applies only the events with a greater seq.
+- `seq` is 1 for an incarnation's first event and grows by exactly one per event, whatever its
+  tier (one sequence; a publish that fails is logged and leaves a gap, so routers fetch the state
+  again);
+- a stored hash's KV is fully written in that tier (for a lower tier: resident and checksummed),
+  so a request with that prefix would hit it there; a removed hash left that tier (evicted, or
+  reset); no hash is in both lists of one event, and a hash is never removed from a tier before
+  it was stored there. A block may be held by several tiers at once (a GPU block written behind
+  to the host tier stays in both until one evicts it);
+- `PoolKeys.kv_state(worker_id)` answers with one `KvEvent` (`cleared=True`, `tier="gpu"`,
+  `stored` = every hash in the GPU cache after event `seq`, `lower_tiers` = every hash of each
+  lower tier holding any, `seq` = the last event's seq, 0 before any). It is read from a mirror
+  updated in the same place seqs are assigned, so it is exactly the state after `seq`: a router
+  that subscribed to the events before asking applies only the events with a greater seq.
 
-Limits: one NATS message must fit the server's `max_payload` (1 MiB by default; each hash costs
-35 bytes of JSON), so the limits follow it (`block_limits`): an event holds at most
-min(`MAX_BLOCKS`, ~14,900 at 1 MiB) hashes per list (a larger batch is split, as above), and a
-kvstate reply at most min(`MAX_BLOCKS`, ~29,900 at 1 MiB) hashes. A worker caching more replies
-with the first of them, in the order they were stored, and logs a warning; a router then misses
-the rest until their events come again. A NATS `max_payload` of 8 MiB (kvrail's
-`MAX_MESSAGE_BYTES`, which `kvrail.local.servers` and the chart's NATS set) lifts both limits to
-`MAX_BLOCKS` (65,536).
+Routers from before the tiers ignore `tier` and `lower_tiers`: they take a lower tier's events
+for the GPU's, so they may count a lower-tier block as a GPU hit or drop a GPU block a lower
+tier evicted. Either costs a less apt route (a load instead of a hit, or a missed hit), never a
+wrong answer: the worker's own cache decides what it reuses.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 
 import nats.errors
@@ -39,92 +40,15 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from kvrail.bus import unsubscribe
-from kvrail.codec import MAX_BLOCKS, MessageError
+from kvrail.codec import MessageError
 from kvrail.keys import PoolKeys
 from kvrail.messages import KvEvent
 from kvrail.worker.engine.block_pool import KvChanges
+from kvrail.worker.roles.kv_event_log import KvEventLog, block_limits
 
 log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
-_HASH_JSON_BYTES = 35  # '"' + 32 hex digits + '",'
-_ENVELOPE_BYTES = 512  # the rest of a KvEvent (ids, seq, keys), generously
-
-
-def block_limits(max_payload_bytes: int) -> tuple[int, int]:
-    """(hashes per list of one event, hashes in one kvstate reply) such that the message fits in
-    `max_payload_bytes` and within `MAX_BLOCKS`."""
-    fit = (max_payload_bytes - _ENVELOPE_BYTES) // _HASH_JSON_BYTES
-    if fit < 2:
-        raise ValueError(f"a max payload of {max_payload_bytes} bytes holds no KV event")
-    return min(MAX_BLOCKS, fit // 2), min(MAX_BLOCKS, fit)
-
-
-class KvEventLog:
-    """The pure half: seq numbering, splitting and the mirror of the cached hashes.
-
-    `events_for` turns one batch of changes into the events to publish, in order, and applies
-    them to `cached` before it returns; `state` is the kvstate reply for the same moment.
-    """
-
-    def __init__(
-        self,
-        worker_id: str,
-        incarnation: int,
-        *,
-        max_event_blocks: int = MAX_BLOCKS,
-        max_state_blocks: int = MAX_BLOCKS,
-    ) -> None:
-        if not 1 <= max_event_blocks <= MAX_BLOCKS or not 1 <= max_state_blocks <= MAX_BLOCKS:
-            raise ValueError(f"block limits must be within 1..{MAX_BLOCKS}")
-        self.worker_id = worker_id
-        self.incarnation = incarnation
-        self.max_event_blocks = max_event_blocks
-        self.max_state_blocks = max_state_blocks
-        self.seq = 0  # the last seq handed out
-        self.cached: dict[str, None] = {}  # every hash cached after event `seq`, in stored order
-
-    def events_for(self, changes: KvChanges) -> list[KvEvent]:
-        """The events of one batch (none if it is empty), with consecutive seqs."""
-        stored = [h.hex() for h in changes.stored]
-        removed = [h.hex() for h in changes.removed]
-        events: list[KvEvent] = []
-        step = self.max_event_blocks
-        for start in range(0, max(len(stored), len(removed)), step):
-            self.seq += 1
-            events.append(
-                KvEvent(
-                    worker_id=self.worker_id,
-                    incarnation=self.incarnation,
-                    seq=self.seq,
-                    stored=tuple(stored[start : start + step]),
-                    removed=tuple(removed[start : start + step]),
-                )
-            )
-        for block_hash in removed:
-            self.cached.pop(block_hash, None)
-        for block_hash in stored:
-            self.cached[block_hash] = None
-        return events
-
-    def state(self) -> KvEvent:
-        """Every cached hash (at most `max_state_blocks`, see the module's limits) as of event
-        `seq`."""
-        if len(self.cached) > self.max_state_blocks:
-            log.warning(
-                "kv state truncated worker=%s cached_blocks=%d reply_blocks=%d",
-                self.worker_id,
-                len(self.cached),
-                self.max_state_blocks,
-            )
-        stored = tuple(itertools.islice(self.cached, self.max_state_blocks))
-        return KvEvent(
-            worker_id=self.worker_id,
-            incarnation=self.incarnation,
-            seq=self.seq,
-            stored=stored,
-            cleared=True,
-        )
 
 
 class KvEventPublisher:
@@ -189,9 +113,10 @@ class KvEventPublisher:
                 )
                 continue
             log.debug(
-                "kv event published worker=%s seq=%d stored=%d removed=%d",
+                "kv event published worker=%s seq=%d tier=%s stored=%d removed=%d",
                 event.worker_id,
                 event.seq,
+                event.tier,
                 len(event.stored),
                 len(event.removed),
             )
@@ -200,8 +125,9 @@ class KvEventPublisher:
         state = self.event_log.state()  # no await before this: consistent with the seq
         await msg.respond(state.encode())
         log.debug(
-            "kv state answered worker=%s seq=%d blocks=%d",
+            "kv state answered worker=%s seq=%d blocks=%d lower_tier_blocks=%d",
             state.worker_id,
             state.seq,
             len(state.stored),
+            sum(len(t.stored) for t in state.lower_tiers),
         )

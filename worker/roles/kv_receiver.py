@@ -7,7 +7,7 @@ written), validates it against the reservation (checksums when asked) and only t
 request, so a half-written block table never runs. Before writing, the prefill worker asks for a
 write grant (`write_grants.py`). A failure follows `kv_load_failure_policy`: `recompute` (the
 caller prefills locally), `fail` (an error), `reroute` (one more attempt on another prefill
-worker within the deadline, then an error).
+worker within the deadline, then an error). A first job goes to `request.prefill_worker_id`.
 
 Blocks handed to a remote writer are never reused while a write may still land: a remote prefill
 abandoned after a write was granted is quarantined (`quarantine.py`); one never granted cannot
@@ -188,7 +188,7 @@ class KvReceiver:
         reason = "kv_load_failed"
         try:
             for attempt in range(2 if policy == "reroute" else 1):
-                target = None
+                target = self.ctx.peers.prefill_worker(request, self.ctx.fingerprint)
                 if attempt > 0:
                     others = [
                         r.worker_id

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aetcd
 
-from kvrail.messages import WorkerRecord
+from kvrail.messages import GenerateRequest, WorkerRecord
 from kvrail.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -45,6 +45,14 @@ class PeerTable:
             and r.is_ready
             and r.fingerprint == fingerprint
         ]
+
+    def prefill_worker(self, request: GenerateRequest, fingerprint: str) -> str | None:
+        """Where `request`'s remote prefill goes first: the prefill worker the router named as
+        holding more of the prompt's prefix (`GenerateRequest.prefill_worker_id`) while it is
+        one of `prefill_workers(fingerprint)`; None: any, from the queue."""
+        named = request.prefill_worker_id
+        known = any(r.worker_id == named for r in self.prefill_workers(fingerprint))
+        return named if named and known else None
 
     async def run(self) -> None:
         """Follow the registry until cancelled; a broken watch is re-established."""

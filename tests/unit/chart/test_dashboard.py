@@ -137,7 +137,7 @@ def _observed_values() -> dict[tuple[str, str], set[str]]:
         router.decision(Decision("w0", "kv-aware", matched, 0.0))
     record = SimpleNamespace(worker_id="w0", num_running=1, num_waiting=1, kv_utilization=0.5)
     view = SimpleNamespace(
-        decode_workers=lambda: [record], index=SimpleNamespace(num_hashes=lambda w: 3)
+        decode_workers=lambda: [record], index=SimpleNamespace(num_hashes=lambda w, tier=None: 3)
     )
     router.render(view, {"w0": 1})  # type: ignore[arg-type]
     out: dict[tuple[str, str], set[str]] = {}

@@ -14,6 +14,8 @@ from kvrail.crd.spec import ScorerName
 from kvrail.errors import ConfigError
 from kvrail.router.__main__ import chooser
 from kvrail.router.policy import (
+    DISK_BLOCK_COST,
+    HOST_BLOCK_COST,
     PROFILES,
     SCORERS,
     Candidate,
@@ -119,3 +121,57 @@ def test_the_router_process_builds_its_chooser_from_settings() -> None:
     with pytest.raises(ConfigError, match="kv-aware"):
         chooser(load_settings(environ={"KVRAIL_ROUTER_POLICY": "round-robin",
                                        "KVRAIL_ROUTER_SCORERS": "load=2"}))  # fmt: skip
+
+
+# -- KV tiers: a lower-tier hit is cheaper than computing the block, dearer than a GPU hit ------
+
+
+def tiered(
+    worker_id: str, matched: int, host: int = 0, disk: int = 0, running: int = 0
+) -> Candidate:
+    return Candidate(worker_id, matched, running, 0, 0, 0.0, num_host_blocks=host,
+                     num_disk_blocks=disk)  # fmt: skip
+
+
+def test_a_lower_tier_block_costs_a_fraction_of_computing_it_the_disk_more_than_the_host() -> None:
+    assert 0.1 <= HOST_BLOCK_COST <= 0.25 and 0.3 <= DISK_BLOCK_COST <= 0.5
+    gpu, host, disk, miss = (
+        prefix_cache_cost(c, 10)
+        for c in (tiered("g", 10), tiered("h", 10, host=10), tiered("d", 10, disk=10),
+                  tiered("m", 0))
+    )  # fmt: skip
+    assert gpu == 0.0 < host == 10 * HOST_BLOCK_COST < disk == 10 * DISK_BLOCK_COST < miss == 10
+    mixed = tiered("x", 6, host=2, disk=1)  # 3 GPU blocks, 2 host, 1 disk, 4 to compute
+    assert prefix_cache_cost(mixed, 10) == pytest.approx(4 + 2 * HOST_BLOCK_COST + DISK_BLOCK_COST)
+
+
+@pytest.mark.parametrize(
+    ("candidate", "blocks", "expected"),
+    [
+        (tiered("a", 12, host=12), 10, 10 * HOST_BLOCK_COST),  # more matched than asked
+        (tiered("a", 4, host=9), 10, 6 + 4 * HOST_BLOCK_COST),  # counts beyond the match
+        (tiered("a", 4, host=3, disk=3), 10, 6 + 3 * HOST_BLOCK_COST + DISK_BLOCK_COST),
+        (tiered("a", 4, host=-2, disk=-1), 10, 6.0),  # a negative count is none
+    ],
+)
+def test_lower_tier_counts_are_clipped_to_the_match(
+    candidate: Candidate, blocks: int, expected: float
+) -> None:
+    assert prefix_cache_cost(candidate, blocks) == pytest.approx(expected)
+
+
+def test_kv_aware_weighs_a_host_held_prefix_between_a_gpu_hit_and_recomputation() -> None:
+    """A 2k-token prompt (128 blocks): the worker holding its prefix in host memory wins over
+    one that would compute it and has up to three fewer requests, and loses to a GPU hit on a
+    worker as busy."""
+    chooser = Chooser("kv-aware", random.Random(1))
+    cold = tiered("cold", 0, running=1)
+    for running, winner in ((4, "host"), (5, "cold")):
+        host_held = tiered("host", 128, host=128, running=running)
+        assert chooser.choose([host_held, cold], 128).worker_id == winner
+    host_held = tiered("host", 128, host=128, running=1)
+    assert chooser.choose([host_held, tiered("gpu", 128, running=1)], 128).worker_id == "gpu"
+    disk_held = tiered("disk", 128, disk=128, running=1)
+    assert chooser.choose([host_held, disk_held], 128).worker_id == "host"
+    decision = chooser.choose([disk_held, cold], 128)
+    assert (decision.worker_id, decision.matched_blocks) == ("disk", 128)

@@ -39,6 +39,9 @@ class NoServers:
     def prefill_candidates(self, fingerprint: str, engines: tuple[Engine, ...]) -> list[Candidate]:
         return []
 
+    def prefill_worker_for(self, job: Job, decision: Decision) -> str:
+        raise AssertionError("a vLLM stream never asks")
+
     def count_in_flight(self, worker_id: str, delta: int) -> None:
         raise AssertionError("nothing was sent")
 

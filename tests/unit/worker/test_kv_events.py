@@ -15,7 +15,7 @@ from kvrail.hashing import block_hashes, root_hash
 from kvrail.messages import KvEvent
 from kvrail.sampling import SamplingParams
 from kvrail.worker.engine.block_pool import KvChanges
-from kvrail.worker.roles.kv_events import KvEventLog, block_limits
+from kvrail.worker.roles.kv_event_log import MAX_STATE_BLOCKS, KvEventLog, block_limits
 from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
 
 
@@ -57,7 +57,7 @@ def test_seqs_start_at_one_and_grow_by_one_per_event() -> None:
     assert [e.seq for e in first + second] == [1, 2]
     assert first[0] == KvEvent("decode-0", 7, 1, stored=(h(1).hex(), h(2).hex()))
     assert second[0].stored == (h(3).hex(),) and second[0].removed == (h(1).hex(),)
-    assert list(log.cached) == [h(2).hex(), h(3).hex()]
+    assert list(log.cached["gpu"]) == [h(2).hex(), h(3).hex()]
 
 
 def test_a_batch_over_the_limit_is_split_into_events_with_consecutive_seqs() -> None:
@@ -69,14 +69,14 @@ def test_a_batch_over_the_limit_is_split_into_events_with_consecutive_seqs() -> 
     assert [len(e.stored) for e in events] == [3, 3, 1]
     assert [len(e.removed) for e in events] == [2, 0, 0]
     assert tuple(x for e in events for x in e.stored) == tuple(x.hex() for x in stored)
-    assert set(log.cached) == {x.hex() for x in stored}
+    assert set(log.cached["gpu"]) == {x.hex() for x in stored}
 
 
 def test_a_batch_of_more_than_max_blocks_hashes_splits_into_messages_that_decode() -> None:
     log = KvEventLog("w", 1)
     stored = tuple(h(i) for i in range(MAX_BLOCKS + 5))
     removed = tuple(h(10**9 + i) for i in range(MAX_BLOCKS))
-    log.cached.update((x.hex(), None) for x in removed)
+    log.cached["gpu"].update((x.hex(), None) for x in removed)
     events = log.events_for(KvChanges(stored=stored, removed=removed))
     assert [(e.seq, len(e.stored), len(e.removed)) for e in events] == [
         (1, MAX_BLOCKS, MAX_BLOCKS),
@@ -117,14 +117,16 @@ def test_a_router_that_fetches_the_state_mid_stream_converges() -> None:
     router.apply_state(state)
     for event in published:  # it receives every event, in order, and skips the old ones
         router.apply(event)
-    assert router.cached == set(log.cached) == {h(i).hex() for i in (2, 3, 4)}
+    assert router.cached == set(log.cached["gpu"]) == {h(i).hex() for i in (2, 3, 4)}
 
 
 def test_block_limits_must_be_within_one_and_max_blocks() -> None:
     with pytest.raises(ValueError, match="block limits"):
         KvEventLog("w", 1, max_event_blocks=0)
     with pytest.raises(ValueError, match="block limits"):
-        KvEventLog("w", 1, max_state_blocks=MAX_BLOCKS + 1)
+        KvEventLog("w", 1, max_event_blocks=MAX_BLOCKS + 1)
+    with pytest.raises(ValueError, match="block limits"):
+        KvEventLog("w", 1, max_state_blocks=MAX_STATE_BLOCKS + 1)
     with pytest.raises(ValueError, match="no KV event"):
         block_limits(512)
 
@@ -136,16 +138,21 @@ def test_events_and_states_at_the_block_limits_fit_the_max_payload(max_payload: 
         "w" * 63, time.time_ns(), max_event_blocks=event_blocks, max_state_blocks=state_blocks
     )
     log.seq = 10**18
-    log.cached.update((h(10**9 + i).hex(), None) for i in range(max(event_blocks, state_blocks)))
+    for k, tier in enumerate(("gpu", "host", "disk")):  # every tier full past the reply's room
+        log.cached[tier].update((h(10**9 * (k + 1) + i).hex(), None) for i in range(state_blocks))
     removed = tuple(h(10**9 + i) for i in range(event_blocks + 1))
     stored = tuple(h(i) for i in range(event_blocks + 1))
     events = log.events_for(KvChanges(stored=stored, removed=removed))
     assert [len(e.stored) for e in events] == [event_blocks, 1]
     for message in [*events, log.state()]:
         assert len(message.encode()) <= max_payload
-    assert len(log.state().stored) == state_blocks
-    if max_payload == MAX_MESSAGE_BYTES:
-        assert event_blocks == state_blocks == MAX_BLOCKS
+        assert decode(message.encode(), KvEvent) == message
+    state = log.state()
+    lists = [state.stored, *(t.stored for t in state.lower_tiers)]
+    assert sum(map(len, lists)) == state_blocks and max(map(len, lists)) <= MAX_BLOCKS
+    assert len(state.stored) == min(state_blocks, MAX_BLOCKS)  # the GPU's first
+    if max_payload == MAX_MESSAGE_BYTES:  # a full list per tier
+        assert event_blocks == MAX_BLOCKS and state_blocks == MAX_STATE_BLOCKS == 3 * MAX_BLOCKS
     elif max_payload == 1024 * 1024:  # the NATS default: ~15k hashes per list, ~30k per state
         assert 14_000 < event_blocks < 15_000 and 29_000 < state_blocks < 30_000
 
@@ -237,7 +244,8 @@ def test_a_router_fed_by_the_events_mirrors_the_engine_cache_after_a_random_work
         engine.step()
     for event in log.events_for(engine.take_kv_events()):
         router.apply(event)
-    assert router.cached == {x.hex() for x in engine.cached_block_hashes()} == set(log.cached)
+    cached = {x.hex() for x in engine.cached_block_hashes()}
+    assert router.cached == cached == set(log.cached["gpu"])
     late = Router()  # a router that starts now sees the same through the state
     late.apply_state(decode(log.state().encode(), KvEvent))
     assert late.cached == router.cached and late.seq == log.seq

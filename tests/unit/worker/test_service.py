@@ -256,6 +256,40 @@ async def test_an_installed_remote_prompt_is_reported_before_its_first_token() -
     assert_engine_empty(svc.engine)
 
 
+async def test_lower_tier_changes_follow_the_gpu_changes_of_the_same_iteration() -> None:
+    """The engine's tiers land elsewhere: this engine's host tier is a stand-in that, once the
+    prompt's blocks are cached, reports them written behind to host memory."""
+    delivered: list[KvChanges] = []
+    eng = engine()
+    take_gpu = eng.take_kv_events
+    written_behind: list[KvChanges] = []
+
+    def take_kv_events() -> KvChanges:
+        changes = take_gpu()
+        if changes.stored:  # the write-behind of the same iteration
+            written_behind.append(KvChanges(stored=changes.stored[:2], tier="host"))
+        return changes
+
+    def take_tier_events() -> list[KvChanges]:
+        out = [*written_behind, KvChanges(tier="disk")]  # an empty batch is never delivered
+        written_behind.clear()
+        return out
+
+    eng.take_kv_events, eng.take_tier_events = take_kv_events, take_tier_events
+    svc = EngineService(eng, asyncio.get_running_loop(), on_kv_changes=delivered.append).start()
+    got = Collector()
+    await svc.submit("r", PROMPT, GREEDY, got)
+    await got.wait()
+    await svc.close()
+    assert_engine_empty(svc.engine)
+    # Each host batch right after the GPU batch of its iteration (the prompt's blocks, then the
+    # block its decode filled).
+    assert [c.tier for c in delivered] == ["gpu", "host"] * 2
+    assert set(delivered[0].stored) == prompt_hashes(svc, PROMPT)
+    for gpu, host in zip(delivered[::2], delivered[1::2], strict=True):
+        assert host.stored == gpu.stored[:2]
+
+
 class Gate:
     """A stand-in for a step's CUDA event, on the CPU (where a step has no event): the waiter
     thread's `synchronize` blocks until the test opens the gate, as it would while the device
