@@ -292,7 +292,8 @@ class ScorerSpec(CrdModel):
     """One scorer of the router's `kv-aware` policy and its weight."""
 
     name: ScorerName
-    """`prefix-cache`: prompt blocks the worker does not cache (to prefill). `load`: requests on
+    """`prefix-cache`: prompt blocks the worker does not cache (to prefill), blocks in its host
+    and disk KV tiers priced at 0.2 and 0.4 of one (to load). `load`: requests on
     the worker. `kv-utilization`: the worker's KV-cache utilization, 0 to 1 (an invalid report
     counts as full)."""
     weight: int = Field(ge=0, le=1_000_000)
