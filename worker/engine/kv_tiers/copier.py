@@ -20,7 +20,7 @@ import torch
 
 from kvrail.worker.engine.kv_tiers.checksum import block_checksums
 from kvrail.worker.engine.staging import to_device, to_host
-from kvrail.worker.kv_cache import KVCache
+from kvrail.worker.kv_cache import KVCache, coalesce
 
 _CHUNK_BYTES = 64 << 20
 """Bytes a load copies before checksumming them beside the next chunk's copy."""
@@ -73,7 +73,7 @@ class Copier:
         with self._on(0):
             index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
             sums = block_checksums(self.region, index)
-            for src, dst, n in _runs(block_ids, slots):
+            for src, dst, n in coalesce(block_ids, slots):
                 self.host[dst : dst + n].copy_(self.region[src : src + n], non_blocking=True)
             return self._handle(sums)
 
@@ -91,7 +91,7 @@ class Copier:
         for start in range(0, len(block_ids), step):
             end = start + step
             with self._on(1):
-                for src, dst, n in _runs(slots[start:end], block_ids[start:end]):
+                for src, dst, n in coalesce(slots[start:end], block_ids[start:end]):
                     self.region[dst : dst + n].copy_(self.host[src : src + n], non_blocking=True)
             with self._on(2, after=1):
                 sums[start:end] = block_checksums(self.region, index[start:end])
@@ -120,18 +120,6 @@ class Copier:
 def _unregister(address: int, memory: mmap.mmap) -> None:
     """Unpin `memory` (held until now so its pages outlive the registration)."""
     torch.cuda.cudart().cudaHostUnregister(address)
-
-
-def _runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(src start, dst start, length) of the runs where both sides are consecutive: one copy
-    each instead of one per block (fresh slots and blocks are often in order)."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((s, d, 1))
-    return runs
 
 
 class _StreamScope:
