@@ -224,3 +224,25 @@ def test_checksums_catch_any_single_changed_word() -> None:
         changed[1, offset] ^= 0x80
         after = block_checksums(changed, ids)
         assert after[1] != before[1] and torch.equal(after[[0, 2, 3]], before[[0, 2, 3]])
+
+
+def test_a_disk_block_lost_since_the_scan_loads_the_blocks_before_it(tmp_path: Path) -> None:
+    """Its read fails: the load stops there, the reads after it (still running, or done) end
+    without a waiting load, and every slot and block comes back."""
+    prompt = list(range(3, 43))
+    plain = _run(_engine(), "plain", prompt)
+    first = _disk_engine(tmp_path)
+    a = _run(first, "a", prompt)
+    _flush(first)
+    restarted = _disk_engine(tmp_path)
+    (tmp_path / f"{a.block_hashes[4].hex()}{SUFFIX}").unlink()  # gone after the scan
+    again = _run(restarted, "b", prompt)
+    assert again.num_cached_tokens == 4 * 4
+    assert again.output_token_ids == plain.output_token_ids
+    tiers = restarted.tiers
+    assert tiers is not None
+    _flush(restarted)  # block 4, computed again, is written behind again
+    assert (tmp_path / f"{a.block_hashes[4].hex()}{SUFFIX}").exists()
+    tiers.host.check_invariants()
+    assert all(tiers.host.entry(h) is None or not tiers.host.entry(h).pins for h in a.block_hashes)
+    assert_engine_empty(restarted)

@@ -46,6 +46,10 @@ class HostIndex:
         """Whether the hash has an entry, pending or resident."""
         return block_hash in self._entries
 
+    def entry(self, block_hash: bytes) -> HostEntry | None:
+        """The hash's entry, pending or resident, else None."""
+        return self._entries.get(block_hash)
+
     def resident(self, block_hash: bytes) -> HostEntry | None:
         """The hash's entry if its bytes are complete, else None. Side-effect free."""
         entry = self._entries.get(block_hash)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvrail.messages import KvTier
+from kvrail.worker import metrics
 
 LowerTier = Literal["host", "disk"]
 
@@ -21,3 +22,24 @@ class TierStats:
     """Prompt blocks loaded from each tier since the engine started."""
     loads: dict[KvTier, int] = field(default_factory=dict)
     """Loads to the GPU since the engine started, by the slowest tier each read."""
+
+    @classmethod
+    def of(
+        cls,
+        use: dict[LowerTier, tuple[int, int]],
+        block_bytes: int,
+        hit_blocks: dict[KvTier, int],
+        loads: dict[KvTier, int],
+    ) -> TierStats:
+        """From each tier's (capacity, used) in blocks and its counters; sets the gauges."""
+        stats = cls()
+        for tier, (capacity, used) in use.items():
+            stats.capacity_bytes[tier] = capacity * block_bytes
+            stats.used_bytes[tier] = used * block_bytes
+            stats.blocks[tier] = used
+            stats.hit_blocks[tier] = hit_blocks[tier]
+            stats.loads[tier] = loads[tier]
+            metrics.KV_TIER_CAPACITY_BYTES.labels(tier=tier).set(capacity * block_bytes)
+            metrics.KV_TIER_BYTES.labels(tier=tier).set(used * block_bytes)
+            metrics.KV_TIER_BLOCKS.labels(tier=tier).set(used)
+        return stats

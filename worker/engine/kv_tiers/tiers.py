@@ -10,11 +10,10 @@ disk thread is behind, that block is skipped (counted), never waited for.
 Load: `lookup` counts how many blocks of a prompt, after its GPU prefix hits, the lower tiers hold
 in a row; `start_load` pins their host entries (reading disk-only blocks into host slots first, on
 the disk thread), pins the destination GPU blocks, and queues the host-to-GPU copies on a load
-stream ordered after the work already queued (blocks just allocated may have been freed by a step
-still in flight), followed by the checksums of the bytes that landed compared on the GPU with the
-stored ones. `poll` (each schedule) returns the loads that finished, with how many blocks passed
-in a row; the scheduler runs the request from there (a block that failed is recomputed, and
-dropped from the tiers). Nothing here waits for the device or the disk.
+stream ordered after the work already queued (a block just allocated may be in a step still in
+flight), then compares the landed bytes' checksums with the stored ones on the GPU. `poll` (each
+schedule) returns the loads that finished with how many blocks passed in a row; the request runs
+from there (a failed block is recomputed and dropped). Nothing here waits for device or disk.
 
 With `zero_on_release` (security.zeroKVOnRelease), a GPU block's release also zeroes its host
 slot and deletes its disk file, so nothing of a finished request stays in any tier.
@@ -57,7 +56,7 @@ class _Load:
     block_ids: list[int]
     entries: list[HostEntry]
     reading: set[bytes]  # disk reads not yet done
-    num_from_disk: int
+    from_disk: set[bytes]  # blocks read from disk for it
     started: float
     handle: CopyHandle | None = None
 
@@ -97,6 +96,7 @@ class KvTiers:
         self._offloads: list[_Offload] = []
         self._offloaded_from: dict[int, bytes] = {}  # zero_on_release: GPU block -> its hash
         self._doomed: set[bytes] = set()  # to drop once no longer pinned (zero_on_release)
+        self._orphans: set[bytes] = set()  # disk reads no load waits for any more
         self._hit_blocks: dict[KvTier, int] = {"host": 0, "disk": 0}
         self._num_loads: dict[KvTier, int] = {"host": 0, "disk": 0}
         self.disk: DiskIndex | None = None
@@ -133,7 +133,7 @@ class KvTiers:
         """Queue loading `hashes` (which `lookup` counted) into the GPU blocks `block_ids`;
         returns how many it will load (fewer when the host tier has no slot for a disk read).
         0 means nothing was queued."""
-        load = _Load(request_id, [], [], [], set(), 0, time.perf_counter())
+        load = _Load(request_id, [], [], [], set(), set(), time.perf_counter())
         for block_hash, block_id in zip(hashes, block_ids, strict=True):
             entry = self.host.resident(block_hash)
             if entry is None:
@@ -141,7 +141,7 @@ class KvTiers:
                 if entry is None:
                     break
                 load.reading.add(block_hash)
-                load.num_from_disk += 1
+                load.from_disk.add(block_hash)
             else:
                 self.host.touch(block_hash)
             entry.pins += 1
@@ -200,11 +200,12 @@ class KvTiers:
                 self._drop_disk(block_hash)
             self._drop_if_doomed(block_hash, entry)
         self._unpin(load.block_ids)
-        num_host = min(num_ok, len(load.hashes) - load.num_from_disk)
-        slowest: LowerTier = "disk" if load.num_from_disk else "host"
+        num_disk = sum(h in load.from_disk for h in load.hashes[:num_ok])
+        num_host = num_ok - num_disk
+        slowest: LowerTier = "disk" if load.from_disk & set(load.hashes) else "host"
         counts: tuple[tuple[LowerTier, int], ...] = (
             ("host", num_host),
-            ("disk", num_ok - num_host),
+            ("disk", num_disk),
         )
         for tier, count in counts:
             self._hit_blocks[tier] += count
@@ -272,7 +273,8 @@ class KvTiers:
         assert isinstance(tag, tuple) and self.disk is not None and self._files is not None
         kind, block_hash = tag[0], tag[1]
         if kind == "write":
-            entry = self._pinned_entry(block_hash)
+            entry = self.host.resident(block_hash)
+            assert entry is not None and entry.pins > 0, "an entry being written stays"
             entry.pins -= 1
             if isinstance(result, Exception):
                 log.warning("disk KV tier write failed: %s", result)
@@ -284,31 +286,47 @@ class KvTiers:
                 self._delete_file(block_hash)
             self._drop_if_doomed(block_hash, entry)
         elif kind == "read":
-            load = next(x for x in self._loads.values() if block_hash in x.reading)
-            load.reading.discard(block_hash)
-            if isinstance(result, Exception):  # lost or damaged since the scan: load less
-                log.warning("disk KV tier read failed: %s", result)
-                self._drop_disk(block_hash)
-                self._truncate(load, load.hashes.index(block_hash))
-            else:
-                assert isinstance(result, int)
-                self.host.commit(block_hash, result)
-            if not load.reading:
-                self._issue_load(load)
+            self._read_done(block_hash, result)
 
-    def _pinned_entry(self, block_hash: bytes) -> HostEntry:
-        entry = self.host.resident(block_hash)
-        assert entry is not None and entry.pins > 0, "a pinned entry stays"
-        return entry
+    def _read_done(self, block_hash: bytes, result: object) -> None:
+        """A disk read into a host slot finished: the slot's entry becomes resident (or is
+        dropped), and the load that waited for it goes on (or loads less)."""
+        entry = self.host.entry(block_hash)
+        assert entry is not None and not entry.resident, "a slot being read stays pending"
+        checksum = result if isinstance(result, int) else None
+        if checksum is None:  # lost or damaged since the scan
+            log.warning("disk KV tier read failed: %s", result)
+            self._drop_disk(block_hash)
+        if block_hash in self._orphans:  # its load gave up on it: the read held its pin
+            self._orphans.discard(block_hash)
+            entry.pins -= 1
+            if checksum is None:
+                self.host.drop(block_hash)
+            else:
+                self.host.commit(block_hash, checksum)
+            return
+        load = next(x for x in self._loads.values() if block_hash in x.reading)
+        load.reading.discard(block_hash)
+        if checksum is None:
+            self._truncate(load, load.hashes.index(block_hash))
+        else:
+            self.host.commit(block_hash, checksum)
+        if not load.reading:
+            self._issue_load(load)
 
     def _truncate(self, load: _Load, index: int) -> None:
-        """Load only the blocks before `index` (a disk read failed)."""
+        """Load only the blocks before `index` (a disk read failed). A read still running
+        keeps its slot's pin until it ends (`_orphans`)."""
         for block_hash, entry in zip(load.hashes[index:], load.entries[index:], strict=True):
+            if block_hash in load.reading:
+                load.reading.discard(block_hash)
+                self._orphans.add(block_hash)
+                continue
             entry.pins -= 1
-            load.reading.discard(block_hash)
             if not entry.resident:
                 self.host.drop(block_hash)
-            self._drop_if_doomed(block_hash, entry)
+            else:
+                self._drop_if_doomed(block_hash, entry)
         self._unpin(load.block_ids[index:])
         del load.hashes[index:], load.block_ids[index:], load.entries[index:]
 
@@ -361,23 +379,13 @@ class KvTiers:
         return self.disk.hashes() if self.disk is not None else []
 
     def stats(self) -> TierStats:
-        """Each tier's use now (and the metrics' gauges set to it)."""
-        stats = TierStats()
-        tiers: list[tuple[LowerTier, int, int]] = [
-            ("host", self.host.num_slots, self.host.num_resident)
-        ]
+        """Each tier's use now, in blocks (and the metrics' gauges set to it)."""
+        use: dict[LowerTier, tuple[int, int]] = {
+            "host": (self.host.num_slots, self.host.num_resident)
+        }
         if self.disk is not None:
-            tiers.append(("disk", self.disk.max_blocks, len(self.disk)))
-        for tier, capacity, used in tiers:
-            stats.capacity_bytes[tier] = capacity * self.block_bytes
-            stats.used_bytes[tier] = used * self.block_bytes
-            stats.blocks[tier] = used
-            stats.hit_blocks[tier] = self._hit_blocks[tier]
-            stats.loads[tier] = self._num_loads[tier]
-            metrics.KV_TIER_CAPACITY_BYTES.labels(tier=tier).set(capacity * self.block_bytes)
-            metrics.KV_TIER_BYTES.labels(tier=tier).set(used * self.block_bytes)
-            metrics.KV_TIER_BLOCKS.labels(tier=tier).set(used)
-        return stats
+            use["disk"] = (self.disk.max_blocks, len(self.disk))
+        return TierStats.of(use, self.block_bytes, self._hit_blocks, self._num_loads)
 
     @property
     def busy(self) -> bool:
