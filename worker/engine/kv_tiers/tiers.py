@@ -342,10 +342,10 @@ class KvTiers:
             block_hash = self._offloaded_from.pop(block_id, None)
             if block_hash is None:
                 continue
-            self._doomed.add(block_hash)
             self._drop_disk(block_hash)
             entry = self.host.resident(block_hash)
-            if entry is not None:
+            if entry is not None:  # dropped now, or by whoever unpins it last
+                self._doomed.add(block_hash)
                 self._drop_if_doomed(block_hash, entry)
 
     def _drop_if_doomed(self, block_hash: bytes, entry: HostEntry) -> None:
