@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from kvrail.errors import ConfigError
+from kvrail.router.output import detect
 from kvrail.router.text.chat_template import template_file
+from kvrail.router.text.tokenizer import TextCodec
+from kvrail.settings import default_cache_dir
 
 HERMES_LIKE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -64,3 +67,47 @@ def test_the_router_stops_at_start_naming_the_template_file(tmp_path: Path, name
     assert done.returncode == 2, done.stderr
     assert f"chat_template {tmp_path / name}" in done.stderr.splitlines()[-1]
     assert "Traceback" not in done.stderr
+
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "agents" / "chatml_tools.jinja"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city today.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_the_agents_examples_template_renders_tools_calls_and_results_for_smollm2() -> None:
+    """examples/agents-tools.yaml mounts this file in the router: with the real SmolLM2
+    tokenizer it renders tools itself (no default tool prompt), in the Hermes format the
+    example names, and a whole tool round trip encodes with the template's control tokens."""
+    text = template_file(EXAMPLE)
+    assert (detect.tool_parser("auto", text), detect.reasoning_parser("auto", text)) == (
+        "hermes", False,
+    )  # fmt: skip
+    plain = TextCodec.load("smollm2", default_cache_dir())
+    assert plain.directory is not None
+    codec = TextCodec.from_directory(plain.directory, plain.served_name, text)
+    assert codec.renders_tools and not plain.renders_tools
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}  # fmt: skip
+    conversation = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+    ]
+    rendered = codec.render_chat(conversation, tools=[WEATHER])
+    assert rendered.startswith("<|im_start|>system\nBe brief.\n\nYou can call these functions:")
+    assert '"name": "get_weather"' in rendered.split("</tools>")[0]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in (
+        rendered
+    )
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in rendered
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert rendered.count("<|im_start|>system") == 1
+    ids = codec.chat_prompt(conversation, tools=[WEATHER])
+    assert ids.count(codec.encode("<|im_start|>", allow_special=True)[0]) == 5
