@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import sys
 import time
 import uuid
@@ -193,3 +194,10 @@ def tokens_of(events: list[TokenEvent]) -> list[int]:
     """The generated tokens of a request that ended without an error."""
     assert events[-1].output.error is None, events[-1].output.error
     return [t for e in events for t in e.output.token_ids]
+
+
+def random_prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
+    """`num_tokens` token ids drawn from `seed` (ids of ordinary words in SmolLM2's vocabulary
+    range, never its special tokens)."""
+    rng = random.Random(seed)
+    return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))

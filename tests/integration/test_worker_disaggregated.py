@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import random
 import time
 import urllib.request
 import uuid
@@ -36,16 +35,12 @@ from kvrail.outputs import TokenEvent
 from kvrail.sampling import SamplingParams
 from kvrail.testing.pool import LocalPool, tokens_of
 from kvrail.testing.pool import generate as pool_generate
+from kvrail.testing.pool import random_prompt as prompt
 
 POOL = f"wd-{uuid.uuid4().hex[:8]}"
 KEYS = PoolKeys("default", POOL)
 LONG_PROMPT = 150  # tokens: remote prefill (threshold 32)
 SHORT_PROMPT = 12  # tokens: local prefill
-
-
-def prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))
 
 
 class Pool(LocalPool):

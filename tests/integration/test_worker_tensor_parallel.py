@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import random
 import re
 import signal
 import time
@@ -35,6 +34,7 @@ from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.messages import Cancel
 from kvrail.testing.pool import LocalPool, tokens_of
 from kvrail.testing.pool import generate as pool_generate
+from kvrail.testing.pool import random_prompt as prompt
 from kvrail.worker.testing import write_random_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,11 +43,6 @@ POOL = f"tp-{uuid.uuid4().hex[:8]}"
 KEYS = PoolKeys("default", POOL)
 LONG_PROMPT = 150  # tokens: remote prefill (threshold 32)
 TP = {"KVRAIL_TENSOR_PARALLEL_SIZE": "2"}
-
-
-def prompt(num_tokens: int, seed: int) -> tuple[int, ...]:
-    rng = random.Random(seed)
-    return tuple(rng.randrange(100, 40_000) for _ in range(num_tokens))
 
 
 def gpus(first: int) -> dict[str, str]:
