@@ -252,11 +252,15 @@ class PrefillQueue:
         )  # fmt: skip
         return not ack.duplicate
 
-    async def consumer(self, worker_id: str) -> PrefillConsumer:
-        """Pull subscriptions for the shared queue and for jobs addressed to `worker_id`."""
-        shared = await self._pull(self.keys.prefill_any, self.keys.prefill_consumer)
+    async def consumer(self, worker_id: str, *, shared: bool = True) -> PrefillConsumer:
+        """Pull subscriptions for jobs addressed to `worker_id` and, unless `shared` is False
+        (a decode worker prefilling only what a peer asks of it), for the shared queue."""
         own = await self._pull(self.keys.prefill_to(worker_id), f"prefill-to-{worker_id}")
-        return PrefillConsumer(own, shared)
+        if not shared:
+            return PrefillConsumer(own, None)
+        return PrefillConsumer(
+            own, await self._pull(self.keys.prefill_any, self.keys.prefill_consumer)
+        )
 
     async def backlog(self) -> int:
         """Jobs waiting in the stream (the planner's prefill signal)."""
@@ -281,10 +285,12 @@ class PrefillConsumer:
     """
 
     def __init__(
-        self, own: JetStreamContext.PullSubscription, shared: JetStreamContext.PullSubscription
+        self,
+        own: JetStreamContext.PullSubscription,
+        shared: JetStreamContext.PullSubscription | None,
     ) -> None:
-        self._subs = (own, shared)
-        self._pulls: list[asyncio.Future[list[Msg]] | None] = [None, None]
+        self._subs = (own,) if shared is None else (own, shared)
+        self._pulls: list[asyncio.Future[list[Msg]] | None] = [None] * len(self._subs)
         self._ready: collections.deque[QueuedJob] = collections.deque()
 
     async def fetch(self, timeout_s: float = 1.0) -> QueuedJob | None:

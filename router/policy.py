@@ -206,6 +206,21 @@ class Decision:
     score: float
 
 
+def holding_peer(
+    peers: Sequence[Candidate], held_blocks: int, num_prompt_blocks: int
+) -> Candidate | None:
+    """The decode worker of `peers` to prefill a prompt of `num_prompt_blocks` full blocks for
+    another, when the best prefill of it otherwise starts from `held_blocks` cached blocks: the
+    peer holding the most of the prefix (in any KV tier; ties: the least loaded), if it holds
+    more and what it would compute is no more than what it saves, so moving its blocks is most
+    of the work (a peer's own decode steps carry that prefill); None otherwise."""
+    best = min(peers, key=lambda c: (-c.matched_blocks, c.load), default=None)
+    if best is None:
+        return None
+    saved = best.matched_blocks - held_blocks
+    return best if saved > 0 and num_prompt_blocks - best.matched_blocks <= saved else None
+
+
 class Chooser:
     """Applies one routing policy. Not thread-safe; round-robin keeps its position here.
 

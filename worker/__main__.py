@@ -192,8 +192,8 @@ class Worker:
         roles: list[DecodeRole | PrefillRole] = []
         if self.role in DECODE_ROLES:
             roles.append(DecodeRole(ctx))
-        if self.role == "prefill":
-            roles.append(PrefillRole(ctx))
+        # Decode workers prefill what a peer names them for (they hold its prefix), nothing else.
+        roles.append(PrefillRole(ctx, shared_queue=self.role == "prefill"))
 
         async def answer_debug(msg: Msg) -> None:
             c = await service.counts()

@@ -34,7 +34,7 @@ from kvrail.keys import PoolKeys
 from kvrail.messages import WorkerRecord
 from kvrail.router.discovery.index import prompt_hashes
 from kvrail.router.discovery.view import WorkerView
-from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError
+from kvrail.router.policy import Candidate, Chooser, Decision, NoWorkerError, holding_peer
 from kvrail.router.streams.inbox import EventInbox
 from kvrail.router.streams.job import CancelReason, DispatchError, Engine, EventStream, Job
 from kvrail.router.streams.token_stream import TokenStream
@@ -161,25 +161,31 @@ class Dispatcher:
         return self.view.prefill_candidates(self.in_flight, fingerprint, engines)
 
     def prefill_worker_for(self, job: Job, decision: Decision) -> str:
-        """The ready kvrail prefill worker of the decode worker's fingerprint that the chooser
-        prefers for `job`'s prompt (its cached prefix in any KV tier, priced as for decode
-        workers, against its load), if it holds more of the prefix than the decode worker
-        (whose own blocks a remote prefill skips); "" otherwise, or under a policy that does
-        not weigh cached blocks: the prefill queue balances the load by itself."""
+        """The worker to prefill `job` for the kvrail decode worker of `decision`, when one holds
+        more of the prompt's prefix (in any KV tier) than that worker, whose own blocks a remote
+        prefill skips: the ready kvrail prefill worker of its fingerprint that the chooser
+        prefers (its cached prefix priced as for decode workers, against its load), or a decode
+        peer holding more still when `holding_peer` says the move is most of the work; ""
+        otherwise, or under a policy that does not weigh cached blocks (the prefill queue
+        balances the load by itself)."""
         record = self.view.records().get(decision.worker_id)
         if record is None or record.engine != "kvrail" or self.chooser.policy != "kv-aware":
             return ""
-        if not any(r.fingerprint == record.fingerprint for r in self.view.prefill_workers()):
-            return ""
+        fingerprint = record.fingerprint
         block_size = record.block_size or self.block_size
-        hashes = prompt_hashes(job.token_ids, block_size, record.fingerprint, job.tenant_salt)
+        hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
+        named, held = "", decision.matched_blocks
         candidates = self.view.prefill_candidates(
-            self.in_flight, record.fingerprint, ("kvrail",), hashes=hashes
+            self.in_flight, fingerprint, ("kvrail",), hashes=hashes
         )
-        if not any(c.matched_blocks > decision.matched_blocks for c in candidates):
-            return ""
-        chosen = self.chooser.choose(candidates, len(hashes))
-        return chosen.worker_id if chosen.matched_blocks > decision.matched_blocks else ""
+        if any(c.matched_blocks > held for c in candidates):
+            chosen = self.chooser.choose(candidates, len(hashes))
+            if chosen.matched_blocks > held:
+                named, held = chosen.worker_id, chosen.matched_blocks
+        peers = self.view.candidates(hashes, self.in_flight, fingerprint, ("kvrail",))
+        others = [c for c in peers if c.worker_id != decision.worker_id]
+        peer = holding_peer(others, held, len(hashes))
+        return peer.worker_id if peer is not None else named
 
     def choose(
         self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None

@@ -193,6 +193,36 @@ async def test_the_prefill_worker_holding_more_of_the_prefix_is_named_for_the_pr
         await worker.stop()
 
 
+async def test_a_decode_peer_holding_most_of_the_prompt_is_named_to_prefill_it(
+    pool: Pool,
+) -> None:
+    """A decode worker other than the chosen one, holding more of the prefix than the chosen
+    worker and every prefill worker, is named when what it would compute is no more than what
+    its blocks save (`holding_peer`); it then prefills for the chosen worker."""
+    chosen = await start_worker(pool, "d-0")
+    peer = await start_worker(pool, "d-1")
+    prefill = await start_worker(pool, "p-0", role="prefill")
+    chosen.changes("gpu", stored=range(0, 1))
+    peer.changes("gpu", stored=range(0, 2))
+    peer.changes("host", stored=range(2, 9))  # 9 of the prompt's 10 blocks, mostly in host memory
+    prefill.changes("gpu", stored=range(0, 3))
+    await pool.view.start()
+    await pool.view.wait_for_workers(2, WAIT_S, with_state=True)
+    await until(pool, lambda: all(pool.view.has_state(w) for w in ("d-0", "d-1", "p-0")))
+    assert matches(pool)["d-1"] == (9, 7, 0)
+    dispatcher = Dispatcher(pool.nc, pool.keys, pool.view, Chooser("kv-aware"), BLOCK_SIZE)
+    job = Job("r-1", TOKENS, SamplingParams(max_tokens=4), time.time() + 10)
+    assert dispatcher.prefill_worker_for(job, Decision("d-0", "kv-aware", 1, 0.0)) == "d-1"
+    # Chosen itself, nobody holds more than it: no name, the queue decides.
+    assert dispatcher.prefill_worker_for(job, Decision("d-1", "kv-aware", 9, 0.0)) == ""
+    # A peer that would compute more than its blocks save is not named: the prefill worker is.
+    peer.changes("host", removed=range(5, 9))  # 5 blocks left: saves 2 over p-0's 3, computes 5
+    await until(pool, lambda: matches(pool)["d-1"][0] == 5)
+    assert dispatcher.prefill_worker_for(job, Decision("d-0", "kv-aware", 1, 0.0)) == "p-0"
+    for worker in (chosen, peer, prefill):
+        await worker.stop()
+
+
 async def test_a_kv_state_reply_of_a_lower_tier_alone_is_refused_and_retried(pool: Pool) -> None:
     """A state is the GPU's with the lower tiers beside it: a reply that claims to be one tier's
     is invalid (counted, retried), and the worker's next valid reply is loaded."""

@@ -29,7 +29,8 @@ from kvrail.outputs import PrefillMode, RequestOutput, TokenEvent
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
-from kvrail.worker.roles.kv_receiver import KvReceiver, Outcome, RequestFailed
+from kvrail.worker.roles.handoff import Outcome, RequestFailed
+from kvrail.worker.roles.kv_receiver import KvReceiver
 from kvrail.worker.roles.outbox import TokenOutbox
 from kvrail.worker.roles.stages import StageTimes
 

@@ -7,7 +7,8 @@ written), validates it against the reservation (checksums when asked) and only t
 request, so a half-written block table never runs. Before writing, the prefill worker asks for a
 write grant (`write_grants.py`). A failure follows `kv_load_failure_policy`: `recompute` (the
 caller prefills locally), `fail` (an error), `reroute` (one more attempt on another prefill
-worker within the deadline, then an error). A first job goes to `request.prefill_worker_id`.
+worker within the deadline, then an error). A first job goes to `request.prefill_worker_id`: a
+prefill worker, or a decode peer holding more of the prefix (then in any pool, colocated too).
 
 Blocks handed to a remote writer are never reused while a write may still land: a remote prefill
 abandoned after a write was granted is quarantined (`quarantine.py`); one never granted cannot
@@ -24,8 +25,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Literal
 
 import nats.errors
 from nats.aio.msg import Msg
@@ -50,6 +49,7 @@ from kvrail.worker import metrics
 from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.roles import write_grants
 from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.handoff import Handoff, RequestFailed
 from kvrail.worker.roles.quarantine import Quarantine
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
@@ -65,25 +65,6 @@ _WRITE_POLL_S = 0.001
 _POLL_S = 0.002
 _IDLE_POLL_S = 0.05
 _QUARANTINE_MARGIN_S = 1.0
-
-Outcome = Literal["installed", "local", "recompute"]
-
-
-@dataclass(frozen=True, slots=True)
-class Handoff:
-    """How a remote prefill ended (see `KvReceiver.prefill`); when installed, the prompt's
-    tokens that came from a prefix cache (this worker's, or the prefill worker's)."""
-
-    outcome: Outcome
-    num_cached_tokens: int = 0
-
-
-class RequestFailed(Exception):
-    """A request ends with an error event; `reason` is a metric-safe code."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class KvReceiver:
@@ -148,11 +129,15 @@ class KvReceiver:
         return write_grants.refusal(ask, self._pending.get(ask.request_id), self.ctx.incarnation)
 
     def wants(self, request: GenerateRequest) -> bool:
-        """Whether to try a remote prefill: disaggregated, long, a prefill worker ready."""
-        return (
-            self.ctx.settings.disaggregation_mode == "disaggregated"
-            and len(request.token_ids) >= self.ctx.settings.min_remote_prefill_tokens
-            and bool(self.ctx.peers.prefill_workers(self.ctx.fingerprint))
+        """Whether to try a remote prefill: a long prompt, and a decode peer named as holding
+        more of its prefix (any pool) or, disaggregated, a prefill worker ready."""
+        settings, peers, fingerprint = self.ctx.settings, self.ctx.peers, self.ctx.fingerprint
+        return len(request.token_ids) >= settings.min_remote_prefill_tokens and (
+            bool(peers.decode_peer(request, fingerprint))
+            or (
+                settings.disaggregation_mode == "disaggregated"
+                and bool(peers.prefill_workers(fingerprint))
+            )
         )
 
     async def prefill(
@@ -259,7 +244,11 @@ class KvReceiver:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        self._pending[job.request_id] = AwaitedJob(job, tokens_digest(job.token_ids), future, fence)
+        writer = self.ctx.peers.records.get(target or "")
+        peer = writer.worker_id if writer is not None and writer.role != "prefill" else ""
+        self._pending[job.request_id] = AwaitedJob(
+            job, tokens_digest(job.token_ids), future, fence, peer
+        )
         try:
             published = time.monotonic()
             stages.admission_s = published - arrived
@@ -385,16 +374,14 @@ class KvReceiver:
     def _on_peer_change(
         self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
     ) -> None:
-        """A prefill worker died (or restarted): jobs it held will never complete, and we cannot
-        tell which ones it held, so every pending remote prefill gives up now. One that drained
-        before leaving (not ready, then gone) held nothing any more: nothing gives up."""
-        if old is None or old.role != "prefill":
-            return
-        if new is not None and new.incarnation == old.incarnation:
+        """A writer died (or restarted): the jobs it may have held will never complete and give
+        up now (`write_grants.lost_with`). One that drained before leaving (not ready, then
+        gone) held nothing any more: nothing gives up."""
+        if old is None or (new is not None and new.incarnation == old.incarnation):
             return
         if new is None and not old.is_ready:
             return  # it drained and left: it finished or handed back every job it held
         for job_id, pending in list(self._pending.items()):
-            if not pending.outcome.done():
+            if write_grants.lost_with(pending, worker_id, old.role):
                 log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)
                 pending.outcome.set_exception(RequestFailed("prefill_worker_lost"))

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import aetcd
 
-from kvrail.messages import GenerateRequest, WorkerRecord
+from kvrail.messages import DECODE_ROLES, GenerateRequest, WorkerRecord
 from kvrail.registry import Registry
 
 log = logging.getLogger(__name__)
@@ -47,12 +47,30 @@ class PeerTable:
         ]
 
     def prefill_worker(self, request: GenerateRequest, fingerprint: str) -> str | None:
-        """Where `request`'s remote prefill goes first: the prefill worker the router named as
-        holding more of the prompt's prefix (`GenerateRequest.prefill_worker_id`) while it is
-        one of `prefill_workers(fingerprint)`; None: any, from the queue."""
+        """Where `request`'s remote prefill goes first: the worker the router named as holding
+        more of the prompt's prefix (`GenerateRequest.prefill_worker_id`) while it is one of
+        `prefill_workers(fingerprint)` or a `decode_peer`; None: any, from the queue."""
         named = request.prefill_worker_id
-        known = any(r.worker_id == named for r in self.prefill_workers(fingerprint))
-        return named if named and known else None
+        if named and any(r.worker_id == named for r in self.prefill_workers(fingerprint)):
+            return named
+        return self.decode_peer(request, fingerprint) or None
+
+    def decode_peer(self, request: GenerateRequest, fingerprint: str) -> str:
+        """The decode or colocated kvrail worker, other than this one, that the router named to
+        prefill `request` (it holds more of the prompt's prefix, in some KV tier) while it is
+        ready with our fingerprint; "" otherwise. Such a peer prefills the continuation from its
+        own cache and tiers and writes the KV here (`PrefillRole` with `shared_queue=False`)."""
+        named = request.prefill_worker_id
+        record = self.records.get(named) if named != self.self_worker_id else None
+        if (
+            record is None
+            or record.role not in DECODE_ROLES
+            or record.engine != "kvrail"
+            or not record.is_ready
+            or record.fingerprint != fingerprint
+        ):
+            return ""
+        return named
 
     async def run(self) -> None:
         """Follow the registry until cancelled; a broken watch is re-established."""

@@ -19,6 +19,12 @@ For each `PrefillJob` from the pool's work queue (jobs addressed to this worker 
   a drain times out is nak'ed for another worker at once; the retained blocks are released in
   every case.
 
+Decode and colocated workers run this role too, for the jobs addressed to them alone (never the
+shared queue): a decode worker whose peer holds more of a prompt's prefix, in any KV tier, names
+that peer for the job (the router's pick, `GenerateRequest.prefill_worker_id`), and the peer
+prefills the continuation from its own cache and tiers and writes the whole prompt's KV over
+NIXL, with the same grants, envelope checks and checksums as a prefill worker's.
+
 A job with a request id in flight here, or completed here recently, never writes twice.
 Decode workers' NIXL agents are loaded when they register and dropped at once when they go away
 or restart (new incarnation); every NIXL call runs on one thread, in order (`nixl_peers.py`).
@@ -74,8 +80,11 @@ class _Refused(Exception):
 
 
 class PrefillRole:
-    def __init__(self, ctx: WorkerContext) -> None:
+    def __init__(self, ctx: WorkerContext, *, shared_queue: bool = True) -> None:
+        """`shared_queue`: also take jobs from the pool's shared queue (prefill workers); False:
+        only those addressed to this worker (a decode worker's peer prefills)."""
         self.ctx = ctx
+        self.shared_queue = shared_queue
         self.faults = TransportFaults.from_settings(ctx.settings)
         self._nixl = NixlPeers(ctx)  # the decode workers' agents, and the NIXL thread
         self._in_flight: dict[str, int] = {}  # job id -> stream sequence of that delivery
@@ -99,7 +108,9 @@ class PrefillRole:
         return len(self._in_flight)
 
     async def start(self) -> None:
-        self._consumer = await self.ctx.prefill_queue.consumer(self.ctx.worker_id)
+        self._consumer = await self.ctx.prefill_queue.consumer(
+            self.ctx.worker_id, shared=self.shared_queue
+        )
         self._subs.append(await self.ctx.nc.subscribe(self.ctx.keys.cancel, cb=self._on_cancel))
         self._subs.append(
             await self.ctx.nc.subscribe(self.ctx.keys.prefill_settled, cb=self._on_settled)

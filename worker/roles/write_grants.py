@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from kvrail.messages import PrefillDone, PrefillJob, WriteGrantRequest
+from kvrail.messages import PrefillDone, PrefillJob, WorkerRole, WriteGrantRequest
 from kvrail.worker.engine.fence import DeviceFence
 
 
@@ -28,6 +28,21 @@ class AwaitedJob:
     tokens_digest: str
     outcome: asyncio.Future[tuple[PrefillDone, float]]
     fence: DeviceFence
+    peer: str = ""
+    """The decode peer the job was addressed to (`PeerTable.decode_peer`); "": a prefill worker,
+    named or from the queue."""
+
+
+def lost_with(awaited: AwaitedJob, worker_id: str, role: WorkerRole) -> bool:
+    """Whether `awaited` can no longer complete now that `worker_id` (of `role`) died or
+    restarted: a job addressed to a decode peer waits for that peer alone; any other job for
+    every prefill worker (one of them holds it, named or not, and a failed write moves it to
+    another), so any prefill worker's loss gives it up."""
+    if awaited.outcome.done():
+        return False
+    if awaited.peer:
+        return awaited.peer == worker_id
+    return role == "prefill"
 
 
 def refusal(ask: WriteGrantRequest, awaited: AwaitedJob | None, incarnation: int) -> str:

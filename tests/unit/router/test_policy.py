@@ -17,6 +17,7 @@ from kvrail.router.policy import (
     NoWorkerError,
     Policy,
     WeightedScorer,
+    holding_peer,
 )
 
 
@@ -207,3 +208,30 @@ def test_kv_aware_keeps_a_repeated_prompt_where_it_is_cached_once_our_request_en
     assert Chooser("kv-aware").choose([other, cached], num_prompt_blocks=3).worker_id == "cached"
     stale = Candidate("cached", 2, 1, 0, 0, 0.0)  # without what the report counted of ours
     assert Chooser("kv-aware").choose([other, stale], num_prompt_blocks=3).worker_id == "other"
+
+
+def test_a_holding_peer_is_named_only_when_its_blocks_save_more_than_it_would_compute() -> None:
+    peers = [cand("a", matched=7, running=3), cand("b", matched=7, running=1), cand("c", 2)]
+    assert holding_peer(peers, held_blocks=2, num_prompt_blocks=10) == peers[1]  # least loaded
+    assert holding_peer(peers, held_blocks=4, num_prompt_blocks=10) == peers[1]  # saves 3, adds 3
+    assert holding_peer(peers, held_blocks=5, num_prompt_blocks=10) is None  # saves 2, computes 3
+    assert holding_peer(peers, held_blocks=3, num_prompt_blocks=10) == peers[1]  # saves 4
+    assert holding_peer(peers, held_blocks=7, num_prompt_blocks=7) is None  # holds no more
+    assert holding_peer([], held_blocks=0, num_prompt_blocks=10) is None
+
+
+@given(
+    matched=st.lists(st.integers(0, 40), max_size=6),
+    held=st.integers(0, 40),
+    extra=st.integers(0, 40),
+)
+def test_a_holding_peer_always_saves_at_least_what_it_computes(
+    matched: list[int], held: int, extra: int
+) -> None:
+    num_blocks = max([held, *matched]) + extra
+    peers = [cand(f"w{i}", matched=m) for i, m in enumerate(matched)]
+    peer = holding_peer(peers, held, num_blocks)
+    if peer is None:
+        return
+    assert peer.matched_blocks == max(matched) > held
+    assert num_blocks - peer.matched_blocks <= peer.matched_blocks - held

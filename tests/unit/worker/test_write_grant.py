@@ -31,7 +31,8 @@ from kvrail.settings import Settings
 from kvrail.worker.engine.fence import PASSED, DeviceFence
 from kvrail.worker.roles import kv_receiver
 from kvrail.worker.roles.context import WorkerContext
-from kvrail.worker.roles.kv_receiver import KvReceiver, RequestFailed
+from kvrail.worker.roles.handoff import RequestFailed
+from kvrail.worker.roles.kv_receiver import KvReceiver
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
 
