@@ -16,7 +16,7 @@ import sys
 
 from kvrail.epp.picker import LeastInFlight
 from kvrail.epp.protocol import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES, Limits
-from kvrail.epp.server import start, stop
+from kvrail.epp.server import start
 
 log = logging.getLogger("kvrail.epp")
 
@@ -40,17 +40,32 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def settings(args: argparse.Namespace) -> tuple[LeastInFlight, Limits]:
+    """The picker and limits the arguments describe; ``ValueError`` names the bad option."""
+    if not 0 <= args.port < 65536:
+        raise ValueError("--port: must be 0-65535")
+    try:
+        picker = LeastInFlight(args.endpoints.split(","), max_in_flight=args.max_in_flight)
+    except ValueError as e:
+        raise ValueError(f"--endpoints/--max-in-flight: {e}") from None
+    try:
+        limits = Limits(chunk_bytes=args.chunk_bytes, max_body_bytes=args.max_body_bytes)
+    except ValueError as e:
+        raise ValueError(f"--chunk-bytes/--max-body-bytes: {e}") from None
+    return picker, limits
+
+
 async def serve(args: argparse.Namespace, picker: LeastInFlight, limits: Limits) -> None:
-    server, health, port = await start(picker, host=args.host, port=args.port, limits=limits)
+    running = await start(picker, host=args.host, port=args.port, limits=limits)
     log.info("kvrail.epp serving ext_proc on %s:%d for %d endpoints",
-             args.host, port, len(picker.endpoints))  # fmt: skip
+             args.host, running.port, len(picker.endpoints))  # fmt: skip
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     await stopping.wait()
     log.info("kvrail.epp stopping")
-    await stop(server, health, _GRACE_S)
+    await running.stop(_GRACE_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,10 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
     try:
-        if not 0 <= args.port < 65536:
-            raise ValueError("--port: must be 0-65535")
-        picker = LeastInFlight(args.endpoints.split(","), max_in_flight=args.max_in_flight)
-        limits = Limits(chunk_bytes=args.chunk_bytes, max_body_bytes=args.max_body_bytes)
+        picker, limits = settings(args)
     except ValueError as e:
         print(f"kvrail.epp: bad settings: {e}", file=sys.stderr)
         return 2

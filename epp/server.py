@@ -10,6 +10,7 @@ is echoed chunk by chunk. Logs carry stream ids, endpoints, statuses and sizes, 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -80,13 +81,30 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
             return NoEndpoint(f"the endpoint picker failed ({type(e).__name__})")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Running:
+    """A started EPP: the gRPC server, its health servicer, the ext_proc servicer and the port."""
+
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    ext_proc: ExtProc
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        """Not ready first (gateways stop sending new streams), then let open streams finish."""
+        for name in ("readiness", EXT_PROC_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
 async def start(
     picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS
-) -> tuple[grpc.aio.Server, health_aio.HealthServicer, int]:
-    """A started server with the ext_proc and health services, and the port it bound (``port=0``
-    picks a free one). Raises ``RuntimeError`` if the address cannot be bound."""
+) -> Running:
+    """A started server with the ext_proc and health services (``port=0`` binds a free port).
+    Raises ``RuntimeError`` naming the address if it cannot be bound."""
     server = grpc.aio.server()
-    add_ExternalProcessorServicer_to_server(ExtProc(picker, limits), server)
+    ext_proc = ExtProc(picker, limits)
+    add_ExternalProcessorServicer_to_server(ext_proc, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     try:
@@ -96,11 +114,4 @@ async def start(
     await server.start()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return server, health, bound
-
-
-async def stop(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float) -> None:
-    """Not ready first (gateways stop sending new streams), then let open streams finish."""
-    await health.set("readiness", health_pb2.HealthCheckResponse.NOT_SERVING)
-    await health.set(EXT_PROC_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(grace_s)
+    return Running(server, health, ext_proc, bound)
