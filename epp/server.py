@@ -77,7 +77,8 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
         try:
             return await self.picker.pick(request)
         except Exception as e:
-            log.exception("stream %d: the picker failed", request.stream_id)
+            # The type only: an exception's message may quote the request, which stays out of logs.
+            log.error("stream %d: the picker failed: %s", request.stream_id, type(e).__name__)
             return NoEndpoint(f"the endpoint picker failed ({type(e).__name__})")
 
 

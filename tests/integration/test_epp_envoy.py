@@ -71,9 +71,11 @@ class Recording(LeastInFlight):
     def __init__(self, endpoints: list[str]) -> None:
         super().__init__(endpoints)
         self.picks: dict[int, tuple[str, ...]] = {}
+        self.eligible: dict[int, frozenset[str] | None] = {}
         self.served_reports: dict[int, str] = {}
 
     async def pick(self, request: PickRequest) -> Pick:
+        self.eligible[request.stream_id] = request.eligible
         pick = await super().pick(request)
         if isinstance(pick, Routed):
             self.picks[request.stream_id] = pick.endpoints
@@ -240,6 +242,8 @@ async def test_the_subset_hint_is_honoured(
         assert r.status_code == 200, r.text
         assert r.json()["served_by"] == endpoint
         assert r.json()["picked"] == endpoint
+        last = max(picker(epp).eligible)
+        assert picker(epp).eligible[last] == {"10.0.0.1:80", endpoint}  # sent as a list by Lua
     r = await client.post(f"{envoy.gateway}/echo", content=b"{}",
                           headers={"x-test-subset": "10.0.0.1:80"})  # fmt: skip
     assert r.status_code == 503
