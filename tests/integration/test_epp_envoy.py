@@ -228,9 +228,11 @@ async def test_sse_streams_through_unbuffered(envoy: Envoy, client: httpx.AsyncC
             if line.startswith("data: "):
                 arrivals.append(time.monotonic() - start_t)
     assert len(arrivals) == 4
-    assert arrivals[0] < gap, arrivals  # the first event did not wait for the rest
-    gaps = [b - a for a, b in itertools.pairwise(arrivals)]
-    assert all(g > gap * 0.6 for g in gaps), arrivals
+    # Buffered, the four events would arrive together after 1.2 s; streamed, they keep the
+    # backend's cadence (with slack for a loaded machine).
+    assert arrivals[0] < 2 * gap, arrivals
+    assert arrivals[-1] - arrivals[0] > 0.7 * 3 * gap, arrivals
+    assert all(b - a > 0.3 * gap for a, b in itertools.pairwise(arrivals)), arrivals
 
 
 async def test_the_subset_hint_is_honoured(
