@@ -244,7 +244,7 @@ class KvReceiver:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        writer = self.ctx.peers.records.get(target or "")
+        writer = self.ctx.peers.records.get(target) if target else None
         peer = writer.worker_id if writer is not None and writer.role != "prefill" else ""
         self._pending[job.request_id] = AwaitedJob(
             job, tokens_digest(job.token_ids), future, fence, peer
