@@ -374,14 +374,12 @@ class KvReceiver:
     def _on_peer_change(
         self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
     ) -> None:
-        """A writer died (or restarted): the jobs it may have held will never complete and give
-        up now (`write_grants.lost_with`). One that drained before leaving (not ready, then
-        gone) held nothing any more: nothing gives up."""
+        """A writer left, died or restarted: the jobs it may have held and will never complete
+        give up now (`write_grants.lost_with`)."""
         if old is None or (new is not None and new.incarnation == old.incarnation):
             return
-        if new is None and not old.is_ready:
-            return  # it drained and left: it finished or handed back every job it held
+        drained = new is None and not old.is_ready  # not ready, then gone: it drained and left
         for job_id, pending in list(self._pending.items()):
-            if write_grants.lost_with(pending, worker_id, old.role):
+            if write_grants.lost_with(pending, worker_id, old.role, drained=drained):
                 log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)
                 pending.outcome.set_exception(RequestFailed("prefill_worker_lost"))
