@@ -164,7 +164,13 @@ class KvReceiver:
         # What a prefill here would compute (its lower tiers' hits would load instead).
         held = reservation.num_cached_tokens + reservation.num_lower_tier_tokens
         uncached = len(request.token_ids) - held
-        if not dest or uncached < self.ctx.settings.min_remote_prefill_tokens:
+        # `wants` again: the named peer, or every prefill worker, may have gone while we
+        # reserved, and a job nobody takes would wait out the remote-prefill timeout.
+        if (
+            not dest
+            or uncached < self.ctx.settings.min_remote_prefill_tokens
+            or not self.wants(request)
+        ):
             await self.ctx.service.abort(rid)
             return Handoff("local")
         policy = self.ctx.settings.kv_load_failure_policy
