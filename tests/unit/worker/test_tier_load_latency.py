@@ -1,71 +1,23 @@
 """How soon a request whose prefix loads from the host tier joins a step: the real scheduler and
 tiers, scheduling one step ahead as the engine does on a GPU, over a copier that runs its copies
-at once on the CPU but reports a load done when a GPU's would be.
-
-The timing model (`GpuTimedCopier`): the step scheduled in epoch e is on the device from the
-schedule of e+1 to that of e+2. A load ordered after the mark of epoch m waits for the step of
-m-1, runs beside the step of m and, shorter than a step, is done at the schedule of m+2. A load
-with no mark to wait for (its blocks released too recently) is ordered after everything queued
-so far, which is the same as the current schedule's mark.
-"""
+at once on the CPU but reports a load done when a GPU's would be (`GpuTimedCopier`, whose
+docstring gives the timing model)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
-import torch
-
-from kvrail.worker.engine.kv_tiers.copier import Copier, CopyHandle
 from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import Request, RequestStatus
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.scheduler_output import SchedulerOutput
-from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.testing import assert_engine_empty, make_request, make_scheduler
+from kvrail.worker.testing import (
+    GpuTimedCopier,
+    assert_engine_empty,
+    attach_gpu_timed_tiers,
+    make_request,
+    make_scheduler,
+)
 
 PREFIX = list(range(500, 520))  # 5 blocks of 4 tokens
-
-
-class _Later:
-    """A CPU copy's handle, done only from schedule epoch `ready` on."""
-
-    def __init__(self, handle: CopyHandle, copier: GpuTimedCopier, ready: int) -> None:
-        self._handle, self._copier, self._ready = handle, copier, ready
-
-    def done(self) -> bool:
-        return self._copier.epoch >= self._ready
-
-    def result(self) -> list[int]:
-        assert self.done()
-        return self._handle.result()
-
-
-class GpuTimedCopier(Copier):
-    def __init__(self, kv_cache: KVCache, num_slots: int, pool: Any) -> None:
-        super().__init__(kv_cache, num_slots)
-        self.pool = pool
-        self.epoch = 0
-        self.loads: list[tuple[int, int, int]] = []
-        """Per load: (epoch started, latest release of its blocks, the mark it waited for)."""
-
-    def mark(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def load(
-        self,
-        slots: Sequence[int],
-        block_ids: Sequence[int],
-        checksums: Sequence[int],
-        after_mark: int | None = None,
-    ) -> Any:
-        handle = super().load(slots, block_ids, checksums)
-        # The marks kept are this schedule's and the one before (`Copier._mark_after`).
-        early = after_mark is not None and after_mark <= self.epoch - 1
-        mark = self.epoch - 1 if early else self.epoch
-        released = max(self.pool.blocks[i].released_at for i in block_ids)
-        self.loads.append((self.epoch, released, mark))
-        return _Later(handle, self, mark + 2)
 
 
 class AheadLoop:
@@ -102,13 +54,9 @@ class AheadLoop:
 
 def _tiered(num_blocks: int) -> tuple[Scheduler, KvTiers, GpuTimedCopier]:
     scheduler = make_scheduler(num_blocks=num_blocks, max_num_batched_tokens=64)
-    manager = scheduler.kv_cache_manager
-    region = KVCache(torch.zeros(num_blocks, 16), num_blocks)  # 64 bytes a block
-    tiers = KvTiers(region, 40 * 64, pin=manager.pin, unpin=manager.unpin, layout=bytes(32))
-    copier = GpuTimedCopier(region, tiers.host.num_slots, manager.block_pool)
-    tiers.copier = copier
-    scheduler.attach_tiers(tiers)
-    return scheduler, tiers, copier
+    copier = attach_gpu_timed_tiers(scheduler, host_blocks=40)
+    assert scheduler.tier_loads is not None
+    return scheduler, scheduler.tier_loads.tiers, copier
 
 
 def _write_prefix_behind(scheduler: Scheduler, loop: AheadLoop) -> None:
