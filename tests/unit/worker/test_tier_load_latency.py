@@ -5,6 +5,7 @@ docstring gives the timing model)."""
 
 from __future__ import annotations
 
+from kvrail.worker.engine.kv_tiers.copier import Copier
 from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import Request, RequestStatus
 from kvrail.worker.engine.scheduler import Scheduler
@@ -112,4 +113,19 @@ def test_a_load_into_blocks_released_under_the_step_in_flight_waits_for_that_ste
         assert waited_for <= started
     while tiers.busy:
         loop.step()
+    assert_engine_empty(scheduler)
+
+
+def test_a_load_waits_for_the_first_mark_kept_from_the_one_asked_for_else_for_everything() -> None:
+    """The choice `Copier.load` makes on a GPU, made here over stand-ins for its CUDA events."""
+    scheduler, _tiers, copier = _tiered(num_blocks=8)
+    earlier, current = object(), object()
+    Copier.mark(copier, 3)  # a CPU device records nothing
+    assert Copier._mark_after(copier, 3) is None
+    copier._marks = {4: earlier, 5: current}  # type: ignore[dict-item]
+    assert Copier._mark_after(copier, 2) is earlier  # released long ago: before the step in flight
+    assert Copier._mark_after(copier, 4) is earlier
+    assert Copier._mark_after(copier, 5) is current  # released under the step in flight
+    assert Copier._mark_after(copier, 6) is None  # released in this schedule: after all queued
+    assert Copier._mark_after(copier, None) is None
     assert_engine_empty(scheduler)
