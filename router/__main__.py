@@ -36,6 +36,7 @@ from kvrail.router.policy import Chooser, WeightedScorer
 from kvrail.router.streams.dispatcher import Dispatcher
 from kvrail.router.streams.vllm_options import VllmOptions
 from kvrail.router.tenants import Admission, TenantTable
+from kvrail.router.text.chat_template import template_file
 from kvrail.router.text.tokenizer import TextCodec
 from kvrail.settings import Settings, format_scorers, load_settings
 
@@ -58,13 +59,10 @@ def chooser(settings: Settings) -> Chooser:
 async def serve(settings: Settings) -> None:
     policy = chooser(settings)  # before anything loads: a bad profile fails at once
     tenants = TenantTable.load(settings.api_keys_file)
-    log.info("loading the tokenizer model=%s", settings.model)
     template = None
     if settings.chat_template is not None:
-        try:
-            template = settings.chat_template.read_text("utf-8")
-        except OSError as err:
-            raise ConfigError(f"chat_template {settings.chat_template}: {err.strerror}") from err
+        template = template_file(settings.chat_template)
+    log.info("loading the tokenizer model=%s", settings.model)
     codec = await asyncio.to_thread(TextCodec.load, settings.model, settings.cache_dir, template)
     defaults = Defaults.of(settings.generation_config, resolve(settings.model).generation_config())
     served_name = settings.served_model_name or codec.served_name

@@ -264,6 +264,15 @@ class InferencePool(CrdModel):
                 f"the pool name must be a DNS-1035 label of at most {MAX_POOL_NAME_LENGTH} "
                 "characters: it prefixes Service and StatefulSet names",
             ),
+            rule(
+                "!has(self.spec.model.chatTemplate) || "
+                "self.spec.model.chatTemplate.configMapKeyRef.name != "
+                "self.metadata.name + '-config'",
+                "model.chatTemplate cannot name the ConfigMap <pool>-config: the operator deletes "
+                "it (the router configuration of earlier operators); name the template's "
+                "ConfigMap otherwise",
+                ".spec.model.chatTemplate.configMapKeyRef.name",
+            ),
         )
     )
     api_version: Literal["kvrail.dev/v1alpha1"] = API_VERSION

@@ -10,6 +10,7 @@ from typing import Annotated, Final, Literal
 from pydantic import ConfigDict, Field
 
 from kvrail.crd.base import CrdModel, Quantity, rule, rules, sub
+from kvrail.crd.chat import ChatTemplateSpec, ReasoningParser, ToolCallParser
 from kvrail.crd.tiers import KvTiersSpec
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -36,7 +37,8 @@ above it."""
 
 
 class ModelSpec(CrdModel):
-    """The model served, and the settings every worker of the pool must share (fingerprint)."""
+    """The model served, the settings every worker of the pool must share (fingerprint), and
+    how the router chats with it (template and parsers: the router's alone)."""
 
     source: str = Field("smollm2", min_length=1, max_length=512)
     """A packaged model name (`smollm2`), a `.gguf` file or a safetensors directory in the image or
@@ -65,6 +67,16 @@ class ModelSpec(CrdModel):
     """Longest prompt plus completion, in tokens. Default 4096."""
     volume_claim: str | None = Field(None, max_length=253)
     """A PersistentVolumeClaim holding the weights, mounted read-only at `/models`. Optional."""
+    chat_template: ChatTemplateSpec | None = None
+    """A Jinja chat template used instead of the model's, e.g. one that renders tools for a
+    model whose own ignores them. Optional. The router's alone, as the parsers below: changing
+    any of the three rolls the router, never the workers (with either engine)."""
+    tool_call_parser: ToolCallParser = "auto"
+    """The format of the model's tool calls: `hermes`, `llama3_json`, `mistral`, or `auto`
+    (default), read from the chat template (docs/router.md, Tools)."""
+    reasoning_parser: ReasoningParser = "auto"
+    """`think` returns `<think>` reasoning apart from the answer, `none` does not; `auto`
+    (default): `think` when the chat template writes both tags."""
 
 
 EngineKind = Literal["kvrail", "vllm"]

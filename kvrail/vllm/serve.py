@@ -7,7 +7,9 @@ Both get it from one `ServeConfig`, so what runs in a cluster and what a test ru
 In disaggregated mode both roles run vLLM's NIXL connector, the prefill pool as `kv_producer`, the
 decode pool as `kv_consumer` (vLLM 0.32 warns that `kv_both` is deprecated), and the router drives
 each request through both with vLLM's `kv_transfer_params` (`kvrail.vllm.protocol`).
-Colocated mode (`role: colocated`) runs no connector at all.
+Colocated mode (`role: colocated`) runs no connector at all. No chat template, tool-call or
+reasoning parser is set: the router renders and parses chats for vLLM pools as for its own
+engine and sends only token ids (`kvrail.crd.chat`).
 
 A KV host tier is vLLM's native offloading (`--kv-offloading-backend native
 --kv-offloading-size <GiB>`, the size summed over the tensor-parallel ranks, as kvrail's tier

@@ -80,7 +80,9 @@ def _every_possible(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
             ChildRef("apps/v1", "StatefulSet", child),
             ChildRef("policy/v1", "PodDisruptionBudget", child),
         ]
-    out.append(ChildRef("v1", "ConfigMap", config_name(pool)))
+    template = pool.spec.model.chat_template
+    if template is None or template.config_map_key_ref.name != config_name(pool):
+        out.append(ChildRef("v1", "ConfigMap", config_name(pool)))  # never the user's template
     out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
     out.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(pool)))
     if ctx.share_access:

@@ -10,7 +10,12 @@ from typing import Any
 from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders import placement
 from kvrail.operator.builders.context import BuildContext
-from kvrail.operator.builders.env import API_KEYS_DIR, infrastructure, router_env
+from kvrail.operator.builders.env import (
+    API_KEYS_DIR,
+    chat_template_volume,
+    infrastructure,
+    router_env,
+)
 from kvrail.operator.builders.meta import (
     ROUTER_LIVE_PATH,
     ROUTER_PORT,
@@ -41,6 +46,9 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
     if keys:
         volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440}})
         mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    template_volumes, template_mounts = chat_template_volume(pool)
+    volumes += template_volumes
+    mounts += template_mounts
     router = pool.spec.router
     container = {
         "name": "router",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvrail.crd.chat import CHAT_TEMPLATE_KEY
 from kvrail.crd.infrastructure import EndpointSpec
 from kvrail.crd.pool import InferencePool
 from kvrail.crd.spec import RoleSpec
@@ -30,6 +31,8 @@ from kvrail.settings import format_scorers
 SECRETS_DIR = "/var/run/secrets/kvrail"
 CACHE_DIR = "/var/cache/kvrail"
 API_KEYS_DIR = "/etc/kvrail/api-keys"
+CHAT_TEMPLATE_DIR = "/etc/kvrail/chat-template"
+CHAT_TEMPLATE_VOLUME = "chat-template"
 
 
 def setting(name: str, value: object) -> dict[str, Any]:
@@ -224,7 +227,44 @@ def router_env(pool: InferencePool, ctx: BuildContext) -> list[dict[str, Any]]:
         env.append(setting("router_scorers", format_scorers(pool.spec.router.scorers)))
     if pool.spec.security.api_keys_secret:
         env.append(setting("api_keys_file", f"{API_KEYS_DIR}/api-keys.yaml"))
+    return env + chat_env(pool)
+
+
+def chat_env(pool: InferencePool) -> list[dict[str, Any]]:
+    """The router's chat template file (mounted by `chat_template_volume`) and parsers, for
+    both engines (the router renders and parses for vLLM pools too). A parser left `auto` sets
+    nothing, the settings' own default, so pools that never set one keep their pod template."""
+    model = pool.spec.model
+    env = []
+    if model.chat_template is not None:
+        env.append(setting("chat_template", f"{CHAT_TEMPLATE_DIR}/{CHAT_TEMPLATE_KEY}"))
+    if model.tool_call_parser != "auto":
+        env.append(setting("tool_call_parser", model.tool_call_parser))
+    if model.reasoning_parser != "auto":
+        env.append(setting("reasoning_parser", model.reasoning_parser))
     return env
+
+
+def chat_template_volume(
+    pool: InferencePool,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) of the router for `spec.model.chatTemplate`: the ConfigMap's one
+    key as `chat_template.jinja`, whatever the key's name; none without a template. A missing
+    ConfigMap or key keeps the router's pods from starting, with an event naming it."""
+    template = pool.spec.model.chat_template
+    if template is None:
+        return [], []
+    ref = template.config_map_key_ref
+    volume = {
+        "name": CHAT_TEMPLATE_VOLUME,
+        "configMap": {
+            "name": ref.name,
+            "items": [{"key": ref.key, "path": CHAT_TEMPLATE_KEY}],
+            "defaultMode": 0o444,
+        },
+    }
+    mount = {"name": CHAT_TEMPLATE_VOLUME, "mountPath": CHAT_TEMPLATE_DIR, "readOnly": True}
+    return [volume], [mount]
 
 
 def merge_env(base: list[dict[str, Any]], extra: list[dict[str, Any]]) -> list[dict[str, Any]]:

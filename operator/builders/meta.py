@@ -23,6 +23,12 @@ ROUTER_PORT = 8000
 ROUTER_READY_PATH = "/ready"
 """200 once the router knows a ready decode worker, 503 before."""
 ROUTER_LIVE_PATH = "/health"
+ROUTER_ONLY_MODEL_FIELDS = frozenset(
+    {"volume_claim", "served_name", "chat_template", "tool_call_parser", "reasoning_parser"}
+)
+"""`spec.model` fields outside the model hash: where the weights are mounted, the name clients
+send, and how the router chats with the model. Changing them never rolls the workers, and a
+field added here keeps every existing pool's hash (a pool's workers roll when it changes)."""
 
 
 def child_name(pool: InferencePool, component: Component) -> str:
@@ -93,7 +99,7 @@ def model_hash(pool: InferencePool) -> str:
     spec = pool.spec
     return short_hash(
         {
-            "model": spec.model.model_dump(mode="json", exclude={"volume_claim", "served_name"}),
+            "model": spec.model.model_dump(mode="json", exclude=set(ROUTER_ONLY_MODEL_FIELDS)),
             "engine": spec.engine.kind,
             "tensor": spec.decode.tensor_parallel_size,
         }

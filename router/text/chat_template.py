@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvrail.errors import ModelNotFoundError
+from kvrail.errors import ConfigError, ModelNotFoundError
 
 
 def chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
@@ -33,6 +33,28 @@ def chat_template(directory: Path, config: Mapping[str, Any]) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         value = named.get("default")
     return value if isinstance(value, str) and value else None
+
+
+def template_file(path: Path) -> str:
+    """The `chat_template` setting's file (e.g. a ConfigMap key the operator mounted), checked
+    when the router starts: ConfigError naming the file when it cannot be read, is not UTF-8,
+    holds nothing (which would otherwise fall back to the model's template unnoticed) or does
+    not compile."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError(f"chat_template {path}: {err.strerror or err}") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"chat_template {path}: not UTF-8 text (byte {err.start})") from err
+    if not text.strip():
+        raise ConfigError(f"chat_template {path}: the file is empty")
+    try:
+        _environment().parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        raise ConfigError(
+            f"chat_template {path}: not a Jinja template: {err.message} (line {err.lineno})"
+        ) from err
+    return text
 
 
 # ---------------------------------------------------------------------------------------------

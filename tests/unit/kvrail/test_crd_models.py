@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, get_args
 
 import pytest
 from pydantic import ValidationError
 
+from kvrail.crd.chat import ReasoningParser, ToolCallParser
 from kvrail.crd.pool import InferencePool
-from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
+from kvrail.operator.testing import DELETE, Change, make_pool, mutate, pool_manifest
+from kvrail.operator.testing_chat import CHAT_SCHEMA_REFUSED, template
+from kvrail.settings import Settings
 
 
 def test_minimal_manifest_gets_documented_defaults() -> None:
@@ -95,6 +98,36 @@ def test_invalid_field_is_refused_by_the_model(
 ) -> None:
     with pytest.raises(ValidationError, match=expected):
         make_pool(mutate(pool_manifest(), change))
+
+
+@pytest.mark.parametrize(
+    ("case", "change", "field"), CHAT_SCHEMA_REFUSED, ids=[c[0] for c in CHAT_SCHEMA_REFUSED]
+)
+def test_model_refuses_chat_fields_the_schema_refuses_naming_the_field(
+    case: str, change: Change, field: str
+) -> None:
+    with pytest.raises(ValidationError) as err:
+        make_pool(mutate(pool_manifest(), change))
+    locations = [".".join(map(str, e["loc"])) for e in err.value.errors()]
+    assert locations[0].startswith(field), locations
+
+
+def test_chat_fields_default_to_the_routers_own_detection() -> None:
+    model = make_pool().spec.model
+    assert (model.chat_template, model.tool_call_parser, model.reasoning_parser) == (
+        None, "auto", "auto",
+    )  # fmt: skip
+    ref = make_pool(mutate(pool_manifest(), template())).spec.model.chat_template
+    assert ref is not None
+    assert (ref.config_map_key_ref.name, ref.config_map_key_ref.key) == (
+        "agents-template", "chat_template.jinja",
+    )  # fmt: skip
+
+
+def test_the_crds_parsers_are_the_routers_settings() -> None:
+    """The operator writes these fields into the router's settings verbatim: the enums agree."""
+    for name, crd in (("tool_call_parser", ToolCallParser), ("reasoning_parser", ReasoningParser)):
+        assert get_args(Settings.model_fields[name].annotation) == get_args(crd), name
 
 
 def test_kv_tiers_default_to_none_and_read_their_sizes_as_bytes() -> None:

@@ -82,3 +82,19 @@ def test_the_kv_tiers_example_grows_decode_memory_and_mounts_its_disk_tier() -> 
         prefill["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"]["memory"]
         == "64Gi"
     )
+
+
+def test_the_agents_example_mounts_the_template_its_comment_creates() -> None:
+    """The ConfigMap and file that the example's `kubectl create configmap` line names are the
+    ones its router mounts; the file's rendering is tested with the router
+    (tests/unit/router/test_template_file.py)."""
+    path = EXAMPLES[0].parent / "agents-tools.yaml"
+    command = path.read_text().split("create configmap ", 1)[1].split("\n", 2)
+    name, source = command[0].split()[0], command[1].split("=")[-1].strip()
+    assert (EXAMPLES[0].parents[1] / source).is_file(), source
+    dep = workload("agents-tools.yaml", "Deployment", "-router")["spec"]["template"]["spec"]
+    (volume,) = [v["configMap"] for v in dep["volumes"] if "configMap" in v]
+    assert volume["name"] == name
+    env = {e["name"]: e.get("value") for e in dep["containers"][0]["env"]}
+    assert env["KVRAIL_CHAT_TEMPLATE"].endswith("/chat_template.jinja")
+    assert (env["KVRAIL_TOOL_CALL_PARSER"], env["KVRAIL_REASONING_PARSER"]) == ("hermes", "none")
