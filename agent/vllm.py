@@ -53,6 +53,7 @@ import aetcd
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrail import metrics
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import WorkerRecord
@@ -71,9 +72,9 @@ HTTP_TIMEOUT_S: Final = 2.0
 STARTUP_TIMEOUT_S: Final = 1800.0
 """How long the agent waits for vLLM to serve at all: the engine container's startup probe
 allowance (30 min to load weights, compile and capture graphs). Past it the agent exits 1."""
-RUNNING: Final = "vllm:num_requests_running"
-WAITING: Final = "vllm:num_requests_waiting"
-KV_USAGE: Final = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+RUNNING: Final = metrics.VLLM_NUM_REQUESTS_RUNNING
+WAITING: Final = metrics.VLLM_NUM_REQUESTS_WAITING
+KV_USAGE: Final = (metrics.VLLM_KV_CACHE_USAGE_PERC, "vllm:gpu_cache_usage_perc")  # the old name
 CACHE_CONFIG: Final = "vllm:cache_config_info"
 
 

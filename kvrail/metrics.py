@@ -1,8 +1,9 @@
 """Metric names: the one place they are spelled.
 
-Prometheus base units (`_seconds`, `_bytes`, `_total`). Label values are identifiers (pool, role,
-worker, transport, outcome), never prompt text, token ids or KV bytes. Components create the
-collectors; the Grafana dashboard and its test read these names.
+Prometheus base units (`_seconds`, `_bytes`, `_total`), except the `vllm:` names, which are
+vLLM's. Label values are identifiers (pool, role, worker, transport, outcome, the configured
+served model name), never prompt text, token ids or KV bytes. Components create the collectors;
+the Grafana dashboard and its test read these names.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ KV_TIER_OFFLOADS_TOTAL = PREFIX + "kv_tier_offloads_total"
 KV_TIER_OFFLOADS_SKIPPED_TOTAL = PREFIX + "kv_tier_offloads_skipped_total"
 KV_TIER_CHECKSUM_FAILURES_TOTAL = PREFIX + "kv_tier_checksum_failures_total"
 KV_TIER_LOAD_SECONDS = PREFIX + "kv_tier_load_seconds"
+# vLLM's names and meanings for a worker's load, the ones GAIE's and llm-d's endpoint pickers
+# read by default; each twins a kvrail gauge above, from the same reading, labelled model_name
+VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
+VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
+VLLM_KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a fraction, 0 to 1, despite its name
 
 # operator and planner
 PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"

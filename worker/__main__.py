@@ -38,6 +38,7 @@ from kvrail.bus import PrefillQueue, connect, unsubscribe
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
+from kvrail.model_files import resolve
 from kvrail.registry import Registration, Registry, etcd_client
 from kvrail.settings import Settings, load_settings
 from kvrail.tasks import cancel_and_wait
@@ -155,6 +156,7 @@ class Worker:
 
             built.ranks.on_lost(on_lost)
         fingerprint = engine.fingerprint.digest
+        served_name = settings.served_model_name or resolve(settings.model).served_name
         region = engine.kv_cache
         connector = make_connector(self.agent_name, built)
         nc = await connect(settings, f"kvrail-{self.role}-{self.worker_id}")
@@ -220,6 +222,9 @@ class Worker:
                 await role.start()
             record = _with(record, is_ready=True)
             await _update(registration, record)
+            # Until the first refresh the gauges say what the record says: no load (an EPP
+            # scraping a pod that just turned ready finds every series).
+            metrics.report_load(served_name, 0, 0, 0.0)
             health.set_ready(True)
             log.info(
                 "worker ready worker=%s role=%s incarnation=%d agent=%s fingerprint=%s "
@@ -233,10 +238,8 @@ class Worker:
                 if self.stopping.is_set():
                     break
                 c = await service.counts()
-                utilization = 1.0 - c.num_free_blocks / max(c.num_blocks, 1)
-                metrics.RUNNING_REQUESTS.set(c.num_running)
-                metrics.WAITING_REQUESTS.set(c.num_waiting)
-                metrics.KV_CACHE_UTILIZATION.set(utilization)
+                utilization = metrics.kv_cache_usage(c.num_free_blocks, c.num_blocks)
+                metrics.report_load(served_name, c.num_running, c.num_waiting, utilization)
                 usage = {t: (c.tiers.used_bytes[t], c.tiers.capacity_bytes[t], n)
                          for t, n in c.tiers.blocks.items()}  # fmt: skip
                 record = _with(

@@ -1,6 +1,10 @@
 """A worker's Prometheus metrics (names from `kvrail.metrics`), served on `http_port` when the
 settings set one (`kvrail.worker.health`). Labels are identifiers only: stage, transport,
-reason."""
+reason, tier, and the served model name from the settings.
+
+The worker's load is exported twice from one reading of the engine's counts (`report_load`): as
+kvrail's gauges, and under the names and meanings of vLLM's, which GAIE's and llm-d's endpoint
+pickers scrape by default, so a third-party EPP can score kvrail pods as it scores vLLM's."""
 
 from __future__ import annotations
 
@@ -95,3 +99,35 @@ WAITING_REQUESTS = Gauge(metrics.WAITING_REQUESTS, "Requests waiting", registry=
 KV_CACHE_UTILIZATION = Gauge(
     metrics.KV_CACHE_UTILIZATION, "Fraction of KV blocks held by requests", registry=REGISTRY
 )
+VLLM_NUM_REQUESTS_RUNNING = Gauge(
+    metrics.VLLM_NUM_REQUESTS_RUNNING, "Requests the engine schedules (vLLM's name)",
+    ["model_name"], registry=REGISTRY,
+)  # fmt: skip
+VLLM_NUM_REQUESTS_WAITING = Gauge(
+    metrics.VLLM_NUM_REQUESTS_WAITING, "Requests queued in the engine, not yet scheduled "
+    "(vLLM's name)", ["model_name"], registry=REGISTRY,
+)  # fmt: skip
+VLLM_KV_CACHE_USAGE_PERC = Gauge(
+    metrics.VLLM_KV_CACHE_USAGE_PERC,
+    "Fraction (0 to 1) of the GPU KV blocks held by requests (vLLM's name)",
+    ["model_name"], registry=REGISTRY,
+)  # fmt: skip
+
+
+def kv_cache_usage(num_free_blocks: int, num_blocks: int) -> float:
+    """The fraction of the KV blocks requests hold, 0 to 1, as vLLM counts it: `num_blocks`
+    excludes the null block, and cached blocks no request references count as free (an
+    allocation may take them). The one formula for the etcd record and every gauge."""
+    return 1.0 - num_free_blocks / max(num_blocks, 1)
+
+
+def report_load(model_name: str, num_running: int, num_waiting: int, kv_usage: float) -> None:
+    """Set the load gauges, kvrail's and vLLM's, from one reading of the engine's counts (the
+    figures the worker writes into its etcd record at the same moment). `model_name` is the
+    configured served model name, never a client's."""
+    RUNNING_REQUESTS.set(num_running)
+    WAITING_REQUESTS.set(num_waiting)
+    KV_CACHE_UTILIZATION.set(kv_usage)
+    VLLM_NUM_REQUESTS_RUNNING.labels(model_name).set(num_running)
+    VLLM_NUM_REQUESTS_WAITING.labels(model_name).set(num_waiting)
+    VLLM_KV_CACHE_USAGE_PERC.labels(model_name).set(kv_usage)

@@ -1,18 +1,25 @@
 """Test helpers shipped with the worker (the `kopf.testing` precedent): factories for requests,
-schedulers, tiny model configs and engines, and `assert_engine_empty`, the leak check every
-scheduler and engine test ends with."""
+schedulers, tiny model configs and engines, `assert_engine_empty`, the leak check every
+scheduler and engine test ends with, and `GpuTimedCopier`, host-tier loads with a GPU's timing."""
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from typing import Any
+
+import torch
 
 from kvrail.hashing import root_hash
 from kvrail.sampling import SamplingParams
+from kvrail.worker.engine.block_pool import BlockPool
 from kvrail.worker.engine.config import EngineConfig
+from kvrail.worker.engine.kv_tiers.copier import Copier, CopyHandle
+from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler import Scheduler
 from kvrail.worker.engine.stop import StopChecker
+from kvrail.worker.kv_cache import KVCache
 
 TEST_HASH_ROOT = root_hash("kvrail-test-fingerprint")
 EOS_TOKEN_ID = 2
@@ -109,6 +116,67 @@ def assert_engine_empty(engine_or_scheduler: Any) -> None:
     assert all(b.ref_cnt == 0 for b in pool.blocks), "a block is still referenced"
     used, cached, free = pool.counts()
     assert used == 0 and cached + free == pool.num_blocks - 1, (used, cached, free)
+
+
+class GpuTimedCopier(Copier):
+    """The host tier's copier on a CPU device (its copies and checksums run at once) whose loads
+    report done when a GPU's would, with the engine scheduling one step ahead: the step
+    scheduled in epoch e is on the device from the schedule of e+1 to that of e+2. A load
+    ordered after the mark of epoch m (`Copier.load`: of those kept, the current schedule's and
+    the one before; with none kept, after all work queued so far, which is the same as the
+    current one's) waits for the step of m-1, runs beside the step of m and, shorter than a
+    step, is done at the schedule of m+2. `loads` records, per load: the epoch it started, the
+    latest release of its blocks and the mark it waited for."""
+
+    def __init__(self, kv_cache: KVCache, num_slots: int, pool: BlockPool) -> None:
+        super().__init__(kv_cache, num_slots)
+        self.pool = pool
+        self.epoch = 0
+        self.loads: list[tuple[int, int, int]] = []
+
+    def mark(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def load(
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        checksums: Sequence[int],
+        after_mark: int | None = None,
+    ) -> Any:
+        handle = super().load(slots, block_ids, checksums)
+        early = after_mark is not None and after_mark <= self.epoch - 1
+        mark = self.epoch - 1 if early else self.epoch
+        released = max(self.pool.blocks[i].released_at for i in block_ids)
+        self.loads.append((self.epoch, released, mark))
+        return _DoneAt(handle, self, mark + 2)
+
+
+class _DoneAt:
+    """A copy's handle that reports done from schedule epoch `epoch` on."""
+
+    def __init__(self, handle: CopyHandle, copier: GpuTimedCopier, epoch: int) -> None:
+        self._handle, self._copier, self._epoch = handle, copier, epoch
+
+    def done(self) -> bool:
+        return self._copier.epoch >= self._epoch
+
+    def result(self) -> list[int]:
+        assert self.done(), "read a copy's result once it is done"
+        return self._handle.result()
+
+
+def attach_gpu_timed_tiers(scheduler: Scheduler, host_blocks: int) -> GpuTimedCopier:
+    """Give `scheduler` a host tier of `host_blocks` 64-byte blocks over a zero KV cache, whose
+    loads have a GPU's timing (`GpuTimedCopier`)."""
+    manager = scheduler.kv_cache_manager
+    num_blocks = scheduler.config.num_blocks
+    region = KVCache(torch.zeros(num_blocks, 16), num_blocks)
+    tiers = KvTiers(region, host_blocks * 64, pin=manager.pin, unpin=manager.unpin,
+                    layout=bytes(32))  # fmt: skip
+    tiers.copier = copier = GpuTimedCopier(region, tiers.host.num_slots, manager.block_pool)
+    scheduler.attach_tiers(tiers)
+    return copier
 
 
 def make_engine(

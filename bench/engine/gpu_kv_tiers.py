@@ -8,7 +8,9 @@ computed again; with the host tier (`--host-gib`) it loads back. One engine of e
 same weights, the same sessions, run in the order a, b, a, b. Printed per run:
 - prompt tokens computed (prompt tokens minus those served from any cache) and how many came
   from the host tier;
-- TTFT p50/p99 (from a turn's submission to its first token, engine time);
+- TTFT p50/p99 (from a turn's submission to its first token, engine time), and the p50 of the
+  engine steps a turn's first token took (`engine.step()` calls from its submission to the one
+  that returned it: a turn whose prefix loads waits for its load, then joins a step);
 - the worst gap between two tokens of one request, over the run (no decode step may wait for an
   offload or a load);
 - tokens equal: every answer of the tiered run against the plain run's (greedy).
@@ -57,6 +59,8 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
     first_ttft: list[float] = []
     computed, from_cache, worst_gap = 0, 0, 0.0
     last_token: dict[str, float] = {}
+    num_steps, submitted_step = 0, {}
+    steps_to_first: list[int] = []  # turns after the first
     started = time.perf_counter()
     while ready or live:
         now = time.perf_counter() - started
@@ -65,14 +69,19 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
             prompts[s] += words(s, args.user)
             rid = f"s{s}t{turns[s]}"
             live[rid] = (s, engine.add_request(rid, list(prompts[s]), params), time.perf_counter())
+            submitted_step[rid] = num_steps
         if not engine.has_unfinished_requests():
             time.sleep(0.001)
             continue
-        for out in engine.step():
+        outputs = engine.step()
+        num_steps += 1
+        for out in outputs:
             t = time.perf_counter()
             s, request, submitted = live[out.request_id]
             if out.request_id not in last_token:
                 (ttft if turns[s] else first_ttft).append(t - submitted)
+                if turns[s]:
+                    steps_to_first.append(num_steps - submitted_step[out.request_id])
                 computed += request.num_prompt_tokens - request.num_cached_tokens
                 from_cache += request.num_cached_tokens
             else:
@@ -92,7 +101,8 @@ def run_sessions(engine: Any, args: Any, seed: int) -> dict[str, Any]:
         "wall": wall, "first_ttft_p50": statistics.median(first_ttft),
         "computed": computed, "cached": from_cache, "answers": answers,
         "ttft_p50": statistics.median(ttft), "ttft_p99": ttft[int(0.99 * (len(ttft) - 1))],
-        "worst_gap": worst_gap, "final_prompt": max(len(p) for p in prompts.values()),
+        "worst_gap": worst_gap, "steps_to_first_p50": statistics.median(steps_to_first),
+        "final_prompt": max(len(p) for p in prompts.values()),
     }  # fmt: skip
 
 
@@ -176,7 +186,8 @@ def main() -> int:
             live = args.sessions * r["final_prompt"] / pool_tokens
             print(f"{name:10s} round {round_}: prompt tokens computed {r['computed']:8d} "
                   f"cached {r['cached']:8d}  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms "
-                  f"p99 {r['ttft_p99'] * 1e3:8.1f} ms (turns 2+; turn 1 p50 "
+                  f"p99 {r['ttft_p99'] * 1e3:8.1f} ms steps {r['steps_to_first_p50']:.0f} "
+                  f"(turns 2+; turn 1 p50 "
                   f"{r['first_ttft_p50'] * 1e3:.0f} ms)  worst token gap "
                   f"{r['worst_gap'] * 1e3:7.1f} ms  {r['wall']:.1f} s  live prefixes "
                   f"{live:.1f}x the pool  {same}")  # fmt: skip

@@ -177,6 +177,24 @@ class WorkerView(RecordFollower):
             self.prefill_workers(), matched, in_flight, self._at_report(), fingerprint, engines
         )
 
+    def holders(
+        self,
+        hashes: Sequence[str],
+        in_flight: Mapping[str, int] | None = None,
+        fingerprint: str | None = None,
+        engines: Collection[str] | None = None,
+    ) -> tuple[list[Candidate], list[Candidate]]:
+        """`candidates` and `prefill_candidates` of one prompt from one match of the index:
+        (decode workers, prefill workers)."""
+        matched = self.index.match_tiers(hashes)
+        at_report = self._at_report()
+        return (
+            _candidates(self.decode_workers(), matched, in_flight, at_report, fingerprint, engines),
+            _candidates(
+                self.prefill_workers(), matched, in_flight, at_report, fingerprint, engines
+            ),
+        )
+
     def _at_report(self) -> Mapping[str, int] | None:
         return self._ours_at_report if self._ours is not None else None
 

@@ -172,17 +172,19 @@ class Dispatcher:
         if record is None or record.engine != "kvrail" or self.chooser.policy != "kv-aware":
             return ""
         fingerprint = record.fingerprint
+        workers = (*self.view.prefill_workers(), *self.view.decode_workers())
+        if not any(
+            r.worker_id != decision.worker_id and r.fingerprint == fingerprint for r in workers
+        ):
+            return ""  # nobody else could hold more: no need to hash the prompt again
         block_size = record.block_size or self.block_size
         hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
+        peers, candidates = self.view.holders(hashes, self.in_flight, fingerprint, ("kvrail",))
         named, held = "", decision.matched_blocks
-        candidates = self.view.prefill_candidates(
-            self.in_flight, fingerprint, ("kvrail",), hashes=hashes
-        )
         if any(c.matched_blocks > held for c in candidates):
             chosen = self.chooser.choose(candidates, len(hashes))
             if chosen.matched_blocks > held:
                 named, held = chosen.worker_id, chosen.matched_blocks
-        peers = self.view.candidates(hashes, self.in_flight, fingerprint, ("kvrail",))
         others = [c for c in peers if c.worker_id != decision.worker_id]
         peer = holding_peer(others, held, len(hashes))
         return peer.worker_id if peer is not None else named

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from nats.aio.client import Client as NatsClient
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvrail.bus import PrefillQueue, connect
 from kvrail.codec import decode
@@ -41,6 +42,7 @@ POOL = f"wd-{uuid.uuid4().hex[:8]}"
 KEYS = PoolKeys("default", POOL)
 LONG_PROMPT = 150  # tokens: remote prefill (threshold 32)
 SHORT_PROMPT = 12  # tokens: local prefill
+SERVED_NAME = "wd-served-model"  # decode-0's, the label of its vLLM-named gauges
 
 
 class Pool(LocalPool):
@@ -64,7 +66,10 @@ def pool(
     p = Pool(etcd_server, nats_server, tmp_path_factory.mktemp("workers"))
     try:
         p.start("prefill-0", "prefill", KVRAIL_HTTP_PORT=str(p.metrics_ports["prefill-0"]))
-        p.start("decode-0", "decode", KVRAIL_HTTP_PORT=str(p.metrics_ports["decode-0"]))
+        p.start(
+            "decode-0", "decode", KVRAIL_HTTP_PORT=str(p.metrics_ports["decode-0"]),
+            KVRAIL_SERVED_MODEL_NAME=SERVED_NAME,
+        )  # fmt: skip
         p.start("decode-1", "decode")
         p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated")
         for worker_id in p.procs:
@@ -116,6 +121,54 @@ async def test_remote_prefill_decodes_exactly_like_a_colocated_worker(
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
         return str(resp.read().decode())
+
+
+PICKER_GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                 "vllm:kv_cache_usage_perc")  # fmt: skip
+
+
+def picker_view(port: int) -> dict[str, float]:
+    """The gauges GAIE's and llm-d's endpoint pickers read by default, parsed from the text
+    format as they parse it: one series each, labelled with the configured model name, its
+    name unquoted (GAIE's parser validates names by the classic, pre-UTF-8 rules)."""
+    text, view = scrape(port), {}
+    for name in PICKER_GAUGES:
+        assert f'\n{name}{{model_name="{SERVED_NAME}"}} ' in text, text
+    for family in text_string_to_metric_families(text):
+        if family.name in PICKER_GAUGES:
+            assert family.type == "gauge", family
+            (sample,) = family.samples
+            assert sample.labels == {"model_name": SERVED_NAME}, sample
+            view[family.name] = sample.value
+    assert set(view) == set(PICKER_GAUGES), view
+    return view
+
+
+async def test_a_decode_worker_serves_the_load_other_gateways_pickers_read(
+    pool: Pool, nc: NatsClient
+) -> None:
+    port = pool.metrics_ports["decode-0"]
+    decoding = asyncio.Event()
+    running = asyncio.create_task(
+        generate(nc, "decode-0", prompt(SHORT_PROMPT, seed=61), max_tokens=400,
+                 request_id="picker-gauges", started=decoding)
+    )  # fmt: skip
+    await asyncio.wait_for(decoding.wait(), 30)
+    deadline = time.monotonic() + 10  # the gauges follow the engine about every second
+    while (view := picker_view(port))["vllm:num_requests_running"] < 1:
+        assert time.monotonic() < deadline and not running.done(), view
+        await asyncio.sleep(0.2)
+    assert view["vllm:num_requests_waiting"] >= 0
+    assert 0 < view["vllm:kv_cache_usage_perc"] <= 1  # a fraction, as vLLM's
+    await nc.publish(KEYS.cancel, Cancel(request_id="picker-gauges").encode())
+    assert (await asyncio.wait_for(running, 30))[-1].output.error == "cancelled"
+    await assert_all_blocks_free(nc, pool)
+    idle = {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0,
+            "vllm:kv_cache_usage_perc": 0}  # fmt: skip
+    deadline = time.monotonic() + 10
+    while (view := picker_view(port)) != idle:
+        assert time.monotonic() < deadline, view
+        await asyncio.sleep(0.2)
 
 
 async def test_a_seeded_request_samples_the_same_tokens_remote_or_colocated(

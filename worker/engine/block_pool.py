@@ -79,6 +79,8 @@ class KVBlock:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    released_at: int = 0
+    """The pool's `epoch` when its last reference went (see `BlockPool.epoch`)."""
 
 
 class BlockPool:
@@ -99,6 +101,9 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.on_release = on_release
+        self.epoch = 0
+        """Stamped on each block as it is released; the KV tiers advance it once per schedule
+        (`TierLoads.begin_schedule`), to tell how long ago a block a load writes was last used."""
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.null_block = self.blocks[0]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
@@ -149,6 +154,7 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                block.released_at = self.epoch
                 released.append(block.block_id)
                 if self.on_release is not None and block.block_hash is not None:
                     self._uncache(block)

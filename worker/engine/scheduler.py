@@ -25,7 +25,8 @@ ahead never preempts: when a request's blocks run short it returns None, and the
 the running step first.
 
 KV tiers (`attach_tiers`): prefix hits past the GPU's load from host memory or disk before the
-request runs (`tier_loads` says how; such a request is admitted but waits for its load).
+request runs (`tier_loads` says how; such a request is admitted but waits for its load unless it
+is done at once).
 
 Remote KV: `reserve_remote` reserves all prompt blocks now; the request is invisible to
 `schedule()` until `install_remote` marks its KV fully written. A finished request with
@@ -189,6 +190,7 @@ class Scheduler:
 
     def _schedule(self, *, ahead: bool) -> SchedulerOutput | None:
         if self.tier_loads is not None:
+            self.tier_loads.begin_schedule()
             self.running.extend(self.tier_loads.take_finished())
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
@@ -275,12 +277,14 @@ class Scheduler:
             self.waiting.popleft()
             loads = self.tier_loads
             if num_lower and loads and loads.start(request, len(hits), new_blocks[:num_lower]):
-                continue
-            request.num_computed_tokens = num_hit_tokens
-            request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
-            request.status = RequestStatus.RUNNING
+                if not loads.take(request):
+                    continue  # it joins a step once its load is done
+            else:
+                request.num_computed_tokens = num_hit_tokens
+                request.num_cached_tokens = max(request.num_cached_tokens, num_hit_tokens)
+                request.status = RequestStatus.RUNNING
             self.running.append(request)
-            num_new = min(num_new, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             self._emit(out, request, num_new)
             budget -= num_new
 

@@ -6,6 +6,21 @@ goes on with the requests behind it. Each schedule first takes the loads that fi
 request runs from the first block that did not load (a block that failed its checksum is
 computed again, see `kv_tiers`). Every block that joins the GPU prefix cache is handed to the
 tiers' write-behind.
+
+Time to first token. A request joins a step only once its load is done and checked (the step
+never waits for it, and no token is computed over a block that may fail its checksum), so what
+counts is how soon the load runs and how soon a schedule sees it done:
+- where its copies start. With scheduling ahead, the step scheduled before the admission is
+  still queued on the device; a load ordered after it would start only when that step ends, and
+  miss the schedule right after it. But device work touches a released block only if it was
+  queued before the release (steps scheduled while a request held it, the zeroing of
+  `zeroKVOnRelease`). So each schedule advances the block pool's epoch, which each release
+  stamps on the block, and marks the engine's stream with it (`Copier.mark`); a load waits only
+  for the first mark after its blocks' latest release. Blocks released before the schedule of
+  the step in flight (usually so: allocation takes the longest-free blocks) load beside that
+  step, and the request joins the step after it;
+- a load already done when it is started (on a CPU device, from host memory: the copies ran as
+  they were queued) joins the very step being scheduled (`take`).
 """
 
 from __future__ import annotations
@@ -30,12 +45,19 @@ class TierLoads:
         limit = self.manager.hit_limit(request)
         return self.tiers.lookup(self.manager.block_hashes_of(request)[num_gpu_hits:limit])
 
+    def begin_schedule(self) -> None:
+        """A schedule starts: a new epoch, marked on the engine's stream (see above)."""
+        pool = self.manager.block_pool
+        pool.epoch += 1
+        self.tiers.copier.mark(pool.epoch)
+
     def start(self, request: Request, num_gpu_hits: int, blocks: list[KVBlock]) -> bool:
         """Queue loading the request's blocks after its GPU hits into `blocks` (newly allocated
         for it); False when none could be (it then computes them)."""
         hashes = self.manager.block_hashes_of(request)[num_gpu_hits:]
         ids = [b.block_id for b in blocks]
-        if not self.tiers.start_load(request.request_id, hashes[: len(ids)], ids):
+        released_at = max(b.released_at for b in blocks)
+        if not self.tiers.start_load(request.request_id, hashes[: len(ids)], ids, released_at):
             return False
         request.num_computed_tokens = num_gpu_hits * self.manager.block_size
         request.status = RequestStatus.WAITING_FOR_TIER_KV
@@ -51,13 +73,26 @@ class TierLoads:
             request = self.loading.pop(request_id, None)
             if request is None:
                 continue  # finished (aborted) while loading: the tiers unpinned its blocks
-            request.num_computed_tokens += num_loaded * self.manager.block_size
-            request.num_cached_tokens = max(request.num_cached_tokens, request.num_computed_tokens)
-            self.manager.cache_blocks(request, request.num_computed_tokens)
-            request.status = RequestStatus.RUNNING
+            self._loaded(request, num_loaded)
             ready.append(request)
         self.offload_new_blocks()
         return ready
+
+    def take(self, request: Request) -> bool:
+        """Whether the load `start` just queued for `request` is already done; if so the request
+        is ready, as `take_finished` makes it."""
+        num_loaded = self.tiers.poll_load(request.request_id)
+        if num_loaded is None:
+            return False
+        del self.loading[request.request_id]
+        self._loaded(request, num_loaded)
+        return True
+
+    def _loaded(self, request: Request, num_loaded: int) -> None:
+        request.num_computed_tokens += num_loaded * self.manager.block_size
+        request.num_cached_tokens = max(request.num_cached_tokens, request.num_computed_tokens)
+        self.manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.RUNNING
 
     def offload_new_blocks(self) -> None:
         """Hand the blocks that joined the GPU prefix cache since the last call to the tiers."""

@@ -164,7 +164,13 @@ class KvReceiver:
         # What a prefill here would compute (its lower tiers' hits would load instead).
         held = reservation.num_cached_tokens + reservation.num_lower_tier_tokens
         uncached = len(request.token_ids) - held
-        if not dest or uncached < self.ctx.settings.min_remote_prefill_tokens:
+        # `wants` again: the named peer, or every prefill worker, may have gone while we
+        # reserved, and a job nobody takes would wait out the remote-prefill timeout.
+        if (
+            not dest
+            or uncached < self.ctx.settings.min_remote_prefill_tokens
+            or not self.wants(request)
+        ):
             await self.ctx.service.abort(rid)
             return Handoff("local")
         policy = self.ctx.settings.kv_load_failure_policy
@@ -244,7 +250,7 @@ class KvReceiver:
         future: asyncio.Future[tuple[PrefillDone, float]] = (
             asyncio.get_running_loop().create_future()
         )
-        writer = self.ctx.peers.records.get(target or "")
+        writer = self.ctx.peers.records.get(target) if target else None
         peer = writer.worker_id if writer is not None and writer.role != "prefill" else ""
         self._pending[job.request_id] = AwaitedJob(
             job, tokens_digest(job.token_ids), future, fence, peer
@@ -374,14 +380,12 @@ class KvReceiver:
     def _on_peer_change(
         self, worker_id: str, old: WorkerRecord | None, new: WorkerRecord | None
     ) -> None:
-        """A writer died (or restarted): the jobs it may have held will never complete and give
-        up now (`write_grants.lost_with`). One that drained before leaving (not ready, then
-        gone) held nothing any more: nothing gives up."""
+        """A writer left, died or restarted: the jobs it may have held and will never complete
+        give up now (`write_grants.lost_with`)."""
         if old is None or (new is not None and new.incarnation == old.incarnation):
             return
-        if new is None and not old.is_ready:
-            return  # it drained and left: it finished or handed back every job it held
+        drained = new is None and not old.is_ready  # not ready, then gone: it drained and left
         for job_id, pending in list(self._pending.items()):
-            if write_grants.lost_with(pending, worker_id, old.role):
+            if write_grants.lost_with(pending, worker_id, old.role, drained=drained):
                 log.info("prefill worker lost request_id=%s worker=%s", job_id, worker_id)
                 pending.outcome.set_exception(RequestFailed("prefill_worker_lost"))

@@ -33,16 +33,18 @@ class AwaitedJob:
     named or from the queue."""
 
 
-def lost_with(awaited: AwaitedJob, worker_id: str, role: WorkerRole) -> bool:
-    """Whether `awaited` can no longer complete now that `worker_id` (of `role`) died or
-    restarted: a job addressed to a decode peer waits for that peer alone; any other job for
-    every prefill worker (one of them holds it, named or not, and a failed write moves it to
-    another), so any prefill worker's loss gives it up."""
+def lost_with(awaited: AwaitedJob, worker_id: str, role: WorkerRole, *, drained: bool) -> bool:
+    """Whether `awaited` can no longer complete now that `worker_id` (of `role`) left, died or
+    restarted. A job addressed to a decode peer waits for that peer alone, and nobody else takes
+    the jobs queued for it, so it gives up however the peer went. Any other job waits for every
+    prefill worker (one of them holds it, named or not, and a failed write moves it to another):
+    it gives up when one dies or restarts, but not when one `drained` (not ready, then gone),
+    which finished or handed back every job it held first."""
     if awaited.outcome.done():
         return False
     if awaited.peer:
         return awaited.peer == worker_id
-    return role == "prefill"
+    return role == "prefill" and not drained
 
 
 def refusal(ask: WriteGrantRequest, awaited: AwaitedJob | None, incarnation: int) -> str:

@@ -44,6 +44,14 @@ NOT_ON_DASHBOARD: dict[str, str] = {
         "an engine cost for benchmarks and tuning (bench/engine/gpu_grammar.py reads it), until "
         "structured outputs have a panel of their own"
     ),
+    **{
+        name: "vLLM's name, for other gateways' endpoint pickers; its kvrail twin is shown"
+        for name in (
+            metrics.VLLM_NUM_REQUESTS_RUNNING,
+            metrics.VLLM_NUM_REQUESTS_WAITING,
+            metrics.VLLM_KV_CACHE_USAGE_PERC,
+        )
+    },
 }
 """Names in kvrail.metrics.ALL deliberately left off the dashboard, with the reason."""
 

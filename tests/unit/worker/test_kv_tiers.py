@@ -114,12 +114,37 @@ def test_tenants_never_share_a_lower_tier_block() -> None:
     assert _run(engine, "alpha2", prompt, tenant="alpha").num_cached_tokens > 0
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_an_abort_while_loading_frees_every_block_once_the_load_is_done(device: str) -> None:
-    engine = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
+def test_a_load_done_when_it_starts_joins_that_very_step() -> None:
+    # On a CPU device a load from host memory has run by the time `start_load` returns.
+    engine = _engine(kv_host_tier_bytes=200 * BLOCK_BYTES)
     prompt = list(range(3, 43))
-    _run(engine, "first", prompt)
+    first = _run(engine, "first", prompt)
     _run(engine, "evict", list(range(50, 90)))
+    again = engine.add_request("again", prompt, PARAMS)
+    outputs = engine.step()  # admitted, loaded and prefilled from its first block not loaded
+    assert [o.request_id for o in outputs] == ["again"]
+    assert again.output_token_ids == first.output_token_ids[:1]
+    assert again.num_cached_tokens == 36  # all but the last block, which holds the last token
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert again.output_token_ids == first.output_token_ids
+    assert_engine_empty(engine)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_abort_while_loading_frees_every_block_once_the_load_is_done(
+    device: str, tmp_path: Path
+) -> None:
+    prompt = list(range(3, 43))
+    if device == "cpu":  # there a load from host memory is done as it starts: load from disk
+        first = _disk_engine(tmp_path)
+        _run(first, "first", prompt)
+        _flush(first)
+        engine = _disk_engine(tmp_path)  # restarted: the prompt's blocks are on disk only
+    else:
+        engine = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
+        _run(engine, "first", prompt)
+        _run(engine, "evict", list(range(50, 90)))
     engine.add_request("loading", prompt, PARAMS)
     engine.step()  # admitted: its blocks load
     request = engine.scheduler.requests["loading"]

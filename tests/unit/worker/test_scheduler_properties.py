@@ -6,14 +6,16 @@ the engine is empty."""
 
 from __future__ import annotations
 
-import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kvrail.worker.engine.kv_tiers.tiers import KvTiers
 from kvrail.worker.engine.request import RequestStatus
-from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.testing import assert_engine_empty, make_request, make_scheduler
+from kvrail.worker.testing import (
+    assert_engine_empty,
+    attach_gpu_timed_tiers,
+    make_request,
+    make_scheduler,
+)
 
 REQUEST = st.tuples(
     st.integers(0, 2),  # which shared prefix
@@ -41,13 +43,10 @@ def test_random_workloads_finish_with_every_block_returned(
     scheduler = make_scheduler(
         num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_model_len=48
     )
-    tiers = None
-    if host_blocks:
-        manager = scheduler.kv_cache_manager
-        region = KVCache(torch.zeros(num_blocks, 16), num_blocks)  # 64 bytes a block
-        tiers = KvTiers(region, host_blocks * 64, pin=manager.pin, unpin=manager.unpin,
-                        layout=bytes(32))  # fmt: skip
-        scheduler.attach_tiers(tiers)
+    tiers = copier = None
+    if host_blocks:  # loads done when a GPU's would be: requests wait for them, or abort
+        copier = attach_gpu_timed_tiers(scheduler, host_blocks)
+        tiers = scheduler.tier_loads.tiers if scheduler.tier_loads else None
     prefixes = [list(range(100 * p + 10, 100 * p + 40)) for p in range(3)]
     pending = [
         (make_request(prompt_token_ids=prefixes[p][:n], max_tokens=m), kind)
@@ -80,6 +79,8 @@ def test_random_workloads_finish_with_every_block_returned(
         if out.preempted_ids:
             event("a step preempted")
         if any(r.status is RequestStatus.WAITING_FOR_TIER_KV for r in scheduler.requests.values()):
+            event("a request waited for its load")
+        if tiers is not None and tiers.stats().loads["host"]:
             event("a request loaded from the host tier")
         if any(s.num_computed_tokens > 0 for s in out.prefills):
             event("a prefill continued after computed tokens")
@@ -92,6 +93,8 @@ def test_random_workloads_finish_with_every_block_returned(
         scheduler.schedule()
     if tiers is not None and tiers.host.num_resident:
         event("blocks written behind to the host tier")
+    for _started, latest_release, waited_for in copier.loads if copier else ():
+        assert waited_for > latest_release, "a load never overtakes work on a released block"
     for request, kind in admitted:
         if kind.startswith("abort"):
             assert request.status in {RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_LENGTH}

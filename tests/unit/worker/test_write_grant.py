@@ -34,7 +34,7 @@ from kvrail.worker.roles.context import WorkerContext
 from kvrail.worker.roles.handoff import RequestFailed
 from kvrail.worker.roles.kv_receiver import KvReceiver
 from kvrail.worker.roles.stages import StageTimes
-from kvrail.worker.roles.write_grants import AwaitedJob
+from kvrail.worker.roles.write_grants import AwaitedJob, lost_with
 
 JOB = PrefillJob(
     request_id="r-1", token_ids=(5, 6, 7, 8, 9), fingerprint="f" * 64, dest_worker_id="decode-0",
@@ -246,3 +246,18 @@ async def test_a_cancel_that_comes_with_the_completion_is_not_lost() -> None:
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert JOB.request_id not in rp._pending
+
+
+async def test_a_job_for_a_decode_peer_gives_up_with_that_peer_alone_however_it_went() -> None:
+    loop = asyncio.get_running_loop()
+    queued = AwaitedJob(JOB, "d", loop.create_future(), PASSED)
+    peer = AwaitedJob(JOB, "d", loop.create_future(), PASSED, peer="decode-1")
+    for drained in (False, True):
+        assert lost_with(peer, "decode-1", "decode", drained=drained)
+        assert not lost_with(peer, "decode-2", "decode", drained=drained)
+        assert not lost_with(peer, "prefill-0", "prefill", drained=drained)
+        assert not lost_with(queued, "decode-1", "decode", drained=drained)
+    assert lost_with(queued, "prefill-0", "prefill", drained=False)
+    assert not lost_with(queued, "prefill-0", "prefill", drained=True)  # it handed its jobs back
+    peer.outcome.set_result((cast(Any, None), 0.0))
+    assert not lost_with(peer, "decode-1", "decode", drained=False)  # it completed first

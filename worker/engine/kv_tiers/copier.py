@@ -2,11 +2,11 @@
 
 On CUDA each direction has a stream of its own (write-behind and loads never queue behind each
 other or behind a step), ordered after everything queued on the engine's stream when the copy is
-queued; a `CopyHandle` says when the copy and its checksums are done (`done()` never blocks). The
-host buffer is ordinary memory registered with the driver (page-locked), so the copies run
-asynchronously at the link's speed; it is registered rather than allocated pinned because
-PyTorch's pinned allocator rounds a request up to a power of two. On a CPU device the copies run
-as they are queued.
+queued (a load may be ordered after an earlier point of it, a `mark`); a `CopyHandle` says when
+the copy and its checksums are done (`done()` never blocks). The host buffer is ordinary memory
+registered with the driver (page-locked), so the copies run asynchronously at the link's speed;
+it is registered rather than allocated pinned because PyTorch's pinned allocator rounds a
+request up to a power of two. On a CPU device the copies run as they are queued.
 """
 
 from __future__ import annotations
@@ -63,6 +63,19 @@ class Copier:
             # a later mapping at the same address could not be registered otherwise.
             weakref.finalize(self, _unregister, self.host.data_ptr(), self._memory)
             self._streams = tuple(torch.cuda.Stream(self.device) for _ in range(3))
+        self._marks: dict[int, torch.cuda.Event] = {}  # the last two, by epoch
+
+    def mark(self, epoch: int) -> None:
+        """Note how far the engine's stream has been queued when schedule `epoch` starts (an
+        event on it), so that a load may be ordered after that point rather than after all the
+        work queued since (`load`). The last two marks are kept."""
+        if self._streams is None:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._marks[epoch] = event
+        for old in [e for e in self._marks if e < epoch - 1]:
+            del self._marks[old]
 
     def host_bytes(self, slot: int) -> memoryview:
         """A slot's bytes, for the disk thread to write from or read into."""
@@ -78,19 +91,29 @@ class Copier:
             return self._handle(sums)
 
     def load(
-        self, slots: Sequence[int], block_ids: Sequence[int], checksums: Sequence[int]
+        self,
+        slots: Sequence[int],
+        block_ids: Sequence[int],
+        checksums: Sequence[int],
+        after_mark: int | None = None,
     ) -> CopyHandle:
         """Queue host slots -> GPU blocks; the handle's result says, per block, whether the
         bytes that landed have the checksum given. The checksums of a chunk run on a third
-        stream while the next chunk copies, so they add about one chunk's sum to the copy."""
-        with self._on(2):  # its tensors belong to the checksum stream, which alone uses them
+        stream while the next chunk copies, so they add about one chunk's sum to the copy.
+
+        The copies are ordered after the mark of epoch `after_mark` or the earliest later one
+        kept, or, when none is kept (or `after_mark` is None), after everything queued on the
+        engine's stream so far. The caller vouches that no work queued after that mark touches
+        `block_ids`."""
+        after = self._mark_after(after_mark)
+        with self._on(2, event=after):  # its tensors belong to the checksum stream alone
             index = to_device(np.asarray(block_ids, dtype=np.int64), self.device)
             expected = to_device(np.asarray(checksums, dtype=np.int64), self.device)
             sums = torch.empty_like(expected)
         step = max(1, _CHUNK_BYTES // self.region.shape[1])
         for start in range(0, len(block_ids), step):
             end = start + step
-            with self._on(1):
+            with self._on(1, event=after):
                 for src, dst, n in coalesce(slots[start:end], block_ids[start:end]):
                     self.region[dst : dst + n].copy_(self.host[src : src + n], non_blocking=True)
             with self._on(2, after=1):
@@ -109,12 +132,20 @@ class Copier:
         event.record()
         return CopyHandle(event, host)
 
-    def _on(self, which: int, after: int | None = None) -> _StreamScope:
+    def _mark_after(self, epoch: int | None) -> torch.cuda.Event | None:
+        kept = sorted(e for e in self._marks if epoch is not None and e >= epoch)
+        return self._marks[kept[0]] if kept else None
+
+    def _on(
+        self, which: int, after: int | None = None, event: torch.cuda.Event | None = None
+    ) -> _StreamScope:
         """Stream `which` (0 write-behind, 1 load copies, 2 load checksums), ordered after the
-        work queued so far on the engine's stream, or on stream `after`."""
+        work queued so far on the engine's stream, or on stream `after`, or only up to `event`
+        (a mark) of the engine's stream."""
         if self._streams is None:
             return _StreamScope(None, None)
-        return _StreamScope(self._streams[which], None if after is None else self._streams[after])
+        stream = self._streams[which]
+        return _StreamScope(stream, None if after is None else self._streams[after], event)
 
 
 def _unregister(address: int, memory: mmap.mmap) -> None:
@@ -124,17 +155,26 @@ def _unregister(address: int, memory: mmap.mmap) -> None:
 
 class _StreamScope:
     """Run on `stream`, ordered after the work queued so far on `after` (the current stream
-    when None)."""
+    when None), or else after `event` alone."""
 
-    def __init__(self, stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None) -> None:
+    def __init__(
+        self,
+        stream: torch.cuda.Stream | None,
+        after: torch.cuda.Stream | None,
+        event: torch.cuda.Event | None = None,
+    ) -> None:
         self._stream = stream
         self._after = after
+        self._event = event
         self._ctx: torch.cuda.StreamContext | None = None
 
     def __enter__(self) -> None:
         if self._stream is not None:
-            after = self._after or torch.cuda.current_stream(self._stream.device)
-            self._stream.wait_stream(after)
+            if self._after is None and self._event is not None:
+                self._stream.wait_event(self._event)
+            else:
+                after = self._after or torch.cuda.current_stream(self._stream.device)
+                self._stream.wait_stream(after)
             self._ctx = torch.cuda.stream(self._stream)
             self._ctx.__enter__()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -43,3 +44,22 @@ class TierStats:
             metrics.KV_TIER_BYTES.labels(tier=tier).set(used * block_bytes)
             metrics.KV_TIER_BLOCKS.labels(tier=tier).set(used)
         return stats
+
+
+class LoadCounts:
+    """What the loads served since the engine started, per tier (and the metrics counting it)."""
+
+    def __init__(self) -> None:
+        self.hit_blocks: dict[KvTier, int] = {"host": 0, "disk": 0}
+        self.loads: dict[KvTier, int] = {"host": 0, "disk": 0}
+
+    def record(self, num_host: int, num_disk: int, slowest: LowerTier, started: float) -> None:
+        """A load started at `started` (`time.perf_counter()`) finished: `num_host` and
+        `num_disk` blocks passed; `slowest` is the slowest tier it read."""
+        counts: tuple[tuple[LowerTier, int], ...] = (("host", num_host), ("disk", num_disk))
+        for tier, count in counts:
+            self.hit_blocks[tier] += count
+            metrics.KV_TIER_HIT_BLOCKS.labels(tier=tier).inc(count)
+        self.loads[slowest] += 1
+        metrics.KV_TIER_LOADS.labels(tier=slowest).inc()
+        metrics.KV_TIER_LOAD_SECONDS.labels(tier=slowest).observe(time.perf_counter() - started)

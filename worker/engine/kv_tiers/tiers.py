@@ -10,10 +10,10 @@ disk thread is behind, that block is skipped (counted), never waited for.
 Load: `lookup` counts how many blocks of a prompt, after its GPU prefix hits, the lower tiers hold
 in a row; `start_load` pins their host entries (reading disk-only blocks into host slots first, on
 the disk thread), pins the destination GPU blocks, and queues the host-to-GPU copies on a load
-stream ordered after the work already queued (a block just allocated may be in a step still in
-flight), then compares the landed bytes' checksums with the stored ones on the GPU. `poll` (each
-schedule) returns the loads that finished with how many blocks passed in a row; the request runs
-from there (a failed block is recomputed and dropped). Nothing here waits for device or disk.
+stream, ordered after the device work that may still use those blocks (`TierLoads` says how),
+then compares the landed bytes' checksums with the stored ones on the GPU. `poll` (each schedule)
+returns the loads that finished with how many blocks passed in a row; the request runs from
+there (a failed block is recomputed and dropped). Nothing here waits for device or disk.
 
 With `zero_on_release` (security.zeroKVOnRelease), a GPU block's release also zeroes its host
 slot and deletes its disk file, so nothing of a finished request stays in any tier.
@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvrail.messages import KvTier
 from kvrail.worker import metrics
 from kvrail.worker.engine.block_pool import KvChanges
 from kvrail.worker.engine.kv_tiers.copier import Copier, CopyHandle
@@ -38,7 +37,7 @@ from kvrail.worker.engine.kv_tiers.disk import (
     DiskThread,
 )
 from kvrail.worker.engine.kv_tiers.host import HostEntry, HostIndex
-from kvrail.worker.engine.kv_tiers.stats import LowerTier, TierStats
+from kvrail.worker.engine.kv_tiers.stats import LoadCounts, LowerTier, TierStats
 from kvrail.worker.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -58,6 +57,7 @@ class _Load:
     reading: set[bytes]  # disk reads not yet done
     from_disk: set[bytes]  # blocks read from disk for it
     started: float
+    released_at: int | None  # the latest epoch one of its GPU blocks was released in
     handle: CopyHandle | None = None
 
 
@@ -97,8 +97,7 @@ class KvTiers:
         self._offloaded_from: dict[int, bytes] = {}  # zero_on_release: GPU block -> its hash
         self._doomed: set[bytes] = set()  # to drop once no longer pinned (zero_on_release)
         self._orphans: set[bytes] = set()  # disk reads no load waits for any more
-        self._hit_blocks: dict[KvTier, int] = {"host": 0, "disk": 0}
-        self._num_loads: dict[KvTier, int] = {"host": 0, "disk": 0}
+        self._counts = LoadCounts()
         self.disk: DiskIndex | None = None
         self._files: DiskFiles | None = None
         self._disk_thread: DiskThread | None = None
@@ -129,11 +128,17 @@ class KvTiers:
     def _on_disk(self, block_hash: bytes) -> bool:
         return self.disk is not None and block_hash in self.disk and block_hash not in self.host
 
-    def start_load(self, request_id: str, hashes: Sequence[bytes], block_ids: Sequence[int]) -> int:
-        """Queue loading `hashes` (which `lookup` counted) into the GPU blocks `block_ids`;
-        returns how many it will load (fewer when the host tier has no slot for a disk read).
-        0 means nothing was queued."""
-        load = _Load(request_id, [], [], [], set(), set(), time.perf_counter())
+    def start_load(
+        self,
+        request_id: str,
+        hashes: Sequence[bytes],
+        block_ids: Sequence[int],
+        released_at: int | None = None,
+    ) -> int:
+        """Queue loading `hashes` (which `lookup` counted) into the GPU blocks `block_ids`, last
+        released in epoch `released_at` (see `Copier.load`; None: after all work queued); returns
+        how many it will load (fewer when the host tier has no slot for a disk read), 0: none."""
+        load = _Load(request_id, [], [], [], set(), set(), time.perf_counter(), released_at)
         for block_hash, block_id in zip(hashes, block_ids, strict=True):
             entry = self.host.resident(block_hash)
             if entry is None:
@@ -172,7 +177,9 @@ class KvTiers:
 
     def _issue_load(self, load: _Load) -> None:
         slots = [e.slot for e in load.entries]
-        load.handle = self.copier.load(slots, load.block_ids, [e.checksum for e in load.entries])
+        checksums = [e.checksum for e in load.entries]
+        after = None if load.released_at is None else load.released_at + 1
+        load.handle = self.copier.load(slots, load.block_ids, checksums, after_mark=after)
 
     def poll(self) -> list[tuple[str, int]]:
         """Progress copies and disk jobs; returns (request id, blocks loaded in a row) for each
@@ -181,12 +188,17 @@ class KvTiers:
             for tag, result in self._disk_thread.completed():
                 self._disk_done(tag, result)
         self._finish_offloads()
-        finished = []
-        for load in list(self._loads.values()):
-            if load.handle is not None and load.handle.done():
-                del self._loads[load.request_id]
-                finished.append((load.request_id, self._finish_load(load)))
-        return finished
+        loaded = [(request_id, self.poll_load(request_id)) for request_id in list(self._loads)]
+        return [(request_id, n) for request_id, n in loaded if n is not None]
+
+    def poll_load(self, request_id: str) -> int | None:
+        """`poll` for one load: the blocks it loaded in a row if it is done now, else None (on
+        a CPU device a load from host memory is done as soon as it is started)."""
+        load = self._loads.get(request_id)
+        if load is None or load.handle is None or not load.handle.done():
+            return None
+        del self._loads[request_id]
+        return self._finish_load(load)
 
     def _finish_load(self, load: _Load) -> int:
         passed = load.handle.result() if load.handle is not None else []
@@ -201,20 +213,8 @@ class KvTiers:
             self._drop_if_doomed(block_hash, entry)
         self._unpin(load.block_ids)
         num_disk = sum(h in load.from_disk for h in load.hashes[:num_ok])
-        num_host = num_ok - num_disk
         slowest: LowerTier = "disk" if load.from_disk & set(load.hashes) else "host"
-        counts: tuple[tuple[LowerTier, int], ...] = (
-            ("host", num_host),
-            ("disk", num_disk),
-        )
-        for tier, count in counts:
-            self._hit_blocks[tier] += count
-            metrics.KV_TIER_HIT_BLOCKS.labels(tier=tier).inc(count)
-        self._num_loads[slowest] += 1
-        metrics.KV_TIER_LOADS.labels(tier=slowest).inc()
-        metrics.KV_TIER_LOAD_SECONDS.labels(tier=slowest).observe(
-            time.perf_counter() - load.started
-        )
+        self._counts.record(num_ok - num_disk, num_disk, slowest, load.started)
         return num_ok
 
     # -- write-behind ------------------------------------------------------------------------
@@ -385,7 +385,7 @@ class KvTiers:
         }
         if self.disk is not None:
             use["disk"] = (self.disk.max_blocks, len(self.disk))
-        return TierStats.of(use, self.block_bytes, self._hit_blocks, self._num_loads)
+        return TierStats.of(use, self.block_bytes, self._counts.hit_blocks, self._counts.loads)
 
     @property
     def busy(self) -> bool:
