@@ -5,9 +5,9 @@ the choice and the load it books for it. Bookings are keyed by the stream, and t
 :meth:`Picker.finished` exactly once per stream however it ends (response done, client gone
 mid-body, an error), so a booking can never outlive its request.
 
-:class:`LeastInFlight` is the only picker so far: the fewest requests in flight over a static list
-of endpoints. It knows nothing of prompts or KV caches; kvrail's KV-aware picking (the router's
-tokenizer, ``WorkerView`` and ``Chooser``) is the next step, not built.
+:class:`LeastInFlight` picks the fewest requests in flight over a static list of endpoints and
+knows nothing of prompts or KV caches; :class:`kvrail.epp.kv_picker.KvAwarePicker` makes the
+choice kvrail's router makes.
 """
 
 from __future__ import annotations
@@ -50,7 +50,17 @@ class NoEndpoint:
     reason: str
 
 
-Pick = Routed | Shed | NoEndpoint
+@dataclasses.dataclass(frozen=True, slots=True)
+class Refused:
+    """The request itself is at fault (not JSON, an unknown model, no valid API key): the
+    gateway answers ``status`` with ``error``, an OpenAI-style ``{"error": {...}}`` body that
+    names the field and never quotes the request."""
+
+    status: int
+    error: Mapping[str, object]
+
+
+Pick = Routed | Shed | NoEndpoint | Refused
 
 
 class Picker(Protocol):
@@ -58,7 +68,7 @@ class Picker(Protocol):
 
     async def pick(self, request: PickRequest) -> Pick:
         """The endpoints for ``request``. A ``Routed`` pick books load under
-        ``request.stream_id`` until :meth:`finished`; ``Shed`` and ``NoEndpoint`` book nothing."""
+        ``request.stream_id`` until :meth:`finished`; the other picks book nothing."""
         ...
 
     def served(self, stream_id: int, endpoint: str) -> None:
@@ -109,7 +119,7 @@ class LeastInFlight:
         self._booked: dict[int, str] = {}
 
     async def pick(self, request: PickRequest) -> Pick:
-        candidates = [e for e in self.endpoints if _allowed(e, request.eligible)]
+        candidates = [e for e in self.endpoints if is_allowed(e, request.eligible)]
         if not candidates:
             return NoEndpoint("no endpoint is eligible for this request")
         if self.max_in_flight is not None:
@@ -138,7 +148,7 @@ class LeastInFlight:
         self.in_flight[endpoint] += 1
 
 
-def _allowed(endpoint: str, eligible: frozenset[str] | None) -> bool:
+def is_allowed(endpoint: str, eligible: frozenset[str] | None) -> bool:
     """The subset hint names endpoints as ``ip:port`` or a bare ``ip`` (every port of it)."""
     if eligible is None:
         return True

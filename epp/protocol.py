@@ -16,7 +16,8 @@ returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker,
    and response body chunks are echoed as they come, so SSE is not buffered.
 
 A body over ``max_body_bytes`` is answered 413 as soon as it crosses the cap; a ``NoEndpoint``
-pick 503, a ``Shed`` pick 429, each as an ``ImmediateResponse`` with an OpenAI-style error body.
+pick 503, a ``Shed`` pick 429, a ``Refused`` pick its own status (a 400 for a body that is not
+JSON, say), each as an ``ImmediateResponse`` with an OpenAI-style error body.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
-from kvrail.epp.picker import NoEndpoint, Pick, PickRequest, Routed, Shed
+from kvrail.epp.picker import NoEndpoint, Pick, PickRequest, Refused, Routed, Shed
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 LB_NAMESPACE = "envoy.lb"
@@ -138,6 +139,8 @@ class EppStream:
             return self._refuse(503, "service_unavailable", pick.reason)
         if isinstance(pick, Shed):
             return self._refuse(429, "too_many_requests", pick.reason)
+        if isinstance(pick, Refused):
+            return self._immediate(pick.status, dict(pick.error))
         assert isinstance(pick, Routed)
         if not pick.endpoints:
             return self._refuse(503, "service_unavailable", "the picker named no endpoint")
@@ -191,10 +194,14 @@ class EppStream:
         return Step((ok,), served=served)
 
     def _refuse(self, status: int, kind: str, message: str) -> Step:
+        error = {"message": message, "type": kind, "code": status}
+        return self._immediate(status, {"error": error})
+
+    def _immediate(self, status: int, error: dict[str, object]) -> Step:
         self.phase = Phase.DONE
         self.status = status
         self._body.clear()
-        body = json.dumps({"error": {"message": message, "type": kind, "code": status}})
+        body = json.dumps(error)
         content_type = HeaderValueOption(header=HeaderValue(
             key="content-type", raw_value=b"application/json"))  # fmt: skip
         return Step((ProcessingResponse(immediate_response=ImmediateResponse(

@@ -15,7 +15,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 )
 from google.protobuf.struct_pb2 import Struct
 
-from kvrail.epp.picker import NoEndpoint, Routed, Shed
+from kvrail.epp.picker import NoEndpoint, Refused, Routed, Shed
 from kvrail.epp.protocol import EppStream, Limits, Phase, ProtocolError
 
 
@@ -126,6 +126,20 @@ def test_refusals_are_immediate_responses(pick: NoEndpoint | Shed | Routed, stat
     assert json.loads(immediate.body)["error"]["code"] == status
     assert immediate.headers.set_headers[0].header.raw_value == b"application/json"
     assert stream.phase is Phase.DONE
+
+
+def test_a_refused_pick_answers_its_own_status_and_error_body() -> None:
+    stream = EppStream(1)
+    stream.feed(headers())
+    stream.feed(body(b"not json", True))
+    error = {"error": {"message": "bad", "type": "invalid_request_error", "param": "body",
+                       "code": None}}  # fmt: skip
+    (refusal,) = stream.picked(Refused(400, error)).responses
+    immediate = refusal.immediate_response
+    assert immediate.status.code == 400
+    assert json.loads(immediate.body) == error
+    assert immediate.headers.set_headers[0].header.raw_value == b"application/json"
+    assert stream.phase is Phase.DONE and stream.status == 400
 
 
 @pytest.mark.parametrize("subset", [["10.0.0.1:8000", "10.0.0.2"], "10.0.0.1:8000, 10.0.0.2"])

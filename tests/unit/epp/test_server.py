@@ -68,7 +68,8 @@ async def test_a_stream_that_stops_mid_request_releases_its_booking() -> None:
     ("argv", "problem"),
     [(["--endpoints", "pod:80"], "--endpoints"), (["--endpoints", A, "--port", "70000"], "--port"),
      (["--endpoints", A, "--max-in-flight", "0"], "--max-in-flight"),
-     (["--endpoints", A, "--chunk-bytes", "0"], "--chunk-bytes")],
+     (["--endpoints", A, "--chunk-bytes", "0"], "--chunk-bytes"),
+     (["--num-endpoints", "0"], "--num-endpoints"), (["--max-in-flight", "4"], "--max-in-flight")],
 )  # fmt: skip
 def test_bad_settings_name_the_option(argv: list[str], problem: str) -> None:
     with pytest.raises(ValueError, match=problem):
@@ -78,5 +79,11 @@ def test_bad_settings_name_the_option(argv: list[str], problem: str) -> None:
 def test_good_settings_make_a_picker_and_limits() -> None:
     picker, limits = settings(parse_args(["--endpoints", f"{A},10.0.0.2:8000", "--max-in-flight",
                                           "4", "--max-body-bytes", "1000"]))  # fmt: skip
+    assert picker is not None
     assert picker.endpoints == (A, "10.0.0.2:8000") and picker.max_in_flight == 4
     assert limits.max_body_bytes == 1000
+
+
+def test_without_endpoints_the_epp_follows_the_pool() -> None:
+    picker, _ = settings(parse_args(["--num-endpoints", "2"]))
+    assert picker is None
