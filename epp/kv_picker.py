@@ -11,9 +11,9 @@ sends one, with the router's functions:
 2. ``chat.chat_prompt`` / ``chat.completion_prompt``: the prompt's tokens, rendered and tokenized
    on the router's tokenizer threads (a bounded pool, off the event loop) after the length check,
    the body already bounded by the EPP's cap;
-3. ``Dispatcher.choose``: the chooser's scorers (prefix hits in every KV tier, load, KV
-   utilisation) over the ready decode workers, then again without the chosen ones for the
-   gateway's fallbacks.
+3. ``Dispatcher.rank``: ``Dispatcher.choose``'s decision (the chooser's scorers: prefix hits in
+   every KV tier, load, KV utilisation, over the ready decode workers), then the next cheapest
+   workers as the gateway's fallbacks, from the same scoring pass.
 
 A refusal is a :class:`~kvrail.epp.picker.Refused` pick carrying the router's OpenAI error body;
 it is logged with its status, code and field, never the body. Other paths (``/v1/responses``,
@@ -81,19 +81,13 @@ class KvAwarePicker:
             return NoEndpoint(f"no ready decode worker with an HTTP front{among}")
         job = Job(f"epp-{request.stream_id}", token_ids, _SAMPLING, 0.0, tenant_salt=salt)
         exclude = {r.worker_id for r in self.dispatcher.decode_workers()} - fronts.keys()
-        order: list[str] = []
-        while len(order) < self.num_endpoints:
-            try:
-                decision = self.dispatcher.choose(job, exclude)
-            except NoWorkerError:
-                break
-            order.append(decision.worker_id)
-            exclude.add(decision.worker_id)
-        if not order:
+        try:
+            decisions = self.dispatcher.rank(job, exclude, self.num_endpoints)
+        except NoWorkerError:
             return NoEndpoint("no ready decode worker with an HTTP front")
         self.finished(request.stream_id)  # one booking per stream, even if picked twice
-        self._book(request.stream_id, order[0])
-        return Routed(tuple(fronts[w] for w in order))
+        self._book(request.stream_id, decisions[0].worker_id)
+        return Routed(tuple(fronts[d.worker_id] for d in decisions))
 
     def served(self, stream_id: int, endpoint: str) -> None:
         booked = self.booked.get(stream_id)

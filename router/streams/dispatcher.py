@@ -203,11 +203,19 @@ class Dispatcher:
     def choose(
         self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None
     ) -> Decision:
+        return self.rank(job, exclude, 1, engines)[0]
+
+    def rank(
+        self, job: Job, exclude: set[str], n: int, engines: tuple[Engine, ...] | None = None
+    ) -> list[Decision]:
+        """`choose`'s decision for `job` first, then up to `n - 1` fallbacks, cheapest first
+        (`Chooser.ranked`; kvrail's endpoint picker names them to the gateway). Raises
+        NoWorkerError when no worker is left."""
         candidates, num_blocks = self.candidates(job, engines)
         candidates = [c for c in candidates if c.worker_id not in exclude]
         if job.prefer:
             candidates = [c for c in candidates if c.worker_id == job.prefer] or candidates
-        decision = self.chooser.choose(candidates, num_blocks)
+        decisions = self.chooser.ranked(candidates, num_blocks, n)
         if self.on_decision is not None:
-            self.on_decision(decision)
-        return decision
+            self.on_decision(decisions[0])
+        return decisions
