@@ -13,13 +13,18 @@ its bookings. Every test ends with each worker's blocks free and every booking r
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
+import grpc
 import httpx
 import openai
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nats.aio.client import Client as NatsClient
 
 from kvrail.bus import connect
@@ -246,3 +251,38 @@ async def test_the_pool_s_records_advertise_the_fronts_and_both_fronts_serve(
             ready = await http.get(f"http://{front_of(worker_id)}/ready")
         assert ready.json() == {"ready": True, "decode_workers": 1}
     assert picker(epp).fronts(None) == {w: front_of(w) for w in WORKERS}
+
+
+@pytest.mark.usefixtures("nc")
+async def test_the_entry_point_follows_the_pool_and_stops_on_sigterm(
+    pool: LocalPool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    port = free_port()
+    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port)]
+    log = tmp_path_factory.mktemp("epp-process") / "epp.log"
+    with log.open("wb") as out:  # the pool's settings, as its routers get them
+        proc = subprocess.Popen(argv, env=pool.env, stdout=out, stderr=subprocess.STDOUT)  # noqa: ASYNC220
+    gateway = None
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=True, timeout=60
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        assert f"pool default/{POOL}" in log.read_text()
+        gateway = start_envoy(log.parent, epp=port, pool=list(FRONTS.values()))
+        served, _, text = await chat(gateway, "Name a colour.")
+        assert served in {front_of(w) for w in WORKERS} and text
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(f"{gateway.gateway}/v1/completions", content=b"[1,",
+                                headers={"content-type": "application/json"})  # fmt: skip
+        assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+        assert "[1," not in log.read_text()  # no body in the EPP's logs
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
