@@ -27,6 +27,7 @@ the request says. Each pick books one request on its worker in the dispatcher's 
 
 from __future__ import annotations
 
+import functools
 import logging
 
 from kvrail.epp.picker import (
@@ -109,10 +110,7 @@ class KvAwarePicker:
         by worker id, of those the subset hint allows."""
         out: dict[str, str] = {}
         for record in self.dispatcher.decode_workers():
-            try:
-                endpoint = parse_endpoint(record.http_front) if record.http_front else ""
-            except ValueError:
-                endpoint = ""  # the worker checks its own; a record written by hand may not be
+            endpoint = _endpoint(record.http_front) if record.http_front else ""
             if endpoint and is_allowed(endpoint, eligible):
                 out[record.worker_id] = endpoint
         return out
@@ -138,3 +136,13 @@ class KvAwarePicker:
             )
             return tuple(await chat.completion_prompt(state, body)), tenant.salt
         return (), tenant.salt
+
+
+@functools.lru_cache(maxsize=4096)
+def _endpoint(http_front: str) -> str:
+    """The front's address normalised, or "" when it is not ``ip:port`` (the worker checks its
+    own; a record written by hand may not be). Cached: every pick reads every worker's."""
+    try:
+        return parse_endpoint(http_front)
+    except ValueError:
+        return ""
