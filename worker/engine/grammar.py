@@ -10,6 +10,16 @@ costs nothing), and a request's matcher is a `deep_copy` of the cached one (micr
 Compiling releases the GIL: `EngineService` compiles off the engine thread before it queues a
 request, so the engine thread finds the grammar in the cache.
 
+Copies share their start's lexer (the states it builds lazily, as masks need them), and two fill
+threads masking rows that share a lexer take turns: 256 rows of one schema filled no faster on
+12 threads than on 1 (bench/studies/grammar/lineages.py). So a grammar that many requests use
+gets up to `lineages` (the fill's thread count) independently compiled starts: the first
+compiled before its first request; each further one once `ROWS_PER_LINEAGE` requests per start
+have taken copies, compiled in the background (the engine thread never waits for it), and
+requests take copies of the starts in turn. A request's `grammar_group` names its start, and
+`MaskFiller` hands the fill its rows grouped by it, so each thread's share of the rows mostly
+shares one lexer. A grammar used by few requests keeps one start (and one lexer's memory).
+
 A request's matcher (`Request.grammar_matcher`) is a function of its grammar and its output
 tokens, like every per-request sampler state (see `sampler`): it advances with each output token
 as it joins the request (`advance`, from `Scheduler._append_token`), and wherever it does not
@@ -40,8 +50,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
@@ -55,6 +68,25 @@ CACHE_SIZE = 256
 """Grammar strings whose start-state matcher (or failure) is kept."""
 GRAMMAR_ERROR = "grammar"
 """The error code of a request whose grammar failed mid-answer (`RequestOutput.error`)."""
+ROWS_PER_LINEAGE = 8
+"""Requests per start a grammar has had before it gets one more (up to `Grammars.lineages`)."""
+
+
+def fill_threads(num_threads: int = 0) -> int:
+    """The mask fill's threads: `num_threads`, or for 0 llguidance's own default (80% of the
+    CPUs, at least 1, at most 32)."""
+    return num_threads or max(1, min(32, int(0.8 * (os.cpu_count() or 1))))
+
+
+@dataclass(slots=True)
+class _Compiled:
+    """A grammar's compiled starts, each with its group number (`starts`: one per lineage, the
+    first always there), how many requests took copies (`taken`), and whether one more start is
+    being compiled (`growing`)."""
+
+    starts: list[tuple[int, LLMatcher]]
+    taken: int = 0
+    growing: bool = False
 
 
 def parser_limits() -> LLParserLimits:
@@ -78,22 +110,32 @@ class Grammars:
     `tokenizer` None: this engine cannot enforce grammars (it has no tokenizer, or one that
     llguidance cannot read), and `check` refuses every grammar. `vocab_size` is the width of the
     masks (the tokenizer's size, set to the model's vocabulary when that is larger).
-    Thread-safe for `compile` and `check`; the per-request methods are the engine thread's.
+    `lineages`: the most starts one grammar gets (see the module docstring; the mask fill's
+    threads). Thread-safe for `compile` and `check`; the per-request methods are the engine
+    thread's.
     """
 
-    def __init__(self, tokenizer: LLTokenizer | None, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(
+        self, tokenizer: LLTokenizer | None, cache_size: int = CACHE_SIZE, lineages: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
         self.eos_token_id = tokenizer.eos_token if tokenizer is not None else None
-        self._cache: OrderedDict[str, LLMatcher | str] = OrderedDict()
+        self.lineages = max(1, lineages)
+        self._cache: OrderedDict[str, _Compiled | str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._groups = 0
+        self._grower: ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_hf(cls, hf_tokenizer: Any, eos_token_id: int | None, vocab_size: int) -> Grammars:
+    def from_hf(
+        cls, hf_tokenizer: Any, eos_token_id: int | None, vocab_size: int, lineages: int = 1
+    ) -> Grammars:
         """From the engine's Hugging Face tokenizer (built once: 0.3 s at 49k tokens, about 2 s
-        at 128k, holding the GIL), its end-of-sequence token (the one the engine stops on) and
-        the model's vocabulary size. Without a (fast) tokenizer: a `Grammars` that refuses."""
+        at 128k, holding the GIL), its end-of-sequence token (the one the engine stops on), the
+        model's vocabulary size and `lineages`. Without a (fast) tokenizer: a `Grammars` that
+        refuses."""
         if hf_tokenizer is None:
             return cls(None)
         import llguidance.hf
@@ -107,7 +149,7 @@ class Grammars:
             logger.warning("grammars disabled: llguidance cannot read the tokenizer (%s)",
                            type(err).__name__)  # fmt: skip
             return cls(None)
-        return cls(tokenizer)
+        return cls(tokenizer, lineages=lineages)
 
     @property
     def num_words(self) -> int:
@@ -115,20 +157,56 @@ class Grammars:
         return (self.vocab_size + 31) // 32
 
     def compile(self, grammar: str) -> LLMatcher | str:
-        """The start-state matcher of `grammar` (shared: `deep_copy` it), or why it cannot be
-        used (llguidance's message: never log it). Cached by grammar string."""
+        """The first start-state matcher of `grammar` (shared: `deep_copy` it), or why it cannot
+        be used (llguidance's message: never log it). Cached by grammar string."""
+        compiled = self._compiled(grammar)
+        return compiled if isinstance(compiled, str) else compiled.starts[0][1]
+
+    def _compiled(self, grammar: str) -> _Compiled | str:
         with self._lock:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
                 return cached
-        compiled = self._compile(grammar)
+        start = self._compile(grammar)
         with self._lock:
+            compiled = start if isinstance(start, str) else _Compiled([(self._group(), start)])
             self._cache[grammar] = compiled
             self._cache.move_to_end(grammar)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _group(self) -> int:
+        self._groups += 1
+        return self._groups
+
+    def _take(self, grammar: str, compiled: _Compiled) -> tuple[int, LLMatcher]:
+        """The start the next request of `grammar` copies (in turn), growing one more start in
+        the background when the grammar has had `ROWS_PER_LINEAGE` requests per start."""
+        with self._lock:
+            group, start = compiled.starts[compiled.taken % len(compiled.starts)]
+            compiled.taken += 1
+            grow = (
+                not compiled.growing
+                and len(compiled.starts) < self.lineages
+                and compiled.taken >= ROWS_PER_LINEAGE * len(compiled.starts)
+            )
+            if grow:
+                compiled.growing = True
+                if self._grower is None:
+                    self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvrail-grammar")
+                self._grower.submit(self._grow, grammar, compiled)
+        return group, start
+
+    def _grow(self, grammar: str, compiled: _Compiled) -> None:
+        """Compile one more start of `grammar` (the grammar compiled before: it compiles again)."""
+        start = self._compile(grammar)
+        with self._lock:
+            if isinstance(start, str):  # not expected; the grammar keeps the starts it has
+                return
+            compiled.starts.append((self._group(), start))
+            compiled.growing = False
 
     def _compile(self, grammar: str) -> LLMatcher | str:
         if self.tokenizer is None:
@@ -163,9 +241,10 @@ class Grammars:
         if matcher is None:
             grammar = request.sampling_params.grammar
             assert grammar is not None, "only a request with a grammar has a matcher"
-            start = self.compile(grammar)
-            if isinstance(start, str):
+            compiled = self._compiled(grammar)
+            if isinstance(compiled, str):
                 return None
+            request.grammar_group, start = self._take(grammar, compiled)
             matcher = start.deep_copy()
             if request.output_token_ids:
                 matcher.consume_tokens(request.output_token_ids)
