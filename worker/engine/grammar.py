@@ -12,13 +12,16 @@ request, so the engine thread finds the grammar in the cache.
 
 Copies share their start's lexer (the states it builds lazily, as masks need them), and two fill
 threads masking rows that share a lexer take turns: 256 rows of one schema filled no faster on
-12 threads than on 1 (bench/studies/grammar/lineages.py). So a grammar that many requests use
-gets up to `lineages` (the fill's thread count) independently compiled starts: the first
-compiled before its first request; each further one once `ROWS_PER_LINEAGE` requests per start
-have taken copies, compiled in the background (the engine thread never waits for it), and
-requests take copies of the starts in turn. A request's `grammar_group` names its start, and
+12 threads than on 1 (bench/studies/grammar/lineages.py). So a grammar that more than one
+request uses gets `lineages` (the fill's thread count) independently compiled starts: the first
+compiled before its first request, the others in the background once a second request checks it
+(the engine thread never waits for them; a grammar used once costs one compile). Requests take
+copies of the starts in turn, and `spread` moves the rows that took copies before the other
+starts existed (a burst of requests with a new schema) while that is cheap: it remakes a row's
+matcher from a less used start by replaying its output, for rows of at most `MOVE_TOKENS`
+tokens, at most `MAX_MOVES` a step. A request's `grammar_group` names its start, and
 `MaskFiller` hands the fill its rows grouped by it, so each thread's share of the rows mostly
-shares one lexer. A grammar used by few requests keeps one start (and one lexer's memory).
+shares one lexer.
 
 A request's matcher (`Request.grammar_matcher`) is a function of its grammar and its output
 tokens, like every per-request sampler state (see `sampler`): it advances with each output token
@@ -52,7 +55,8 @@ import hashlib
 import logging
 import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -68,8 +72,11 @@ CACHE_SIZE = 256
 """Grammar strings whose start-state matcher (or failure) is kept."""
 GRAMMAR_ERROR = "grammar"
 """The error code of a request whose grammar failed mid-answer (`RequestOutput.error`)."""
-ROWS_PER_LINEAGE = 8
-"""Requests per start a grammar has had before it gets one more (up to `Grammars.lineages`)."""
+MOVE_TOKENS = 128
+"""The longest output a row may have for `Grammars.spread` to move it (replaying costs ~1 us a
+token)."""
+MAX_MOVES = 64
+"""The most rows one `Grammars.spread` moves."""
 
 
 def fill_threads(num_threads: int = 0) -> int:
@@ -81,10 +88,11 @@ def fill_threads(num_threads: int = 0) -> int:
 @dataclass(slots=True)
 class _Compiled:
     """A grammar's compiled starts, each with its group number (`starts`: one per lineage, the
-    first always there), how many requests took copies (`taken`), and whether one more start is
-    being compiled (`growing`)."""
+    first always there), how many requests checked it (`checked`) and took copies (`taken`),
+    and whether the other starts are being compiled (`growing`)."""
 
     starts: list[tuple[int, LLMatcher]]
+    checked: int = 0
     taken: int = 0
     growing: bool = False
 
@@ -162,15 +170,23 @@ class Grammars:
         compiled = self._compiled(grammar)
         return compiled if isinstance(compiled, str) else compiled.starts[0][1]
 
-    def _compiled(self, grammar: str) -> _Compiled | str:
+    def _compiled(self, grammar: str, *, checking: bool = False) -> _Compiled | str:
+        """The grammar's cache entry (compiled on a miss). `checking` (once per request): count
+        the request, and start compiling the other starts at the second."""
         with self._lock:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
+                if checking and isinstance(cached, _Compiled):
+                    cached.checked += 1
+                    self._grow_if_shared(grammar, cached)
                 return cached
         start = self._compile(grammar)
         with self._lock:
-            compiled = start if isinstance(start, str) else _Compiled([(self._group(), start)])
+            compiled = (
+                start if isinstance(start, str)
+                else _Compiled([(self._group(), start)], checked=int(checking))
+            )  # fmt: skip
             self._cache[grammar] = compiled
             self._cache.move_to_end(grammar)
             while len(self._cache) > self._cache_size:
@@ -181,32 +197,70 @@ class Grammars:
         self._groups += 1
         return self._groups
 
-    def _take(self, grammar: str, compiled: _Compiled) -> tuple[int, LLMatcher]:
-        """The start the next request of `grammar` copies (in turn), growing one more start in
-        the background when the grammar has had `ROWS_PER_LINEAGE` requests per start."""
-        with self._lock:
-            group, start = compiled.starts[compiled.taken % len(compiled.starts)]
-            compiled.taken += 1
-            grow = (
-                not compiled.growing
-                and len(compiled.starts) < self.lineages
-                and compiled.taken >= ROWS_PER_LINEAGE * len(compiled.starts)
-            )
-            if grow:
-                compiled.growing = True
-                if self._grower is None:
-                    self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvrail-grammar")
-                self._grower.submit(self._grow, grammar, compiled)
-        return group, start
+    def _grow_if_shared(self, grammar: str, compiled: _Compiled) -> None:
+        """(Under the lock.) Compile the other starts in the background from the second request
+        that checks the grammar on."""
+        if compiled.growing or compiled.checked < 2 or len(compiled.starts) >= self.lineages:
+            return
+        compiled.growing = True
+        if self._grower is None:
+            self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvrail-grammar")
+        self._grower.submit(self._grow, grammar, compiled)
 
     def _grow(self, grammar: str, compiled: _Compiled) -> None:
-        """Compile one more start of `grammar` (the grammar compiled before: it compiles again)."""
-        start = self._compile(grammar)
-        with self._lock:
+        """Compile `grammar`'s other starts one by one (it compiled before: it compiles again),
+        each usable as soon as it is there."""
+        while len(compiled.starts) < self.lineages:
+            start = self._compile(grammar)
             if isinstance(start, str):  # not expected; the grammar keeps the starts it has
                 return
-            compiled.starts.append((self._group(), start))
+            with self._lock:
+                compiled.starts.append((self._group(), start))
+        with self._lock:
             compiled.growing = False
+
+    def _take(self, compiled: _Compiled) -> tuple[int, LLMatcher]:
+        """The start the next request copies: each in turn."""
+        with self._lock:
+            taken = compiled.starts[compiled.taken % len(compiled.starts)]
+            compiled.taken += 1
+            return taken
+
+    def spread(self, requests: Iterable[Request]) -> None:
+        """Move the constrained rows of one step that crowd a start onto the grammar's less used
+        starts (see the module docstring): a row over its start's share (the grammar's rows
+        here over its starts, rounded up) is remade from the start with the fewest rows, if its
+        output is at most `MOVE_TOKENS` long; at most `MAX_MOVES` rows a call."""
+        by_grammar: dict[str, list[Request]] = {}
+        for request in requests:
+            grammar = request.sampling_params.grammar
+            if grammar is not None and request.grammar_matcher is not None:
+                by_grammar.setdefault(grammar, []).append(request)
+        moves = MAX_MOVES
+        for grammar, rows in by_grammar.items():
+            with self._lock:
+                compiled = self._cache.get(grammar)
+                starts = dict(compiled.starts) if isinstance(compiled, _Compiled) else {}
+            if len(starts) < 2:
+                continue
+            share = -(-len(rows) // len(starts))
+            counts = Counter({group: 0 for group in starts})
+            counts.update(request.grammar_group for request in rows)
+            for request in rows:
+                target = min(starts, key=counts.__getitem__)
+                if moves == 0 or counts[target] >= share:
+                    break
+                if counts[request.grammar_group] <= share or (
+                    request.num_output_tokens > MOVE_TOKENS
+                ):
+                    continue
+                matcher = starts[target].deep_copy()
+                if request.output_token_ids:
+                    matcher.consume_tokens(request.output_token_ids)
+                counts[request.grammar_group] -= 1
+                counts[target] += 1
+                request.grammar_group, request.grammar_matcher = target, matcher
+                moves -= 1
 
     def _compile(self, grammar: str) -> LLMatcher | str:
         if self.tokenizer is None:
@@ -224,7 +278,7 @@ class Grammars:
         """Raise InvalidRequestError (naming `grammar`) unless `grammar` is None or compiles."""
         if grammar is None:
             return
-        if isinstance(self.compile(grammar), str):
+        if isinstance(self._compiled(grammar, checking=True), str):
             detail = (
                 "no tokenizer to enforce it with"
                 if self.tokenizer is None
@@ -244,7 +298,7 @@ class Grammars:
             compiled = self._compiled(grammar)
             if isinstance(compiled, str):
                 return None
-            request.grammar_group, start = self._take(grammar, compiled)
+            request.grammar_group, start = self._take(compiled)
             matcher = start.deep_copy()
             if request.output_token_ids:
                 matcher.consume_tokens(request.output_token_ids)

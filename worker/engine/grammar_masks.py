@@ -79,9 +79,12 @@ class MaskFiller:
         started = time.perf_counter()
         rows: list[int] = []
         matchers: list[tuple[int, LLMatcher, int]] = []
-        for i, request in enumerate(requests):
-            if request.sampling_params.grammar is None or request.is_finished:
-                continue  # a finished request's token here is discarded
+        live = [  # a finished request's token here is discarded
+            (i, request) for i, request in enumerate(requests)
+            if request.sampling_params.grammar is not None and not request.is_finished
+        ]  # fmt: skip
+        self.grammars.spread(request for _, request in live)
+        for i, request in live:
             matcher = self.grammars.matcher(request)
             if matcher is not None:
                 matchers.append((request.grammar_group, matcher, len(rows)))

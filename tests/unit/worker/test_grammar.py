@@ -18,7 +18,7 @@ from llguidance import LLMatcher
 
 from kvrail.errors import InvalidRequestError
 from kvrail.worker.engine import grammar_masks
-from kvrail.worker.engine.grammar import GRAMMAR_ERROR, ROWS_PER_LINEAGE, Grammars, _Compiled
+from kvrail.worker.engine.grammar import GRAMMAR_ERROR, MOVE_TOKENS, Grammars, _Compiled
 from kvrail.worker.engine.grammar_masks import MaskFiller, hold_back
 from kvrail.worker.engine.request import RequestStatus
 from kvrail.worker.testing import make_request
@@ -169,7 +169,7 @@ def _settled(grammars: Grammars, grammar: str) -> _Compiled:
         time.sleep(0.01)
 
 
-def test_a_grammar_many_requests_use_grows_independent_starts_that_mask_alike(
+def test_a_shared_grammar_grows_independent_starts_and_spreads_its_rows_over_them(
     tokenizer: Any, grammars: Grammars, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
@@ -177,33 +177,47 @@ def test_a_grammar_many_requests_use_grows_independent_starts_that_mask_alike(
     grammar = LLMatcher.grammar_from_json_schema(schema)
     text = _ids(tokenizer, '{"n": 12, "s": "ab')
     grown = Grammars.from_hf(tokenizer, tokenizer.eos_token_id, len(tokenizer), lineages=3)
-    requests = []
-    for i in range(6 * ROWS_PER_LINEAGE):
+    grown.check(grammar)
+    burst = []  # a burst: every request takes its copy before the other starts exist
+    for i in range(12):
         request = make_request(grammar=grammar)
         request.output_token_ids.extend(text[: i % 4])
         assert grown.matcher(request) is not None
-        _settled(grown, grammar)
-        requests.append(request)
+        burst.append(request)
+    first = _settled(grown, grammar).starts
+    assert len(first) == 1 and {r.grammar_group for r in burst} == {first[0][0]}  # used once
+    grown.check(grammar)  # a second request checks it: the other starts are compiled
     starts = _settled(grown, grammar).starts
     assert len(starts) == 3 and len({id(m) for _, m in starts}) == 3  # compiled apart, capped
-    groups = [r.grammar_group for r in requests]
-    assert set(groups[:ROWS_PER_LINEAGE]) == {starts[0][0]}  # one start until it has 8 copies
-    assert {g for g, _ in starts} == set(groups)
-    assert grammars.lineages == 1 and grown.lineages == 3
+    late = [make_request(grammar=grammar) for _ in range(3)]
+    for request in late:
+        assert grown.matcher(request) is not None
+    assert len({r.grammar_group for r in late}) == 3  # later requests take the starts in turn
 
     handed: list[LLMatcher] = []
     fill = grammar_masks.fill_next_token_bitmask_par
     monkeypatch.setattr(grammar_masks, "fill_next_token_bitmask_par",
                         lambda ex, matchers, bits: handed.extend(m for m, _ in matchers)
                         or fill(ex, matchers, bits))  # fmt: skip
-    masks = _allowed(grown, requests)
-    by_matcher = {id(r.grammar_matcher): r.grammar_group for r in requests}
+    masks = _allowed(grown, burst)  # the fill spreads the burst's rows over the three starts
+    groups = [r.grammar_group for r in burst]
+    assert sorted(groups.count(g) for g, _ in starts) == [4, 4, 4]
+    by_matcher = {id(r.grammar_matcher): r.grammar_group for r in burst}
     assert [by_matcher[id(m)] for m in handed] == sorted(groups)  # handed grouped by start
     alone = [make_request(grammar=grammar) for _ in range(4)]
     for i, request in enumerate(alone):
         request.output_token_ids.extend(text[:i])
     expected = _allowed(grammars, alone)  # one start: today's masks
     assert all(mask == expected[i % 4] for i, mask in enumerate(masks))
+    long = make_request(grammar=grammar)
+    long.output_token_ids.extend(text * (MOVE_TOKENS // len(text) + 1))  # past MOVE_TOKENS
+    long.grammar_group, long.grammar_matcher = starts[0][0], starts[0][1].deep_copy()
+    crowd = [long, *[make_request(grammar=grammar) for _ in range(2)]]
+    for request in crowd[1:]:
+        request.grammar_group, request.grammar_matcher = starts[0][0], starts[0][1].deep_copy()
+    grown.spread(crowd)
+    assert long.grammar_group == starts[0][0]  # too long to replay: stays where it is
+    assert sorted(r.grammar_group for r in crowd[1:]) == sorted(g for g, _ in starts[1:])
 
 
 def test_without_a_tokenizer_every_grammar_is_refused() -> None:
