@@ -298,9 +298,9 @@ class KvReceiver:
             await asyncio.to_thread(validate, done, reservation, time.time(), checksums)
         except TransferError as err:  # an EnvelopeError, or a rank's checksums out of reach
             log.warning(
-                "completion refused request_id=%s reason=%s blocks=%d",
+                "completion refused request_id=%s reason=%s blocks=%d detail=%s",
                 request.request_id, getattr(err, "reason", "checksums_unavailable"),
-                len(job.dest_block_ids),
+                len(job.dest_block_ids), err,
             )  # fmt: skip
             return False
         stages.validation_s = time.monotonic() - started

@@ -70,7 +70,7 @@ class Connector(Protocol):
     """Whether the three layer-wise calls below work (else they raise `TransferError`):
     `write_layers` moves layers `[a, b)` of blocks with no notification, once `ready` (a CUDA
     event, or None) passed, and returns once they landed; `notify` sends a notification alone;
-    `layer_checksums` is `block_checksums` per layer group, group-major (docs/layerwise.md)."""
+    `layer_checksums` is `block_checksums` of layers `[a, b)` only (docs/layerwise.md)."""
 
     def write_layers(
         self,

@@ -65,7 +65,13 @@ def checksums_of(
             layer_groups.check_groups(groups, connector.region.num_layers)
         except TransferError as err:
             raise EnvelopeError("layer_groups", str(err)) from err
-        return connector.layer_checksums(block_ids, groups)
+        return [
+            checksum
+            for g in range(len(groups))
+            for checksum in connector.layer_checksums(
+                block_ids, layer_groups.group_layers(groups, g)
+            )
+        ]
 
     return per_group
 

@@ -41,7 +41,7 @@ from kvrail.worker.transfer.blocks import TransferStats, checked_ids, coalesce, 
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
 from kvrail.worker.transfer.ipc_copy import GraphedBlockCopy
-from kvrail.worker.transfer.layer_groups import grouped_checksums
+from kvrail.worker.transfer.layer_groups import layer_checksums
 
 log = logging.getLogger(__name__)
 
@@ -304,10 +304,10 @@ class KvConnector:
         except _nixl_errors() as err:
             raise TransferError(f"notification to {peer} failed: {type(err).__name__}") from err
 
-    def layer_checksums(self, block_ids: Sequence[int], groups: Sequence[int]) -> tuple[str, ...]:
-        """Checksums of each layer group's bytes of the blocks, group-major (`layer_groups.py`)."""
+    def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
+        """Checksums of the blocks' bytes of layers `[a, b)` (`layer_groups.layer_checksums`)."""
         with self._own_stream():
-            return grouped_checksums(self.region, block_ids, groups)
+            return layer_checksums(self.region, block_ids, layers)
 
     def _nixl_write(
         self,

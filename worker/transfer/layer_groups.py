@@ -79,17 +79,6 @@ def layer_checksums(
     return tuple(out)
 
 
-def grouped_checksums(
-    region: KVCache, block_ids: Sequence[int], ends: Sequence[int]
-) -> tuple[str, ...]:
-    """Every group's `layer_checksums`, group-major: what a decode worker compares."""
-    check_groups(ends, region.num_layers)
-    out: list[str] = []
-    for g in range(len(ends)):
-        out.extend(layer_checksums(region, block_ids, group_layers(ends, g)))
-    return tuple(out)
-
-
 def bad_groups(want: Sequence[str], got: Sequence[str], num_blocks: int) -> list[int]:
     """The groups (indices) whose checksums differ, for group-major lists of equal length."""
     if num_blocks < 1 or len(want) != len(got) or len(want) % num_blocks:

@@ -159,7 +159,7 @@ class ShardedConnector:
     def notify(self, peer: str, notification: bytes) -> None:
         raise TransferError("layer-wise KV writes are not supported with tensor parallelism")
 
-    def layer_checksums(self, block_ids: Sequence[int], groups: Sequence[int]) -> tuple[str, ...]:
+    def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
         raise TransferError("layer-wise KV checksums are not supported with tensor parallelism")
 
     def notifications(self) -> list[tuple[str, bytes]]:
