@@ -81,7 +81,7 @@ def written_line(log_text: str, request_id: str) -> str:
 
 async def wait_for_log(path: Path, text: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while text not in path.read_text():
+    while text not in await asyncio.to_thread(path.read_text):
         assert time.monotonic() < deadline, f"{text!r} never logged"
         await asyncio.sleep(0.02)
 

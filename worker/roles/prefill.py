@@ -303,7 +303,7 @@ class PrefillRole:
             raise Refused("invalid_request") from err
         finally:
             compute_done()  # the next job may be fetched while this one writes
-        tail_s = -1.0
+        tail_s, num_groups = -1.0, 0
         try:
             computed = time.monotonic()
             src = result.block_ids[job.first_block_index :]
@@ -347,7 +347,7 @@ class PrefillRole:
                 )  # fmt: skip
                 stats = await self._nixl.call(write)
             else:
-                stats, tail_s = written
+                (stats, tail_s), num_groups = written, len(self._groups)
         finally:
             if layered is not None:  # no group reads the source blocks once they are released
                 await layered.settle()
@@ -360,7 +360,7 @@ class PrefillRole:
             "transfer_s=%.4f transport=%s compute_s=%.4f layer_groups=%d tail_s=%.4f",
             job.request_id, job.dest_worker_id, len(job.token_ids), len(src), stats.num_bytes,
             stats.seconds, stats.transport, computed - fetched,
-            len(layered.groups) if written else 0, tail_s,
+            num_groups, tail_s,
         )  # fmt: skip
 
     def _check(self, job: PrefillJob) -> None:

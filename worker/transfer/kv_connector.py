@@ -261,15 +261,15 @@ class KvConnector:
         started = time.perf_counter()
         if remote.ipc is not None:
             assert self._stream is not None  # a CUDA region's peer
-            src = self.region.tensor.view(-1).view(torch.uint8).view(self.region.num_blocks, -1)
-            dst = remote.ipc.tensor.view(remote.num_blocks, -1)
+            blocks = self.region.tensor.view(-1).view(torch.uint8).view(self.region.num_blocks, -1)
+            peer_blocks = remote.ipc.tensor.view(remote.num_blocks, -1)
             cols = slice(first * per_layer, end * per_layer)
             with self._own_stream():
                 if ready is not None:
                     self._stream.wait_event(ready)
-                dev = self.region.tensor.device
-                rows = torch.as_tensor(src_ids, device=dev), torch.as_tensor(dst_ids, device=dev)
-                dst[rows[1], cols] = src[rows[0], cols]
+                on = self.region.tensor.device
+                rows = torch.as_tensor(src_ids, device=on), torch.as_tensor(dst_ids, device=on)
+                peer_blocks[rows[1], cols] = blocks[rows[0], cols]
             self._stream.synchronize()
             return TransferStats(nbytes, time.perf_counter() - started, "cuda-ipc")
         if ready is not None:
