@@ -49,7 +49,7 @@ from nats.aio.subscription import Subscription
 
 from kvrail.bus import PrefillConsumer, QueuedJob, unsubscribe
 from kvrail.codec import MessageError, decode
-from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
+from kvrail.errors import ConfigError, DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
     Cancel,
     PrefillDone,
@@ -98,10 +98,9 @@ class PrefillRole:
         # Layer-wise writes (docs/layerwise.md): the groups planned, the engine's layer sinks,
         # and the writes under way by job id.
         wanted = ctx.settings.kv_transfer_layer_groups
-        supported = bool(wanted) and ctx.connector.supports_layers
-        self._groups = plan_groups(ctx.connector.region.num_layers, wanted) if supported else ()
-        if wanted and not supported:
-            log.warning("layer-wise KV writes unsupported here: whole-prompt writes instead")
+        if wanted and not ctx.connector.supports_layers:  # (settings refuse it with TP already)
+            raise ConfigError("kv_transfer_layer_groups: this worker's KV connector cannot")
+        self._groups = plan_groups(ctx.connector.region.num_layers, wanted) if wanted else ()
         self._layered: dict[str, LayeredWrite] = {}
 
     @property
