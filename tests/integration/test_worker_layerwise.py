@@ -2,10 +2,11 @@
 
 `prefill-lw` writes every prompt in 4 groups of SmolLM2's 30 layers while it computes it;
 `decode-0` (disaggregated, checksums on, kvLoadFailurePolicy recompute) installs it and
-`colo-0` is the baseline. The failure tests run last, in file order: a decode worker that
-corrupts what it receives; then `prefill-lw` leaves and `prefill-slow` (each group's write
-delayed by a second, like a slow link) takes the jobs, to be cancelled mid-way and then killed
-mid-way. Every test ends with every live worker's blocks free.
+`colo-0` is the baseline; one test starts three workers of an FP8 cache. The failure tests
+run last, in file order: a decode worker that corrupts what it receives; then `prefill-lw`
+leaves and `prefill-slow` (each group's write delayed by a second, like a slow link) takes the
+jobs, to be cancelled mid-way and then killed mid-way. Every test ends with every live
+worker's blocks free.
 """
 
 from __future__ import annotations
@@ -119,6 +120,35 @@ async def test_a_seeded_request_samples_the_same_tokens_layer_wise_or_colocated(
     await pool.assert_all_blocks_free(nc)
 
 
+async def test_an_fp8_cache_is_written_layer_wise_and_decodes_like_a_colocated_fp8_worker(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    """A group is whole layers' bytes, whatever their dtype: an FP8 cache (its own fingerprint,
+    so its own three workers) goes layer-wise and decodes exactly as a colocated FP8 worker.
+    The prefill worker computes the prompt in three chunks (a 64-token step budget): the groups
+    of its last step carry the earlier chunks' layers too."""
+    fp8 = {"KVRAIL_KV_DTYPE": "float8_e4m3fn"}
+    names = ("prefill-fp8", "decode-fp8", "colo-fp8")
+    pool.start(
+        "prefill-fp8", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS=GROUPS,
+        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", **fp8,
+    )  # fmt: skip
+    pool.start("decode-fp8", "decode", **fp8)
+    pool.start("colo-fp8", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated", **fp8)
+    for name in names:
+        await asyncio.to_thread(pool.wait_ready, name)
+    token_ids = prompt(LONG_PROMPT, seed=41)
+    colocated = await generate(nc, "colo-fp8", token_ids)
+    remote = await generate(nc, "decode-fp8", token_ids, request_id="lw-fp8")
+    assert colocated[0].prefill_mode == "local" and remote[0].prefill_mode == "remote"
+    assert len(tokens_of(colocated)) == 8
+    assert tokens_of(remote) == tokens_of(colocated)
+    assert f"layer_groups={GROUPS} " in written_line(log_of(pool, "prefill-fp8"), "lw-fp8")
+    await pool.assert_all_blocks_free(nc)
+    for name in names:
+        await asyncio.to_thread(pool.procs[name].stop, 20)
+
+
 async def test_a_layer_group_that_fails_its_checksum_is_recomputed(
     pool: LocalPool, nc: NatsClient
 ) -> None:
@@ -170,6 +200,34 @@ async def test_a_cancel_between_layer_groups_stops_the_writes_and_frees_everythi
     # Well before the 30 s deadline: the refusal, sent once no group was in flight, lifts the
     # decode worker's quarantine.
     await pool.assert_all_blocks_free(nc, timeout_s=15.0)
+
+
+async def test_killing_the_decode_worker_between_layer_groups_leaves_the_prefill_side_clean(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    """The destination dies while groups arrive: the next group's write fails (or finds its
+    agent removed) and the prefill worker releases everything; the job is never written again
+    (its destination is gone)."""
+    log_path = await _slow_prefill_worker(pool)
+    pool.start("decode-doomed", "decode")
+    await asyncio.to_thread(pool.wait_ready, "decode-doomed")
+    request_id = f"lw-doomed-{uuid.uuid4().hex[:6]}"
+    running = asyncio.create_task(
+        generate(nc, "decode-doomed", prompt(LONG_PROMPT, seed=9), request_id=request_id)
+    )
+    await wait_for_log(log_path, f"layer group written request_id={request_id} group=0 ")
+    pool.kill("decode-doomed")
+    running.cancel()
+    await asyncio.gather(running, return_exceptions=True)
+    # prefill-slow (live) holds no request and no retained block once the job ended.
+    await pool.assert_all_blocks_free(nc, timeout_s=25.0)
+    text = log_path.read_text()
+    assert f"prefill written request_id={request_id} " not in text
+    assert f"request_id={request_id} group=3 " not in text
+    assert (
+        f"prefill write failed request_id={request_id} " in text
+        or f"prefill job refused request_id={request_id} " in text
+    )
 
 
 async def test_killing_the_prefill_worker_between_layer_groups_recomputes_and_leaks_nothing(

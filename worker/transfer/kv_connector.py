@@ -279,7 +279,7 @@ class KvConnector:
         base, rbase = self.region.base_address + offsets[0], remote.base_address + offsets[0]
         src = [(base + int(s) * size, offsets[1], dev) for s in src_ids]
         dst = [(rbase + int(d) * size, offsets[1], remote.device_id) for d in dst_ids]
-        seconds = self._nixl_write(peer, src, dst, b"", deadline_s)
+        seconds = self._nixl_write(peer, src, dst, b"", deadline_s, yield_gil=True)
         return TransferStats(nbytes, seconds, self.transport)
 
     def _endpoints(
@@ -316,8 +316,11 @@ class KvConnector:
         dst: list[tuple[int, int, int]],
         notification: bytes,
         deadline_s: float,
+        yield_gil: bool = False,
     ) -> float:
-        """One NIXL WRITE of these (address, length, device) ranges; its seconds once done."""
+        """One NIXL WRITE of these (address, length, device) ranges; its seconds once done.
+        `yield_gil`: let other threads run between polls (a layer group's write polls while the
+        engine thread launches the next layers)."""
         src_descs = self._agent.get_xfer_descs(src, self._mem)
         dst_descs = self._agent.get_xfer_descs(dst, self._mem)
         started = time.perf_counter()
@@ -331,6 +334,8 @@ class KvConnector:
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline_s:
                     raise TransferError(f"transfer to {peer} passed its deadline")
+                if yield_gil:
+                    time.sleep(0)
                 state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError(f"transfer to {peer} failed")
