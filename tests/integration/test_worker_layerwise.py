@@ -2,11 +2,11 @@
 
 `prefill-lw` writes every prompt in 4 groups of SmolLM2's 30 layers while it computes it;
 `decode-0` (disaggregated, checksums on, kvLoadFailurePolicy recompute) installs it and
-`colo-0` is the baseline; one test starts three workers of an FP8 cache. The failure tests
-run last, in file order: a decode worker that corrupts what it receives; then `prefill-lw`
-leaves and `prefill-slow` (each group's write delayed by a second, like a slow link) takes the
-jobs, to be cancelled mid-way and then killed mid-way. Every test ends with every live
-worker's blocks free.
+`colo-0` is the baseline. The failure tests run then, in file order: a decode worker that
+corrupts what it receives; then `prefill-lw` leaves and `prefill-slow` (each group's write
+delayed by a second, like a slow link) takes the jobs, to be cancelled mid-way, to lose its
+destination mid-way, and to be killed mid-way. Last, three workers of an FP8 cache. Every test
+ends with every live worker's blocks free.
 """
 
 from __future__ import annotations
@@ -120,35 +120,6 @@ async def test_a_seeded_request_samples_the_same_tokens_layer_wise_or_colocated(
     await pool.assert_all_blocks_free(nc)
 
 
-async def test_an_fp8_cache_is_written_layer_wise_and_decodes_like_a_colocated_fp8_worker(
-    pool: LocalPool, nc: NatsClient
-) -> None:
-    """A group is whole layers' bytes, whatever their dtype: an FP8 cache (its own fingerprint,
-    so its own three workers) goes layer-wise and decodes exactly as a colocated FP8 worker.
-    The prefill worker computes the prompt in three chunks (a 64-token step budget): the groups
-    of its last step carry the earlier chunks' layers too."""
-    fp8 = {"KVRAIL_KV_DTYPE": "float8_e4m3fn"}
-    names = ("prefill-fp8", "decode-fp8", "colo-fp8")
-    pool.start(
-        "prefill-fp8", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS=GROUPS,
-        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", **fp8,
-    )  # fmt: skip
-    pool.start("decode-fp8", "decode", **fp8)
-    pool.start("colo-fp8", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated", **fp8)
-    for name in names:
-        await asyncio.to_thread(pool.wait_ready, name)
-    token_ids = prompt(LONG_PROMPT, seed=41)
-    colocated = await generate(nc, "colo-fp8", token_ids)
-    remote = await generate(nc, "decode-fp8", token_ids, request_id="lw-fp8")
-    assert colocated[0].prefill_mode == "local" and remote[0].prefill_mode == "remote"
-    assert len(tokens_of(colocated)) == 8
-    assert tokens_of(remote) == tokens_of(colocated)
-    assert f"layer_groups={GROUPS} " in written_line(log_of(pool, "prefill-fp8"), "lw-fp8")
-    await pool.assert_all_blocks_free(nc)
-    for name in names:
-        await asyncio.to_thread(pool.procs[name].stop, 20)
-
-
 async def test_a_layer_group_that_fails_its_checksum_is_recomputed(
     pool: LocalPool, nc: NatsClient
 ) -> None:
@@ -249,3 +220,37 @@ async def test_killing_the_prefill_worker_between_layer_groups_recomputes_and_le
     # The granted reservation stays quarantined until the job's deadline (a dead writer's
     # group can never land in a reused block), then everything is free.
     await pool.assert_all_blocks_free(nc, timeout_s=25.0)
+
+
+async def test_an_fp8_cache_is_written_layer_wise_and_decodes_like_a_colocated_fp8_worker(
+    pool: LocalPool, nc: NatsClient
+) -> None:
+    """A group is whole layers' bytes, whatever their dtype: an FP8 cache (its own fingerprint,
+    so its own three workers, started once no other prefill worker is left to take its job from
+    the pool's shared queue) goes layer-wise and decodes exactly as a colocated FP8 worker.
+    The prompt is computed in three chunks (a 64-token step budget, the baseline's too: FP8 KV
+    read back by a later chunk is not what one step computes): the groups of the prefill
+    worker's last step carry the earlier chunks' layers too."""
+    fp8 = {"KVRAIL_KV_DTYPE": "float8_e4m3fn"}
+    names = ("prefill-fp8", "decode-fp8", "colo-fp8")
+    pool.start(
+        "prefill-fp8", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS=GROUPS,
+        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", **fp8,
+    )  # fmt: skip
+    pool.start("decode-fp8", "decode", **fp8)
+    pool.start(
+        "colo-fp8", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated",
+        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", **fp8,
+    )  # fmt: skip
+    for name in names:
+        await asyncio.to_thread(pool.wait_ready, name)
+    token_ids = prompt(LONG_PROMPT, seed=41)
+    colocated = await generate(nc, "colo-fp8", token_ids)
+    remote = await generate(nc, "decode-fp8", token_ids, request_id="lw-fp8")
+    assert colocated[0].prefill_mode == "local" and remote[0].prefill_mode == "remote"
+    assert len(tokens_of(colocated)) == 8
+    assert tokens_of(remote) == tokens_of(colocated)
+    assert f"layer_groups={GROUPS} " in written_line(log_of(pool, "prefill-fp8"), "lw-fp8")
+    await pool.assert_all_blocks_free(nc)
+    for name in names:
+        await asyncio.to_thread(pool.procs[name].stop, 20)
