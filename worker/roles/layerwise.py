@@ -18,6 +18,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvrail.errors import TransferError
@@ -32,6 +33,18 @@ log = logging.getLogger(__name__)
 
 Submit = Callable[[Callable[[], None]], "concurrent.futures.Future[None]"]
 """Runs a call on the NIXL thread, after every one submitted before (`NixlPeers.submit`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayeredStats:
+    """What a layer-wise write moved (`stats`: every group together), the tail it left after
+    the prefill (seconds from the prefill's end to the last group's landing) and the overlap it
+    achieved (the fraction of its bytes that landed before the prefill ended)."""
+
+    stats: TransferStats
+    num_groups: int
+    tail_s: float
+    overlap: float
 
 
 class LayeredWrite:
@@ -54,8 +67,7 @@ class LayeredWrite:
         self._deadline = deadline_monotonic
         self._src: tuple[int, ...] | None = None  # the source blocks of the groups handed over
         self._checksums: list[tuple[str, ...]] = [() for _ in groups]
-        self._written: list[TransferStats] = []
-        self._last_landed = 0.0  # monotonic time the last group landed
+        self._written: list[tuple[TransferStats, float]] = []  # and when it landed (monotonic)
         self._error: TransferError | None = None  # the first group that failed (NIXL thread)
         self._stopped = ""  # why the groups left stopped (a cancel, a settled job, the deadline)
 
@@ -93,8 +105,7 @@ class LayeredWrite:
         except TransferError as err:
             self._error = err
             return
-        self._written.append(stats)
-        self._last_landed = time.monotonic()
+        self._written.append((stats, time.monotonic()))
         log.debug("layer group written request_id=%s group=%d layers=%d-%d bytes=%d",
                   job.request_id, group, layers[0], layers[1] - 1, stats.num_bytes)  # fmt: skip
 
@@ -106,11 +117,11 @@ class LayeredWrite:
 
     async def finish(
         self, src: Sequence[int], notification: Callable[[tuple[str, ...]], bytes]
-    ) -> tuple[TransferStats, float] | None:
+    ) -> LayeredStats | None:
         """After the prefill: wait for every group, then send `notification(checksums)` (the
-        completion, with every group's checksums, group-major). Returns the groups' stats and the
-        tail (seconds between the prefill's end and the last group's landing), or None when the
-        engine handed over no group for these blocks (the caller writes the whole prompt).
+        completion, with every group's checksums, group-major). Returns what was sent, or None
+        when the engine handed over no group for these blocks (the caller writes the whole
+        prompt).
         Raises TransferError when a group failed, Refused when the groups stopped."""
         computed = time.monotonic()
         await asyncio.wrap_future(self._submit(lambda: None))  # every group queued has run
@@ -126,9 +137,14 @@ class LayeredWrite:
         peer = job.dest_agent_name
         sent = self._submit(lambda: faults.notify(connector, job.request_id, peer, note))
         await asyncio.wrap_future(sent)
-        stats = TransferStats(
-            sum(s.num_bytes for s in self._written),
-            sum(s.seconds for s in self._written),
-            self._written[-1].transport,
+        num_bytes = sum(stats.num_bytes for stats, _ in self._written)
+        early = sum(stats.num_bytes for stats, landed in self._written if landed <= computed)
+        total = TransferStats(
+            num_bytes,
+            sum(stats.seconds for stats, _ in self._written),
+            self._written[-1][0].transport,
         )
-        return stats, max(0.0, self._last_landed - computed)
+        tail_s = max(0.0, self._written[-1][1] - computed)
+        return LayeredStats(
+            total, len(self.groups), tail_s, early / num_bytes if num_bytes else 0.0
+        )

@@ -302,7 +302,7 @@ class PrefillRole:
             raise Refused("invalid_request") from err
         finally:
             compute_done()  # the next job may be fetched while this one writes
-        tail_s, num_groups = -1.0, 0
+        sent = None  # a layer-wise write's LayeredStats
         try:
             computed = time.monotonic()
             src = result.block_ids[job.first_block_index :]
@@ -326,13 +326,12 @@ class PrefillRole:
                     transfer_queue_s=time.monotonic() - computed, layer_groups=groups,
                 )  # fmt: skip
 
-            written = None
             if layered is not None:
                 groups = layered.groups
-                written = await layered.finish(src, lambda s: completion(s, groups).encode())
-                if written is None:  # no group handed over: the whole prompt in one write
+                sent = await layered.finish(src, lambda s: completion(s, groups).encode())
+                if sent is None:  # no group handed over: the whole prompt in one write
                     log.warning("layer-wise write fell back request_id=%s", job.request_id)
-            if written is None:
+            if sent is None:
                 sums = (
                     await asyncio.to_thread(self.ctx.connector.block_checksums, src)
                     if job.with_checksums
@@ -346,7 +345,7 @@ class PrefillRole:
                 )  # fmt: skip
                 stats = await self._nixl.call(write)
             else:
-                (stats, tail_s), num_groups = written, len(self._groups)
+                stats = sent.stats
         finally:
             if layered is not None:  # no group reads the source blocks once they are released
                 await layered.settle()
@@ -356,10 +355,10 @@ class PrefillRole:
         metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)
         log.info(
             "prefill written request_id=%s dest=%s prompt_tokens=%d blocks=%d bytes=%d "
-            "transfer_s=%.4f transport=%s compute_s=%.4f layer_groups=%d tail_s=%.4f",
+            "transfer_s=%.4f transport=%s compute_s=%.4f layer_groups=%d tail_s=%.4f overlap=%.2f",
             job.request_id, job.dest_worker_id, len(job.token_ids), len(src), stats.num_bytes,
-            stats.seconds, stats.transport, computed - fetched,
-            num_groups, tail_s,
+            stats.seconds, stats.transport, computed - fetched, sent.num_groups if sent else 0,
+            sent.tail_s if sent else 0.0, sent.overlap if sent else 0.0,
         )  # fmt: skip
 
     def _check(self, job: PrefillJob) -> None:

@@ -183,8 +183,12 @@ async def test_groups_are_written_in_order_on_the_nixl_thread_then_the_completio
         sent.append(done_for(JOB, sums, write.groups))
         return sent[-1].encode()
 
+    nixl_thread.submit(lambda: None).result(timeout=5)  # both groups landed
     result = await write.finish(SRC_TABLE[1:], note)
-    assert result is not None
+    assert result is not None and result.num_groups == 2
+    # Every group landed before the prefill "ended" (finish was called): all overlapped.
+    assert result.overlap == 1.0 and result.tail_s == 0.0
+    assert result.stats.num_bytes == 2 * 3  # the recording connector counts blocks per group
     assert [layers for layers, _ in conn.writes] == [(0, 3), (3, 5)]
     assert all(thread.name.startswith("nixl") for _, thread in conn.writes)
     assert len(conn.notes) == 1 and len(sent[0].block_checksums) == 2 * 3
