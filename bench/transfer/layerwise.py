@@ -16,8 +16,10 @@ Links (each a fresh writer/reader pair, UCX reads its environment at start):
 - `cuda-ipc`: kvrail's same-node fast path, for no regression.
 Per link and prompt length (2k, 8k, 32k tokens; one engine step each, `--max-batched-tokens`),
 the methods alternate (whole, G=2, G=4, G=8, whole, ...) over `--iters` rounds after one untimed
-round, and the median is reported with the prefill alone (the engine's time to the first token)
-and the whole write's transfer time, and the issue's bound for layer-wise:
+round (the last round's writes land in zeroed blocks and are checked block by block by
+checksum, untimed work outside the TTFT), and the median is reported with the prefill alone
+(the engine's time to the first token) and the whole write's transfer time, and the issue's
+bound for layer-wise:
 `max(prefill, transfer) + transfer / G + 10 ms`.
 
 Not measured here (left): decode steps of other requests on the receiving worker while groups
@@ -58,6 +60,7 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
     import torch
 
     from kvrail.worker.kv_cache import KVCache
+    from kvrail.worker.transfer.envelope import block_checksums
     from kvrail.worker.transfer.kv_connector import KvConnector
 
     region = KVCache.allocate(
@@ -68,8 +71,18 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
     conn.send(nixl.metadata())
     nixl.add_peer(conn.recv())
     while True:
-        if conn.poll() and conn.recv() == "bye":
-            break
+        if conn.poll():
+            msg = conn.recv()
+            if msg == "bye":
+                break
+            ask, ids = msg  # ("zero", ids) before a verified write, ("sums", ids) after it
+            if ask == "zero":
+                region.zero_blocks(torch.as_tensor(ids, device=region.tensor.device))
+                if region.tensor.is_cuda:  # done before the writer's copies start
+                    torch.cuda.synchronize()
+                conn.send("zeroed")
+            else:
+                conn.send(block_checksums(region, ids))
         for _peer, payload in nixl.notifications():
             conn.send((payload.decode(), time.monotonic()))
         time.sleep(0.0002)
@@ -157,7 +170,7 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                     ttft, prefill, transfer = _one(
                         engine, nixl, link_, thread, peer, ours, rid, token_ids, params, dest,
                         plan_groups(num_layers, groups), PrefillJob, LayeredWrite,
-                        TransportFaults(),
+                        TransportFaults(), verify=rnd == args.iters,  # the last round
                     )  # fmt: skip
                     if rnd:  # the first round is untimed
                         samples[groups].append((ttft, prefill, transfer))
@@ -198,10 +211,17 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
 def _one(
     engine: Any, nixl: Any, link: Any, thread: Any, peer: str, reader: Connection, rid: str,
     token_ids: list[int], params: Any, dest: tuple[int, ...], groups: tuple[int, ...],
-    job_type: Any, layered_type: Any, faults: Any,
+    job_type: Any, layered_type: Any, faults: Any, verify: bool = False,
 ) -> tuple[float, float, float]:  # fmt: skip
-    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time)."""
+    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time).
+    `verify`: zero the reader's blocks first and compare every block's checksum after."""
     import torch
+
+    from kvrail.worker.transfer.envelope import block_checksums
+
+    if verify:
+        reader.send(("zero", list(dest)))
+        assert reader.recv() == "zeroed"
 
     deadline = time.monotonic() + 300
     layered = None
@@ -229,6 +249,9 @@ def _one(
         else:
             transfer = link.write(peer, src, dest, note, deadline).seconds
         arrived = _arrival(reader, rid)
+        if verify:
+            reader.send(("sums", list(dest)))
+            assert reader.recv() == block_checksums(engine.kv_cache, src), f"{rid}: KV differs"
     finally:
         engine.runner.layer_sinks.discard(rid)
         engine.release(rid)
