@@ -14,7 +14,8 @@ and p99 over the steps, and the advance's mean.
 
 `--tokenizer DIR` measures another tokenizer (default: SmolLM2-135M's, 49,152 tokens; e.g. the
 128k stand-in of gpu_grammar.py's docstring); `--threads N` sets llguidance's fill threads (0:
-its default, 80% of the CPUs).
+its default, 80% of the CPUs), and as in the engine a grammar gets as many independently
+compiled starts (`Grammars.lineages`; `--lineages 1`: one).
 """
 
 from __future__ import annotations
@@ -74,6 +75,8 @@ def walk(
     texts = [json.dumps(make_order(rng)) for _ in range(rows)]
     tokens = [tokenizer(t, add_special_tokens=False).input_ids for t in texts]
     requests = [Request(f"w{i}", [1], params, num_in_flight=1) for i in range(rows)]
+    for _ in requests:
+        grammars.check(grammar)  # as the scheduler does as each request is added
     filler = MaskFiller(grammars, torch.device("cpu"), threads)
     times: dict[str, list[float]] = {"wall": [], "cpu": [], "advance": []}
     for step in range(max(len(t) for t in tokens)):
@@ -109,20 +112,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokenizer")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--lineages", type=int, default=0, help="0: the fill's threads")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64, 256])
     args = parser.parse_args()
-    from kvrail.worker.engine.grammar import Grammars
+    from kvrail.worker.engine.grammar import Grammars, fill_threads
 
     tokenizer = gpu_grammar.load_tokenizer(args.tokenizer)
     started = time.perf_counter()
-    grammars = Grammars.from_hf(tokenizer, tokenizer.eos_token_id, len(tokenizer))
+    lineages = args.lineages or fill_threads(args.threads)
+    grammars = Grammars.from_hf(tokenizer, tokenizer.eos_token_id, len(tokenizer), lineages)
     print(f"# {len(tokenizer)} tokens; LLTokenizer built in {time.perf_counter() - started:.2f} s;"
           f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; threads "
-          f"{args.threads or 'llguidance default'}")  # fmt: skip
+          f"{args.threads or 'llguidance default'}; {lineages} starts per grammar")  # fmt: skip
     print("rows  schema     steps   fill wall mean / p99 (ms)   fill CPU mean / p99 (ms)   "
           "advance mean (ms)")  # fmt: skip
     schemas = {"bounded": grammar_workload.ORDER_SCHEMA,
                "unbounded": unbounded(grammar_workload.ORDER_SCHEMA)}  # fmt: skip
-    for rows in (1, 16, 64, 256):
+    for rows in args.rows:
         for name, schema in schemas.items():
             t = walk(grammars, tokenizer, schema, rows, seed=rows, threads=args.threads)
             wall, cpu = _ms(t["wall"]), _ms(t["cpu"])

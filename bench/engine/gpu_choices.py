@@ -9,7 +9,8 @@ partial block. Measured in the order a, b, a, b after one untimed run of each
 
 Run on the lent GPU (from the repository root, after `source hack/device-env.sh`):
   python3 -P bench/engine/gpu_choices.py | tee bench/engine/gpu_choices.txt
-`--smoke` runs a tiny config on the CPU (checks the script end to end).
+`--prompt-len` and `--max-tokens` set the lengths (default 512 / 128); `--smoke` runs a tiny
+config on the CPU (checks the script end to end).
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     engine = base.bench_engine(args.smoke, args.kv_gib)
-    length, out = (512, 128) if not args.smoke else (40, 8)
+    length, out = (args.prompt_len, args.max_tokens) if not args.smoke else (40, 8)
     shapes = {"n=8 x 32 prompts": (32, 8), "256 prompts": (256, 1)}
     if args.smoke:
         shapes = {"n=8 x 4 prompts": (4, 8), "32 prompts": (32, 1)}

@@ -14,7 +14,9 @@ here (no vLLM bundle on the lent GPU in this session); see bench/engine/README.m
 
 Run on the lent GPU (from the repository root, after `source hack/device-env.sh`):
   python3 -P bench/engine/gpu_logprobs.py | tee bench/engine/gpu_logprobs.txt
-`--smoke` runs a tiny config on the CPU (checks the script end to end).
+`--prompt-len` and `--max-tokens` set (1)'s lengths (default 512 / 128; (2) keeps 512 prompt
+tokens unless `--prompt-len` says otherwise); `--smoke` runs a tiny config on the CPU (checks
+the script end to end).
 """
 
 from __future__ import annotations
@@ -49,11 +51,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--kv-gib", type=float, default=40.0)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
     from kvrail.sampling import SamplingParams
 
     engine = base.bench_engine(args.smoke, args.kv_gib)
-    n, prompt, out = (256, 512, 128) if not args.smoke else (8, 32, 8)
+    n, prompt, out = (256, args.prompt_len, args.max_tokens) if not args.smoke else (8, 32, 8)
     asks = {
         "none": SamplingParams(max_tokens=out, ignore_eos=True),
         "logprobs=5": SamplingParams(max_tokens=out, ignore_eos=True, logprobs=5),

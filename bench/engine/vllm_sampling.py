@@ -13,10 +13,12 @@ and no tokenizer (token-id prompts).
 Run on the lent GPU once vLLM 0.26 is installed in /tmp/vsite (the device bundle), in the same
 command as the kvrail scripts:
   PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/engine/vllm_sampling.py
+`--prompt-len` and `--max-tokens` set the lengths (default 512 / 128), as in the kvrail scripts.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -42,6 +44,11 @@ def write_config() -> None:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    args = parser.parse_args()
+    length, out = args.prompt_len, args.max_tokens
     write_config()
     from vllm import LLM, SamplingParams, TokensPrompt
 
@@ -49,7 +56,7 @@ def main() -> int:
               dtype="bfloat16", max_model_len=9216, seed=0)  # fmt: skip
     rng = random.Random(1)
 
-    def prompts(n: int, length: int = 512) -> list[Any]:
+    def prompts(n: int) -> list[Any]:
         return [TokensPrompt(prompt_token_ids=[rng.randrange(3, 120000) for _ in range(length)])
                 for _ in range(n)]  # fmt: skip
 
@@ -77,13 +84,13 @@ def main() -> int:
             ratio = sum(runs) / sum(values[first])
             print(f"{name:18} " + " ".join(f"{v:10.0f}" for v in runs) + f"   {ratio:.3f}x {first}")
 
-    greedy = dict(max_tokens=128, ignore_eos=True, temperature=0.0, detokenize=False)
-    report("256 requests of 512 / 128 tokens", alternate({
+    greedy = dict(max_tokens=out, ignore_eos=True, temperature=0.0, detokenize=False)
+    report(f"256 requests of {length} / {out} tokens", alternate({
         "none": (256, SamplingParams(**greedy)),
         "logprobs=5": (256, SamplingParams(**greedy, logprobs=5)),
     }))  # fmt: skip
-    sampled = dict(max_tokens=128, ignore_eos=True, temperature=1.0, detokenize=False, seed=7)
-    report("512 prompt / 128 output tokens per choice", alternate({
+    sampled = dict(max_tokens=out, ignore_eos=True, temperature=1.0, detokenize=False, seed=7)
+    report(f"{length} prompt / {out} output tokens per choice", alternate({
         "256 prompts": (256, SamplingParams(**sampled)),
         "n=8 x 32 prompts": (32, SamplingParams(**sampled, n=8)),
     }))  # fmt: skip

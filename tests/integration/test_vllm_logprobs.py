@@ -343,3 +343,52 @@ def test_structured_outputs_and_forced_tool_calls_hold_through_a_vllm_pool(
             finish = choice.finish_reason or finish
     assert finish == "tool_calls" and list(calls) == [0]
     jsonschema.validate(json.loads("".join(calls[0])), ORDER)
+
+
+@pytest.mark.parametrize("path", ["local", "remote"])
+def test_the_responses_api_through_a_vllm_pool_is_its_chat_completion(
+    stack: Stack, path: Path
+) -> None:
+    """`/v1/responses` reaches a vLLM pool the way chat completions do (the router turns one into
+    the other before choosing a server): the answer is the chat completion of the same
+    conversation, token for token, streamed or not; `text.format` json_schema and a required
+    function tool hold, whichever server prefilled."""
+    import jsonschema
+
+    question = CHATS[path][0]["content"]
+    assert isinstance(question, str)
+    before = transferred(stack.decode)
+    response = stack.router.responses.create(
+        model=SERVED_MODEL_NAME, input=question, max_output_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.usage is not None
+    assert_path(path, transferred(stack.decode) - before, response.usage.input_tokens)
+    chat = stack.router.chat.completions.create(
+        model=SERVED_MODEL_NAME, messages=CHATS[path], max_tokens=MAX_TOKENS, temperature=0
+    )
+    assert response.output_text == chat.choices[0].message.content and response.output_text
+    assert response.usage.input_tokens == chat.usage.prompt_tokens  # type: ignore[union-attr]
+    events = list(stack.router.responses.create(
+        model=SERVED_MODEL_NAME, input=question, max_output_tokens=MAX_TOKENS, temperature=0,
+        stream=True,
+    ))  # fmt: skip
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == response.output_text
+    assert events[-1].type in ("response.completed", "response.incomplete")
+
+    shaped = stack.router.responses.create(
+        model=SERVED_MODEL_NAME, input=question, max_output_tokens=120, temperature=0,
+        text={"format": {"type": "json_schema", "name": "order", "schema": ORDER,
+                         "strict": True}},
+    )  # fmt: skip
+    assert shaped.status == "completed"
+    jsonschema.validate(json.loads(shaped.output_text), ORDER)
+    tool = {"type": "function", "name": "book", "parameters": ORDER,
+            "description": "Book rooms in a hotel."}  # fmt: skip
+    called = stack.router.responses.create(
+        model=SERVED_MODEL_NAME, input=question, max_output_tokens=160, temperature=0,
+        tools=[tool], tool_choice="required", parallel_tool_calls=False,  # type: ignore[list-item]
+    )  # fmt: skip
+    calls = [item for item in called.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "book"
+    jsonschema.validate(json.loads(calls[0].arguments), ORDER)

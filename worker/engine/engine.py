@@ -40,7 +40,7 @@ from kvrail.worker.engine.config import EngineConfig, dtype_name, kv_cache_dtype
 from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.fence import DeviceFence
 from kvrail.worker.engine.fingerprint import make_fingerprint
-from kvrail.worker.engine.grammar import Grammars
+from kvrail.worker.engine.grammar import Grammars, fill_threads
 from kvrail.worker.engine.grammar_masks import MaskFiller
 from kvrail.worker.engine.kv_tiers.build import build_tiers
 from kvrail.worker.engine.kv_tiers.stats import TierStats
@@ -122,7 +122,9 @@ class LLMEngine:
             kv_dtype,
             self.device,
         )
-        self.grammars = Grammars.from_hf(tokenizer, eos_token_id, shape.vocab_size)
+        self.grammars = Grammars.from_hf(
+            tokenizer, eos_token_id, shape.vocab_size, fill_threads(config.grammar_threads)
+        )
         self.scheduler = Scheduler(
             config, root_hash(fingerprint.digest), StopChecker(eos_token_id),
             self._zero_blocks if config.zero_kv_on_release else None, self.grammars,

@@ -10,6 +10,19 @@ costs nothing), and a request's matcher is a `deep_copy` of the cached one (micr
 Compiling releases the GIL: `EngineService` compiles off the engine thread before it queues a
 request, so the engine thread finds the grammar in the cache.
 
+Copies share their start's lexer (the states it builds lazily, as masks need them), and two fill
+threads masking rows that share a lexer take turns: 256 rows of one schema filled no faster on
+12 threads than on 1 (bench/studies/grammar/lineages.py). So a grammar that more than one
+request uses gets `lineages` (the fill's thread count) independently compiled starts: the first
+compiled before its first request, the others in the background once a second request checks it
+(the engine thread never waits for them; a grammar used once costs one compile). Requests take
+copies of the starts in turn, and `spread` moves the rows that took copies before the other
+starts existed (a burst of requests with a new schema) while that is cheap: it remakes a row's
+matcher from a less used start by replaying its output, for rows of at most `MOVE_TOKENS`
+tokens, at most `MAX_MOVES` a step. A request's `grammar_group` names its start, and
+`MaskFiller` hands the fill its rows grouped by it, so each thread's share of the rows mostly
+shares one lexer.
+
 A request's matcher (`Request.grammar_matcher`) is a function of its grammar and its output
 tokens, like every per-request sampler state (see `sampler`): it advances with each output token
 as it joins the request (`advance`, from `Scheduler._append_token`), and wherever it does not
@@ -40,8 +53,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from llguidance import LLMatcher, LLParserLimits, LLTokenizer
@@ -55,6 +72,29 @@ CACHE_SIZE = 256
 """Grammar strings whose start-state matcher (or failure) is kept."""
 GRAMMAR_ERROR = "grammar"
 """The error code of a request whose grammar failed mid-answer (`RequestOutput.error`)."""
+MOVE_TOKENS = 128
+"""The longest output a row may have for `Grammars.spread` to move it (replaying costs ~1 us a
+token)."""
+MAX_MOVES = 64
+"""The most rows one `Grammars.spread` moves."""
+
+
+def fill_threads(num_threads: int = 0) -> int:
+    """The mask fill's threads: `num_threads`, or for 0 llguidance's own default (80% of the
+    CPUs, at least 1, at most 32)."""
+    return num_threads or max(1, min(32, int(0.8 * (os.cpu_count() or 1))))
+
+
+@dataclass(slots=True)
+class _Compiled:
+    """A grammar's compiled starts, each with its group number (`starts`: one per lineage, the
+    first always there), how many requests checked it (`checked`) and took copies (`taken`),
+    and whether the other starts are being compiled (`growing`)."""
+
+    starts: list[tuple[int, LLMatcher]]
+    checked: int = 0
+    taken: int = 0
+    growing: bool = False
 
 
 def parser_limits() -> LLParserLimits:
@@ -78,22 +118,32 @@ class Grammars:
     `tokenizer` None: this engine cannot enforce grammars (it has no tokenizer, or one that
     llguidance cannot read), and `check` refuses every grammar. `vocab_size` is the width of the
     masks (the tokenizer's size, set to the model's vocabulary when that is larger).
-    Thread-safe for `compile` and `check`; the per-request methods are the engine thread's.
+    `lineages`: the most starts one grammar gets (see the module docstring; the mask fill's
+    threads). Thread-safe for `compile` and `check`; the per-request methods are the engine
+    thread's.
     """
 
-    def __init__(self, tokenizer: LLTokenizer | None, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(
+        self, tokenizer: LLTokenizer | None, cache_size: int = CACHE_SIZE, lineages: int = 1
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.vocab_size if tokenizer is not None else 0
         self.eos_token_id = tokenizer.eos_token if tokenizer is not None else None
-        self._cache: OrderedDict[str, LLMatcher | str] = OrderedDict()
+        self.lineages = max(1, lineages)
+        self._cache: OrderedDict[str, _Compiled | str] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._groups = 0
+        self._grower: ThreadPoolExecutor | None = None
 
     @classmethod
-    def from_hf(cls, hf_tokenizer: Any, eos_token_id: int | None, vocab_size: int) -> Grammars:
+    def from_hf(
+        cls, hf_tokenizer: Any, eos_token_id: int | None, vocab_size: int, lineages: int = 1
+    ) -> Grammars:
         """From the engine's Hugging Face tokenizer (built once: 0.3 s at 49k tokens, about 2 s
-        at 128k, holding the GIL), its end-of-sequence token (the one the engine stops on) and
-        the model's vocabulary size. Without a (fast) tokenizer: a `Grammars` that refuses."""
+        at 128k, holding the GIL), its end-of-sequence token (the one the engine stops on), the
+        model's vocabulary size and `lineages`. Without a (fast) tokenizer: a `Grammars` that
+        refuses."""
         if hf_tokenizer is None:
             return cls(None)
         import llguidance.hf
@@ -107,7 +157,7 @@ class Grammars:
             logger.warning("grammars disabled: llguidance cannot read the tokenizer (%s)",
                            type(err).__name__)  # fmt: skip
             return cls(None)
-        return cls(tokenizer)
+        return cls(tokenizer, lineages=lineages)
 
     @property
     def num_words(self) -> int:
@@ -115,20 +165,102 @@ class Grammars:
         return (self.vocab_size + 31) // 32
 
     def compile(self, grammar: str) -> LLMatcher | str:
-        """The start-state matcher of `grammar` (shared: `deep_copy` it), or why it cannot be
-        used (llguidance's message: never log it). Cached by grammar string."""
+        """The first start-state matcher of `grammar` (shared: `deep_copy` it), or why it cannot
+        be used (llguidance's message: never log it). Cached by grammar string."""
+        compiled = self._compiled(grammar)
+        return compiled if isinstance(compiled, str) else compiled.starts[0][1]
+
+    def _compiled(self, grammar: str, *, checking: bool = False) -> _Compiled | str:
+        """The grammar's cache entry (compiled on a miss). `checking` (once per request): count
+        the request, and start compiling the other starts at the second."""
         with self._lock:
             cached = self._cache.get(grammar)
             if cached is not None:
                 self._cache.move_to_end(grammar)
+                if checking and isinstance(cached, _Compiled):
+                    cached.checked += 1
+                    self._grow_if_shared(grammar, cached)
                 return cached
-        compiled = self._compile(grammar)
+        start = self._compile(grammar)
         with self._lock:
+            compiled = (
+                start if isinstance(start, str)
+                else _Compiled([(self._group(), start)], checked=int(checking))
+            )  # fmt: skip
             self._cache[grammar] = compiled
             self._cache.move_to_end(grammar)
             while len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return compiled
+
+    def _group(self) -> int:
+        self._groups += 1
+        return self._groups
+
+    def _grow_if_shared(self, grammar: str, compiled: _Compiled) -> None:
+        """(Under the lock.) Compile the other starts in the background from the second request
+        that checks the grammar on."""
+        if compiled.growing or compiled.checked < 2 or len(compiled.starts) >= self.lineages:
+            return
+        compiled.growing = True
+        if self._grower is None:
+            self._grower = ThreadPoolExecutor(1, thread_name_prefix="kvrail-grammar")
+        self._grower.submit(self._grow, grammar, compiled)
+
+    def _grow(self, grammar: str, compiled: _Compiled) -> None:
+        """Compile `grammar`'s other starts one by one (it compiled before: it compiles again),
+        each usable as soon as it is there."""
+        while len(compiled.starts) < self.lineages:
+            start = self._compile(grammar)
+            if isinstance(start, str):  # not expected; the grammar keeps the starts it has
+                return
+            with self._lock:
+                compiled.starts.append((self._group(), start))
+        with self._lock:
+            compiled.growing = False
+
+    def _take(self, compiled: _Compiled) -> tuple[int, LLMatcher]:
+        """The start the next request copies: each in turn."""
+        with self._lock:
+            taken = compiled.starts[compiled.taken % len(compiled.starts)]
+            compiled.taken += 1
+            return taken
+
+    def spread(self, requests: Iterable[Request]) -> None:
+        """Move the constrained rows of one step that crowd a start onto the grammar's less used
+        starts (see the module docstring): a row over its start's share (the grammar's rows
+        here over its starts, rounded up) is remade from the start with the fewest rows, if its
+        output is at most `MOVE_TOKENS` long; at most `MAX_MOVES` rows a call."""
+        by_grammar: dict[str, list[Request]] = {}
+        for request in requests:
+            grammar = request.sampling_params.grammar
+            if grammar is not None and request.grammar_matcher is not None:
+                by_grammar.setdefault(grammar, []).append(request)
+        moves = MAX_MOVES
+        for grammar, rows in by_grammar.items():
+            with self._lock:
+                compiled = self._cache.get(grammar)
+                starts = dict(compiled.starts) if isinstance(compiled, _Compiled) else {}
+            if len(starts) < 2:
+                continue
+            share = -(-len(rows) // len(starts))
+            counts = Counter({group: 0 for group in starts})
+            counts.update(request.grammar_group for request in rows)
+            for request in rows:
+                target = min(starts, key=counts.__getitem__)
+                if moves == 0 or counts[target] >= share:
+                    break
+                if counts[request.grammar_group] <= share or (
+                    request.num_output_tokens > MOVE_TOKENS
+                ):
+                    continue
+                matcher = starts[target].deep_copy()
+                if request.output_token_ids:
+                    matcher.consume_tokens(request.output_token_ids)
+                counts[request.grammar_group] -= 1
+                counts[target] += 1
+                request.grammar_group, request.grammar_matcher = target, matcher
+                moves -= 1
 
     def _compile(self, grammar: str) -> LLMatcher | str:
         if self.tokenizer is None:
@@ -146,7 +278,7 @@ class Grammars:
         """Raise InvalidRequestError (naming `grammar`) unless `grammar` is None or compiles."""
         if grammar is None:
             return
-        if isinstance(self.compile(grammar), str):
+        if isinstance(self._compiled(grammar, checking=True), str):
             detail = (
                 "no tokenizer to enforce it with"
                 if self.tokenizer is None
@@ -163,9 +295,10 @@ class Grammars:
         if matcher is None:
             grammar = request.sampling_params.grammar
             assert grammar is not None, "only a request with a grammar has a matcher"
-            start = self.compile(grammar)
-            if isinstance(start, str):
+            compiled = self._compiled(grammar)
+            if isinstance(compiled, str):
                 return None
+            request.grammar_group, start = self._take(compiled)
             matcher = start.deep_copy()
             if request.output_token_ids:
                 matcher.consume_tokens(request.output_token_ids)

@@ -8,12 +8,15 @@ t allowed; llguidance's layout) and the index of that request's row in the step'
 never gets here.
 
 `MaskFiller.fill` asks llguidance to fill the rows with its thread pool (`LLExecutor`: native
-threads, the GIL released), into a pinned host buffer, then applies each row's hold-backs
-(`Grammars.hold_back_ids`) and queues the copy to the device. The buffer is reused: a fill first
-waits for the previous copy out of it (it has long finished: the pipeline fills a step only
-after the step before it has resolved). The host time of every fill is recorded
-(`kvrail_grammar_mask_fill_seconds`): with asynchronous scheduling it runs while the device runs
-the step's forward pass (`step_pipeline`), and the step waits for it only where it takes longer.
+threads, the GIL released), handing it the rows grouped by the start their matcher was copied
+from (`Request.grammar_group`: the threads take contiguous runs of rows, and rows that share a
+lexer fill in turn, see `kvrail.worker.engine.grammar`), into a pinned host buffer, then applies
+each row's hold-backs (`Grammars.hold_back_ids`) and queues the copy to the device. The buffer
+is reused: a fill first waits for the previous copy out of it (it has long finished: the
+pipeline fills a step only after the step before it has resolved). The host time of every fill
+is recorded (`kvrail_grammar_mask_fill_seconds`): with asynchronous scheduling it runs while the
+device runs the step's forward pass (`step_pipeline`), and the step waits for it only where it
+takes longer.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from llguidance import LLExecutor, LLMatcher
 from llguidance.numpy import fill_next_token_bitmask_par
 
 from kvrail.worker import metrics
-from kvrail.worker.engine.grammar import Grammars
+from kvrail.worker.engine.grammar import Grammars, fill_threads
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.staging import to_device
 
@@ -75,21 +78,25 @@ class MaskFiller:
         gets no mask: its token breaks its grammar as it joins, which fails it."""
         started = time.perf_counter()
         rows: list[int] = []
-        matchers: list[tuple[LLMatcher, int]] = []
-        for i, request in enumerate(requests):
-            if request.sampling_params.grammar is None or request.is_finished:
-                continue  # a finished request's token here is discarded
+        matchers: list[tuple[int, LLMatcher, int]] = []
+        live = [  # a finished request's token here is discarded
+            (i, request) for i, request in enumerate(requests)
+            if request.sampling_params.grammar is not None and not request.is_finished
+        ]  # fmt: skip
+        self.grammars.spread(request for _, request in live)
+        for i, request in live:
             matcher = self.grammars.matcher(request)
             if matcher is not None:
-                matchers.append((matcher, len(rows)))
+                matchers.append((request.grammar_group, matcher, len(rows)))
                 rows.append(i)
         if not rows:
             return None
         host = self._buffer(len(rows))
         bits = host.numpy()
         if self._executor is None:
-            self._executor = LLExecutor(self.num_threads or None)
-        fill_next_token_bitmask_par(self._executor, matchers, bits)
+            self._executor = LLExecutor(fill_threads(self.num_threads))
+        matchers.sort(key=lambda m: m[0])
+        fill_next_token_bitmask_par(self._executor, [(m, k) for _, m, k in matchers], bits)
         for k, i in enumerate(rows):
             ids = self.grammars.hold_back_ids(requests[i])
             if ids:

@@ -78,7 +78,8 @@ class Request:
     chunks are computed, until its first output takes them; `num_prompt_scored` counts the
     prompt tokens scored so far (a recompute after preemption scores none twice).
     `grammar_matcher`: its grammar's state after its output tokens (`SamplingParams.grammar`;
-    made, or remade by replaying them, where it is None: see `kvrail.worker.engine.grammar`).
+    made, or remade by replaying them, where it is None: see `kvrail.worker.engine.grammar`);
+    `grammar_group` names the compiled start it was copied from (rows of a group share a lexer).
     `error`: why a FINISHED_ERROR request failed (a metric-safe code, `RequestOutput.error`).
     """
 
@@ -99,6 +100,7 @@ class Request:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_prompt_scored: int = 0
     grammar_matcher: LLMatcher | None = None
+    grammar_group: int = 0
     error: str | None = None
 
     @property

@@ -2,11 +2,13 @@
 
 The compile cache (bounded, failures cached, garbage refused naming `grammar`, no grammar text in
 the logs), the mask's width and the tokens past the tokenizer, the hold-backs of `ignore_eos` and
-`min_tokens`, a matcher rebuilt by replaying equal to one advanced token by token, and the
-finished states a token gives (`stop` when the grammar is complete, `grammar` when broken)."""
+`min_tokens`, a matcher rebuilt by replaying equal to one advanced token by token, the finished
+states a token gives (`stop` when the grammar is complete, `grammar` when broken), and the
+independent starts a grammar many requests use grows (its lineages)."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -15,7 +17,8 @@ import torch
 from llguidance import LLMatcher
 
 from kvrail.errors import InvalidRequestError
-from kvrail.worker.engine.grammar import GRAMMAR_ERROR, Grammars
+from kvrail.worker.engine import grammar_masks
+from kvrail.worker.engine.grammar import GRAMMAR_ERROR, MOVE_TOKENS, Grammars, _Compiled
 from kvrail.worker.engine.grammar_masks import MaskFiller, hold_back
 from kvrail.worker.engine.request import RequestStatus
 from kvrail.worker.testing import make_request
@@ -152,6 +155,69 @@ def test_a_complete_grammar_stops_and_a_forbidden_token_fails_the_request(
     broken.output_token_ids.extend(_ids(tokenizer, "x"))
     assert grammars.advance(broken, None) is RequestStatus.FINISHED_ERROR
     assert broken.error == GRAMMAR_ERROR
+
+
+def _settled(grammars: Grammars, grammar: str) -> _Compiled:
+    """The grammar's cache entry once no start is being compiled for it."""
+    deadline = time.monotonic() + 30
+    while True:
+        compiled = grammars._cache[grammar]
+        assert isinstance(compiled, _Compiled)
+        if not compiled.growing:
+            return compiled
+        assert time.monotonic() < deadline, "a start took over 30 s to compile"
+        time.sleep(0.01)
+
+
+def test_a_shared_grammar_grows_independent_starts_and_spreads_its_rows_over_them(
+    tokenizer: Any, grammars: Grammars, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}},
+              "required": ["n", "s"], "additionalProperties": False}  # fmt: skip
+    grammar = LLMatcher.grammar_from_json_schema(schema)
+    text = _ids(tokenizer, '{"n": 12, "s": "ab')
+    grown = Grammars.from_hf(tokenizer, tokenizer.eos_token_id, len(tokenizer), lineages=3)
+    grown.check(grammar)
+    burst = []  # a burst: every request takes its copy before the other starts exist
+    for i in range(12):
+        request = make_request(grammar=grammar)
+        request.output_token_ids.extend(text[: i % 4])
+        assert grown.matcher(request) is not None
+        burst.append(request)
+    first = _settled(grown, grammar).starts
+    assert len(first) == 1 and {r.grammar_group for r in burst} == {first[0][0]}  # used once
+    grown.check(grammar)  # a second request checks it: the other starts are compiled
+    starts = _settled(grown, grammar).starts
+    assert len(starts) == 3 and len({id(m) for _, m in starts}) == 3  # compiled apart, capped
+    late = [make_request(grammar=grammar) for _ in range(3)]
+    for request in late:
+        assert grown.matcher(request) is not None
+    assert len({r.grammar_group for r in late}) == 3  # later requests take the starts in turn
+
+    handed: list[LLMatcher] = []
+    fill = grammar_masks.fill_next_token_bitmask_par
+    monkeypatch.setattr(grammar_masks, "fill_next_token_bitmask_par",
+                        lambda ex, matchers, bits: handed.extend(m for m, _ in matchers)
+                        or fill(ex, matchers, bits))  # fmt: skip
+    masks = _allowed(grown, burst)  # the fill spreads the burst's rows over the three starts
+    groups = [r.grammar_group for r in burst]
+    assert sorted(groups.count(g) for g, _ in starts) == [4, 4, 4]
+    by_matcher = {id(r.grammar_matcher): r.grammar_group for r in burst}
+    assert [by_matcher[id(m)] for m in handed] == sorted(groups)  # handed grouped by start
+    alone = [make_request(grammar=grammar) for _ in range(4)]
+    for i, request in enumerate(alone):
+        request.output_token_ids.extend(text[:i])
+    expected = _allowed(grammars, alone)  # one start: today's masks
+    assert all(mask == expected[i % 4] for i, mask in enumerate(masks))
+    long = make_request(grammar=grammar)
+    long.output_token_ids.extend(text * (MOVE_TOKENS // len(text) + 1))  # past MOVE_TOKENS
+    long.grammar_group, long.grammar_matcher = starts[0][0], starts[0][1].deep_copy()
+    crowd = [long, *[make_request(grammar=grammar) for _ in range(2)]]
+    for request in crowd[1:]:
+        request.grammar_group, request.grammar_matcher = starts[0][0], starts[0][1].deep_copy()
+    grown.spread(crowd)
+    assert long.grammar_group == starts[0][0]  # too long to replay: stays where it is
+    assert sorted(r.grammar_group for r in crowd[1:]) == sorted(g for g, _ in starts[1:])
 
 
 def test_without_a_tokenizer_every_grammar_is_refused() -> None:
