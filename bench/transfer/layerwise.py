@@ -23,7 +23,8 @@ bound for layer-wise:
 `max(prefill, transfer) + transfer / G + 10 ms`.
 
 Not measured here (left): decode steps of other requests on the receiving worker while groups
-land; chunked prefills (a prompt over several steps sends its groups with its last step).
+land; chunked prefills (`--max-batched-tokens` below a prompt: the blocks each earlier chunk
+fills go whole while the next chunk computes).
 
 On the lent GPU (from the repository root, one H100 or H200):
   source hack/device-env.sh && python3 -P bench/transfer/layerwise.py \
@@ -231,7 +232,7 @@ def _one(
             dest_incarnation=1, dest_agent_name=peer, dest_block_ids=dest, first_block_index=0,
             deadline_unix_s=time.time() + 300, sampling=params,
         )  # fmt: skip
-        layered = layered_type(job, groups, link, faults, thread.submit, deadline)
+        layered = layered_type(job, groups, link, faults, thread.submit, deadline, BLOCK_SIZE)
         engine.runner.layer_sinks.add(rid, layered.sink)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
     started = time.monotonic()

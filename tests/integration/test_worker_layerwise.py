@@ -229,13 +229,13 @@ async def test_an_fp8_cache_is_written_layer_wise_and_decodes_like_a_colocated_f
     so its own three workers, started once no other prefill worker is left to take its job from
     the pool's shared queue) goes layer-wise and decodes exactly as a colocated FP8 worker.
     The prompt is computed in three chunks (a 64-token step budget, the baseline's too: FP8 KV
-    read back by a later chunk is not what one step computes): the groups of the prefill
-    worker's last step carry the earlier chunks' layers too."""
+    read back by a later chunk is not what one step computes): the blocks each earlier chunk
+    filled go whole, the groups of the last step carry the rest."""
     fp8 = {"KVRAIL_KV_DTYPE": "float8_e4m3fn"}
     names = ("prefill-fp8", "decode-fp8", "colo-fp8")
     pool.start(
         "prefill-fp8", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS=GROUPS,
-        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", **fp8,
+        KVRAIL_MAX_NUM_BATCHED_TOKENS="64", KVRAIL_LOG_LEVEL="DEBUG", **fp8,
     )  # fmt: skip
     pool.start("decode-fp8", "decode", **fp8)
     pool.start(
@@ -250,7 +250,10 @@ async def test_an_fp8_cache_is_written_layer_wise_and_decodes_like_a_colocated_f
     assert colocated[0].prefill_mode == "local" and remote[0].prefill_mode == "remote"
     assert len(tokens_of(colocated)) == 8
     assert tokens_of(remote) == tokens_of(colocated)
-    assert f"layer_groups={GROUPS} " in written_line(log_of(pool, "prefill-fp8"), "lw-fp8")
+    text = log_of(pool, "prefill-fp8")
+    assert f"layer_groups={GROUPS} " in written_line(text, "lw-fp8")
+    chunks = [line for line in text.splitlines() if "request_id=lw-fp8 group=chunk " in line]
+    assert len(chunks) == 2 and all("blocks=4 " in line for line in chunks), chunks
     await pool.assert_all_blocks_free(nc)
     for name in names:
         await asyncio.to_thread(pool.procs[name].stop, 20)

@@ -1,12 +1,13 @@
 """Layer sinks: what a layer-wise KV transfer (docs/layerwise.md) hears from the engine.
 
 A prefill worker registers a sink for a request before submitting it; the model runner calls it
-on the engine thread after each decoder layer of the step that completes that request's prompt
-(the layers of earlier chunks are all written by then), with the request's block ids and, on
-CUDA, an event recorded on the compute stream right after the layer, so the sink's transfer can
-wait for exactly that work and the engine never waits for the transfer. A sink fires for one
-step only: it is taken when that step starts. Sinks are added and discarded from the event
-loop's thread and taken on the engine thread: one dict operation each, atomic under the GIL.
+on the engine thread after each decoder layer of every step that computes part of that
+request's prompt, with the request's block ids, the prompt's tokens the step starts and ends at
+(the end is the whole prompt in its last step), and, on CUDA, an event recorded on the
+compute stream right after the layer, so the sink's transfer can wait for exactly that work and
+the engine never waits for the transfer. A sink is taken when its prompt's last step starts.
+Sinks are added and discarded from the event loop's thread and taken on the engine thread: one
+dict operation each, atomic under the GIL.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from kvrail.worker.engine.scheduler_output import SchedulerOutput
 
 log = logging.getLogger(__name__)
 
-LayerSink = Callable[[int, Sequence[int], Any], None]
-"""`sink(num_layers_done, block_ids, ready)`: the first `num_layers_done` layers of the request's
-last prefill step ran; `block_ids` is its block table; `ready` a CUDA event recorded after them
-(None on CPU, where the layers' KV is written when the call comes). It must return at once."""
+LayerSink = Callable[[int, Sequence[int], Any, tuple[int, int]], None]
+"""`sink(num_layers_done, block_ids, ready, tokens)`: the first `num_layers_done` layers of a
+step of the request's prompt ran; the step computes the prompt's tokens `[start, end)` (those
+before `start` had their KV already); `block_ids` is its block table; `ready` a CUDA event
+recorded after those layers (None on CPU, where the layers' KV is written when the call comes).
+It must return at once."""
 
 
 class LayerSinks:
@@ -43,13 +46,18 @@ class LayerSinks:
         return bool(self._sinks)
 
     def hook_for(self, out: SchedulerOutput, cuda: bool) -> Callable[[int], None] | None:
-        """The model's `after_layer` for this step (None: no watched request completes its prompt
-        in it); takes the sinks it will call."""
-        due: list[tuple[str, LayerSink, list[int]]] = []
+        """The model's `after_layer` for this step (None: no watched request's prompt is in it);
+        takes the sinks of the prompts it completes."""
+        due: list[tuple[str, LayerSink, list[int], tuple[int, int]]] = []
         for item in out.prefills:
             rid = item.request.request_id
-            if item.samples and not item.request.num_output_tokens and rid in self._sinks:
-                due.append((rid, self._sinks.pop(rid), list(item.block_ids)))
+            sink = self._sinks.get(rid)
+            if sink is None or item.request.num_output_tokens:
+                continue
+            if item.samples:  # the prompt's last step
+                self._sinks.pop(rid, None)
+            tokens = item.num_computed_tokens, item.num_computed_tokens + item.num_new_tokens
+            due.append((rid, sink, list(item.block_ids), tokens))
         if not due:
             return None
 
@@ -58,9 +66,9 @@ class LayerSinks:
             if cuda:
                 ready = torch.cuda.Event()
                 ready.record()
-            for rid, sink, block_ids in due:
+            for rid, sink, block_ids, tokens in due:
                 try:
-                    sink(num_layers_done, block_ids, ready)
+                    sink(num_layers_done, block_ids, ready, tokens)
                 except Exception:  # a sink's bug must not fail the step of every request
                     log.exception("layer sink failed request_id=%s", rid)
 

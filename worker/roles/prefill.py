@@ -266,7 +266,10 @@ class PrefillRole:
         if not self._groups:
             return await self._compute_and_write(job, compute_done, queue_wait_s, deadline, None)
         submit = self._nixl.submit
-        layered = LayeredWrite(job, self._groups, self.ctx.connector, self.faults, submit, deadline)
+        layered = LayeredWrite(
+            job, self._groups, self.ctx.connector, self.faults, submit, deadline,
+            self.ctx.block_size,
+        )  # fmt: skip
         self._layered[job.request_id] = layered
         sinks = self.ctx.service.engine.runner.layer_sinks
         try:  # granted before the compute: the groups are written while it runs

@@ -136,12 +136,13 @@ class RecordingConnector:
 
 
 JOB = PrefillJob(
-    request_id="r-1", token_ids=tuple(range(20)), fingerprint="f" * 64, dest_worker_id="decode-0",
+    request_id="r-1", token_ids=tuple(range(16)), fingerprint="f" * 64, dest_worker_id="decode-0",
     dest_incarnation=7, dest_agent_name="decode-0-7", dest_block_ids=(4, 5, 0),
     first_block_index=1, deadline_unix_s=2e9, sampling=SamplingParams(max_tokens=1),
     with_checksums=True,
 )  # fmt: skip
 SRC_TABLE = [3, 1, 2, 5]  # the prefill worker's table: block 3 is a cached prefix, not written
+WHOLE = (0, 16)  # the prompt's 16 tokens (4 blocks of 4) in one step
 
 
 @pytest.fixture
@@ -158,7 +159,7 @@ def layered(
     conn.peer_region.tensor.zero_()
     write = LayeredWrite(
         job, plan_groups(5, 2), cast(Connector, conn), TransportFaults(), pool.submit,
-        time.monotonic() + 30,
+        time.monotonic() + 30, block_size=4,
     )  # fmt: skip
     return write, conn
 
@@ -166,7 +167,7 @@ def layered(
 def done_for(job: PrefillJob, sums: tuple[str, ...], groups: tuple[int, ...]) -> PrefillDone:
     return PrefillDone(
         request_id=job.request_id, fingerprint=job.fingerprint, dest_incarnation=7,
-        block_ids=job.dest_block_ids, first_token_id=1, num_prompt_tokens=20,
+        block_ids=job.dest_block_ids, first_token_id=1, num_prompt_tokens=16,
         prefill_worker_id="p", prefill_incarnation=1, block_checksums=sums, layer_groups=groups,
     )  # fmt: skip
 
@@ -176,7 +177,7 @@ async def test_groups_are_written_in_order_on_the_nixl_thread_then_the_completio
 ) -> None:
     write, conn = layered(nixl_thread)
     for n in range(1, 6):  # the engine thread, layer after layer (CPU: no event)
-        write.sink(n, SRC_TABLE, None)
+        write.sink(n, SRC_TABLE, None, WHOLE)
     sent: list[PrefillDone] = []
 
     def note(sums: tuple[str, ...]) -> bytes:
@@ -195,7 +196,7 @@ async def test_groups_are_written_in_order_on_the_nixl_thread_then_the_completio
     for s, d in zip(SRC_TABLE[1:], JOB.dest_block_ids, strict=True):
         assert torch.equal(conn.peer_region.tensor[d], conn.region.tensor[s])
     # The decode side: its own bytes, per group, match; one flipped value names its group.
-    reservation = Reservation("r-1", "f" * 64, 7, JOB.dest_block_ids, 20, 2e9)
+    reservation = Reservation("r-1", "f" * 64, 7, JOB.dest_block_ids, 16, 2e9)
     peer = RecordingConnector(conn.peer_region, conn.peer_region)
     validate(sent[0], reservation, 0.0, checksums_of(sent[0], cast(Connector, peer)))
     conn.peer_region.tensor[5, 4, 0, 0, 0, 0] += 1.0  # block 5, layer 4: the second group
@@ -211,10 +212,10 @@ async def test_a_stop_between_groups_writes_no_more_and_finish_refuses(
 ) -> None:
     write, conn = layered(nixl_thread)
     for n in range(1, 4):
-        write.sink(n, SRC_TABLE, None)
+        write.sink(n, SRC_TABLE, None, WHOLE)
     write.stop("cancelled")
     for n in range(4, 6):
-        write.sink(n, SRC_TABLE, None)
+        write.sink(n, SRC_TABLE, None, WHOLE)
     with pytest.raises(Refused, match="cancelled"):
         await write.finish(SRC_TABLE[1:], lambda _sums: b"")
     await write.settle()
@@ -228,7 +229,7 @@ async def test_a_failed_group_fails_the_write_and_no_later_group_runs(
     write, conn = layered(nixl_thread)
     conn.fail_at = (0, 3)
     for n in range(1, 6):
-        write.sink(n, SRC_TABLE, None)
+        write.sink(n, SRC_TABLE, None, WHOLE)
     with pytest.raises(TransferError, match="peer gone"):
         await write.finish(SRC_TABLE[1:], lambda _sums: b"")
     assert conn.writes == [] and conn.notes == []
@@ -240,7 +241,7 @@ async def test_settle_returns_only_once_no_group_is_in_flight(
     write, conn = layered(nixl_thread)
     release = threading.Event()
     nixl_thread.submit(release.wait)  # the NIXL thread is busy: the groups queue behind it
-    write.sink(3, SRC_TABLE, None)
+    write.sink(3, SRC_TABLE, None, WHOLE)
     settling = asyncio.create_task(write.settle())  # stops first, then waits for the thread
     await asyncio.sleep(0.05)
     assert not settling.done()  # the queued group has not run yet
@@ -265,20 +266,66 @@ def scheduled(
     return ScheduledRequest(request, start, list(range(start, end)), blocks, end == prompt_len)
 
 
-def test_a_sink_hears_every_layer_of_its_prompts_last_step_once() -> None:
+def test_a_sink_hears_every_layer_of_every_step_of_its_prompt_until_the_last() -> None:
     sinks = LayerSinks()
-    heard: list[tuple[str, int, list[int]]] = []
-    sinks.add("a", lambda n, ids, ready: heard.append(("a", n, list(ids))))
-    sinks.add("b", lambda n, ids, ready: heard.append(("b", n, list(ids))))
+    heard: list[tuple[str, int, list[int], tuple[int, int]]] = []
+    sinks.add("a", lambda n, ids, ready, tokens: heard.append(("a", n, list(ids), tokens)))
+    sinks.add("b", lambda n, ids, ready, tokens: heard.append(("b", n, list(ids), tokens)))
+    other = SchedulerOutput(prefills=[scheduled("c", 8, 0, 8, [9])])
+    assert sinks.hook_for(other, cuda=False) is None  # no watched prompt in the step
     first_chunk = SchedulerOutput(prefills=[scheduled("a", 40, 0, 16, [1]),
                                             scheduled("c", 8, 0, 8, [9])])  # fmt: skip
-    assert sinks.hook_for(first_chunk, cuda=False) is None  # "a" goes on; "c" has no sink
+    hook = sinks.hook_for(first_chunk, cuda=False)
+    assert hook is not None
+    hook(1)
+    assert heard == [("a", 1, [1], (0, 16))]
     last = SchedulerOutput(prefills=[scheduled("a", 40, 16, 24, [1, 2, 3])])
     hook = sinks.hook_for(last, cuda=False)
     assert hook is not None
     for n in (1, 2):
         hook(n)
-    assert heard == [("a", 1, [1, 2, 3]), ("a", 2, [1, 2, 3])]
-    assert sinks.hook_for(last, cuda=False) is None  # taken: it fires for one step only
+    assert heard[1:] == [("a", 1, [1, 2, 3], (16, 40)), ("a", 2, [1, 2, 3], (16, 40))]
+    assert sinks.hook_for(last, cuda=False) is None  # taken by the prompt's last step
     sinks.discard("b")
     assert not sinks
+
+
+async def test_blocks_an_earlier_chunk_filled_go_whole_and_the_groups_carry_the_rest(
+    nixl_thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    write, conn = layered(nixl_thread)
+    for n in range(1, 6):  # tokens [0, 10): blocks 3 (not written: a cached prefix) and 1 full
+        write.sink(n, SRC_TABLE, None, (0, 10))
+    for n in range(1, 6):  # tokens [10, 16): the prompt's last step
+        write.sink(n, SRC_TABLE, None, (10, 16))
+    nixl_thread.submit(lambda: None).result(timeout=5)
+    sent: list[PrefillDone] = []
+
+    def note(sums: tuple[str, ...]) -> bytes:
+        sent.append(done_for(JOB, sums, write.groups))
+        return sent[-1].encode()
+
+    result = await write.finish(SRC_TABLE[1:], note)
+    assert result is not None and len(conn.notes) == 1
+    assert [layers for layers, _ in conn.writes] == [(0, 5), (0, 3), (3, 5)]
+    assert result.stats.num_bytes == 1 + 2 + 2  # block 1 whole, then blocks 2 and 5 per group
+    for s, d in zip(SRC_TABLE[1:], JOB.dest_block_ids, strict=True):
+        assert torch.equal(conn.peer_region.tensor[d], conn.region.tensor[s])
+    assert len(sent[0].block_checksums) == 2 * 3  # every block in every group, block 1 too
+    reservation = Reservation("r-1", "f" * 64, 7, JOB.dest_block_ids, 16, 2e9)
+    peer = RecordingConnector(conn.peer_region, conn.peer_region)
+    validate(sent[0], reservation, 0.0, checksums_of(sent[0], cast(Connector, peer)))
+
+
+async def test_a_prompt_the_engine_restarted_is_left_to_a_whole_write(
+    nixl_thread: concurrent.futures.ThreadPoolExecutor,
+) -> None:
+    """Preempted after a chunk whose blocks went early, the prompt is computed again from its
+    start: those blocks may have been reused meanwhile, so nothing more is sent in parts."""
+    write, conn = layered(nixl_thread)
+    for n in range(1, 6):
+        write.sink(n, SRC_TABLE, None, (0, 10))
+    for n in range(1, 6):  # recomputed from the start, in one step
+        write.sink(n, SRC_TABLE, None, (0, 16))
+    assert await write.finish(SRC_TABLE[1:], lambda _sums: b"") is None
+    assert [layers for layers, _ in conn.writes] == [(0, 5)] and not conn.notes
