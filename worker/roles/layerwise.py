@@ -112,7 +112,11 @@ class LayeredWrite:
         index = len(self._early)
         self._early += blocks
         everything = (0, self.groups[-1])
-        self._submit(lambda: self._write(index, blocks, everything, ready, "chunk"))
+
+        def write() -> None:  # every layer of the blocks: none is written again
+            self._write(index, blocks, everything, ready, "chunk")
+
+        self._submit(write)
 
     def stop(self, reason: str) -> None:
         """Write no more groups (a cancel, or the job settled); the job ends as `reason`."""
