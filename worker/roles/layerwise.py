@@ -177,16 +177,21 @@ class LayeredWrite:
     ) -> LayeredStats | None:
         """After the prefill: wait for every group, then send `notification(checksums)` (the
         completion, with every group's checksums, group-major). Returns what was sent, or None
-        when the engine handed over no group for these blocks (the caller writes the whole
-        prompt).
-        Raises TransferError when a group failed, Refused when the groups stopped."""
+        when the engine handed over not every group for these blocks, or restarted the prompt
+        (the caller writes the whole prompt). Raises TransferError when a write failed, Refused
+        when the writes stopped."""
         computed = time.monotonic()
         await asyncio.wrap_future(self._submit(lambda: None))  # every group queued has run
         if self._error is not None:
             raise self._error
         if self._stopped:
             raise Refused(self._stopped)
-        if self._restarted or self._src != tuple(src) or self._groups_done != len(self.groups):
+        if (
+            self._restarted
+            or self._src != tuple(src)
+            or self._groups_done != len(self.groups)
+            or not self._written
+        ):
             return None
         sums = tuple(s for group in self._checksums for s in group)
         note = notification(sums)
