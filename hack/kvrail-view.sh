@@ -5,7 +5,7 @@
 kvrail_view() {
   rm -rf "$2" && mkdir -p "$2/kvrail" || return 1
   for f in "$1"/kvrail/*; do ln -s "$f" "$2/kvrail/"; done
-  for d in operator worker router kernels agent cli local testing; do
+  for d in operator worker router kernels agent cli local testing epp; do
     # A tree from before the re-layout lacks some (its kvrail/testing is already linked);
     # -fn: a top-level folder wins over a kvrail/ entry of the same name.
     [ -d "$1/$d" ] || continue

@@ -269,6 +269,10 @@ class WorkerRecord(Message):
     # The worker's KV tiers below the GPU, fastest first, one entry per tier it has (optional on
     # the wire: absent means none, as from a worker that predates tiers).
     kv_tiers: tuple[KvTierUsage, ...] = ()
+    # `ip:port` of the worker's HTTP front: a router pinned to this worker (`python -P -m
+    # kvrail.router --pin-worker ID`), the endpoint a Gateway API endpoint picker names for it
+    # (`kvrail.epp`). Optional on the wire: "" means none, and no endpoint picker picks it.
+    http_front: str = ""
 
 
 _SUBJECT = re.compile(r"^[A-Za-z0-9_\-]+(\.[A-Za-z0-9_\-]+)*$")

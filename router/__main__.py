@@ -6,6 +6,11 @@ model's tokenizer (never its weights), follows the pool's workers in etcd and th
 NATS, and serves HTTP on `router_host:http_port` (default 127.0.0.1:8000) until SIGTERM, when it
 stops taking connections and lets requests in flight finish (bounded by `_GRACE_S`). Workers of a
 vLLM pool (`engine: vllm` records) are reached over HTTP with one shared client.
+
+`--pin-worker ID` makes it one decode worker's HTTP front: every request goes to that worker
+(a remote prefill still through the pool's prefill queue), `/ready` and the context length are
+that worker's. The worker advertises the front (`--http-front`) for Gateway API endpoint
+pickers (`kvrail.epp`, docs/epp.md).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import uvloop
 
 from kvrail.bus import connect
 from kvrail.errors import ConfigError, KvrailError
-from kvrail.keys import PoolKeys
+from kvrail.keys import PoolKeys, check_label
 from kvrail.model_files import resolve
 from kvrail.registry import Registry, etcd_client
 from kvrail.router.api.sampling import Defaults
@@ -56,7 +61,7 @@ def chooser(settings: Settings) -> Chooser:
     return Chooser(settings.router_policy, random.Random(), scorers=scorers or None)
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, pin_worker: str = "") -> None:
     policy = chooser(settings)  # before anything loads: a bad profile fails at once
     tenants = TenantTable.load(settings.api_keys_file)
     template = None
@@ -82,6 +87,7 @@ async def serve(settings: Settings) -> None:
     dispatcher = Dispatcher(
         nc, keys, view, policy, settings.block_size,
         max_attempts=settings.router_max_attempts, on_decision=metrics.decision, vllm=vllm,
+        pin_worker=pin_worker,
     )  # fmt: skip
     state = RouterState(
         codec=codec, dispatcher=dispatcher, view=view, tenants=tenants, admission=Admission(),
@@ -117,12 +123,13 @@ async def serve(settings: Settings) -> None:
         if server.started:
             log.info(
                 "router ready url=http://%s:%d model=%s policy=%s scorers=%s pool=%s/%s tenants=%s "
-                "sampling_defaults=%s tool_call_parser=%s reasoning_parser=%s",
+                "sampling_defaults=%s tool_call_parser=%s reasoning_parser=%s pin_worker=%s",
                 settings.router_host, port, served_name, settings.router_policy,
                 format_scorers(settings.router_scorers) or "default", keys.namespace,
                 keys.pool, "on" if tenants.enabled else "off",
                 ",".join(f"{k}:{v}" for k, v in defaults.describe().items()),
                 state.tool_call_parser, "think" if state.reasoning_parser else "none",
+                pin_worker or "-",
             )  # fmt: skip
         await serving
         if not server.started:
@@ -137,10 +144,17 @@ async def serve(settings: Settings) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -P -m kvrail.router")
-    parser.parse_args(argv)
+    parser.add_argument(
+        "--pin-worker", default="", metavar="WORKER_ID",
+        help="serve as that decode worker's HTTP front: send every request to it and no other "
+        "(a Gateway API endpoint, docs/epp.md); remote prefill still goes through the pool",
+    )  # fmt: skip
+    args = parser.parse_args(argv)
     try:
         settings = load_settings()
-    except ConfigError as err:
+        if args.pin_worker:
+            check_label("--pin-worker", args.pin_worker)
+    except (ConfigError, ValueError) as err:
         print(f"kvrail router: {err}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -155,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # uvloop: HTTP and NATS share this one loop, and its per-event cost is the router's.
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            runner.run(serve(settings))
+            runner.run(serve(settings, args.pin_worker))
     except KvrailError as err:
         print(f"kvrail router: error: {err}", file=sys.stderr)
         return 2

@@ -87,7 +87,7 @@ def create_app(state: RouterState) -> RouterApp:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        workers = state.view.decode_workers() if state.view.ready.is_set() else []
+        workers = state.dispatcher.decode_workers() if state.view.ready.is_set() else []
         body = {"ready": bool(workers), "decode_workers": len(workers)}
         return JSONResponse(body, status_code=200 if workers else 503)
 
@@ -98,12 +98,12 @@ def create_app(state: RouterState) -> RouterApp:
 
     @app.get("/v1/models", response_model=responses.ModelList)
     async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
-        _authenticate(state, authorization)
+        authenticate(state, authorization)
         return responses.model_list([state.served_name], state.created)
 
     @app.get("/v1/models/{model_id:path}", response_model=responses.ModelCard)
     async def model(model_id: str, authorization: str | None = Header(None)) -> dict[str, Any]:
-        _authenticate(state, authorization)
+        authenticate(state, authorization)
         _check_model(state, model_id)
         return responses.model_card(state.served_name, state.created)
 
@@ -137,16 +137,8 @@ async def _completion(
     receive: Receive,
     request_id: str,
 ) -> Served:
-    text, prompt_ids = body.prompt_text, body.prompt_ids
-    if text is not None:
-        chat.check_length(state, len(text.encode()), "prompt")
-        prompt_ids = await chat.tokenize(
-            state, state.codec.encode, text, state.allow_special_tokens
-        )
-    assert prompt_ids is not None
-    vocab = state.codec.vocab_size
-    if any(t < 0 or t >= vocab for t in prompt_ids):
-        raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    text = body.prompt_text
+    prompt_ids = await chat.completion_prompt(state, body)
     echo_text = ""
     if body.echo:  # the prompt as sent, or its token ids' text
         echo_text = (
@@ -208,16 +200,9 @@ class RouterApp(FastAPI):
             if too_big is not None:
                 raise too_big
             # the key before the body: a client without one gets nothing parsed
-            tenant = _authenticate(state, asgi.header(scope, b"authorization"))
+            tenant = authenticate(state, asgi.header(scope, b"authorization"))
             raw = await asgi.read_body(receive, MAX_BODY_BYTES)
-            context = context_len(state)
-            payload = asgi.json_body(raw, asgi.header(scope, b"content-type"), _max_commas(context))
-            _check_message_count(context, payload)
-            try:
-                body = model.model_validate(payload)
-            except ValidationError as err:
-                raise api_errors.validation_error(err) from None
-            _check_model(state, body.model)
+            body = parse_body(state, model, raw, asgi.header(scope, b"content-type"))
             response = await handler(state, body, tenant, receive, request_id)
         except asgi.ClientLeft:
             return  # nothing to answer: the client is gone
@@ -273,6 +258,23 @@ def _documented_routes() -> list[APIRoute]:
     ]  # fmt: skip
 
 
+def parse_body(
+    state: RouterState, model: GenerationBody, raw: bytes, content_type: str | None
+) -> Any:
+    """A generation request's body as `model` validates it, for a model this pool serves: the
+    router's parsing, and kvrail's endpoint picker's. Raises ApiError (400 for a body that is
+    not JSON or not valid, naming the field; 404 for another model)."""
+    context = context_len(state)
+    payload = asgi.json_body(raw, content_type, _max_commas(context))
+    _check_message_count(context, payload)
+    try:
+        body = model.model_validate(payload)
+    except ValidationError as err:
+        raise api_errors.validation_error(err) from None
+    _check_model(state, body.model)
+    return body
+
+
 def _max_commas(context: int) -> int:
     """The most commas a generation request's body may have: a few per token of the context (a
     prompt of token ids has one each, a chat a few per message, each message at least a token),
@@ -321,7 +323,8 @@ class _BodyLimit:
         await self.app(scope, receive, send)
 
 
-def _authenticate(state: RouterState, authorization: str | None) -> Tenant:
+def authenticate(state: RouterState, authorization: str | None) -> Tenant:
+    """The tenant of an `Authorization` header value; raises ApiError (401)."""
     try:
         return state.tenants.authenticate(authorization)
     except Rejected as err:

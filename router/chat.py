@@ -61,12 +61,14 @@ class Ready:
     """Special tokens the parsers read, kept in the output's text."""
 
 
-async def prepare_chat(state: RouterState, body: ChatCompletionRequest) -> Ready:
-    """Raises ApiError, InvalidRequestError (400 naming the field)."""
+async def chat_prompt(state: RouterState, body: ChatCompletionRequest) -> list[int]:
+    """The chat's prompt tokens: its messages, tools and template variables rendered by the chat
+    template, tokenized on the tokenizer threads after `check_length`. The one rendering of a
+    chat, for the router and for kvrail's endpoint picker, so both hash the same blocks. Raises
+    ApiError, InvalidRequestError (400 naming the field)."""
     codec = state.codec
     messages = body.template_messages()
-    tools = [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
-    choice = body.tool_choice or ("auto" if tools else "none")
+    tools = _tools(body)
     template_tools = tools
     history_has_tools = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
     if not codec.renders_tools and (tools or history_has_tools):
@@ -74,10 +76,33 @@ async def prepare_chat(state: RouterState, body: ChatCompletionRequest) -> Ready
     text_bytes = sum(len((m.get("content") or "").encode()) for m in messages)
     text_bytes += len(json.dumps(template_tools).encode()) if template_tools else 0
     check_length(state, text_bytes, "messages")
-    prompt_ids = await state.tokenizer.run(
+    return await state.tokenizer.run(
         codec.chat_prompt, messages, state.allow_special_tokens, template_tools,
         _variables(state, body),
     )  # fmt: skip
+
+
+async def completion_prompt(state: RouterState, body: CompletionRequest) -> list[int]:
+    """A completion's prompt tokens: its token ids as sent, or its text tokenized on the
+    tokenizer threads after `check_length` (for the router and kvrail's endpoint picker).
+    Raises ApiError (400 naming `prompt`)."""
+    text, prompt_ids = body.prompt_text, body.prompt_ids
+    if text is not None:
+        check_length(state, len(text.encode()), "prompt")
+        prompt_ids = await tokenize(state, state.codec.encode, text, state.allow_special_tokens)
+    assert prompt_ids is not None
+    vocab = state.codec.vocab_size
+    if any(t < 0 or t >= vocab for t in prompt_ids):
+        raise ApiError(400, f"token ids must be in [0, {vocab})", param="prompt")
+    return list(prompt_ids)
+
+
+async def prepare_chat(state: RouterState, body: ChatCompletionRequest) -> Ready:
+    """Raises ApiError, InvalidRequestError (400 naming the field)."""
+    codec = state.codec
+    tools = _tools(body)
+    choice = body.tool_choice or ("auto" if tools else "none")
+    prompt_ids = await chat_prompt(state, body)
     reasoning = _reasoning(state, prompt_ids)
     parser = state.tool_call_parser if tools and choice != "none" else None
     markers = [
@@ -136,6 +161,10 @@ async def tokenize(state: RouterState, encode: Callable[..., T], *args: Any) -> 
     """Run `encode` on the router's tokenizer threads: the event loop keeps serving meanwhile
     (the tokenizer releases the GIL while it works)."""
     return await state.tokenizer.run(encode, *args)
+
+
+def _tools(body: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    return [t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None
 
 
 def _answer(response_format: Any, structured: StructuredOutputs | None) -> Constraint | None:

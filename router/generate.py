@@ -87,10 +87,11 @@ class Render(Protocol):
 
 
 def context_len(state: RouterState) -> int:
-    """The longest prompt + completion every ready decode worker can hold (each announces its
-    model's limit or what its KV pool holds, whichever is smaller), capped by the configured
-    context; `DEFAULT_MAX_MODEL_LEN` when nothing says."""
-    limits = [r.max_model_len for r in state.view.decode_workers() if r.max_model_len]
+    """The longest prompt + completion every ready decode worker the dispatcher sends to can
+    hold (each announces its model's limit or what its KV pool holds, whichever is smaller),
+    capped by the configured context; `DEFAULT_MAX_MODEL_LEN` when nothing says."""
+    workers = state.dispatcher.decode_workers()
+    limits = [r.max_model_len for r in workers if r.max_model_len]
     if state.max_model_len:
         limits.append(state.max_model_len)
     return min(limits, default=DEFAULT_MAX_MODEL_LEN)

@@ -67,14 +67,15 @@ class LocalPool:
         self.ready: set[str] = set()
         self.workers: set[str] = set()
 
-    def start(self, worker_id: str, role: str, **env: str) -> ManagedProcess:
-        """Start worker `worker_id` with `role`; `env` adds settings for this one."""
+    def start(self, worker_id: str, role: str, *args: str, **env: str) -> ManagedProcess:
+        """Start worker `worker_id` with `role` (and command-line `args`); `env` adds settings
+        for this one."""
         self.workers.add(worker_id)
-        argv = [*_WORKER, "--role", role, "--worker-id", worker_id]
+        argv = [*_WORKER, "--role", role, "--worker-id", worker_id, *args]
         return self._start(worker_id, argv, env)
 
-    def start_router(self, name: str, **env: str) -> ManagedProcess:
-        return self._start(name, list(_ROUTER), env)
+    def start_router(self, name: str, *args: str, **env: str) -> ManagedProcess:
+        return self._start(name, [*_ROUTER, *args], env)
 
     def _start(self, name: str, argv: list[str], env: dict[str, str]) -> ManagedProcess:
         generation = sum(1 for _ in self.log_dir.glob(f"{name}.*.log"))

@@ -22,6 +22,7 @@ import asyncio
 import base64
 import contextlib
 import gc
+import ipaddress
 import logging
 import os
 import signal
@@ -106,10 +107,13 @@ def make_connector(agent_name: str, built: BuiltEngine) -> Connector:
 
 
 class Worker:
-    def __init__(self, settings: Settings, role: WorkerRole, worker_id: str) -> None:
+    def __init__(
+        self, settings: Settings, role: WorkerRole, worker_id: str, http_front: str = ""
+    ) -> None:
         self.settings = settings
         self.role: WorkerRole = role
         self.worker_id = worker_id
+        self.http_front = http_front
         self.incarnation = time.time_ns()
         self.agent_name = f"{worker_id}-{self.incarnation}"
         self.keys = PoolKeys(settings.namespace, settings.pool)
@@ -180,7 +184,7 @@ class Worker:
             ),
             num_blocks=counts.num_blocks, block_bytes=region.block_bytes,
             block_size=engine.config.block_size, max_model_len=engine.max_request_tokens,
-            transport=connector.transport, is_ready=False,
+            transport=connector.transport, is_ready=False, http_front=self.http_front,
         )  # fmt: skip
         registration = await registry.register(record)
         peers = PeerTable(registry, self.worker_id)
@@ -312,6 +316,17 @@ def _with(record: WorkerRecord, **changes: object) -> WorkerRecord:
     return replace(record, **changes)  # type: ignore[arg-type]
 
 
+def _check_front(address: str) -> None:
+    """`ip:port` (IPv6 as `[addr]:port`); raises ValueError naming the option."""
+    host, _, port = address.rpartition(":")
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        raise ValueError(f"--http-front {address!r} is not ip:port") from None
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--http-front {address!r} has no valid port")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -P -m kvrail.worker")
     parser.add_argument(
@@ -321,10 +336,17 @@ def main(argv: list[str] | None = None) -> int:
         help="colocated: prefill and decode in this worker (`both` is its old spelling)",
     )
     parser.add_argument("--worker-id", help="a DNS-1123 label; default: the pod name")
+    parser.add_argument(
+        "--http-front", default="", metavar="IP:PORT",
+        help="advertise this worker's HTTP front (a router started with --pin-worker for it) "
+        "in its record, for Gateway API endpoint pickers (docs/epp.md)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     try:
         settings = load_settings()
         worker_id = check_label("worker id", args.worker_id or settings.pod_name or "")
+        if args.http_front:
+            _check_front(args.http_front)
         if settings.tensor_parallel_size > 1:  # refuse a model that cannot split before anything
             device, dtype = _device_and_dtype(settings)
             check_split(
@@ -341,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.torch_num_threads is not None:
         torch.set_num_threads(settings.torch_num_threads)
     role: WorkerRole = "colocated" if args.role == "both" else args.role
-    worker = Worker(settings, role, worker_id)
+    worker = Worker(settings, role, worker_id, args.http_front)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

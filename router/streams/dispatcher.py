@@ -70,6 +70,9 @@ class Dispatcher:
     in_flight: dict[str, int] = field(default_factory=dict)
     vllm: VllmOptions | None = None
     """How to reach vLLM servers; None: vLLM workers are never chosen."""
+    pin_worker: str = ""
+    """Send every request to this decode worker and no other (a pod's HTTP front, which a
+    Gateway API gateway reaches when kvrail's endpoint picker chose that worker); "": choose."""
     inbox: EventInbox = field(init=False)
     _ended: dict[str, collections.deque[float]] = field(init=False, default_factory=dict)
     """When this router's requests on each worker ended, the last `REPORT_LAG_S` of them."""
@@ -89,15 +92,23 @@ class Dispatcher:
         scored for `job`, and the prompt's number of full blocks. The prompt is hashed once per
         model fingerprint (which covers the block size)."""
         engines = engines or self.engines
-        workers = [r for r in self.view.decode_workers() if r.engine in engines]
+        workers = [r for r in self.decode_workers() if r.engine in engines]
         block_sizes = {r.fingerprint: r.block_size or self.block_size for r in workers}
         out: list[Candidate] = []
         num_blocks = len(job.token_ids) // self.block_size
         for fingerprint, block_size in sorted(block_sizes.items()):
             hashes = prompt_hashes(job.token_ids, block_size, fingerprint, job.tenant_salt)
-            out += self.view.candidates(hashes, self.in_flight, fingerprint, engines)
+            found = self.view.candidates(hashes, self.in_flight, fingerprint, engines)
+            out += [c for c in found if not self.pin_worker or c.worker_id == self.pin_worker]
             num_blocks = len(job.token_ids) // block_size
         return out, num_blocks
+
+    def decode_workers(self) -> list[WorkerRecord]:
+        """The ready decode workers this dispatcher sends to: the pinned one alone, if any."""
+        workers = self.view.decode_workers()
+        if self.pin_worker:
+            return [r for r in workers if r.worker_id == self.pin_worker]
+        return workers
 
     def count_in_flight(self, worker_id: str, delta: int) -> None:
         """This router's requests in flight on `worker_id` (load-based choice and the per-worker
@@ -192,11 +203,19 @@ class Dispatcher:
     def choose(
         self, job: Job, exclude: set[str], engines: tuple[Engine, ...] | None = None
     ) -> Decision:
+        return self.rank(job, exclude, 1, engines)[0]
+
+    def rank(
+        self, job: Job, exclude: set[str], n: int, engines: tuple[Engine, ...] | None = None
+    ) -> list[Decision]:
+        """`choose`'s decision for `job` first, then up to `n - 1` fallbacks, cheapest first
+        (`Chooser.ranked`; kvrail's endpoint picker names them to the gateway). Raises
+        NoWorkerError when no worker is left."""
         candidates, num_blocks = self.candidates(job, engines)
         candidates = [c for c in candidates if c.worker_id not in exclude]
         if job.prefer:
             candidates = [c for c in candidates if c.worker_id == job.prefer] or candidates
-        decision = self.chooser.choose(candidates, num_blocks)
+        decisions = self.chooser.ranked(candidates, num_blocks, n)
         if self.on_decision is not None:
-            self.on_decision(decision)
-        return decision
+            self.on_decision(decisions[0])
+        return decisions

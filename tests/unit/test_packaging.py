@@ -22,6 +22,7 @@ COMPONENTS = {
     "cli": "kvrail.cli",
     "local": "kvrail.local",
     "testing": "kvrail.testing",
+    "epp": "kvrail.epp",
 }
 
 
@@ -103,7 +104,7 @@ def test_package_dir_maps_every_top_level_package_folder() -> None:
 
 # The components whose modules must each sit in a layer of their component's `layers` contract.
 # A component gets into this list with its contract (the operator and the agent have none yet).
-LAYERED_COMPONENTS = ("worker", "router")
+LAYERED_COMPONENTS = ("worker", "router", "epp")
 
 
 def _component_layers(package: str) -> list[str]:

@@ -90,9 +90,9 @@ class _NoWorkers:
 
 
 def state_of(codec: TextCodec, **fields: Any) -> RouterState:
-    """A router's state with only what preparing a chat reads (no dispatcher, no workers)."""
+    """A router's state with only what preparing a chat reads (no workers)."""
     return RouterState(
-        codec=codec, dispatcher=None, view=_NoWorkers(), tenants=None, admission=None,  # type: ignore[arg-type]
+        codec=codec, dispatcher=_NoWorkers(), view=_NoWorkers(), tenants=None, admission=None,  # type: ignore[arg-type]
         metrics=None, served_name="m", max_model_len=0, request_timeout_s=10,  # type: ignore[arg-type]
         tokenizer=TokenizerThreads(1), grammars=GrammarCompiler.for_codec(codec), **fields,
     )  # fmt: skip

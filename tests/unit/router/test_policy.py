@@ -235,3 +235,28 @@ def test_a_holding_peer_always_saves_at_least_what_it_computes(
         return
     assert peer.matched_blocks == max(matched) > held
     assert num_blocks - peer.matched_blocks <= peer.matched_blocks - held
+
+
+@given(candidates(), st.integers(0, 16), st.integers(1, 5), st.integers(0, 1000))
+@settings(max_examples=200, deadline=None)
+def test_ranked_leads_with_choose_s_decision_then_the_cheapest_others(
+    pool: list[Candidate], num_blocks: int, n: int, seed: int
+) -> None:
+    chosen = Chooser("kv-aware", random.Random(seed)).choose(pool, num_blocks)
+    ranker = Chooser("kv-aware", random.Random(seed))
+    ranked = ranker.ranked(pool, num_blocks, n)
+    assert ranked[0] == chosen
+    ids = [d.worker_id for d in ranked]
+    assert len(ids) == len(set(ids)) == min(n, len(pool))
+    costs = [d.score for d in ranked[1:]]
+    assert costs == sorted(costs) and all(c >= chosen.score for c in costs)
+    left_out = [ranker.cost(c, num_blocks) for c in pool if c.worker_id not in ids]
+    assert all(c >= max([chosen.score, *costs]) - 1e-9 for c in left_out)
+
+
+def test_ranked_round_robin_follows_the_rotation() -> None:
+    chooser = Chooser("round-robin")
+    pool = [cand("c"), cand("a"), cand("b")]
+    assert [d.worker_id for d in chooser.ranked(pool, 1, 3)] == ["a", "b", "c"]
+    assert [d.worker_id for d in chooser.ranked(pool, 1, 2)] == ["b", "c"]
+    assert chooser.choose(pool, 1).worker_id == "c"

@@ -1,0 +1,125 @@
+"""``python -P -m kvrail.epp``: a GAIE endpoint picker for a kvrail pool, or a static list.
+
+It serves Envoy's ext_proc service and gRPC health on ``--host:--port`` (default 0.0.0.0:9002,
+the port GAIE's examples use). Without ``--endpoints`` it follows the kvrail pool its settings
+name (``KVRAIL_*``, as the pool's routers read them) and picks, for each request, the worker
+kvrail's router would choose, naming that worker's HTTP front (``kvrail.epp.kv_picker``). With
+``--endpoints`` it picks the endpoint of that list with the fewest requests in flight and never
+reads the prompt. SIGTERM: not ready, then open streams finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import logging
+import os
+import signal
+import sys
+
+from kvrail.epp.kv_picker import KvAwarePicker
+from kvrail.epp.picker import LeastInFlight, Picker
+from kvrail.epp.pool import follow_pool
+from kvrail.epp.protocol import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES, Limits
+from kvrail.epp.server import start
+from kvrail.errors import ConfigError, KvrailError
+from kvrail.settings import Settings, load_settings
+
+log = logging.getLogger("kvrail.epp")
+
+_GRACE_S = 30.0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -P -m kvrail.epp", description=__doc__)
+    parser.add_argument(
+        "--endpoints", default=None,
+        help="a static list to pick from by load alone: ip:port[,ip:port...]; default: the "
+        "HTTP fronts of the kvrail pool the settings name, picked as its router picks",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-endpoints", type=int, default=3,
+        help="kvrail pool: the endpoints named per request, the primary then fallbacks",
+    )  # fmt: skip
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=9002)
+    parser.add_argument(
+        "--max-in-flight", type=int, default=None,
+        help="static list: requests per endpoint before the EPP sheds (429); default: no limit",
+    )  # fmt: skip
+    parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
+    parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
+    parser.add_argument("--log-level", default="INFO")
+    return parser.parse_args(argv)
+
+
+def settings(args: argparse.Namespace) -> tuple[LeastInFlight | None, Limits]:
+    """The static picker (None: follow the kvrail pool) and the limits the arguments describe;
+    ``ValueError`` names the bad option."""
+    if not 0 <= args.port < 65536:
+        raise ValueError("--port: must be 0-65535")
+    if args.num_endpoints < 1:
+        raise ValueError("--num-endpoints: must be at least 1")
+    picker = None
+    if args.endpoints is not None:
+        try:
+            picker = LeastInFlight(args.endpoints.split(","), max_in_flight=args.max_in_flight)
+        except ValueError as e:
+            raise ValueError(f"--endpoints/--max-in-flight: {e}") from None
+    elif args.max_in_flight is not None:
+        raise ValueError("--max-in-flight: only with --endpoints")
+    try:
+        limits = Limits(chunk_bytes=args.chunk_bytes, max_body_bytes=args.max_body_bytes)
+    except ValueError as e:
+        raise ValueError(f"--chunk-bytes/--max-body-bytes: {e}") from None
+    return picker, limits
+
+
+async def serve(
+    args: argparse.Namespace, static: LeastInFlight | None, limits: Limits, pool: Settings | None
+) -> None:
+    if static is not None:
+        await _serve(args, static, limits, f"{len(static.endpoints)} static endpoints")
+        return
+    assert pool is not None
+    async with follow_pool(pool) as state:
+        picker = KvAwarePicker(state, num_endpoints=args.num_endpoints)
+        gc.collect()  # what was loaded stays: out of the collector's sight, as in the router
+        gc.freeze()
+        await _serve(args, picker, limits, f"pool {pool.namespace}/{pool.pool}")
+
+
+async def _serve(args: argparse.Namespace, picker: Picker, limits: Limits, what: str) -> None:
+    running = await start(picker, host=args.host, port=args.port, limits=limits)
+    log.info("kvrail.epp serving ext_proc on %s:%d for %s", args.host, running.port, what)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    log.info("kvrail.epp stopping")
+    await running.stop(_GRACE_S)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s %(message)s")  # fmt: skip
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # as the router (its main says why)
+    try:
+        picker, limits = settings(args)
+        pool = load_settings() if picker is None else None
+    except (ValueError, ConfigError) as e:
+        print(f"kvrail.epp: bad settings: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(args, picker, limits, pool))
+    except (RuntimeError, KvrailError) as e:
+        print(f"kvrail.epp: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""The EPP's gRPC server: Envoy's ext_proc service and gRPC health, on ``grpc.aio``.
+
+One ext_proc stream is one HTTP request. The servicer feeds the stream's messages to an
+:class:`~kvrail.epp.protocol.EppStream`, awaits the picker when the request is whole, and sends
+what the stream answers. Whatever ends the stream (the response's end, an ImmediateResponse, the
+client leaving mid-body, a protocol error), ``Picker.finished`` runs exactly once for it, so no
+booking leaks. The work per stream is bounded: the held body by ``Limits.max_body_bytes``, the rest
+is echoed chunk by chunk. Logs carry stream ids, endpoints, statuses and sizes, never a body.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    ExternalProcessorServicer,
+    add_ExternalProcessorServicer_to_server,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+
+from kvrail.epp.picker import NoEndpoint, Pick, Picker, PickRequest
+from kvrail.epp.protocol import DEFAULT_LIMITS, EppStream, Limits, Phase, ProtocolError
+
+log = logging.getLogger("kvrail.epp")
+
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+#: The gRPC health services the EPP protocol names (and the overall ``""``).
+HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+
+
+class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
+    """``envoy.service.ext_proc.v3.ExternalProcessor/Process`` speaking the EPP protocol."""
+
+    def __init__(self, picker: Picker, limits: Limits = DEFAULT_LIMITS) -> None:
+        self.picker = picker
+        self.limits = limits
+        self.open_streams = 0
+        self._ids = itertools.count(1)
+
+    async def Process(  # the gRPC method's name
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        stream = EppStream(next(self._ids), self.limits)
+        self.open_streams += 1
+        try:
+            async for message in requests:
+                step = stream.feed(message)
+                if step.pick is not None:
+                    step = stream.picked(await self._pick(step.pick))
+                if step.served is not None:
+                    self.picker.served(stream.stream_id, step.served)
+                for response in step.responses:
+                    yield response
+                if stream.phase is Phase.DONE:
+                    return
+        except ProtocolError as e:
+            log.warning("stream %d: protocol error: %s", stream.stream_id, e)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        finally:
+            self.open_streams -= 1
+            self.picker.finished(stream.stream_id)
+            log.debug(
+                "stream %d ended in phase %s: endpoints=%s status=%s",
+                stream.stream_id, stream.phase.value, ",".join(stream.endpoints) or "-",
+                stream.status,
+            )  # fmt: skip
+
+    async def _pick(self, request: PickRequest) -> Pick:
+        """The picker's answer; a picker that fails answers 503 rather than dropping the stream
+        (which Envoy would turn into a 500 or, failing open, a request routed blind)."""
+        try:
+            return await self.picker.pick(request)
+        except Exception as e:
+            # The type only: an exception's message may quote the request, which stays out of logs.
+            log.error("stream %d: the picker failed: %s", request.stream_id, type(e).__name__)
+            return NoEndpoint(f"the endpoint picker failed ({type(e).__name__})")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Running:
+    """A started EPP: the gRPC server, its health servicer, the ext_proc servicer and the port."""
+
+    server: grpc.aio.Server
+    health: health_aio.HealthServicer
+    ext_proc: ExtProc
+    port: int
+
+    async def stop(self, grace_s: float) -> None:
+        """Not ready first (gateways stop sending new streams), then let open streams finish."""
+        for name in ("readiness", EXT_PROC_SERVICE):
+            await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+
+
+async def start(
+    picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS
+) -> Running:
+    """A started server with the ext_proc and health services (``port=0`` binds a free port).
+    Raises ``RuntimeError`` naming the address if it cannot be bound."""
+    server = grpc.aio.server()
+    ext_proc = ExtProc(picker, limits)
+    add_ExternalProcessorServicer_to_server(ext_proc, server)
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot listen on {host}:{port}: {e}") from None
+    await server.start()
+    for name in HEALTH_SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.SERVING)
+    return Running(server, health, ext_proc, bound)

