@@ -83,6 +83,9 @@ class PrefillDone(Message):
     one per prompt token after the first."""
     num_cached_tokens: int = 0
     """Prompt tokens the prefill worker did not compute: its own prefix hits, in any KV tier."""
+    layer_groups: tuple[int, ...] = ()
+    """A layer-wise write (docs/layerwise.md): its groups' end layers; `block_checksums` then
+    holds each group's checksums of every block, group-major. (): one write of every layer."""
 
     def __post_init__(self) -> None:
         if len(self.first_logprobs) > 1 or any(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kvrail.crd.spec import (
     DEFAULT_BLOCK_SIZE,
@@ -36,6 +36,7 @@ from kvrail.crd.spec import (
 from kvrail.errors import ConfigError
 from kvrail.messages import WorkerRole
 from kvrail.tls import check_etcd_endpoints
+from kvrail.transfer_settings import TransferSettings
 
 ENV_PREFIX = "KVRAIL_"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -49,7 +50,7 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvrail"
 
 
-class Settings(BaseModel):
+class Settings(TransferSettings):
     """Configuration shared by every kvrail process."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -138,24 +139,6 @@ class Settings(BaseModel):
     zero_kv_on_release: bool = Field(
         False, description="zero KV blocks when released (InferencePool security.zeroKVOnRelease)"
     )
-    fault_corrupt_kv_transfers: float = Field(
-        0.0, ge=0, le=1,
-        description="fault injection for tests: the fraction of KV transfers a decode worker "
-        "receives whose first block gets one byte flipped before validation",
-    )  # fmt: skip
-    fault_fail_kv_writes: float = Field(
-        0.0, ge=0, le=1,
-        description="fault injection for tests: the fraction of KV writes a prefill worker "
-        "attempts that fail (a transfer error) before anything is written",
-    )  # fmt: skip
-    fault_delay_kv_writes_s: float = Field(
-        0.0, ge=0, le=60, description="fault injection for tests: a delay before every KV write"
-    )
-    fault_lose_kv_notifications: float = Field(
-        0.0, ge=0, le=1,
-        description="fault injection for tests: the fraction of KV writes whose completion "
-        "notification is lost (the bytes land, the decode worker never hears of it)",
-    )  # fmt: skip
     remote_prefill_timeout_s: float = Field(
         30.0, gt=0, le=3600,
         description="how long a decode worker waits for a remote prefill's KV before following "
@@ -291,6 +274,8 @@ class Settings(BaseModel):
             raise ValueError("kv_disk_tier_path needs kv_host_tier_bytes and kv_disk_tier_bytes")
         if self.kv_disk_tier_bytes and not self.kv_disk_tier_path:
             raise ValueError("kv_disk_tier_bytes needs kv_disk_tier_path")
+        if self.kv_transfer_layer_groups and self.tensor_parallel_size > 1:
+            raise ValueError("kv_transfer_layer_groups is not supported with tensor parallelism")
         return self
 
     @model_validator(mode="after")

@@ -272,3 +272,38 @@ def test_a_corrupted_block_is_caught_by_its_checksum() -> None:
         validate(_done(block_checksums=sums), RES, 50.0, landed)
     with pytest.raises(EnvelopeError, match="no checksum"):
         validate(_done(), RES, 50.0, landed)
+
+
+def test_a_layer_group_lands_in_the_same_layers_of_scattered_blocks_and_nothing_else(
+    decode_peer: Connection,
+) -> None:
+    """A layer-wise write (docs/layerwise.md): layers [1, 3) of each block, one descriptor per
+    block, no notification until `notify`; the other layers of the destination stay untouched.
+    The writer's region has the engine's layout, with the peer's block size."""
+    layers, per_layer = 4, BLOCK_ELEMS // 4
+    region = KVCache.allocate(NUM_BLOCKS, layers, 4, 2, 64, torch.float32)  # 4096 floats a block
+    region.tensor.copy_(
+        torch.randn(region.tensor.shape, generator=torch.Generator().manual_seed(3))
+    )
+    prefill = KvConnector("prefill-0-9", region)
+    try:
+        peer = prefill.add_peer(recv(decode_peer))  # type: ignore[arg-type]
+        decode_peer.send(prefill.metadata())
+        deadline = time.monotonic() + 30
+        for bad in ((0, 0), (3, 5), (-1, 2)):
+            with pytest.raises(TransferError, match="outside the model"):
+                prefill.write_layers(peer, [0], [0], bad, deadline)
+        src_ids, dst_ids = [7, 2, 3, 40], [11, 30, 31, 5]
+        stats = prefill.write_layers(peer, src_ids, dst_ids, (1, 3), deadline)
+        assert stats.num_bytes == 4 * 2 * per_layer * 4 and stats.transport == "nixl-ucx"
+        prefill.notify(peer, b"req-9")
+        time.sleep(0.5)
+        decode_peer.send(dst_ids)
+        notes, _, landed = recv(decode_peer)  # type: ignore[misc]
+        assert notes == [("prefill-0-9", b"req-9")]
+        sent = region.tensor[src_ids].reshape(len(src_ids), layers, per_layer)
+        got = landed.reshape(len(dst_ids), layers, per_layer)
+        assert torch.equal(got[:, 1:3], sent[:, 1:3])
+        assert not got[:, 0].any() and not got[:, 3].any()
+    finally:
+        prefill.close()

@@ -16,14 +16,15 @@ broadcast (`share_tokens`) so every rank can feed them to the next step on its o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
 import torch
 
 from kvrail.worker.engine.cuda_graph import StepGraphs
+from kvrail.worker.engine.layer_sinks import LayerSinks
 from kvrail.worker.engine.rank_commands import RankPeers
 from kvrail.worker.engine.request import Request
 from kvrail.worker.engine.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -196,6 +197,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self.peers = peers
+        self.layer_sinks = LayerSinks()  # layer-wise KV transfers (the prefill role's)
         if self.group.size > 1 and self.group.is_first and peers is None:
             raise ValueError("rank 0 of a tensor-parallel group needs its peers")
 
@@ -215,9 +217,14 @@ class ModelRunner:
         token, and the prompt scores it computed (None: no request in it asked). `previous`: the
         tokens of the step before, for the decodes fed from the device."""
         step, requests, spans = prepare_step(out, self.block_size, previous, self.graph_limits)
+        hook = (
+            self.layer_sinks.hook_for(out, self.device.type == "cuda") if self.layer_sinks else None
+        )
+        if hook is not None:  # a sink hears each layer: no graph (docs/layerwise.md)
+            step = replace(step, graph="")
         if self.peers is not None:
             self.peers.send(step)
-        logits, scored = self.run(step, previous.tokens if previous is not None else None)
+        logits, scored = self.run(step, previous.tokens if previous is not None else None, hook)
         assert logits is not None, "rank 0 gets the logits"
         if scored is None:
             return logits, requests, None
@@ -226,12 +233,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, step: StepInputs, sampled: torch.Tensor | None
+        self,
+        step: StepInputs,
+        sampled: torch.Tensor | None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> tuple[torch.Tensor | None, Scored | None]:
         """Run one step on this rank; `sampled`: the previous step's tokens on this device (for
-        `step.fed`). Returns the logits of the sampled rows [n, vocab] and the prompt scores of
-        `step.scores` (`_score`) on rank 0, None on the others (their vocabulary shards went to
-        rank 0)."""
+        `step.fed`); `after_layer`: called after each layer of an eager step (`LayerSinks`).
+        Returns the logits of the sampled rows [n, vocab] and the prompt scores of `step.scores`
+        (`_score`) on rank 0, None on the others (their vocabulary shards went to rank 0)."""
         dec, pre = step.decode, step.prefill
         fed = step.fed
         feed = (fed, sampled) if sampled is not None else None
@@ -261,7 +271,7 @@ class ModelRunner:
             if sampled is not None:
                 feed_tokens(input_ids, fed, sampled)  # decode rows come first
             positions = self._tensor(np.concatenate((dec.positions, pre.positions)))
-            hidden = self.model(input_ids, positions, metadata, self.kv_cache)
+            hidden = self.model(input_ids, positions, metadata, self.kv_cache, after_layer)
         if step.logit_rows is None:
             rows = hidden[: step.num_sampled]
         else:

@@ -24,7 +24,7 @@ from an FP8 one as stored (with `weight_scale`, and `input_scale` where static).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -165,12 +165,17 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         kv_cache: KVCache,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
+        """Hidden states [tokens, hidden]; `after_layer(n)` is called once the first n layers
+        ran (their KV is written then, or queued on the current stream on CUDA)."""
         x = self.embed_tokens(input_ids)
         residual = None
         fp8_sequences = fp8_prefill_sequences(metadata, x.shape[0], kv_cache.tensor)  # the step's
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, metadata, kv_cache, fp8_sequences)
+            if after_layer is not None:
+                after_layer(i + 1)
         assert residual is not None, "a model has at least one layer"
         normed: tuple[torch.Tensor, torch.Tensor] = self.norm(x, residual)
         return normed[0]

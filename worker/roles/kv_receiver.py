@@ -53,7 +53,7 @@ from kvrail.worker.roles.handoff import Handoff, RequestFailed
 from kvrail.worker.roles.quarantine import Quarantine
 from kvrail.worker.roles.stages import StageTimes
 from kvrail.worker.roles.write_grants import AwaitedJob
-from kvrail.worker.transfer.envelope import Reservation, validate
+from kvrail.worker.transfer.envelope import Reservation, checksums_of, validate
 
 log = logging.getLogger(__name__)
 
@@ -286,7 +286,7 @@ class KvReceiver:
             job.request_id, self.ctx.fingerprint, self.ctx.incarnation, job.dest_block_ids,
             len(request.token_ids), request.deadline_unix_s,
         )  # fmt: skip
-        checksums = self.ctx.connector.block_checksums if job.with_checksums else None
+        checksums = checksums_of(done, self.ctx.connector) if job.with_checksums else None
         fault = self.ctx.settings.fault_corrupt_kv_transfers
         if fault and random.random() < fault and done.block_ids:
             # Fault injection (tests): a block corrupted in flight, as the checksum sees it.
@@ -298,9 +298,9 @@ class KvReceiver:
             await asyncio.to_thread(validate, done, reservation, time.time(), checksums)
         except TransferError as err:  # an EnvelopeError, or a rank's checksums out of reach
             log.warning(
-                "completion refused request_id=%s reason=%s blocks=%d",
+                "completion refused request_id=%s reason=%s blocks=%d detail=%s",
                 request.request_id, getattr(err, "reason", "checksums_unavailable"),
-                len(job.dest_block_ids),
+                len(job.dest_block_ids), err,
             )  # fmt: skip
             return False
         stages.validation_s = time.monotonic() - started

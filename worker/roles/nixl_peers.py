@@ -36,6 +36,10 @@ class NixlPeers:
         """Run `fn` on the NIXL thread, after every NIXL call submitted before it."""
         return await asyncio.get_running_loop().run_in_executor(self._nixl_thread, fn)
 
+    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+        """`call` from any thread (the engine's: a layer-wise write's groups)."""
+        return self._nixl_thread.submit(fn)
+
     def shutdown(self) -> None:
         """Wait for the NIXL calls submitted, then stop the thread."""
         self._nixl_thread.shutdown(wait=True)

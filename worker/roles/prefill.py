@@ -17,7 +17,8 @@ For each `PrefillJob` from the pool's work queue (jobs addressed to this worker 
   only after the write completed. A failed write is handed over to another ready prefill worker
   (or nak'ed with a delay when there is none), bounded by max_deliver; a job still running when
   a drain times out is nak'ed for another worker at once; the retained blocks are released in
-  every case.
+  every case. With `kv_transfer_layer_groups` the grant comes first and the KV goes in groups
+  of layers while the prefill computes (`layerwise.py`, docs/layerwise.md).
 
 Decode and colocated workers run this role too, for the jobs addressed to them alone (never the
 shared queue): a decode worker whose peer holds more of a prompt's prefix, in any KV tier, names
@@ -48,35 +49,27 @@ from nats.aio.subscription import Subscription
 
 from kvrail.bus import PrefillConsumer, QueuedJob, unsubscribe
 from kvrail.codec import MessageError, decode
-from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
+from kvrail.errors import ConfigError, DeadlineExceededError, InvalidRequestError, TransferError
 from kvrail.messages import (
-    WRITE_GRANT_REFUSALS,
     Cancel,
     PrefillDone,
     PrefillJob,
     PrefillSettled,
-    WriteGrant,
-    WriteGrantRequest,
-    tokens_digest,
 )
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.layerwise import LayeredWrite
 from kvrail.worker.roles.nixl_peers import NixlPeers
+from kvrail.worker.roles.prefill_replies import Refused, ask_grant, tell_refused
 from kvrail.worker.transfer.faults import TransportFaults
+from kvrail.worker.transfer.layer_groups import plan_groups
 
 log = logging.getLogger(__name__)
 
 _RECENT_LIMIT = 10_000  # completed job ids remembered (dedupe of late redeliveries)
 _NAK_DELAY_S = 0.5
-_GRANT_TIMEOUT_S = 2.0
 _MAX_JOBS_IN_FLIGHT = 64  # computing or writing: bounds the blocks retained for writes
-
-
-class _Refused(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class PrefillRole:
@@ -102,6 +95,13 @@ class PrefillRole:
         self._subs: list[Subscription] = []
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
+        # Layer-wise writes (docs/layerwise.md): the groups planned, the engine's layer sinks,
+        # and the writes under way by job id.
+        wanted = ctx.settings.kv_transfer_layer_groups
+        if wanted and not ctx.connector.supports_layers:  # (settings refuse it with TP already)
+            raise ConfigError("kv_transfer_layer_groups: this worker's KV connector cannot")
+        self._groups = plan_groups(ctx.connector.region.num_layers, wanted) if wanted else ()
+        self._layered: dict[str, LayeredWrite] = {}
 
     @property
     def num_pending(self) -> int:
@@ -143,6 +143,9 @@ class PrefillRole:
         except MessageError:
             return
         self._cancelled.add(cancel.request_id)
+        for job_id, layered in self._layered.items():  # its groups left are never written
+            if job_id.split("~", 1)[0] == cancel.request_id:
+                layered.stop("cancelled")
 
     async def _on_settled(self, msg: Msg) -> None:
         try:
@@ -150,6 +153,8 @@ class PrefillRole:
         except MessageError:
             return
         _remember(self._settled, settled.request_id)
+        if (layered := self._layered.get(settled.request_id)) is not None:
+            layered.stop("settled")
 
     def _has_room(self) -> bool:
         """Whether to fetch another job: fewer than `_MAX_JOBS_IN_FLIGHT`, and the prompts of
@@ -218,13 +223,13 @@ class PrefillRole:
                 await self._prefill_and_write(queued, job, compute_done)
             _remember(self._recent, job_id)
             await queued.ack()
-        except _Refused as err:
+        except Refused as err:
             log.info("prefill job refused request_id=%s reason=%s", job_id, err.reason)
             metrics.PREFILL_JOBS_REJECTED.labels(err.reason).inc()
             await queued.drop()
             if not err.reason.startswith("not_granted"):
                 _remember(self._recent, job_id)
-                await self._tell_refused(job, err.reason)
+                await tell_refused(self.ctx, job, err.reason)
             # Refused a grant: the decode worker knows, and this (maybe forged) message must not
             # mark the genuine job with its id as done here.
         except TransferError as err:
@@ -238,7 +243,7 @@ class PrefillRole:
             metrics.KV_TRANSFER_FAILURES.labels("write").inc()
             if final:
                 await queued.drop()
-                await self._tell_refused(job, "transfer_failed")
+                await tell_refused(self.ctx, job, "transfer_failed")
             elif others:  # prefer a different worker for the next attempt
                 await self.ctx.prefill_queue.hand_over(queued, others[0])
             else:
@@ -258,6 +263,33 @@ class PrefillRole:
         queue_wait_s = max(0.0, (datetime.datetime.now(datetime.UTC) - published).total_seconds())
         self._check(job)
         deadline = fetched + (job.deadline_unix_s - time.time())
+        if not self._groups:
+            return await self._compute_and_write(job, compute_done, queue_wait_s, deadline, None)
+        submit = self._nixl.submit
+        layered = LayeredWrite(
+            job, self._groups, self.ctx.connector, self.faults, submit, deadline,
+            self.ctx.block_size,
+        )  # fmt: skip
+        self._layered[job.request_id] = layered
+        sinks = self.ctx.service.engine.runner.layer_sinks
+        try:  # granted before the compute: the groups are written while it runs
+            await ask_grant(self.ctx, job)
+            sinks.add(job.request_id, layered.sink)
+            await self._compute_and_write(job, compute_done, queue_wait_s, deadline, layered)
+        finally:  # nothing in flight before anything is told (docs/layerwise.md)
+            sinks.discard(job.request_id)
+            self._layered.pop(job.request_id, None)
+            await layered.settle()
+
+    async def _compute_and_write(
+        self,
+        job: PrefillJob,
+        compute_done: Callable[[], None],
+        queue_wait_s: float,
+        deadline: float,
+        layered: LayeredWrite | None,
+    ) -> None:
+        fetched = time.monotonic()
         # The first token only, sampled as the request's own sampler would (at most one token
         # of its `min_tokens` is due here).
         first = job.sampling
@@ -268,112 +300,90 @@ class PrefillRole:
                 deadline_monotonic=deadline, tenant_salt=job.tenant_salt,
             )  # fmt: skip
         except DeadlineExceededError as err:
-            raise _Refused("deadline") from err
+            raise Refused("deadline") from err
         except InvalidRequestError as err:
-            raise _Refused("invalid_request") from err
+            raise Refused("invalid_request") from err
         finally:
             compute_done()  # the next job may be fetched while this one writes
+        sent = None  # a layer-wise write's LayeredStats
         try:
             computed = time.monotonic()
             src = result.block_ids[job.first_block_index :]
             if len(src) != len(job.dest_block_ids):
-                raise _Refused("block_count")
+                raise Refused("block_count")
             self._check(job)  # the destination may have gone while we computed
-            sums = (
-                await asyncio.to_thread(self.ctx.connector.block_checksums, src)
-                if job.with_checksums
-                else ()
-            )
-            await self._ask_grant(job)
-            done = PrefillDone(
-                request_id=job.request_id, fingerprint=self.ctx.fingerprint,
-                dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
-                first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
-                first_logprobs=result.output.logprobs,
-                prompt_logprobs=result.output.prompt_logprobs,
-                prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
-                block_checksums=sums, transfer_bytes=len(src) * self.ctx.connector.block_bytes,
-                transport=self.ctx.connector.transport_to(job.dest_agent_name),
-                queue_wait_s=queue_wait_s, num_cached_tokens=result.output.num_cached_tokens,
-                prefill_compute_s=computed - fetched, transfer_queue_s=time.monotonic() - computed,
-            )  # fmt: skip
-            notification = done.encode()
-            stats = await self._nixl.call(
-                lambda: self.faults.write(
-                    self.ctx.connector,
-                    job.request_id,
-                    job.dest_agent_name,
-                    src,
-                    job.dest_block_ids,
-                    notification,
-                    deadline,
+
+            def completion(sums: tuple[str, ...], groups: tuple[int, ...] = ()) -> PrefillDone:
+                return PrefillDone(
+                    request_id=job.request_id, fingerprint=self.ctx.fingerprint,
+                    dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
+                    first_token_id=result.first_token_id, num_prompt_tokens=len(job.token_ids),
+                    first_logprobs=result.output.logprobs,
+                    prompt_logprobs=result.output.prompt_logprobs,
+                    prefill_worker_id=self.ctx.worker_id,
+                    prefill_incarnation=self.ctx.incarnation, block_checksums=sums,
+                    transfer_bytes=len(src) * self.ctx.connector.block_bytes,
+                    transport=self.ctx.connector.transport_to(job.dest_agent_name),
+                    queue_wait_s=queue_wait_s, num_cached_tokens=result.output.num_cached_tokens,
+                    prefill_compute_s=computed - fetched,
+                    transfer_queue_s=time.monotonic() - computed, layer_groups=groups,
+                )  # fmt: skip
+
+            if layered is not None:
+                groups = layered.groups
+                sent = await layered.finish(src, lambda s: completion(s, groups).encode())
+                if sent is None:  # no group handed over: the whole prompt in one write
+                    log.warning("layer-wise write fell back request_id=%s", job.request_id)
+            if sent is None:
+                sums = (
+                    await asyncio.to_thread(self.ctx.connector.block_checksums, src)
+                    if job.with_checksums
+                    else ()
                 )
-            )
+                if layered is None:
+                    await ask_grant(self.ctx, job)
+                write = functools.partial(
+                    self.faults.write, self.ctx.connector, job.request_id, job.dest_agent_name,
+                    src, job.dest_block_ids, completion(sums).encode(), deadline,
+                )  # fmt: skip
+                stats = await self._nixl.call(write)
+            else:
+                stats = sent.stats
         finally:
+            if layered is not None:  # no group reads the source blocks once they are released
+                await layered.settle()
             await self.ctx.service.release(job.request_id)
         metrics.KV_TRANSFER_BYTES.labels(stats.transport).inc(stats.num_bytes)
         metrics.KV_TRANSFER_SECONDS.labels(stats.transport).observe(stats.seconds)
         metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)
         log.info(
             "prefill written request_id=%s dest=%s prompt_tokens=%d blocks=%d bytes=%d "
-            "transfer_s=%.4f transport=%s compute_s=%.4f",
+            "transfer_s=%.4f transport=%s compute_s=%.4f layer_groups=%d tail_s=%.4f overlap=%.2f",
             job.request_id, job.dest_worker_id, len(job.token_ids), len(src), stats.num_bytes,
-            stats.seconds, stats.transport, computed - fetched,
+            stats.seconds, stats.transport, computed - fetched, sent.num_groups if sent else 0,
+            sent.tail_s if sent else 0.0, sent.overlap if sent else 0.0,
         )  # fmt: skip
 
     def _check(self, job: PrefillJob) -> None:
-        """Raise _Refused unless the job may run (or write) now."""
+        """Raise Refused unless the job may run (or write) now."""
         if time.time() >= job.deadline_unix_s:
-            raise _Refused("deadline")
+            raise Refused("deadline")
         if job.request_id.split("~", 1)[0] in self._cancelled:
-            raise _Refused("cancelled")
+            raise Refused("cancelled")
         if job.request_id in self._settled:
-            raise _Refused("settled")
+            raise Refused("settled")
         if job.fingerprint != self.ctx.fingerprint:
-            raise _Refused("fingerprint")
+            raise Refused("fingerprint")
         dest = self.ctx.peers.records.get(job.dest_worker_id)
         if (
             dest is None
             or dest.incarnation != job.dest_incarnation
             or dest.nixl_agent_name != job.dest_agent_name
         ):
-            raise _Refused("stale_destination")
+            raise Refused("stale_destination")
         num_prompt_blocks = -(-len(job.token_ids) // self.ctx.block_size)
         if len(job.dest_block_ids) != num_prompt_blocks - job.first_block_index:
-            raise _Refused("block_count")
-
-    async def _ask_grant(self, job: PrefillJob) -> None:
-        """Raise _Refused unless the decode worker lets this job write into its blocks now."""
-        ask = WriteGrantRequest(
-            request_id=job.request_id, dest_incarnation=job.dest_incarnation,
-            block_ids=job.dest_block_ids, tokens_digest=tokens_digest(job.token_ids),
-        )  # fmt: skip
-        subject = self.ctx.keys.write_grant(job.dest_worker_id)
-        try:
-            reply = await self.ctx.nc.request(subject, ask.encode(), timeout=_GRANT_TIMEOUT_S)
-            grant = decode(reply.data, WriteGrant)
-        except nats.errors.NoRespondersError as err:
-            raise _Refused("stale_destination") from err
-        except (nats.errors.Error, MessageError) as err:
-            raise TransferError(f"no write grant from {job.dest_worker_id}: {err!r}") from err
-        if not grant.granted:
-            known = grant.reason in WRITE_GRANT_REFUSALS
-            raise _Refused(f"not_granted_{grant.reason}" if known else "not_granted")
-
-    async def _tell_refused(self, job: PrefillJob, reason: str) -> None:
-        """Tell the decode worker nothing will be written for this job (best effort)."""
-        if reason in ("stale_destination", "settled"):
-            return  # nobody waits for the answer (and a settled job was never granted here)
-        done = PrefillDone(
-            request_id=job.request_id, fingerprint=self.ctx.fingerprint,
-            dest_incarnation=job.dest_incarnation, block_ids=job.dest_block_ids,
-            first_token_id=0, num_prompt_tokens=len(job.token_ids), error=reason,
-            prefill_worker_id=self.ctx.worker_id, prefill_incarnation=self.ctx.incarnation,
-        )  # fmt: skip
-        with contextlib.suppress(nats.errors.Error):
-            await self.ctx.nc.publish(
-                self.ctx.keys.prefill_refused(job.dest_worker_id), done.encode()
-            )
+            raise Refused("block_count")
 
 
 def _remember(recent: OrderedDict[str, None], key: str) -> None:

@@ -8,7 +8,7 @@ driven from rank 0). The roles use only what is here.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvrail.worker.kv_cache import KVCache
 from kvrail.worker.transfer.blocks import TransferStats
@@ -65,6 +65,28 @@ class Connector(Protocol):
     ) -> TransferStats: ...
 
     def block_checksums(self, block_ids: Sequence[int]) -> tuple[str, ...]: ...
+
+    supports_layers: bool
+    """Whether the three layer-wise calls below work (else they raise `TransferError`):
+    `write_layers` moves layers `[a, b)` of blocks with no notification, once `ready` (a CUDA
+    event, or None) passed, and returns once they landed; `notify` sends a notification alone;
+    `layer_checksums` is `block_checksums` of layers `[a, b)` only (docs/layerwise.md)."""
+
+    def write_layers(
+        self,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int],
+        deadline_s: float,
+        ready: Any = None,
+    ) -> TransferStats: ...
+
+    def notify(self, peer: str, notification: bytes) -> None: ...
+
+    def layer_checksums(
+        self, block_ids: Sequence[int], layers: tuple[int, int]
+    ) -> tuple[str, ...]: ...
 
     def notifications(self) -> list[tuple[str, bytes]]: ...
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from kvrail.errors import TransferError
 from kvrail.messages import PrefillDone
 from kvrail.worker.kv_cache import KVCache
+from kvrail.worker.transfer import layer_groups
+from kvrail.worker.transfer.connector import Connector
 
 
 class EnvelopeError(TransferError):
@@ -48,6 +50,32 @@ def block_checksums(region: KVCache, block_ids: Sequence[int]) -> tuple[str, ...
     return tuple(out)
 
 
+def checksums_of(
+    done: PrefillDone, connector: Connector
+) -> Callable[[Sequence[int]], Sequence[str]]:
+    """What `validate` compares `done.block_checksums` with: every block's checksums, or for a
+    layer-wise write each layer group's (refused as `layer_groups` unless the groups cover this
+    model's layers, in order)."""
+    groups = done.layer_groups
+    if not groups:
+        return connector.block_checksums
+
+    def per_group(block_ids: Sequence[int]) -> Sequence[str]:
+        try:
+            layer_groups.check_groups(groups, connector.region.num_layers)
+        except TransferError as err:
+            raise EnvelopeError("layer_groups", str(err)) from err
+        return [
+            checksum
+            for g in range(len(groups))
+            for checksum in connector.layer_checksums(
+                block_ids, layer_groups.group_layers(groups, g)
+            )
+        ]
+
+    return per_group
+
+
 def validate(
     done: PrefillDone,
     reservation: Reservation,
@@ -57,7 +85,9 @@ def validate(
     """Raise EnvelopeError unless `done` completes `reservation`. Pass `checksums` (the
     checksums of blocks as they are here now, every shard, e.g. `Connector.block_checksums`) to
     verify the ones the prefill worker sent against the bytes that landed; a completion without
-    a checksum for every block and shard is refused then."""
+    a checksum for every block and shard is refused then. For a layer-wise write
+    (`done.layer_groups`) pass the checksums per group of those groups instead
+    (`Connector.layer_checksums`), checked to cover the model's layers first."""
     r = reservation
     if done.request_id != r.request_id:
         raise EnvelopeError("wrong_request", "completion is for another request")
@@ -78,6 +108,11 @@ def validate(
     landed = tuple(checksums(r.block_ids))
     if len(done.block_checksums) != len(landed):
         raise EnvelopeError("checksum", "completion carries no checksum for every block")
+    if done.layer_groups:  # layer-wise: name the groups that differ
+        bad_groups = layer_groups.bad_groups(done.block_checksums, landed, len(r.block_ids))
+        if bad_groups:
+            raise EnvelopeError("checksum", f"layer groups {bad_groups} differ")
+        return
     bad = sum(want != got for want, got in zip(done.block_checksums, landed, strict=True))
     if bad:
         raise EnvelopeError("checksum", f"{bad} of {len(landed)} blocks differ")

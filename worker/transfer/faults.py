@@ -57,3 +57,29 @@ class TransportFaults:
             log.warning("fault injection: losing a KV notification request_id=%s", request_id)
             notification = b""
         return nixl.write(peer, src_block_ids, dst_block_ids, notification, deadline_s)
+
+    def write_layers(
+        self,
+        nixl: Connector,
+        request_id: str,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int],
+        deadline_s: float,
+        ready: object = None,
+    ) -> TransferStats:
+        """`nixl.write_layers` (one layer group), with the failure and the delay faults."""
+        if self.fail and random.random() < self.fail:
+            log.warning("fault injection: failing a KV layer write request_id=%s", request_id)
+            raise TransferError("fault injection: KV layer write failed")
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return nixl.write_layers(peer, src_block_ids, dst_block_ids, layers, deadline_s, ready)
+
+    def notify(self, nixl: Connector, request_id: str, peer: str, notification: bytes) -> None:
+        """`nixl.notify` (a layer-wise write's completion), with the lost-notification fault."""
+        if self.lose_notification and random.random() < self.lose_notification:
+            log.warning("fault injection: losing a KV notification request_id=%s", request_id)
+            return
+        nixl.notify(peer, notification)

@@ -33,15 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from kvrail.errors import TransferError
 from kvrail.worker.kv_cache import KVCache
-from kvrail.worker.transfer.blocks import TransferStats, coalesce, count_runs
+from kvrail.worker.transfer.blocks import TransferStats, checked_ids, coalesce, count_runs
 from kvrail.worker.transfer.cuda_ipc import ImportedRegion, export_region
 from kvrail.worker.transfer.envelope import block_checksums
 from kvrail.worker.transfer.ipc_copy import GraphedBlockCopy
+from kvrail.worker.transfer.layer_groups import layer_checksums
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class KvConnector:
 
     transport = "nixl-ucx"
     """The path to a peer that is not on CUDA IPC (what the worker's record reports)."""
+    supports_layers = True
+    """`write_layers`, `notify` and `layer_checksums` work (docs/layerwise.md)."""
 
     def __init__(self, agent_name: str, region: KVCache, *, prefer_ipc: bool = True) -> None:
         api = _nixl()
@@ -227,13 +229,7 @@ class KvConnector:
         notification: bytes,
         deadline_s: float,
     ) -> TransferStats:
-        remote = self._peers.get(peer)
-        if remote is None:
-            raise TransferError(f"unknown or removed peer {peer}")
-        src_ids = _checked_ids(src_block_ids, self.region.num_blocks, "source")
-        dst_ids = _checked_ids(dst_block_ids, remote.num_blocks, "destination")
-        if src_ids.shape != dst_ids.shape:
-            raise TransferError(f"{src_ids.size} source blocks, {dst_ids.size} destination blocks")
+        remote, src_ids, dst_ids = self._endpoints(peer, src_block_ids, dst_block_ids)
         if remote.ipc is not None:
             return self._write_ipc(peer, remote, src_ids, dst_ids, notification)
         runs = coalesce(src_ids, dst_ids)
@@ -241,6 +237,90 @@ class KvConnector:
         base, dev = self.region.base_address, self.region.device_id
         src = [(base + s * size, n * size, dev) for s, _, n in runs]
         dst = [(remote.base_address + d * size, n * size, remote.device_id) for _, d, n in runs]
+        seconds = self._nixl_write(peer, src, dst, notification, deadline_s)
+        return TransferStats(len(src_block_ids) * size, seconds, self.transport)
+
+    def write_layers(
+        self,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int],
+        deadline_s: float,
+        ready: Any = None,
+    ) -> TransferStats:
+        """Write layers `[a, b)` of the blocks (one group of a layer-wise transfer,
+        docs/layerwise.md), with no notification; returns once they landed. `ready`: an event
+        recorded after the engine wrote those layers, waited for here, never by the engine."""
+        remote, src_ids, dst_ids = self._endpoints(peer, src_block_ids, dst_block_ids)
+        num_layers, (first, end) = self.region.num_layers, layers
+        if not 0 <= first < end <= num_layers:
+            raise TransferError(f"layers [{first}, {end}) outside the model's {num_layers}")
+        per_layer = self.region.block_bytes // num_layers
+        nbytes = src_ids.size * (end - first) * per_layer
+        started = time.perf_counter()
+        if remote.ipc is not None:
+            assert self._stream is not None  # a CUDA region's peer
+            blocks = self.region.tensor.view(-1).view(torch.uint8).view(self.region.num_blocks, -1)
+            peer_blocks = remote.ipc.tensor.view(remote.num_blocks, -1)
+            cols = slice(first * per_layer, end * per_layer)
+            with self._own_stream():
+                if ready is not None:
+                    self._stream.wait_event(ready)
+                on = self.region.tensor.device
+                rows = torch.as_tensor(src_ids, device=on), torch.as_tensor(dst_ids, device=on)
+                peer_blocks[rows[1], cols] = blocks[rows[0], cols]
+            self._stream.synchronize()
+            return TransferStats(nbytes, time.perf_counter() - started, "cuda-ipc")
+        if ready is not None:
+            ready.synchronize()  # this thread waits; the engine's stream does not
+        size, dev = self.region.block_bytes, self.region.device_id
+        offsets = first * per_layer, (end - first) * per_layer
+        base, rbase = self.region.base_address + offsets[0], remote.base_address + offsets[0]
+        src = [(base + int(s) * size, offsets[1], dev) for s in src_ids]
+        dst = [(rbase + int(d) * size, offsets[1], remote.device_id) for d in dst_ids]
+        seconds = self._nixl_write(peer, src, dst, b"", deadline_s, yield_gil=True)
+        return TransferStats(nbytes, seconds, self.transport)
+
+    def _endpoints(
+        self, peer: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]
+    ) -> tuple[_Peer, Any, Any]:
+        """The peer and both id lists checked (no partial effect: before anything moves)."""
+        remote = self._peers.get(peer)
+        if remote is None:
+            raise TransferError(f"unknown or removed peer {peer}")
+        src_ids = checked_ids(src_block_ids, self.region.num_blocks, "source")
+        dst_ids = checked_ids(dst_block_ids, remote.num_blocks, "destination")
+        if src_ids.shape != dst_ids.shape:
+            raise TransferError(f"{src_ids.size} source blocks, {dst_ids.size} destination blocks")
+        return remote, src_ids, dst_ids
+
+    def notify(self, peer: str, notification: bytes) -> None:
+        """Send a notification alone (after a layer-wise transfer's last group landed)."""
+        if peer not in self._peers:
+            raise TransferError(f"unknown or removed peer {peer}")
+        try:
+            self._agent.send_notif(peer, notification)
+        except _nixl_errors() as err:
+            raise TransferError(f"notification to {peer} failed: {type(err).__name__}") from err
+
+    def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
+        """Checksums of the blocks' bytes of layers `[a, b)` (`layer_groups.layer_checksums`)."""
+        with self._own_stream():
+            return layer_checksums(self.region, block_ids, layers)
+
+    def _nixl_write(
+        self,
+        peer: str,
+        src: list[tuple[int, int, int]],
+        dst: list[tuple[int, int, int]],
+        notification: bytes,
+        deadline_s: float,
+        yield_gil: bool = False,
+    ) -> float:
+        """One NIXL WRITE of these (address, length, device) ranges; its seconds once done.
+        `yield_gil`: let other threads run between polls (a layer group's write polls while the
+        engine thread launches the next layers)."""
         src_descs = self._agent.get_xfer_descs(src, self._mem)
         dst_descs = self._agent.get_xfer_descs(dst, self._mem)
         started = time.perf_counter()
@@ -254,6 +334,8 @@ class KvConnector:
             while state not in ("DONE", "ERR"):
                 if time.monotonic() > deadline_s:
                     raise TransferError(f"transfer to {peer} passed its deadline")
+                if yield_gil:
+                    time.sleep(0)
                 state = self._agent.check_xfer_state(handle)
             if state == "ERR":
                 raise TransferError(f"transfer to {peer} failed")
@@ -262,8 +344,7 @@ class KvConnector:
         finally:
             with contextlib.suppress(*errors):
                 self._agent.release_xfer_handle(handle)
-        seconds = time.perf_counter() - started
-        return TransferStats(len(src_block_ids) * size, seconds, self.transport)
+        return time.perf_counter() - started
 
     def _write_ipc(
         self, peer: str, remote: _Peer, src_ids: Any, dst_ids: Any, note: bytes
@@ -303,22 +384,3 @@ class KvConnector:
         for peer in list(self._peers):
             self.remove_peer(peer)
         self._agent.deregister_memory(self._reg)
-
-
-def _checked_ids(block_ids: Sequence[int], num_blocks: int, side: str) -> Any:
-    """The ids as an int64 array, once each is in [0, num_blocks) and none repeats."""
-    ids = np.asarray(block_ids)
-    if ids.ndim != 1 or not ids.size:
-        raise TransferError("a transfer needs at least one block")
-    if ids.dtype.kind not in "iu":
-        raise TransferError(f"{side} block ids are {ids.dtype}, not integers")
-    ids = ids.astype(np.int64, copy=False)
-    # one sort gives the bounds and the repeats (np.unique took 30 us of 512 ids, a handoff
-    # checks two lists: bench/studies/handoff/id_checks.py)
-    ordered = np.sort(ids)
-    low, high = int(ordered[0]), int(ordered[-1])
-    if low < 0 or high >= num_blocks:
-        raise TransferError(f"{side} block {low if low < 0 else high} outside [0, {num_blocks})")
-    if bool((ordered[1:] == ordered[:-1]).any()):
-        raise TransferError(f"{side} block ids repeat")
-    return ids

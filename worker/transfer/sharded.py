@@ -142,6 +142,26 @@ class ShardedConnector:
             raise TransferError(f"a rank's checksums are unknown: {errors[0]}")
         return own + tuple(s for r in results for s in r)
 
+    supports_layers = False
+    """Layer-wise writes are not implemented over shards yet (docs/layerwise.md)."""
+
+    def write_layers(
+        self,
+        peer: str,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        layers: tuple[int, int],
+        deadline_s: float,
+        ready: Any = None,
+    ) -> TransferStats:
+        raise TransferError("layer-wise KV writes are not supported with tensor parallelism")
+
+    def notify(self, peer: str, notification: bytes) -> None:
+        raise TransferError("layer-wise KV writes are not supported with tensor parallelism")
+
+    def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
+        raise TransferError("layer-wise KV checksums are not supported with tensor parallelism")
+
     def notifications(self) -> list[tuple[str, bytes]]:
         notes = self.local.notifications()
         for client in self.ranks:

@@ -1,5 +1,5 @@
 """The host work of a CUDA IPC handoff before its copy is launched, on the CPU: both block-id lists
-checked (`kv_connector._checked_ids`: integers, in range, no repeats), their runs found or
+checked (`blocks.checked_ids`: integers, in range, no repeats), their runs found or
 counted, and the ids staged in one buffer, for an 8k prompt's 512 scattered blocks of a
 30,720-block pool. Three versions alternating in one run: the repeat check with `np.unique`
 and the runs' starts listed (`blocks.run_starts`: before the eighth session), one sort that
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from kvrail.errors import TransferError
+from kvrail.worker.transfer.blocks import checked_ids as _checked_ids
 from kvrail.worker.transfer.blocks import count_runs, run_starts
-from kvrail.worker.transfer.kv_connector import _checked_ids
 
 NUM_BLOCKS, N = 30720, 512
 

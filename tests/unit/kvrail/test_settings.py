@@ -64,6 +64,11 @@ def test_settings_default_to_the_pool_api_defaults() -> None:
         ({"KVRAIL_NATS_URL": "http://x:1"}, "nats_url"),
         ({"KVRAIL_LOG_LEVEL": "LOUD"}, "log_level"),
         ({"KVRAIL_POLL": "x"}, "unknown setting KVRAIL_POLL"),
+        ({"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "-1"}, "kv_transfer_layer_groups"),
+        (
+            {"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "4", "KVRAIL_TENSOR_PARALLEL_SIZE": "2"},
+            "kv_transfer_layer_groups is not supported with tensor parallelism",
+        ),
     ],
 )
 def test_invalid_settings_name_the_field(env: dict[str, str], message: str) -> None:

@@ -1,0 +1,302 @@
+"""Remote TTFT with layer-wise KV transfer against one whole-prompt write (issue 49).
+
+Two processes on one GPU: a writer runs kvrail's engine on a Llama-3-8B-shaped model (random
+weights, bf16, `bench/engine/gpu_llama3_8b.py`'s) and writes each prompt's KV into a reader's
+region (the decode worker's), through kvrail's own `KvConnector` and, layer-wise, the prefill
+role's own `LayeredWrite` fed by the engine's layer sinks (docs/layerwise.md). TTFT here is from
+the prompt's submission to the moment the reader holds the completion notification (both
+processes read the same CLOCK_MONOTONIC), so it is prefill + transfer for the whole-prompt write
+and what overlap leaves of it layer-wise; the decode worker's validation and first step, the
+same either way, are not in it.
+
+Links (each a fresh writer/reader pair, UCX reads its environment at start):
+- `ucx-tcp`: NIXL with UCX restricted to TCP (on loopback) and cuda_copy: a slow link for real;
+- `capped`: NIXL with UCX's default transports, each write (a group, or the whole prompt) held
+  until `bytes / --cap-gbs` has passed: a link of that bandwidth, applied by this script;
+- `cuda-ipc`: kvrail's same-node fast path, for no regression.
+Per link and prompt length (2k, 8k, 32k tokens; one engine step each, `--max-batched-tokens`),
+the methods alternate (whole, G=2, G=4, G=8, whole, ...) over `--iters` rounds after one untimed
+round (the last round's writes land in zeroed blocks and are checked block by block by
+checksum, untimed work outside the TTFT), and the median is reported with the prefill alone
+(the engine's time to the first token) and the whole write's transfer time, and the issue's
+bound for layer-wise:
+`max(prefill, transfer) + transfer / G + 10 ms`.
+
+Not measured here (left): decode steps of other requests on the receiving worker while groups
+land; chunked prefills (`--max-batched-tokens` below a prompt: the blocks each earlier chunk
+fills go whole while the next chunk computes).
+
+On the lent GPU (from the repository root, one H100 or H200):
+  source hack/device-env.sh && python3 -P bench/transfer/layerwise.py \
+      --out $OUT/layerwise.json | tee $OUT/layerwise.txt
+Here, end to end on a tiny model: .venv/bin/python -P bench/transfer/layerwise.py --smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+LINKS: dict[str, dict[str, Any]] = {  # in this order: the restricted UCX environment last
+    "capped": {"env": {}, "prefer_ipc": False, "cap": True},
+    "cuda-ipc": {"env": {}, "prefer_ipc": True, "cap": False},
+    "ucx-tcp": {"env": {"UCX_TLS": "tcp,cuda_copy,self"}, "prefer_ipc": False, "cap": False},
+}
+BLOCK_SIZE = 16
+_LOOP = asyncio.new_event_loop()  # one for every layer-wise `finish` (a new one costs ms)
+
+
+def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None:
+    """The decode side: a region in the engine's layout; reports when each notification came."""
+    os.environ.update(env)
+    import torch
+
+    from kvrail.worker.kv_cache import KVCache
+    from kvrail.worker.transfer.envelope import block_checksums
+    from kvrail.worker.transfer.kv_connector import KvConnector
+
+    region = KVCache.allocate(
+        args["num_blocks"], args["num_layers"], BLOCK_SIZE, args["num_kv_heads"],
+        args["head_dim"], getattr(torch, args["dtype"]), args["device"],
+    )  # fmt: skip
+    nixl = KvConnector("reader-1", region, prefer_ipc=args["prefer_ipc"])
+    conn.send(nixl.metadata())
+    nixl.add_peer(conn.recv())
+    while True:
+        if conn.poll():
+            msg = conn.recv()
+            if msg == "bye":
+                break
+            ask, ids = msg  # ("zero", ids) before a verified write, ("sums", ids) after it
+            if ask == "zero":
+                region.zero_blocks(torch.as_tensor(ids, device=region.tensor.device))
+                if region.tensor.is_cuda:  # done before the writer's copies start
+                    torch.cuda.synchronize()
+                conn.send("zeroed")
+            else:
+                conn.send(block_checksums(region, ids))
+        for _peer, payload in nixl.notifications():
+            conn.send((payload.decode(), time.monotonic()))
+        time.sleep(0.0002)
+    nixl.close()
+
+
+class CappedLink:
+    """A connector whose every write lasts at least bytes / cap: a link of that bandwidth."""
+
+    def __init__(self, inner: Any, bytes_per_s: float | None) -> None:
+        self._inner, self._rate = inner, bytes_per_s
+        self.region, self.supports_layers = inner.region, True
+
+    def _hold(self, started: float, stats: Any) -> Any:
+        if self._rate:
+            time.sleep(max(0.0, started + stats.num_bytes / self._rate - time.perf_counter()))
+        return stats
+
+    def write(self, *a: Any) -> Any:
+        return self._hold(time.perf_counter(), self._inner.write(*a))
+
+    def write_layers(self, *a: Any) -> Any:
+        return self._hold(time.perf_counter(), self._inner.write_layers(*a))
+
+    def notify(self, peer: str, note: bytes) -> None:
+        self._inner.notify(peer, note)
+
+    def layer_checksums(self, *a: Any) -> Any:
+        return self._inner.layer_checksums(*a)
+
+
+def _arrival(conn: Connection, tag: str, timeout_s: float = 120.0) -> float:
+    if not conn.poll(timeout_s):
+        raise TimeoutError(f"the reader never saw {tag}")
+    got, at = conn.recv()
+    assert got == tag, (got, tag)
+    return float(at)
+
+
+def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict[str, Any]]:
+    import torch
+
+    from kvrail.messages import PrefillJob
+    from kvrail.sampling import SamplingParams
+    from kvrail.worker.roles.layerwise import LayeredWrite
+    from kvrail.worker.transfer.faults import TransportFaults
+    from kvrail.worker.transfer.kv_connector import KvConnector
+    from kvrail.worker.transfer.layer_groups import plan_groups
+
+    spec = LINKS[link]
+    saved = {key: os.environ.get(key) for key in spec["env"]}
+    os.environ.update(spec["env"])  # read by UCX as the writer's agent starts
+    cache = engine.kv_cache
+    num_layers = cache.num_layers
+    need = -(-max(args.prompts) // BLOCK_SIZE)
+    shape = cache.tensor.shape
+    reader_args = {
+        "num_blocks": need + 1, "num_layers": num_layers, "num_kv_heads": shape[4],
+        "head_dim": shape[5], "dtype": str(cache.tensor.dtype).removeprefix("torch."),
+        "device": args.device, "prefer_ipc": spec["prefer_ipc"],
+    }  # fmt: skip
+    ctx = mp.get_context("spawn")
+    ours, theirs = ctx.Pipe()
+    proc = ctx.Process(target=_reader, args=(theirs, spec["env"], reader_args), daemon=True)
+    proc.start()
+    agent = f"writer-{link}"
+    nixl = KvConnector(agent, cache, prefer_ipc=spec["prefer_ipc"])
+    peer = nixl.add_peer(ours.recv())
+    ours.send(nixl.metadata())
+    link_ = CappedLink(nixl, args.cap_gbs * 1e9 if spec["cap"] else None)
+    thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    rows: list[dict[str, Any]] = []
+    counter = iter(range(10**9))
+    try:
+        for length in args.prompts:
+            g = torch.Generator().manual_seed(length)
+            token_ids = torch.randint(3, args.vocab - 1, (length,), generator=g).tolist()
+            dest = tuple(range(1, -(-length // BLOCK_SIZE) + 1))
+            methods = [0, *args.groups]
+            samples: dict[int, list[tuple[float, float, float]]] = {m: [] for m in methods}
+            for rnd in range(args.iters + 1):
+                for groups in methods:
+                    rid = f"{link}-{length}-{groups}-{next(counter)}"
+                    ttft, prefill, transfer = _one(
+                        engine, nixl, link_, thread, peer, ours, rid, token_ids, params, dest,
+                        plan_groups(num_layers, groups), PrefillJob, LayeredWrite,
+                        TransportFaults(), verify=rnd == args.iters,  # the last round
+                    )  # fmt: skip
+                    if rnd:  # the first round is untimed
+                        samples[groups].append((ttft, prefill, transfer))
+            whole = samples[0]
+            base_prefill = statistics.median(s[1] for s in whole)
+            base_transfer = statistics.median(s[2] for s in whole)
+            for groups in methods:
+                ttft = statistics.median(s[0] for s in samples[groups])
+                worst = max(base_prefill, base_transfer)
+                bound = worst + base_transfer / groups + 0.010 if groups else 0.0
+                row = {
+                    "link": link, "prompt_tokens": length, "layer_groups": groups,
+                    "ttft_s": ttft, "ttft_all_s": [s[0] for s in samples[groups]],
+                    "prefill_s": base_prefill, "whole_transfer_s": base_transfer,
+                    "bound_s": bound if groups else None,
+                    "meets_bound": (ttft <= bound) if groups else None,
+                    "kv_bytes": len(dest) * cache.block_bytes,
+                }  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{link:9} {length:6d} tok  G={groups or 'whole':>5}  TTFT "
+                    f"{ttft * 1e3:9.2f} ms   prefill {base_prefill * 1e3:8.2f} ms  "
+                    f"whole transfer {base_transfer * 1e3:8.2f} ms  "
+                    + (f"bound {bound * 1e3:8.2f} ms {'met' if ttft <= bound else 'NOT met'}"
+                       if groups else ""),
+                    flush=True,
+                )  # fmt: skip
+    finally:
+        ours.send("bye")
+        proc.join(30)
+        thread.shutdown()
+        nixl.close()
+        for key, value in saved.items():
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+    return rows
+
+
+def _one(
+    engine: Any, nixl: Any, link: Any, thread: Any, peer: str, reader: Connection, rid: str,
+    token_ids: list[int], params: Any, dest: tuple[int, ...], groups: tuple[int, ...],
+    job_type: Any, layered_type: Any, faults: Any, verify: bool = False,
+) -> tuple[float, float, float]:  # fmt: skip
+    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time).
+    `verify`: zero the reader's blocks first and compare every block's checksum after."""
+    import torch
+
+    from kvrail.worker.transfer.envelope import block_checksums
+
+    if verify:
+        reader.send(("zero", list(dest)))
+        assert reader.recv() == "zeroed"
+
+    deadline = time.monotonic() + 300
+    layered = None
+    if groups:
+        job = job_type(
+            request_id=rid, token_ids=tuple(token_ids), fingerprint="bench", dest_worker_id="r",
+            dest_incarnation=1, dest_agent_name=peer, dest_block_ids=dest, first_block_index=0,
+            deadline_unix_s=time.time() + 300, sampling=params,
+        )  # fmt: skip
+        layered = layered_type(job, groups, link, faults, thread.submit, deadline, BLOCK_SIZE)
+        engine.runner.layer_sinks.add(rid, layered.sink)
+    torch.cuda.synchronize() if torch.cuda.is_available() else None
+    started = time.monotonic()
+    engine.add_request(rid, token_ids, params, retain_blocks=True)
+    while engine.has_unfinished_requests():
+        engine.step()
+    computed = time.monotonic()
+    src = engine.retained_block_ids(rid)
+    note = rid.encode()
+    transfer = 0.0
+    try:
+        if layered is not None:
+            written = _LOOP.run_until_complete(layered.finish(src, lambda _sums: note))
+            assert written is not None, "the engine handed over no group"
+        else:
+            transfer = link.write(peer, src, dest, note, deadline).seconds
+        arrived = _arrival(reader, rid)
+        if verify:
+            reader.send(("sums", list(dest)))
+            assert reader.recv() == block_checksums(engine.kv_cache, src), f"{rid}: KV differs"
+    finally:
+        engine.runner.layer_sinks.discard(rid)
+        engine.release(rid)
+    return arrived - started, computed - started, transfer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--links", nargs="+", default=list(LINKS), choices=list(LINKS))
+    parser.add_argument("--prompts", nargs="+", type=int, default=[2048, 8192, 32768])
+    parser.add_argument("--groups", nargs="+", type=int, default=[2, 4, 8])
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--cap-gbs", type=float, default=5.0, help="capped link, GB/s")
+    parser.add_argument(
+        "--max-batched-tokens", type=int, default=0,
+        help="the engine's step budget (0: the longest prompt, so each prompt is one step)",
+    )  # fmt: skip
+    parser.add_argument("--kv-gib", type=float, default=8.0)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU, short runs")
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+    import gpu_llama3_8b as gpu
+
+    if args.smoke:
+        args.prompts, args.groups, args.iters = [64, 256], [2], 1
+        args.links = [link for link in args.links if link != "cuda-ipc"]
+        LINKS["ucx-tcp"]["env"] = {"UCX_TLS": "tcp,self"}
+    longest = max(args.prompts)
+    gpu.LLAMA3_8B["max_position_embeddings"] = longest + 1024
+    hf, config = gpu.random_model(args.smoke)
+    args.device, args.vocab = gpu.DEVICE, int(config.vocab_size)
+    engine = gpu.build_engine(
+        hf, config, 0.05 if args.smoke else args.kv_gib, graphs=False,
+        max_model_len=longest + 1024, max_num_batched_tokens=args.max_batched_tokens or longest,
+    )  # fmt: skip
+    del hf
+    print(f"# cap for `capped`: {args.cap_gbs} GB/s; median of {args.iters} after one untimed")
+    rows = [row for link in args.links for row in _measure_link(link, args, engine)]
+    if args.out is not None:
+        args.out.write_text(json.dumps({"args": vars(args) | {"out": str(args.out)},
+                                        "rows": rows}, indent=1))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
