@@ -88,6 +88,14 @@ def api(kube_control_plane: KubeControlPlane, gateway_api_crds: Path) -> Iterato
         if err.status != 409:
             raise
     yield admin
+    # Leave no pool for an operator that a later test of the session runs on every namespace.
+    objects = client.CustomObjectsApi(admin)
+    for name in ("chat", "solo"):
+        try:
+            objects.delete_namespaced_custom_object(GROUP, VERSION, NAMESPACE, PLURAL, name)
+        except ApiException as err:
+            if err.status != 404:
+                raise
     admin.close()
 
 
