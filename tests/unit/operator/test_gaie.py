@@ -4,8 +4,10 @@ and the route, as the builders render them; and what reconcile does without GAIE
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
+import kopf
 import pytest
 
 from kvrail.crd.pool import InferencePool
@@ -13,6 +15,7 @@ from kvrail.operator.apply import InferenceExtensionMissingError, reconcile
 from kvrail.operator.builders.children import ChildRef, build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.networkpolicy import build_network_policy
+from kvrail.operator.handlers import MISSING_CRD_RETRY_DELAY_S, reconcile_inferencepool
 from kvrail.operator.k8s import KindNotServedError
 from kvrail.operator.testing import COLOCATED, make_pool, mutate, pool_manifest
 from kvrail.operator.testing_gaie import gaie
@@ -203,3 +206,26 @@ def test_missing_gaie_crd_is_reported_as_such_and_leaves_the_old_route() -> None
     assert route is not None  # no route to a pool that cannot exist, and no silent switch
     gaie_route = cluster.get("gateway.networking.k8s.io/v1", "HTTPRoute", "tiny-gaie", "default")
     assert gaie_route is None
+
+
+def test_handler_degrades_the_pool_and_retries_while_gaies_crd_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[tuple[str, str]] = []
+    monkeypatch.setattr(kopf, "warn", lambda _, reason, message: events.append((reason, message)))
+
+    manifest = mutate(pool_manifest(), gaie(), ("metadata.uid", "uid-1"))
+    body = kopf.Body(manifest)
+    patch = kopf.Patch()
+    cluster = MemoryCluster()
+    cluster.missing.add("InferencePool")
+    memo = kopf.Memo(cluster=cluster, ctx=CTX)
+    with pytest.raises(kopf.TemporaryError) as err:
+        reconcile_inferencepool(body=body, patch=patch, memo=memo, logger=logging.getLogger())
+    assert err.value.delay == MISSING_CRD_RETRY_DELAY_S  # installing the CRD is enough
+    conditions = {c["type"]: c for c in patch["status"]["conditions"]}
+    assert conditions["Degraded"]["status"] == "True"
+    assert conditions["Degraded"]["reason"] == "InferenceExtensionMissing"
+    assert "inference.networking.k8s.io" in conditions["Degraded"]["message"]
+    assert conditions["Ready"]["status"] == "False"
+    assert events == [("InferenceExtensionMissing", conditions["Degraded"]["message"])]
