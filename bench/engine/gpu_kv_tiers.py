@@ -13,7 +13,15 @@ same weights, the same sessions, run in the order a, b, a, b. Printed per run:
   that returned it: a turn whose prefix loads waits for its load, then joins a step);
 - the worst gap between two tokens of one request, over the run (no decode step may wait for an
   offload or a load);
-- tokens equal: every answer of the tiered run against the plain run's (greedy).
+- answers equal: every answer of the tiered run against the plain run's (greedy); with
+  `--whole-gib G`, also a third engine whose GPU pool (G GiB) holds every prefix, run first in
+  each round, and every answer against its answers. This is not a check of the tier's
+  correctness: a turn's prompt holds the session's earlier answers, so one token that differs
+  (engines of other pool sizes, or batches timed otherwise, round bf16 differently, and random
+  weights' logits are near ties) changes every later prompt of its session, whose answers then
+  differ from their first token. On an H100 the whole pool's answers and the plain run's
+  differed as much as the host tier's did (gpu_kv_tiers_2026-12-06b.txt). What checks the tier
+  is `tests/unit/worker/test_kv_tiers.py` (same tokens with and without tiers, on CUDA too).
 Then the host tier's load bandwidth against the link's: 1 GiB of blocks loaded through the tier's
 own path (copies on its stream, checksums compared on the GPU) against one pinned 1 GiB
 host-to-device copy, in the same process.
@@ -160,6 +168,7 @@ def main() -> int:
     parser.add_argument("--answer", type=int, default=64, help="tokens of each answer")
     parser.add_argument("--think", type=float, default=0.5, help="mean think time, seconds")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each engine, alternating")
+    parser.add_argument("--whole-gib", type=float, default=0.0, help="see the docstring")
     args = parser.parse_args()
     sizes: dict[str, Any] = {"max_num_seqs": 64}
     if args.smoke:  # a pool of 12 blocks, about a quarter of the live prefixes
@@ -172,17 +181,27 @@ def main() -> int:
     plain = base.warmed(base.build_engine(hf, config, args.kv_gib, graphs, **sizes))
     tiered = base.warmed(base.build_engine(hf, config, args.kv_gib, graphs,
                                            kv_host_tier_bytes=host_bytes, **sizes))  # fmt: skip
+    engines = [("plain", plain), ("host tier", tiered)]
+    if args.whole_gib:
+        whole_sizes = {**sizes, "num_blocks": 400} if args.smoke else sizes
+        whole = base.warmed(base.build_engine(hf, config, args.whole_gib, graphs, **whole_sizes))
+        engines.insert(0, ("whole pool", whole))
     del hf
     pool_tokens = (plain.config.num_blocks - 1) * plain.config.block_size
     print(f"# GPU KV pool {pool_tokens} tokens; host tier {args.host_gib} GiB; "
           f"{args.sessions} sessions x {args.turns} turns")  # fmt: skip
     reference: dict[str, list[int]] = {}
+    whole_answers: dict[str, list[int]] = {}
     for round_ in range(args.rounds):
-        for name, engine in (("plain", plain), ("host tier", tiered)):
+        for name, engine in engines:
             r = run_sessions(engine, args, seed=round_)
             if name == "plain":
                 reference = r["answers"]
-            same = _agreement(r["answers"], reference)
+            if name == "whole pool":
+                whole_answers = r["answers"]
+            same = _agreement(r["answers"], reference) if name != "whole pool" else ""
+            if whole_answers and name != "whole pool":
+                same += "; against the whole pool's: " + _agreement(r["answers"], whole_answers)
             live = args.sessions * r["final_prompt"] / pool_tokens
             print(f"{name:10s} round {round_}: prompt tokens computed {r['computed']:8d} "
                   f"cached {r['cached']:8d}  TTFT p50 {r['ttft_p50'] * 1e3:8.1f} ms "

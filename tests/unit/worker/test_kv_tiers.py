@@ -136,15 +136,13 @@ def test_an_abort_while_loading_frees_every_block_once_the_load_is_done(
     device: str, tmp_path: Path
 ) -> None:
     prompt = list(range(3, 43))
-    if device == "cpu":  # there a load from host memory is done as it starts: load from disk
+    # A load from host memory can be done as it starts (on a CPU at once; on a GPU beside the
+    # step in flight, joining the step being scheduled): load from disk, a read in a thread.
+    with torch.device(device):
         first = _disk_engine(tmp_path)
         _run(first, "first", prompt)
         _flush(first)
         engine = _disk_engine(tmp_path)  # restarted: the prompt's blocks are on disk only
-    else:
-        engine = _engine(device, kv_host_tier_bytes=200 * BLOCK_BYTES)
-        _run(engine, "first", prompt)
-        _run(engine, "evict", list(range(50, 90)))
     engine.add_request("loading", prompt, PARAMS)
     engine.step()  # admitted: its blocks load
     request = engine.scheduler.requests["loading"]
