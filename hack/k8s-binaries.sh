@@ -17,6 +17,7 @@ K8S_VERSION=${K8S_VERSION:-v1.36.3}
 KWOK_VERSION=${KWOK_VERSION:-v0.8.0}
 HELM_VERSION=${HELM_VERSION:-v4.3.1}
 GATEWAY_API_VERSION=${GATEWAY_API_VERSION:-v1.6.3}
+GAIE_VERSION=${GAIE_VERSION:-v1.6.0}
 # kube-apiserver 1.36 needs etcd 3.5+ (Debian's 3.4.23 fails its watch-cache progress requests).
 ETCD_VERSION=${ETCD_VERSION:-v3.6.16}
 CACHE=${K8S_HARNESS_CACHE:-$HOME/.cache/kvrail/k8s}
@@ -109,6 +110,18 @@ gateway_api() {
   mv "$out.tmp" "$out"
 }
 
+# The Gateway API Inference Extension's InferencePool CRD (inference.networking.k8s.io/v1), read
+# from the module zip at test time: kvrail's chart never installs it (the platform does).
+gaie() {
+  local out=$ROOT/gaie-$GAIE_VERSION
+  [ -d "$out" ] && return 0
+  local dir
+  dir=$(go mod download -json "sigs.k8s.io/gateway-api-inference-extension@$GAIE_VERSION" | python3 -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+  mkdir -p "$out.tmp"
+  cp "$dir"/config/crd/bases/inference.networking.k8s.io_inferencepools.yaml "$out.tmp/"
+  mv "$out.tmp" "$out"
+}
+
 build_helm() {
   if "$BIN/helm" version --short 2>/dev/null | grep -q "^$HELM_VERSION"; then return 0; fi
   log "building helm $HELM_VERSION"
@@ -119,10 +132,10 @@ build_helm() {
 }
 
 case "${1:-all}" in
-  all) build_kubernetes; build_etcd; build_kwok; kwok_stages; gateway_api; build_helm
+  all) build_kubernetes; build_etcd; build_kwok; kwok_stages; gateway_api; gaie; build_helm
        "$HACK_DIR/node-binaries.sh" >/dev/null ;;
   kubernetes|etcd|kwok|helm) "build_$1" ;;
-  kwok_stages|gateway_api) "$1" ;;
-  *) echo "usage: $0 [all|kubernetes|etcd|kwok|helm|kwok_stages|gateway_api]" >&2; exit 2 ;;
+  kwok_stages|gateway_api|gaie) "$1" ;;
+  *) echo "usage: $0 [all|kubernetes|etcd|kwok|helm|kwok_stages|gateway_api|gaie]" >&2; exit 2 ;;
 esac
 echo "$BIN"

@@ -2,8 +2,9 @@
 
 Idempotent and level-based: the same pool applied twice changes nothing the second time (server-
 side apply of identical manifests is a no-op). Errors are sorted for Kopf: a refused manifest or
-a missing kind is permanent until the spec changes (`ApplyRefusedError`); everything else
-(timeouts, 5xx, 429, conflicts) is retried by the caller.
+a missing kind is permanent until the spec changes (`ApplyRefusedError`), except GAIE's
+InferencePool, which the platform may install later (`InferenceExtensionMissingError`);
+everything else (timeouts, 5xx, 429, conflicts) is retried by the caller.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from kvrail.crd.pool import InferencePool, Role
 from kvrail.operator.autoscale.replicas import planner_owns_replicas, worker_replicas
 from kvrail.operator.builders.children import build_children, stale_children
 from kvrail.operator.builders.context import BuildContext
+from kvrail.operator.builders.gaie import GAIE_API_VERSION, GAIE_KIND
 from kvrail.operator.builders.meta import Component, child_name
 from kvrail.operator.k8s import KindNotServedError
 from kvrail.operator.status import Workload, observe
@@ -48,6 +50,11 @@ class ApplyRefusedError(Exception):
     """The API server refused a child for a reason retrying will not fix."""
 
 
+class InferenceExtensionMissingError(ApplyRefusedError):
+    """GAIE mode is on but the API server does not serve GAIE's InferencePool: the platform has
+    not installed its CRD. Retried slowly, so that installing the CRD is enough."""
+
+
 @dataclass(frozen=True, slots=True)
 class Outcome:
     applied: int
@@ -66,6 +73,13 @@ def reconcile(cluster: Cluster, pool: InferencePool, ctx: BuildContext) -> Outco
         try:
             cluster.apply(manifest)
         except KindNotServedError as err:
+            if manifest["apiVersion"] == GAIE_API_VERSION:
+                raise InferenceExtensionMissingError(
+                    f"router.gateway.inferenceExtension is enabled but the API server does not "
+                    f"serve {GAIE_KIND}.{GAIE_API_VERSION}: install the Gateway API Inference "
+                    f"Extension's CRDs (v1); the GAIE InferencePool, its HTTPRoute and the "
+                    f"removal of stale children wait until then"
+                ) from err
             raise ApplyRefusedError(
                 f"{manifest['kind']} {manifest['metadata']['name']}: {err}"
             ) from err

@@ -3,7 +3,9 @@
 - create, resume and update (of `spec`) share one reconcile: build, server-side apply, delete
   stale children, then write the status. A refused spec or child sets `Degraded` and raises
   `PermanentError` (no crash loop, no retries until the spec changes); API hiccups raise
-  `TemporaryError` and Kopf retries later. Handlers never sleep.
+  `TemporaryError` and Kopf retries later. GAIE mode without GAIE's CRD sets `Degraded`
+  (`InferenceExtensionMissing`) with a warning Event and is retried every minute, so installing
+  the CRD is enough. Handlers never sleep.
 - a timer re-reads the workloads and refreshes status (ready counts, conditions).
 - the plan timer runs the planner every `spec.autoscaling.intervalSeconds` (Kopf ticks every
   second; the handler returns at once until the interval has passed) when autoscaling is enabled.
@@ -38,12 +40,18 @@ from urllib3.exceptions import HTTPError
 from kvrail.crd.pool import GROUP, PLURAL, VERSION, InferencePool
 from kvrail.keys import PoolKeys
 from kvrail.operator import metrics
-from kvrail.operator.apply import ApplyRefusedError, observe_workloads, reconcile
+from kvrail.operator.apply import (
+    ApplyRefusedError,
+    InferenceExtensionMissingError,
+    observe_workloads,
+    reconcile,
+)
 from kvrail.operator.autoscale import autoscaler
 from kvrail.operator.autoscale.planner import PlannerState
 from kvrail.operator.planes import PlaneError, delete_pool_data, pool_settings
 from kvrail.operator.status import (
     APPLY_FAILED,
+    INFERENCE_EXTENSION_MISSING,
     INVALID_SPEC,
     Problem,
     compute_status,
@@ -51,6 +59,7 @@ from kvrail.operator.status import (
 )
 
 RETRY_DELAY_S = 10
+MISSING_CRD_RETRY_DELAY_S = 60
 OBSERVE_INTERVAL_S = 10
 PLAN_TICK_S = 1.0
 CLEANED_UP = "CleanedUp"
@@ -113,6 +122,10 @@ def reconcile_inferencepool(
         raise _invalid(body, patch, err) from err
     try:
         outcome = reconcile(memo.cluster, pool, memo.ctx)
+    except InferenceExtensionMissingError as err:
+        _write_status(body, patch, memo, pool, Problem(INFERENCE_EXTENSION_MISSING, str(err)))
+        kopf.warn(body, reason=INFERENCE_EXTENSION_MISSING, message=str(err))
+        raise kopf.TemporaryError(str(err), delay=MISSING_CRD_RETRY_DELAY_S) from err
     except ApplyRefusedError as err:
         _write_status(body, patch, memo, pool, Problem(APPLY_FAILED, str(err)))
         kopf.warn(body, reason=APPLY_FAILED, message=str(err))

@@ -5,7 +5,8 @@ Three conditions, each with a CamelCase reason:
 - `Ready`: every workload exists, has rolled out the current spec and has all its replicas ready,
   and at least one decode worker and one router replica serve.
 - `Progressing`: a workload is missing or still rolling out the current spec.
-- `Degraded`: the spec was refused (`InvalidSpec`), applying failed (`ApplyFailed`), or a rolled-out
+- `Degraded`: the spec was refused (`InvalidSpec`), applying failed (`ApplyFailed`), GAIE mode is
+  on without GAIE's CRD (`InferenceExtensionMissing`), or a rolled-out
   workload lacks ready replicas (`ReplicasUnavailable`).
 
 `lastTransitionTime` changes only when a condition's status changes, so a status written twice
@@ -37,6 +38,7 @@ REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
 AS_EXPECTED = "AsExpected"
 INVALID_SPEC = "InvalidSpec"
 APPLY_FAILED = "ApplyFailed"
+INFERENCE_EXTENSION_MISSING = "InferenceExtensionMissing"
 
 Status = Literal["True", "False", "Unknown"]
 
@@ -54,7 +56,8 @@ class Workload:
 
 @dataclass(frozen=True, slots=True)
 class Problem:
-    """A reason to be Degraded that no workload shows: `INVALID_SPEC` or `APPLY_FAILED`."""
+    """A reason to be Degraded that no workload shows: `INVALID_SPEC`, `APPLY_FAILED` or
+    `INFERENCE_EXTENSION_MISSING`."""
 
     reason: str
     message: str

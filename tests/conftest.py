@@ -130,6 +130,24 @@ def gateway_api_crds() -> Path:
     return folder
 
 
+GAIE_VERSION = "v1.6.0"
+"""The GAIE release whose InferencePool CRD the tests install (`hack/k8s-binaries.sh`)."""
+
+
+@pytest.fixture(scope="session")
+def gaie_crd() -> Path:
+    """GAIE's InferencePool CRD (v1), collected by `make k8s-binaries` from the GAIE module on
+    the Go module proxy (read at test time, never copied: the platform installs it, not kvrail)."""
+    path = (
+        k8s_bin_dir().parent
+        / f"gaie-{GAIE_VERSION}"
+        / "inference.networking.k8s.io_inferencepools.yaml"
+    )
+    if not path.is_file():
+        _unavailable(f"GAIE's InferencePool CRD not at {path}; run `make k8s-binaries`")
+    return path
+
+
 @pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     """The control plane with one real node (kubelet, containerd, runc, CNI bridge, kube-proxy),

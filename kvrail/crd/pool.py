@@ -205,6 +205,15 @@ _SPEC_RULES = rules(
         ".autoscaling.enabled",
         "FieldValueRequired",
     ),
+    rule(
+        "self.engine.kind == 'kvrail' || !has(self.router.gateway) || "
+        "!has(self.router.gateway.inferenceExtension) || "
+        "!self.router.gateway.inferenceExtension.enabled",
+        "router.gateway.inferenceExtension needs engine.kind kvrail: its endpoint picker names "
+        "kvrail workers' HTTP fronts (a vLLM pool can sit behind a GAIE gateway with a picker "
+        "that reads vLLM's metrics)",
+        ".router.gateway.inferenceExtension.enabled",
+    ),
     *_KV_TIER_RULES,
     *_VLLM_RULES,
 )

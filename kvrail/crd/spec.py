@@ -11,6 +11,7 @@ from pydantic import ConfigDict, Field
 
 from kvrail.crd.base import CrdModel, Quantity, rule, rules, sub
 from kvrail.crd.chat import ChatTemplateSpec, ReasoningParser, ToolCallParser
+from kvrail.crd.gateway import GatewaySpec
 from kvrail.crd.tiers import KvTiersSpec
 
 DType = Literal["float32", "float16", "bfloat16"]
@@ -269,35 +270,6 @@ class TopologySpec(CrdModel):
     """The node label replicas of one role are spread over. Default `kubernetes.io/hostname`."""
     ucx_net_devices: str | None = Field(None, max_length=256)
     """`UCX_NET_DEVICES` for the workers (e.g. `mlx5_0:1`). Optional: UCX picks by default."""
-
-
-class ParentRef(CrdModel):
-    """The Gateway the router's HTTPRoute attaches to."""
-
-    name: str = Field(min_length=1, max_length=253)
-    """Gateway name."""
-    namespace: str | None = Field(None, max_length=63)
-    """Gateway namespace; defaults to the pool's."""
-    section_name: str | None = Field(None, max_length=253)
-    """A listener of the Gateway. Optional."""
-
-
-Hostname = Annotated[
-    str,
-    Field(
-        max_length=253,
-        pattern=r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$",
-    ),
-]
-
-
-class GatewaySpec(CrdModel):
-    """Expose the router through the Gateway API (an HTTPRoute)."""
-
-    parent_ref: ParentRef
-    """The Gateway to attach to."""
-    hostnames: list[Hostname] = Field(default_factory=list, max_length=16)
-    """Hostnames the route serves; empty serves the Gateway's."""
 
 
 class ScorerSpec(CrdModel):

@@ -8,6 +8,15 @@ from typing import Any, NamedTuple
 from kvrail.crd.pool import InferencePool, Role
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.deployment import build_deployment
+from kvrail.operator.builders.gaie import (
+    GAIE_API_VERSION,
+    GAIE_KIND,
+    build_epp_deployment,
+    build_epp_service,
+    build_gaie_pool,
+    gaie_pool_name,
+    inference_extension,
+)
 from kvrail.operator.builders.httproute import build_httproute
 from kvrail.operator.builders.meta import config_name
 from kvrail.operator.builders.networkpolicy import build_network_policy, network_policy_name
@@ -32,7 +41,8 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """All desired children: the operator's access to its servers (when the pool uses
     them) and the workers' NetworkPolicy first (no worker runs unprotected or without its
-    credentials), then Services, workloads, budgets and the route.
+    credentials), then Services, workloads, budgets, in GAIE mode the endpoint picker and the
+    GAIE InferencePool, and the route (to the GAIE pool only once it exists).
 
     `replicas` overrides the worker StatefulSets' sizes (see
     `kvrail.operator.autoscale.replicas`)."""
@@ -50,6 +60,8 @@ def build_children(
     out.append(build_deployment(pool, ctx))
     out += [build_pdb(pool, r) for r in roles]
     out.append(build_pdb(pool, "router"))
+    if inference_extension(pool) is not None:
+        out += [build_epp_service(pool), build_epp_deployment(pool, ctx), build_gaie_pool(pool)]
     route = build_httproute(pool)
     if route is not None:
         out.append(route)
@@ -62,7 +74,8 @@ def ref(manifest: dict[str, Any]) -> ChildRef:
 
 def stale_children(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     """Children the pool may have had but must not have now (e.g. prefill after a switch to
-    colocated mode, the HTTPRoute after the gateway is removed, the NetworkPolicy after the
+    colocated mode, the HTTPRoute after the gateway is removed, the GAIE objects and their
+    route after GAIE mode is turned off, the NetworkPolicy after the
     operator's were turned off, the infrastructure Secret once the pool names its own servers,
     the router's ConfigMap that earlier operators wrote); the handler deletes them."""
     every = _every_possible(pool, ctx)
@@ -84,6 +97,12 @@ def _every_possible(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     if template is None or template.config_map_key_ref.name != config_name(pool):
         out.append(ChildRef("v1", "ConfigMap", config_name(pool)))  # never the user's template
     out.append(ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", f"{name}-router"))
+    out += [
+        ChildRef("v1", "Service", f"{name}-epp"),
+        ChildRef("apps/v1", "Deployment", f"{name}-epp"),
+        ChildRef(GAIE_API_VERSION, GAIE_KIND, gaie_pool_name(pool)),
+        ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", gaie_pool_name(pool)),
+    ]
     out.append(ChildRef("networking.k8s.io/v1", "NetworkPolicy", network_policy_name(pool)))
     if ctx.share_access:
         out.append(ChildRef("v1", "Secret", infrastructure_secret_name(pool)))

@@ -36,12 +36,16 @@ from kvrail.operator.builders.pod import (
 ROUTER_COMMAND = ["python", "-P", "-m", "kvrail.router"]
 
 
-def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
+def router_volumes(
+    pool: InferencePool, ctx: BuildContext, scratch: bool = True
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(volumes, volumeMounts) of a process running the router's code (the router, the
+    endpoint picker, a pod's HTTP front): cache and /tmp when `scratch`, etcd and NATS
+    credentials, the API keys and the chat template."""
     _, secret_volumes, secret_mounts = infrastructure(pool, ctx)
-    volumes, mounts = scratch_volumes(shm=False)
+    volumes, mounts = scratch_volumes(shm=False) if scratch else ([], [])
     volumes += secret_volumes
     mounts += secret_mounts
-    env = router_env(pool, ctx)
     keys = pool.spec.security.api_keys_secret
     if keys:
         volumes.append({"name": "api-keys", "secret": {"secretName": keys, "defaultMode": 0o440}})
@@ -49,6 +53,12 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
     template_volumes, template_mounts = chat_template_volume(pool)
     volumes += template_volumes
     mounts += template_mounts
+    return volumes, mounts
+
+
+def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
+    volumes, mounts = router_volumes(pool, ctx)
+    env = router_env(pool, ctx)
     router = pool.spec.router
     container = {
         "name": "router",

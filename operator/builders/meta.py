@@ -9,7 +9,7 @@ from typing import Any, Literal
 from kvrail import __version__
 from kvrail.crd.pool import API_VERSION, KIND, InferencePool
 
-Component = Literal["prefill", "decode", "router"]
+Component = Literal["prefill", "decode", "router", "epp"]
 
 POOL_LABEL = "kvrail.dev/pool"
 ROLE_LABEL = "kvrail.dev/role"

@@ -11,6 +11,8 @@ server stores the object either way.
 
 A vLLM pool (`engine.kind: vllm`) is the other exception: its router sends requests to vLLM's
 HTTP API on the workers, so the pool's own router pods (and nothing else) may reach that one port.
+In GAIE mode the decode pods' HTTP fronts are the gateway's endpoints: their port is open to any
+source, like the router's (API keys, when the pool has them, apply there).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvrail.crd.pool import InferencePool
+from kvrail.operator.builders.gaie import FRONT_PORT, inference_extension
 from kvrail.operator.builders.meta import (
     POOL_LABEL,
     ROLE_LABEL,
@@ -47,13 +50,16 @@ def worker_selector(pool: InferencePool) -> dict[str, Any]:
 
 def build_network_policy(pool: InferencePool) -> dict[str, Any]:
     """Ingress to the pool's workers: any port from its workers (same namespace), the HTTP port
-    from anywhere, and for vLLM its API port from the pool's routers. Egress is not restricted
+    (and in GAIE mode the fronts' port) from anywhere, and for vLLM its API port from the pool's
+    routers. Egress is not restricted
     (workers reach etcd, NATS and each other)."""
     selector = worker_selector(pool)
     ingress: list[dict[str, Any]] = [
         {"from": [{"podSelector": selector}]},
         {"ports": [{"protocol": "TCP", "port": WORKER_PORT}]},
     ]
+    if inference_extension(pool) is not None:  # the gateway's proxies, wherever they run
+        ingress.append({"ports": [{"protocol": "TCP", "port": FRONT_PORT}]})
     if pool.spec.engine.kind == "vllm":
         routers = {"matchLabels": selector_labels(pool, "router")}
         ingress.append(

@@ -3,7 +3,8 @@
 One StatefulSet per role, pods started in parallel (workers are independent peers found through
 etcd, so ordered start buys nothing). The pod template carries the model hash as a label: a model
 change changes every worker template, so both pools roll. In colocated mode the decode
-StatefulSet runs both phases (`--role colocated`) and there is no prefill StatefulSet.
+StatefulSet runs both phases (`--role colocated`) and there is no prefill StatefulSet. In GAIE
+mode each decode pod also runs its HTTP front (`builders.gaie`).
 
 The engine decides only the pod's containers: kvrail's `worker`, or vLLM's `engine` and the
 kvrail `agent` (`builders.vllm`). Volumes, resources, placement and identity are the same for
@@ -19,6 +20,7 @@ from kvrail.crd.spec import RoleSpec
 from kvrail.operator.builders import placement
 from kvrail.operator.builders.context import BuildContext
 from kvrail.operator.builders.env import worker_env
+from kvrail.operator.builders.gaie import front_args, front_container, inference_extension
 from kvrail.operator.builders.meta import (
     MODEL_HASH_LABEL,
     WORKER_LIVE_PATH,
@@ -79,15 +81,21 @@ def build_statefulset(
     if spec is None:
         raise ValueError(f"pool {pool.metadata.name} has no {role} pool")
     volumes = worker_volumes(pool, ctx, spec)
+    pod_volumes = list(volumes.volumes)
     if pool.spec.engine.kind == "vllm":
         containers = vllm_containers(pool, role, spec, ctx, volumes)
     else:
         containers = [worker_container(pool, role, spec, ctx, volumes)]
+        if role == "decode" and inference_extension(pool) is not None:
+            containers[0]["command"] += front_args()
+            front, front_volumes = front_container(pool, ctx)
+            containers.append(front)
+            pod_volumes += front_volumes
     pod_spec: dict[str, Any] = {
         **pod_common(pool),
         "terminationGracePeriodSeconds": spec.termination_grace_period_seconds,
         "containers": containers,
-        "volumes": volumes.volumes,
+        "volumes": pod_volumes,
         "topologySpreadConstraints": placement.topology_spread(pool, role),
     }
     affinity = placement.affinity(pool, role)

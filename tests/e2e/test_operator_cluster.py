@@ -479,6 +479,58 @@ def test_child_refused_by_the_api_server_gives_degraded_not_a_crash_loop(env: En
     wait_for("nothing left", lambda: not env.children(ns, name), DEADLINE_S)
 
 
+def test_gaie_pool_is_degraded_without_gaies_crd_then_renders_its_gaie_objects(
+    env: Env, gaie_crd: Path
+) -> None:
+    """The operator, under the chart's RBAC, with GAIE mode on: `InferenceExtensionMissing` while
+    GAIE's CRD is absent, then, once the platform installs it, without a spec change, the GAIE
+    pool, the picker and the route (the teardown checks the operator was never Forbidden)."""
+    name, ns = "smol-gaie", NAMESPACE
+    gaie_crd_name = "customresourcedefinition/inferencepools.inference.networking.k8s.io"
+    env.kubectl("delete", gaie_crd_name, "--ignore-not-found", "--wait=true")
+    env.kubectl("apply", "-n", ns, "-f", str(REPO / "examples" / "cpu-small-gaie.yaml"))
+
+    def degraded() -> dict[str, Any] | None:
+        found = condition(env.pool(ns, name), "Degraded")
+        return found if found.get("status") == "True" else None
+
+    found = wait_for("Degraded", degraded, DEADLINE_S)
+    assert found["reason"] == "InferenceExtensionMissing"
+    assert "inference.networking.k8s.io" in found["message"]
+    assert "InferenceExtensionMissing" in event_reasons(env, ns, name)
+
+    env.kubectl("apply", "--server-side", "-f", str(gaie_crd))
+    env.kubectl("wait", "--for=condition=Established", "--timeout=60s", gaie_crd_name)
+    objects = client.CustomObjectsApi(env.admin)
+
+    def gaie_pool() -> dict[str, Any] | None:
+        try:
+            return objects.get_namespaced_custom_object(  # type: ignore[no-any-return]
+                "inference.networking.k8s.io", "v1", ns, "inferencepools", f"{name}-gaie"
+            )
+        except ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    # The operator retries a missing CRD every minute.
+    found_pool = wait_for("the GAIE pool", gaie_pool, 2 * DEADLINE_S)
+    assert found_pool["spec"]["endpointPickerRef"]["name"] == f"{name}-epp"
+    route = objects.get_namespaced_custom_object(
+        "gateway.networking.k8s.io", "v1", ns, "httproutes", f"{name}-gaie"
+    )
+    assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    assert client.AppsV1Api(env.admin).read_namespaced_deployment(f"{name}-epp", ns)
+    wait_for(
+        "not Degraded",
+        lambda: condition(env.pool(ns, name), "Degraded").get("status") == "False",
+        DEADLINE_S,
+    )
+    env.kubectl("delete", f"{PLURAL}.{GROUP}", name, "-n", ns, "--wait=false")
+    wait_for("nothing left", lambda: not env.children(ns, name), DEADLINE_S)
+    wait_for("the GAIE pool collected", lambda: gaie_pool() is None, DEADLINE_S)
+
+
 def test_helm_install_of_the_chart_creates_every_object(env: Env, helm_binary: Path) -> None:
     release = "kvrail-helm"  # its own namespace and release, beside the operator under test
     done = subprocess.run(

@@ -26,11 +26,12 @@ from kvrail.operator.testing import ACCEPTED as BASE_ACCEPTED
 from kvrail.operator.testing import REFUSED as BASE_REFUSED
 from kvrail.operator.testing import Change, mutate, pool_manifest
 from kvrail.operator.testing_chat import CHAT_ACCEPTED, CHAT_REFUSED, CHAT_SCHEMA_REFUSED
+from kvrail.operator.testing_gaie import GAIE_ACCEPTED, GAIE_REFUSED, GAIE_SCHEMA_REFUSED
 from kvrail.operator.testing_tiers import TIER_ACCEPTED, TIER_REFUSED
 from kvrail.testing.kube import ADMIN, KubeControlPlane
 
-REFUSED = BASE_REFUSED + TIER_REFUSED + CHAT_REFUSED
-ACCEPTED = BASE_ACCEPTED + TIER_ACCEPTED + CHAT_ACCEPTED
+REFUSED = BASE_REFUSED + TIER_REFUSED + CHAT_REFUSED + GAIE_REFUSED
+ACCEPTED = BASE_ACCEPTED + TIER_ACCEPTED + CHAT_ACCEPTED + GAIE_ACCEPTED
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
@@ -159,6 +160,7 @@ def test_schema_refuses_unknown_enum_value_and_out_of_range_number(
             "spec.decode.kvTiers.disk.path",
         ),
         *(((change,), field) for _, change, field in CHAT_SCHEMA_REFUSED),
+        *(((change,), field) for _, change, field in GAIE_SCHEMA_REFUSED),
     ):
         with pytest.raises(ApiException) as err:
             create(objects, mutate(base, *changes))

@@ -13,11 +13,12 @@ from kvrail.operator.testing import ACCEPTED as BASE_ACCEPTED
 from kvrail.operator.testing import REFUSED as BASE_REFUSED
 from kvrail.operator.testing import Change, mutate, pool_manifest
 from kvrail.operator.testing_chat import CHAT_ACCEPTED, CHAT_REFUSED
+from kvrail.operator.testing_gaie import GAIE_ACCEPTED, GAIE_REFUSED
 from kvrail.operator.testing_tiers import TIER_ACCEPTED, TIER_REFUSED
 from kvrail.testing.cel import apply_defaults, violations
 
-REFUSED = BASE_REFUSED + TIER_REFUSED + CHAT_REFUSED
-ACCEPTED = BASE_ACCEPTED + TIER_ACCEPTED + CHAT_ACCEPTED
+REFUSED = BASE_REFUSED + TIER_REFUSED + CHAT_REFUSED + GAIE_REFUSED
+ACCEPTED = BASE_ACCEPTED + TIER_ACCEPTED + CHAT_ACCEPTED + GAIE_ACCEPTED
 
 
 @pytest.mark.parametrize(("case", "changes", "path", "word"), REFUSED, ids=[c[0] for c in REFUSED])

@@ -11,6 +11,7 @@ from kvrail.crd.chat import ReasoningParser, ToolCallParser
 from kvrail.crd.pool import InferencePool
 from kvrail.operator.testing import DELETE, Change, make_pool, mutate, pool_manifest
 from kvrail.operator.testing_chat import CHAT_SCHEMA_REFUSED, template
+from kvrail.operator.testing_gaie import GAIE_SCHEMA_REFUSED
 from kvrail.settings import Settings
 
 
@@ -100,10 +101,13 @@ def test_invalid_field_is_refused_by_the_model(
         make_pool(mutate(pool_manifest(), change))
 
 
+SCHEMA_REFUSED = CHAT_SCHEMA_REFUSED + GAIE_SCHEMA_REFUSED
+
+
 @pytest.mark.parametrize(
-    ("case", "change", "field"), CHAT_SCHEMA_REFUSED, ids=[c[0] for c in CHAT_SCHEMA_REFUSED]
+    ("case", "change", "field"), SCHEMA_REFUSED, ids=[c[0] for c in SCHEMA_REFUSED]
 )
-def test_model_refuses_chat_fields_the_schema_refuses_naming_the_field(
+def test_model_refuses_fields_the_schema_refuses_naming_the_field(
     case: str, change: Change, field: str
 ) -> None:
     with pytest.raises(ValidationError) as err:

@@ -21,6 +21,13 @@ GATEWAY = (
 )
 ROUTER_CONFIG_MAP = ChildRef("v1", "ConfigMap", "tiny-config")
 """The router's configuration file of earlier operators: never built, always stale."""
+GAIE_CHILDREN = [
+    ChildRef("v1", "Service", "tiny-epp"),
+    ChildRef("apps/v1", "Deployment", "tiny-epp"),
+    ChildRef("inference.networking.k8s.io/v1", "InferencePool", "tiny-gaie"),
+    ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", "tiny-gaie"),
+]
+"""What GAIE mode adds: never built without it, so always stale then."""
 DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
@@ -75,7 +82,7 @@ def test_gateway_adds_an_httproute_to_the_router_service() -> None:
     ]
     assert route["spec"]["hostnames"] == ["llm.example.com"]
     assert route["spec"]["rules"][0]["backendRefs"] == [{"name": "tiny-router", "port": 8000}]
-    assert stale_children(pool_with(GATEWAY), CTX) == [ROUTER_CONFIG_MAP]
+    assert stale_children(pool_with(GATEWAY), CTX) == [ROUTER_CONFIG_MAP, *GAIE_CHILDREN]
 
 
 @pytest.mark.parametrize(

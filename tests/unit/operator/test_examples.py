@@ -98,3 +98,13 @@ def test_the_agents_example_mounts_the_template_its_comment_creates() -> None:
     env = {e["name"]: e.get("value") for e in dep["containers"][0]["env"]}
     assert env["KVRAIL_CHAT_TEMPLATE"].endswith("/chat_template.jinja")
     assert (env["KVRAIL_TOOL_CALL_PARSER"], env["KVRAIL_REASONING_PARSER"]) == ("hermes", "none")
+
+
+def test_gaie_example_renders_the_gaie_pool_the_picker_and_the_fronts() -> None:
+    gaie_pool = workload("cpu-small-gaie.yaml", "InferencePool", "-gaie")
+    assert gaie_pool["spec"]["endpointPickerRef"]["name"] == "smol-gaie-epp"
+    epp = workload("cpu-small-gaie.yaml", "Deployment", "-epp")
+    assert epp["spec"]["template"]["spec"]["containers"][0]["command"][3] == "kvrail.epp"
+    decode = workload("cpu-small-gaie.yaml", "StatefulSet", "-decode")
+    names = [c["name"] for c in decode["spec"]["template"]["spec"]["containers"]]
+    assert names == ["worker", "front"]

@@ -13,6 +13,10 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
   the rule stays when they are off, so turning them off cleans up what the operator made.
 - configmaps, delete only: the router's <pool>-config that earlier operators wrote (the router
   now takes every setting from its environment) is removed as a stale child.
+- GAIE mode (router.gateway.inferenceExtension): the GAIE InferencePool
+  (inferencepools.inference.networking.k8s.io, never its status: gateways own status.parents) is
+  a child like the HTTPRoute (create, patch; delete once the mode is off); deployments gain delete
+  for the endpoint picker's <pool>-epp. The picker itself never calls the API: no RBAC.
 - secrets, only with operator.shareAccess, and only written, never read: <pool>-infrastructure
   carries the operator's own etcd and NATS access (from its mounted files) to a pool that names
   no servers of its own; delete removes it once the pool names its own.
@@ -49,12 +53,15 @@ Exactly what the operator calls (kvrail/operator/k8s.py and handlers.py, and Kop
   verbs: [patch]
 - apiGroups: [apps]
   resources: [deployments]
-  verbs: [create, get, patch]
+  verbs: [create, get, patch, delete]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [create, patch, delete]
 - apiGroups: [gateway.networking.k8s.io]
   resources: [httproutes]
+  verbs: [create, patch, delete]
+- apiGroups: [inference.networking.k8s.io]
+  resources: [inferencepools]
   verbs: [create, patch, delete]
 - apiGroups: [networking.k8s.io]
   resources: [networkpolicies]
