@@ -9,7 +9,11 @@ Gateway API installed) raises `KindNotServedError`. Tested against a real kube-a
 Discovery is resolved once per kind, under a lock: the dynamic client's discovery cache is not
 thread-safe (concurrent handlers rebuilding it raise `KeyError`), and it rediscovers the whole API
 on every miss, so an absent kind (HTTPRoute without the Gateway API) is remembered for
-`NEGATIVE_TTL_S` instead of costing a full discovery per reconcile.
+`NEGATIVE_TTL_S` instead of costing a full discovery per reconcile. The dynamic client also keeps
+its discovery in a file under the temp dir, shared by every process that talks to the same API
+server, so a kind can be known that the server no longer serves (its CRD deleted since): a server-
+side apply answered 404 (which it never is for an object: it creates) rediscovers once, and the
+kind is then reported as not served if it is gone.
 """
 
 from __future__ import annotations
@@ -67,7 +71,17 @@ class Kube:
 
     def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply as the operator's field manager, taking over conflicting fields."""
-        resource = self._resource(manifest["apiVersion"], manifest["kind"])
+        api_version, kind = manifest["apiVersion"], manifest["kind"]
+        try:
+            return self._apply(self._resource(api_version, kind), manifest)
+        except NotFoundError:  # discovered from a stale cache: the kind may be gone
+            with self._lock:
+                self._dynamic.resources.invalidate_cache()
+                self._resources.pop((api_version, kind), None)
+            return self._apply(self._resource(api_version, kind), manifest)
+
+    @staticmethod
+    def _apply(resource: Any, manifest: dict[str, Any]) -> dict[str, Any]:
         result = resource.server_side_apply(
             body=manifest,
             namespace=manifest["metadata"].get("namespace"),

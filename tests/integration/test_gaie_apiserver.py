@@ -133,7 +133,12 @@ def test_gaie_mode_waits_for_gaies_crd_then_every_child_is_accepted(
     api: client.ApiClient, kube_control_plane: KubeControlPlane, gaie_crd: Path
 ) -> None:
     ext = client.ApiextensionsV1Api(api)
-    try:  # another test of this session may have installed it
+    # A discovery that saw GAIE's kind, kept in the dynamic client's cache file (shared by every
+    # process that talks to this API server, as an operator run by an earlier test): the
+    # operator must notice the kind is gone once its CRD is deleted, not apply into a 404.
+    install_gaie(kube_control_plane, api, gaie_crd)
+    assert Kube(api).get(f"{GAIE_GROUP}/v1", "InferencePool", "none", NAMESPACE) is None
+    try:
         ext.delete_custom_resource_definition(GAIE_CRD)
     except ApiException as err:
         if err.status != 404:
