@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import BaseModel
+
 from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders import placement
 from kvrail.operator.builders.context import BuildContext
@@ -56,6 +58,18 @@ def router_volumes(
     return volumes, mounts
 
 
+def surge_one() -> dict[str, Any]:
+    """A Deployment's rollout that brings a new pod up before an old one goes (router, EPP)."""
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+
+
+def add_resources(container: dict[str, Any], resources: BaseModel) -> None:
+    """The container's requests and limits from a spec's `resources`, where it sets any."""
+    given = {k: dict(v) for k, v in resources.model_dump().items() if v}
+    if given:
+        container["resources"] = given
+
+
 def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
     volumes, mounts = router_volumes(pool, ctx)
     env = router_env(pool, ctx)
@@ -71,9 +85,7 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
         "volumeMounts": mounts,
         **probes(slow_start=True, ready_path=ROUTER_READY_PATH, live_path=ROUTER_LIVE_PATH),
     }
-    resources = {k: dict(v) for k, v in router.resources.model_dump().items() if v}
-    if resources:
-        container["resources"] = resources
+    add_resources(container, router.resources)
     template_meta = {"labels": labels(pool, "router")}
     spread = placement.topology_spread(pool, "decode")
     spread[0]["labelSelector"] = {"matchLabels": selector_labels(pool, "router")}
@@ -84,10 +96,7 @@ def build_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, Any]:
         "spec": {
             "replicas": router.replicas,
             "selector": {"matchLabels": selector_labels(pool, "router")},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": surge_one(),
             "template": {
                 "metadata": template_meta,
                 "spec": {

@@ -25,7 +25,7 @@ from typing import Any, Final
 from kvrail.crd.gateway import InferenceExtensionSpec
 from kvrail.crd.pool import InferencePool
 from kvrail.operator.builders.context import BuildContext
-from kvrail.operator.builders.deployment import router_volumes
+from kvrail.operator.builders.deployment import add_resources, router_volumes, surge_one
 from kvrail.operator.builders.env import CACHE_DIR, router_env, setting
 from kvrail.operator.builders.meta import (
     ROUTER_LIVE_PATH,
@@ -151,9 +151,7 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
         "livenessProbe": _grpc_probe("liveness", 10, 3),
         "startupProbe": _grpc_probe("liveness", 10, 60),
     }
-    resources = {k: dict(v) for k, v in gaie.resources.model_dump().items() if v}
-    if resources:
-        container["resources"] = resources
+    add_resources(container, gaie.resources)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -161,10 +159,7 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
         "spec": {
             "replicas": gaie.epp_replicas,
             "selector": {"matchLabels": selector_labels(pool, "epp")},
-            "strategy": {
-                "type": "RollingUpdate",
-                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
-            },
+            "strategy": surge_one(),
             "template": {
                 "metadata": {"labels": labels(pool, "epp")},
                 "spec": {
