@@ -247,13 +247,15 @@ class Grammars:
             counts = Counter({group: 0 for group in starts})
             counts.update(request.grammar_group for request in rows)
             for request in rows:
-                target = min(starts, key=counts.__getitem__)
-                if moves == 0 or counts[target] >= share:
+                if moves == 0:
                     break
                 if counts[request.grammar_group] <= share or (
                     request.num_output_tokens > MOVE_TOKENS
                 ):
                     continue
+                target = min(starts, key=counts.__getitem__)  # only for a row that would move
+                if counts[target] >= share:
+                    break
                 matcher = starts[target].deep_copy()
                 if request.output_token_ids:
                     matcher.consume_tokens(request.output_token_ids)
