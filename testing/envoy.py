@@ -16,16 +16,15 @@ listener points ext_proc at a closed port, failing closed, for the EPP-down case
 from __future__ import annotations
 
 import dataclasses
-import socket
-import subprocess
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 import yaml
+
+from kvrail.local.procs import ManagedProcess, ProcessFailed, free_port
 
 _T = "type.googleapis.com/envoy.extensions."
 _HCM = _T + "filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -56,12 +55,6 @@ function envoy_on_response(h)
   end
 end
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def envoy_binary() -> Path:
@@ -149,46 +142,39 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_
 class Envoy:
     """A running Envoy; ``gateway`` and ``gateway_epp_down`` are its two listeners' URLs."""
 
-    process: subprocess.Popen[bytes]
+    process: ManagedProcess
     admin: str
     gateway: str
     gateway_epp_down: str
     log: Path
 
     def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        self.process.stop()
 
 
 def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], timeout_s: float = 30) -> Envoy:
-    """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``RuntimeError``
-    with the tail of its log."""
+    """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
+    (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
     ports = {name: free_port() for name in ("admin", "gateway", "gateway_epp_down", "epp_down")}
     config = workdir / "envoy.yaml"
     config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, **ports)))
     log = workdir / "envoy.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
-             "--disable-hot-restart", "--concurrency", "2"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+    argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
+            "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip
+    process = ManagedProcess("envoy", argv, log).start()
     envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}",
                   f"http://127.0.0.1:{ports['gateway']}",
                   f"http://127.0.0.1:{ports['gateway_epp_down']}", log)  # fmt: skip
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"envoy exited {process.returncode}: {log.read_text()[-3000:]}")
+
+    def live() -> bool:
         try:
-            if httpx.get(f"{envoy.admin}/ready", timeout=1).text.strip() == "LIVE":
-                return envoy
+            return httpx.get(f"{envoy.admin}/ready", timeout=1).text.strip() == "LIVE"
         except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    envoy.stop()
-    raise RuntimeError(f"envoy not ready in {timeout_s}s: {log.read_text()[-3000:]}")
+            return False
+
+    try:
+        process.wait_ready(live, timeout_s)
+    except ProcessFailed:
+        envoy.stop()
+        raise
+    return envoy

@@ -26,7 +26,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest, Routed
 from kvrail.epp.protocol import Limits
 from kvrail.epp.server import HEALTH_SERVICES, Running, start
-from kvrail.testing.envoy import Envoy, free_port, start_envoy
+from kvrail.local.procs import free_port
+from kvrail.testing.envoy import Envoy, start_envoy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -32,11 +32,12 @@ from kvrail.epp.kv_picker import KvAwarePicker
 from kvrail.epp.picker import Pick, PickRequest, Routed
 from kvrail.epp.pool import follow_pool
 from kvrail.epp.server import Running, start
+from kvrail.local.procs import free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.router.streams.job import Job
 from kvrail.sampling import SamplingParams
 from kvrail.settings import load_settings
-from kvrail.testing.envoy import Envoy, free_port, start_envoy
+from kvrail.testing.envoy import Envoy, start_envoy
 from kvrail.testing.pool import LocalPool
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
