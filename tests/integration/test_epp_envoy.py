@@ -26,7 +26,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest, Routed
 from kvrail.epp.protocol import Limits
 from kvrail.epp.server import HEALTH_SERVICES, Running, start
-from kvrail.local.procs import free_port
+from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.testing.envoy import Envoy, start_envoy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -97,16 +97,14 @@ def backends(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]:
         argv = [sys.executable, "-P", "-m", "uvicorn", "backend:app", "--app-dir", str(workdir),
                 "--host", "127.0.0.1", "--port", str(p), "--log-level", "warning"]  # fmt: skip
         env = {**os.environ, "BACKEND_ADDRESS": f"127.0.0.1:{p}"}
-        procs.append(subprocess.Popen(argv, env=env))
+        procs.append(ManagedProcess(f"backend-{p}", argv, workdir / f"{p}.log", env).start())
     try:
         for p in ports:
             _wait_http(f"http://127.0.0.1:{p}/health")
         yield [f"127.0.0.1:{p}" for p in ports]
     finally:
         for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(timeout=10)
+            proc.stop()
 
 
 def _wait_http(url: str, timeout_s: float = 30) -> None:
