@@ -22,9 +22,17 @@ checksum, untimed work outside the TTFT), and the median is reported with the pr
 bound for layer-wise:
 `max(prefill, transfer) + transfer / G + 10 ms`.
 
-Not measured here (left): decode steps of other requests on the receiving worker while groups
-land; chunked prefills (`--max-batched-tokens` below a prompt: the blocks each earlier chunk
-fills go whole while the next chunk computes).
+With `--receiver-decode ROWS` the reader also runs kvrail's engine on the same model, decoding
+ROWS other requests without pause (restarted as they finish), and each line adds the worst and
+the median of the reader's decode steps that overlapped the prompt's prefill and transfer,
+against the steps of an idle second (no prefill, no transfer) measured first: what the
+transfer costs the receiving worker's other requests. The writer's prefill runs on the same GPU,
+so it slows those steps for every method alike; compare the methods, not against idle alone.
+In that mode a notification is seen between two decode steps, so TTFT is coarser: take TTFT
+from a run without it.
+
+Not measured here (left): chunked prefills (`--max-batched-tokens` below a prompt: the blocks
+each earlier chunk fills go whole while the next chunk computes).
 
 On the lent GPU (from the repository root, one H100 or H200):
   source hack/device-env.sh && python3 -P bench/transfer/layerwise.py \
@@ -37,6 +45,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import dataclasses
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -54,6 +64,7 @@ LINKS: dict[str, dict[str, Any]] = {  # in this order: the restricted UCX enviro
 }
 BLOCK_SIZE = 16
 _LOOP = asyncio.new_event_loop()  # one for every layer-wise `finish` (a new one costs ms)
+_PROMPTS = itertools.count()  # every prompt of the run gets a first token of its own
 
 
 def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None:
@@ -70,6 +81,7 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
         args["head_dim"], getattr(torch, args["dtype"]), args["device"],
     )  # fmt: skip
     nixl = KvConnector("reader-1", region, prefer_ipc=args["prefer_ipc"])
+    decode = _Decode(args) if args["decode_rows"] else None
     conn.send(nixl.metadata())
     nixl.add_peer(conn.recv())
     while True:
@@ -78,6 +90,9 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
             if msg == "bye":
                 break
             ask, ids = msg  # ("zero", ids) before a verified write, ("sums", ids) after it
+            if ask == "steps":  # ids: (from, to) on CLOCK_MONOTONIC
+                conn.send(decode.steps_within(*ids) if decode else None)
+                continue
             if ask == "zero":
                 region.zero_blocks(torch.as_tensor(ids, device=region.tensor.device))
                 if region.tensor.is_cuda:  # done before the writer's copies start
@@ -87,12 +102,55 @@ def _reader(conn: Connection, env: dict[str, str], args: dict[str, Any]) -> None
                 conn.send(block_checksums(region, ids))
         for _peer, payload in nixl.notifications():
             conn.send((payload.decode(), time.monotonic()))
-        time.sleep(0.0002)
+        decode.step() if decode else time.sleep(0.0002)
     nixl.close()
 
 
+class _Decode:
+    """The receiving worker's other requests: `decode_rows` rows decoding without pause on the
+    same model (random weights), each step's (start, end) kept."""
+
+    def __init__(self, args: dict[str, Any]) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
+        import gpu_llama3_8b as gpu
+
+        from kvrail.sampling import SamplingParams
+
+        hf, config = gpu.random_model(args["smoke"])
+        self.engine = gpu.build_engine(
+            hf, config, args["decode_kv_gib"], graphs=not args["smoke"], max_model_len=1024
+        )
+        del hf
+        self.rows = args["decode_rows"]
+        self.params = SamplingParams(max_tokens=256, ignore_eos=True)
+        self.prompts = gpu.prompts(self.rows, 128, 5)
+        self.added = 0
+        self.spans: list[tuple[float, float]] = []  # (start, end) of every step
+        self.sync = gpu.sync
+
+    def step(self) -> None:
+        while len(self.engine.scheduler.requests) < self.rows:
+            prompt = self.prompts[self.added % self.rows]
+            self.engine.add_request(f"d{self.added}", prompt, self.params)
+            self.added += 1
+        started = time.monotonic()
+        self.engine.step()
+        self.sync()
+        self.spans.append((started, time.monotonic()))
+
+    def steps_within(self, start: float, end: float) -> dict[str, float]:
+        """The worst and median step overlapping [start, end], and how many."""
+        took = [b - a for a, b in self.spans if b > start and a < end]
+        self.spans = [span for span in self.spans if span[1] > end - 5.0][-100_000:]
+        if not took:
+            return {"steps": 0, "worst_s": 0.0, "median_s": 0.0}
+        return {"steps": len(took), "worst_s": max(took), "median_s": statistics.median(took)}
+
+
 class CappedLink:
-    """A connector whose every write lasts at least bytes / cap: a link of that bandwidth."""
+    """A connector whose every write lasts at least bytes / cap: a link of that bandwidth. A
+    whole write's notification goes only after that time (sent with the bytes, the reader
+    would see it before the link could have carried them)."""
 
     def __init__(self, inner: Any, bytes_per_s: float | None) -> None:
         self._inner, self._rate = inner, bytes_per_s
@@ -101,10 +159,15 @@ class CappedLink:
     def _hold(self, started: float, stats: Any) -> Any:
         if self._rate:
             time.sleep(max(0.0, started + stats.num_bytes / self._rate - time.perf_counter()))
-        return stats
+        return dataclasses.replace(stats, seconds=time.perf_counter() - started)
 
-    def write(self, *a: Any) -> Any:
-        return self._hold(time.perf_counter(), self._inner.write(*a))
+    def write(self, peer: str, src: Any, dst: Any, note: bytes, deadline: float) -> Any:
+        if not self._rate:
+            return self._inner.write(peer, src, dst, note, deadline)
+        started = time.perf_counter()
+        stats = self._hold(started, self._inner.write(peer, src, dst, b"", deadline))
+        self._inner.notify(peer, note)
+        return stats
 
     def write_layers(self, *a: Any) -> Any:
         return self._hold(time.perf_counter(), self._inner.write_layers(*a))
@@ -145,6 +208,8 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
         "num_blocks": need + 1, "num_layers": num_layers, "num_kv_heads": shape[4],
         "head_dim": shape[5], "dtype": str(cache.tensor.dtype).removeprefix("torch."),
         "device": args.device, "prefer_ipc": spec["prefer_ipc"],
+        "decode_rows": args.receiver_decode, "decode_kv_gib": 0.05 if args.smoke else 4.0,
+        "smoke": args.smoke,
     }  # fmt: skip
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
@@ -158,24 +223,38 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
     thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     rows: list[dict[str, Any]] = []
-    counter = iter(range(10**9))
+    idle = None
     try:
+        if args.receiver_decode:  # the reader's decode steps alone, once it has run a while
+            time.sleep(2.0)
+            ours.send(("steps", (time.monotonic() - 1.0, time.monotonic())))
+            idle = ours.recv()
+            print(f"{link:9} receiver decode, {args.receiver_decode} rows, idle: "
+                  f"worst {idle['worst_s'] * 1e3:.2f} ms median {idle['median_s'] * 1e3:.2f} ms "
+                  f"({idle['steps']} steps)", flush=True)  # fmt: skip
         for length in args.prompts:
             g = torch.Generator().manual_seed(length)
-            token_ids = torch.randint(3, args.vocab - 1, (length,), generator=g).tolist()
+            base_ids = torch.randint(3, args.vocab - 1, (length,), generator=g).tolist()
             dest = tuple(range(1, -(-length // BLOCK_SIZE) + 1))
             methods = [0, *args.groups]
             samples: dict[int, list[tuple[float, float, float]]] = {m: [] for m in methods}
+            steps: dict[int, list[dict[str, float]]] = {m: [] for m in methods}
             for rnd in range(args.iters + 1):
                 for groups in methods:
-                    rid = f"{link}-{length}-{groups}-{next(counter)}"
-                    ttft, prefill, transfer = _one(
+                    n = next(_PROMPTS)
+                    rid = f"{link}-{length}-{groups}-{n}"
+                    # a first token of its own: no prefix-cache hit on an earlier prompt
+                    token_ids = [3 + n % (args.vocab - 4), *base_ids[1:]]
+                    ttft, prefill, transfer, window = _one(
                         engine, nixl, link_, thread, peer, ours, rid, token_ids, params, dest,
                         plan_groups(num_layers, groups), PrefillJob, LayeredWrite,
                         TransportFaults(), verify=rnd == args.iters,  # the last round
                     )  # fmt: skip
                     if rnd:  # the first round is untimed
                         samples[groups].append((ttft, prefill, transfer))
+                        if args.receiver_decode:
+                            ours.send(("steps", window))
+                            steps[groups].append(ours.recv())
             whole = samples[0]
             base_prefill = statistics.median(s[1] for s in whole)
             base_transfer = statistics.median(s[2] for s in whole)
@@ -191,13 +270,23 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                     "meets_bound": (ttft <= bound) if groups else None,
                     "kv_bytes": len(dest) * cache.block_bytes,
                 }  # fmt: skip
+                seen = [got for got in steps[groups] if got["steps"]]
+                if seen:
+                    row["receiver_decode"] = {
+                        "rows": args.receiver_decode, "idle": idle,
+                        "worst_s": max(got["worst_s"] for got in seen),
+                        "median_s": statistics.median(got["median_s"] for got in seen),
+                    }  # fmt: skip
                 rows.append(row)
                 print(
                     f"{link:9} {length:6d} tok  G={groups or 'whole':>5}  TTFT "
                     f"{ttft * 1e3:9.2f} ms   prefill {base_prefill * 1e3:8.2f} ms  "
                     f"whole transfer {base_transfer * 1e3:8.2f} ms  "
                     + (f"bound {bound * 1e3:8.2f} ms {'met' if ttft <= bound else 'NOT met'}"
-                       if groups else ""),
+                       if groups else "")
+                    + (f"  decode worst {row['receiver_decode']['worst_s'] * 1e3:.2f} ms median "
+                       f"{row['receiver_decode']['median_s'] * 1e3:.2f} ms"
+                       if seen else ""),
                     flush=True,
                 )  # fmt: skip
     finally:
@@ -214,8 +303,9 @@ def _one(
     engine: Any, nixl: Any, link: Any, thread: Any, peer: str, reader: Connection, rid: str,
     token_ids: list[int], params: Any, dest: tuple[int, ...], groups: tuple[int, ...],
     job_type: Any, layered_type: Any, faults: Any, verify: bool = False,
-) -> tuple[float, float, float]:  # fmt: skip
-    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time).
+) -> tuple[float, float, float, tuple[float, float]]:  # fmt: skip
+    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time,
+    (submitted, notified) on CLOCK_MONOTONIC).
     `verify`: zero the reader's blocks first and compare every block's checksum after."""
     import torch
 
@@ -257,7 +347,7 @@ def _one(
     finally:
         engine.runner.layer_sinks.discard(rid)
         engine.release(rid)
-    return arrived - started, computed - started, transfer
+    return arrived - started, computed - started, transfer, (started, arrived)
 
 
 def main() -> None:
@@ -272,6 +362,10 @@ def main() -> None:
         help="the engine's step budget (0: the longest prompt, so each prompt is one step)",
     )  # fmt: skip
     parser.add_argument("--kv-gib", type=float, default=8.0)
+    parser.add_argument(
+        "--receiver-decode", type=int, default=0, metavar="ROWS",
+        help="the reader also decodes ROWS other requests; reports its steps per method",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path)
     parser.add_argument("--smoke", action="store_true", help="a tiny model on CPU, short runs")
     args = parser.parse_args()
