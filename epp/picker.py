@@ -76,8 +76,15 @@ class Picker(Protocol):
         primary failed); the booking follows it. Unknown streams are ignored."""
         ...
 
+    def detached(self, stream_id: int) -> None:
+        """The stream was routed and the gateway serves the rest of its request without the EPP
+        (``detach``); :meth:`finished` follows at once. A picker that can learn of the request's
+        end another way keeps its booking until then; the others let ``finished`` release it."""
+        ...
+
     def finished(self, stream_id: int) -> None:
-        """The stream ended, however it ended: release whatever it booked. Idempotent."""
+        """The stream ended, however it ended: release whatever it booked, unless
+        :meth:`detached` handed the booking over. Idempotent."""
         ...
 
 
@@ -137,6 +144,10 @@ class LeastInFlight:
             return
         self.finished(stream_id)
         self._book(stream_id, endpoint)
+
+    def detached(self, stream_id: int) -> None:
+        """Nothing to keep: a static list learns of no request's end but its stream's, so a
+        detached stream's booking ends with it (``kvrail.epp`` refuses ``--detach`` here)."""
 
     def finished(self, stream_id: int) -> None:
         endpoint = self._booked.pop(stream_id, None)

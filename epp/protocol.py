@@ -15,6 +15,14 @@ returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker,
 4. response headers pass unchanged (the served endpoint in their metadata context is read back)
    and response body chunks are echoed as they come, so SSE is not buffered.
 
+A stream made with ``detach`` ends after step 3 instead: the server closes the ext_proc stream
+with status OK once the routed request has gone back to the gateway, and Envoy serves the rest of
+the request (the whole response) without the EPP. Nothing of the request is still with the EPP
+then (its body was held whole and returned), so nothing is lost, and a routed stream no longer
+depends on the EPP process: killing or restarting it does not touch the request. What detaching
+costs: the served endpoint is not read back, and the picker learns the request's end some other
+way (``Picker.detached``).
+
 A body over ``max_body_bytes`` is answered 413 as soon as it crosses the cap; a ``NoEndpoint``
 pick 503, a ``Shed`` pick 429, a ``Refused`` pick its own status (a 400 for a body that is not
 JSON, say), each as an ``ImmediateResponse`` with an OpenAI-style error body.
@@ -95,9 +103,14 @@ class Step:
 class EppStream:
     """The protocol state of one ext_proc stream (one HTTP request)."""
 
-    def __init__(self, stream_id: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, stream_id: int, limits: Limits = DEFAULT_LIMITS, *, detach: bool = False
+    ) -> None:
         self.stream_id = stream_id
         self.limits = limits
+        self.detach = detach
+        self.detached = False
+        """Routed, and the gateway serves the rest of the request without this stream."""
         self.phase = Phase.REQUEST
         self.status: int | None = None  # the ImmediateResponse status, if one was sent
         self.endpoints: tuple[str, ...] = ()
@@ -145,7 +158,8 @@ class EppStream:
         if not pick.endpoints:
             return self._refuse(503, "service_unavailable", "the picker named no endpoint")
         self.endpoints = pick.endpoints
-        self.phase = Phase.RESPONSE
+        self.detached = self.detach
+        self.phase = Phase.DONE if self.detach else Phase.RESPONSE
         return Step((_routed_headers(",".join(pick.endpoints)), *self._held_body()))
 
     def _on_request_headers(self, message: ProcessingRequest) -> Step:

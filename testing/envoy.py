@@ -9,8 +9,10 @@ fallback. ``override_host`` rather than an ``ORIGINAL_DST`` cluster keyed on the
 sends only to endpoints it was configured with (a request header cannot aim it anywhere), and the
 fallback policy is what a FailOpen pool needs. Two Lua filters stand in for what a full GAIE
 gateway does that plain Envoy does not: the subset hint (from the test header ``x-test-subset``)
-and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. A second
-listener points ext_proc at a closed port, failing closed, for the EPP-down case.
+and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. Three more
+listeners stand for an EPP that is down: ext_proc pointed at a closed port failing closed
+(FailClose), the same failing open (FailOpen, ``failure_mode_allow``), and failing open towards an
+EPP cluster with no endpoints (a GAIE pool whose EPP is scaled to zero).
 """
 
 from __future__ import annotations
@@ -76,10 +78,10 @@ def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, 
             "load_assignment": assignment, **extra}  # fmt: skip
 
 
-def _listener(name: str, port: int, epp_cluster: str) -> dict[str, Any]:
+def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -> dict[str, Any]:
     ext_proc = {
         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
-        "failure_mode_allow": False,
+        "failure_mode_allow": fail_open,
         "message_timeout": "10s",
         "processing_mode": {
             "request_header_mode": "SEND", "response_header_mode": "SEND",
@@ -110,10 +112,11 @@ def _listener(name: str, port: int, epp_cluster: str) -> dict[str, Any]:
     return {"name": name, "address": _address(port), "filter_chains": [{"filters": [chain]}]}
 
 
-def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_down: int,
+def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_open: int,
+              gateway_fail_open_no_epp: int, epp: int, epp_down: int,
               pool: Sequence[int]) -> dict[str, Any]:  # fmt: skip
-    """The static bootstrap: the gateway listener, the fail-closed one, the EPP clusters (HTTP/2)
-    and the pool cluster with ``override_host`` over round robin."""
+    """The static bootstrap: the gateway listener, the three EPP-down ones, the EPP clusters
+    (HTTP/2) and the pool cluster with ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
     h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only}
     override = {"policies": [{"typed_extension_config": {
@@ -127,11 +130,17 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_
     return {
         "admin": {"address": _address(admin)},
         "static_resources": {
-            "listeners": [_listener("gateway", gateway, "epp"),
-                          _listener("gateway_epp_down", gateway_epp_down, "epp_down")],
+            "listeners": [
+                _listener("gateway", gateway, "epp"),
+                _listener("gateway_epp_down", gateway_epp_down, "epp_down"),
+                _listener("gateway_fail_open", gateway_fail_open, "epp_down", fail_open=True),
+                _listener("gateway_fail_open_no_epp", gateway_fail_open_no_epp, "epp_none",
+                          fail_open=True),
+            ],
             "clusters": [
                 _static_cluster("epp", [epp], typed_extension_protocol_options=h2),
                 _static_cluster("epp_down", [epp_down], typed_extension_protocol_options=h2),
+                _static_cluster("epp_none", [], typed_extension_protocol_options=h2),
                 _static_cluster("pool", pool, load_balancing_policy=override),
             ],
         },
@@ -140,12 +149,16 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_
 
 @dataclasses.dataclass
 class Envoy:
-    """A running Envoy; ``gateway`` and ``gateway_epp_down`` are its two listeners' URLs."""
+    """A running Envoy and its listeners' URLs: ``gateway`` (ext_proc to the EPP), and with the
+    EPP down ``gateway_epp_down`` (FailClose), ``gateway_fail_open`` (FailOpen, the EPP refusing
+    connections) and ``gateway_fail_open_no_epp`` (FailOpen, no EPP endpoint at all)."""
 
     process: ManagedProcess
     admin: str
     gateway: str
     gateway_epp_down: str
+    gateway_fail_open: str
+    gateway_fail_open_no_epp: str
     log: Path
 
     def stop(self) -> None:
@@ -155,16 +168,16 @@ class Envoy:
 def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], timeout_s: float = 30) -> Envoy:
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
-    ports = {name: free_port() for name in ("admin", "gateway", "gateway_epp_down", "epp_down")}
+    listeners = ("gateway", "gateway_epp_down", "gateway_fail_open", "gateway_fail_open_no_epp")
+    ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
     config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, **ports)))
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip
     process = ManagedProcess("envoy", argv, log).start()
-    envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}",
-                  f"http://127.0.0.1:{ports['gateway']}",
-                  f"http://127.0.0.1:{ports['gateway_epp_down']}", log)  # fmt: skip
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in listeners}
+    envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}", log=log, **urls)
 
     def live() -> bool:
         try:

@@ -307,6 +307,26 @@ async def _until(condition: object, timeout_s: float = 5) -> None:
 async def test_an_epp_that_is_down_fails_closed(envoy: Envoy, client: httpx.AsyncClient) -> None:
     r = await client.post(f"{envoy.gateway_epp_down}/echo", content=b"{}")
     assert r.status_code == 500  # what Envoy 1.40 answers with failure_mode_allow: false
+    r = await client.get(f"{envoy.gateway_epp_down}/sse?n=1&gap=0")
+    assert r.status_code == 500  # a request without a body too
+
+
+async def test_failing_open_routes_blind_unless_a_body_already_went_to_a_refusing_epp(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    backends = set(picker(epp).endpoints)
+    # No EPP endpoint at all (a GAIE pool's EPP scaled to zero): Envoy skips ext_proc and its
+    # fallback (round robin) routes, with or without a body.
+    r = await client.post(f"{envoy.gateway_fail_open_no_epp}/echo", content=b'{"a": 1}')
+    assert r.status_code == 200 and r.json()["served_by"] in backends
+    assert r.json()["picked"] is None  # no EPP said where
+    # An EPP refusing connections: a request without a body fails open...
+    r = await client.get(f"{envoy.gateway_fail_open}/sse?n=1&gap=0")
+    assert r.status_code == 200 and r.text.startswith("data: ")
+    # ...but one with a body does not: in FULL_DUPLEX_STREAMED mode Envoy 1.40 fails open only
+    # until a body chunk has gone to the ext_proc stream, which a refused connection comes after.
+    r = await client.post(f"{envoy.gateway_fail_open}/echo", content=b'{"a": 1}')
+    assert r.status_code == 500
 
 
 async def test_grpc_health_serves_the_protocols_service_names(epp: Running) -> None:

@@ -178,3 +178,28 @@ def test_messages_out_of_order_are_protocol_errors() -> None:
         stream.feed(headers())
     with pytest.raises(ProtocolError, match="pick"):
         stream.picked(Routed(("10.0.0.1:8000",)))
+
+
+@pytest.mark.parametrize("with_body", [True, False])
+def test_a_detached_stream_is_done_once_the_routed_request_is_answered(with_body: bool) -> None:
+    stream = EppStream(1, detach=True)
+    if with_body:
+        responses = routed_stream(stream, b'{"a":1}')
+        kinds = [r.WhichOneof("response") for r in responses]
+        assert kinds == ["request_headers", "request_body"]
+        streamed = responses[1].request_body.response.body_mutation.streamed_response
+        assert (streamed.body, streamed.end_of_stream) == (b'{"a":1}', True)
+    else:
+        assert stream.feed(headers(end_of_stream=True)).pick is not None
+        (first,) = stream.picked(Routed(("10.0.0.1:8000",))).responses
+        assert first.WhichOneof("response") == "request_headers"
+    assert stream.phase is Phase.DONE and stream.detached
+    with pytest.raises(ProtocolError, match="phase done"):  # nothing of the response comes here
+        stream.feed(ProcessingRequest(response_headers=HttpHeaders()))
+
+
+def test_a_refusal_is_not_a_detach() -> None:
+    stream = EppStream(1, detach=True)
+    stream.feed(headers(end_of_stream=True))
+    stream.picked(NoEndpoint("none"))
+    assert stream.phase is Phase.DONE and not stream.detached
