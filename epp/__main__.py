@@ -48,7 +48,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--num-endpoints", type=int, default=3,
         help="kvrail pool: the endpoints named per request, the primary then fallbacks",
     )  # fmt: skip
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host", default="::",
+        help="default ::, every address of both families (IPv4 alone on a host without IPv6)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=9002)
     parser.add_argument(
         "--max-in-flight", type=int, default=None,

@@ -40,6 +40,7 @@ import functools
 import logging
 import time
 
+from kvrail.endpoints import parse_endpoint
 from kvrail.epp.picker import (
     NoEndpoint,
     Pick,
@@ -47,7 +48,6 @@ from kvrail.epp.picker import (
     Refused,
     Routed,
     is_allowed,
-    parse_endpoint,
 )
 from kvrail.errors import KvrailError
 from kvrail.router import app, chat

@@ -13,9 +13,10 @@ choice kvrail's router makes.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+from kvrail.endpoints import endpoint_ip, parse_endpoint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,23 +89,6 @@ class Picker(Protocol):
         ...
 
 
-def parse_endpoint(text: str) -> str:
-    """``ip:port`` checked and normalised (IPv6 as ``[addr]:port``); ``ValueError`` names the
-    problem. Host names are refused: GAIE endpoints are pod addresses."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"endpoint {text!r} is not ip:port")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint {text!r} has no valid port")
-    try:
-        address = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        raise ValueError(f"endpoint {text!r} does not start with an IP address") from None
-    if address.version == 6:
-        return f"[{address}]:{int(port)}"
-    return f"{address}:{int(port)}"
-
-
 class LeastInFlight:
     """The endpoint with the fewest streams booked, over a static list; the others follow as
     fallbacks, least busy first. Ties go to the list's order. With ``max_in_flight`` set, an
@@ -160,7 +144,9 @@ class LeastInFlight:
 
 
 def is_allowed(endpoint: str, eligible: frozenset[str] | None) -> bool:
-    """The subset hint names endpoints as ``ip:port`` or a bare ``ip`` (every port of it)."""
+    """The subset hint names endpoints as ``ip:port`` or a bare ``ip`` (every port of it);
+    ``endpoint`` and ``eligible`` normalised (``kvrail.endpoints``: IPv6 ``[addr]:port``, a bare
+    IPv6 address without brackets)."""
     if eligible is None:
         return True
-    return endpoint in eligible or endpoint.rpartition(":")[0] in eligible
+    return endpoint in eligible or endpoint_ip(endpoint) in eligible

@@ -51,6 +51,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
+from kvrail.endpoints import normalise_hint
 from kvrail.epp.picker import NoEndpoint, Pick, PickRequest, Refused, Routed, Shed
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -262,7 +263,9 @@ def _header_dict(headers: HttpHeaders) -> dict[str, str]:
 
 def _subset_hint(message: ProcessingRequest) -> frozenset[str] | None:
     """The gateway's subset hint: a list of ``ip:port`` (or ``ip``) strings, or one string of
-    them separated by commas. ``None`` when there is no hint; an empty set when it is empty."""
+    them separated by commas, each normalised (``kvrail.endpoints.normalise_hint``: IPv6 as
+    ``[addr]:port`` or a bare address). ``None`` when there is no hint; an empty set when it is
+    empty."""
     namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if namespace is None or SUBSET_KEY not in namespace.fields:
         return None
@@ -271,7 +274,7 @@ def _subset_hint(message: ProcessingRequest) -> frozenset[str] | None:
         items = [v.string_value for v in value.list_value.values]
     else:
         items = value.string_value.split(",")
-    return frozenset(item.strip() for item in items if item.strip())
+    return frozenset(normalise_hint(item) for item in items if item.strip())
 
 
 def _metadata_string(message: ProcessingRequest, namespace: str, key: str) -> str:

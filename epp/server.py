@@ -107,6 +107,14 @@ class Running:
         await self.server.stop(grace_s)
 
 
+def bind_address(host: str, port: int) -> str:
+    """gRPC's ``host:port``, an IPv6 host in brackets: ``::`` gives ``[::]:9002``, which gRPC
+    binds on both families (IPv4 alone where the host has no IPv6)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 async def start(
     picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS, detach: bool = False
 ) -> Running:
@@ -118,10 +126,11 @@ async def start(
     add_ExternalProcessorServicer_to_server(ext_proc, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = bind_address(host, port)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address)
     except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {host}:{port}: {e}") from None
+        raise RuntimeError(f"cannot listen on {address}: {e}") from None
     await server.start()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

@@ -67,12 +67,14 @@ def envoy_binary() -> Path:
     return path
 
 
-def _address(port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+def _address(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, Any]:
-    lb_endpoints = [{"endpoint": {"address": _address(p)}} for p in ports]
+def _static_cluster(
+    name: str, ports: Sequence[int], host: str = "127.0.0.1", **extra: Any
+) -> dict[str, Any]:
+    lb_endpoints = [{"endpoint": {"address": _address(p, host)}} for p in ports]
     assignment = {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
     return {"name": name, "type": "STATIC", "connect_timeout": "1s",
             "load_assignment": assignment, **extra}  # fmt: skip
@@ -113,10 +115,11 @@ def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -
 
 
 def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_open: int,
-              gateway_fail_open_no_epp: int, epp: int, epp_down: int,
-              pool: Sequence[int]) -> dict[str, Any]:  # fmt: skip
+              gateway_fail_open_no_epp: int, epp: int, epp_down: int, pool: Sequence[int],
+              pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
     """The static bootstrap: the gateway listener, the three EPP-down ones, the EPP clusters
-    (HTTP/2) and the pool cluster with ``override_host`` over round robin."""
+    (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
+    ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
     h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only}
     override = {"policies": [{"typed_extension_config": {
@@ -141,7 +144,7 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_o
                 _static_cluster("epp", [epp], typed_extension_protocol_options=h2),
                 _static_cluster("epp_down", [epp_down], typed_extension_protocol_options=h2),
                 _static_cluster("epp_none", [], typed_extension_protocol_options=h2),
-                _static_cluster("pool", pool, load_balancing_policy=override),
+                _static_cluster("pool", pool, pool_host, load_balancing_policy=override),
             ],
         },
     }  # fmt: skip
@@ -165,13 +168,14 @@ class Envoy:
         self.process.stop()
 
 
-def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], timeout_s: float = 30) -> Envoy:
+def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str = "127.0.0.1",
+                timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
     listeners = ("gateway", "gateway_epp_down", "gateway_fail_open", "gateway_fail_open_no_epp")
     ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
-    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, **ports)))
+    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, pool_host=pool_host, **ports)))
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip

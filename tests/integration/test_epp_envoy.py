@@ -362,3 +362,54 @@ async def test_the_entry_point_serves_health_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_ipv6_endpoints_are_routed_in_brackets_and_read_back(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A GAIE pool of IPv6 pods, on ``::1``: the EPP (on its default host ``::``, both
+    families) names ``[::1]:port``, Envoy's ``override_host`` parses it and sends the request
+    there, and its ``%UPSTREAM_HOST%`` comes back in the same form for the read-back."""
+    workdir = tmp_path_factory.mktemp("ipv6")
+    (workdir / "backend.py").write_text(BACKEND)
+    ports = [free_port(), free_port()]
+    procs = [ManagedProcess(f"backend-v6-{p}", [sys.executable, "-P", "-m", "uvicorn",
+             "backend:app", "--app-dir", str(workdir), "--host", "::1", "--port", str(p),
+             "--log-level", "warning"], workdir / f"{p}.log",
+             {**os.environ, "BACKEND_ADDRESS": f"[::1]:{p}"}).start() for p in ports]  # fmt: skip
+    running = None
+    gateway = None
+    try:
+        for p in ports:
+            _wait_http(f"http://[::1]:{p}/health")
+        recording = Recording([f"::1:{p}" for p in ports])  # unbracketed, as a kubelet writes
+        assert recording.endpoints == tuple(f"[::1]:{p}" for p in ports)
+        running = await start(recording, host="::", port=0)
+        gateway = start_envoy(workdir, epp=running.port, pool=ports, pool_host="::1")
+        async with httpx.AsyncClient(timeout=30) as http:
+            for endpoint in recording.endpoints:  # each one, by the subset hint
+                r = await http.post(f"{gateway.gateway}/echo", content=b"{}",
+                                    headers={"x-test-subset": endpoint})  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.json()["served_by"] == r.json()["picked"] == endpoint
+                assert r.headers["x-test-upstream-host"] == endpoint
+            r = await http.post(
+                f"{gateway.gateway}/echo", content=b"{}", headers={"x-test-subset": "::1"}
+            )  # a bare address: both ports
+        assert r.status_code == 200 and r.json()["picked"].split(",") == list(recording.endpoints)
+        await _until(lambda: running is not None and running.ext_proc.open_streams == 0)
+        assert recording.served_reports and all(
+            recording.served_reports[s] == recording.picks[s][0] for s in recording.served_reports
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:  # IPv4 too
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if running is not None:
+            await running.stop(1)
+        for proc in procs:
+            proc.stop()

@@ -240,6 +240,20 @@ def test_only_workers_with_a_front_the_subset_allows_are_picked(
     assert isinstance(none, NoEndpoint) and "eligible" in none.reason
 
 
+def test_ipv6_fronts_are_named_in_brackets_and_matched_by_the_subset_hint(
+    codec: TextCodec, threads: TokenizerThreads
+) -> None:
+    state = make_state(codec, threads)
+    add_worker(state, "w-a", "[fd00::1]:8000", cached_blocks(codec))
+    add_worker(state, "w-b", "fd00::2:8000")  # a record written unbracketed is read the same
+    picker = KvAwarePicker(state)
+    result = pick(picker, request(1, chat_body()))
+    assert isinstance(result, Routed)
+    assert result.endpoints == ("[fd00::1]:8000", "[fd00::2]:8000")
+    hinted = pick(picker, request(2, chat_body(), eligible=frozenset({"fd00::2"})))
+    assert hinted.endpoints == ("[fd00::2]:8000",)
+
+
 def test_no_worker_with_a_front_is_no_endpoint(codec: TextCodec, threads: TokenizerThreads) -> None:
     state = make_state(codec, threads)
     add_worker(state, "w-none", "")

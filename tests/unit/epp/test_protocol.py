@@ -151,6 +151,29 @@ def test_the_subset_hint_is_read_as_a_list_or_a_string(subset: object) -> None:
     assert step.pick.eligible == frozenset({"10.0.0.1:8000", "10.0.0.2"})
 
 
+@pytest.mark.parametrize(
+    "subset", [["[FD00:0::1]:8000", "fd00::2"], "[fd00::1]:8000, [fd00:0::2]"]
+)  # fmt: skip
+def test_an_ipv6_subset_hint_is_normalised_as_endpoints_are(subset: object) -> None:
+    stream = EppStream(1)
+    stream.feed(headers(subset=subset))
+    step = stream.feed(body(b"{}", True))
+    assert step.pick is not None
+    assert step.pick.eligible == frozenset({"[fd00::1]:8000", "fd00::2"})
+
+
+def test_ipv6_endpoints_are_named_in_brackets_in_the_header_and_the_metadata() -> None:
+    stream = EppStream(1)
+    stream.feed(headers(end_of_stream=True))
+    (first,) = stream.picked(Routed(("[fd00::1]:8000", "[fd00::2]:8000"))).responses
+    (header,) = first.request_headers.response.header_mutation.set_headers
+    assert header.header.raw_value == b"[fd00::1]:8000,[fd00::2]:8000"
+    lb = first.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == (
+        "[fd00::1]:8000,[fd00::2]:8000"
+    )
+
+
 def test_response_chunks_are_echoed_and_the_served_endpoint_read_back() -> None:
     stream = EppStream(1)
     routed_stream(stream)

@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from kvrail.epp.__main__ import parse_args, settings
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest
-from kvrail.epp.server import ExtProc
+from kvrail.epp.server import ExtProc, bind_address
 
 A = "10.0.0.1:8000"
 
@@ -119,3 +119,12 @@ def test_detach_is_refused_for_a_static_list_and_optional_for_a_pool() -> None:
         settings(parse_args(["--endpoints", A, "--detach"]))
     assert parse_args([]).detach is None  # the default: detach for a pool, not for a list
     assert parse_args(["--no-detach"]).detach is False
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [("::", "[::]:9002"), ("0.0.0.0", "0.0.0.0:9002"), ("fd00::1", "[fd00::1]:9002"),
+     ("[fd00::1]", "[fd00::1]:9002"), ("127.0.0.1", "127.0.0.1:9002")],
+)  # fmt: skip
+def test_the_listen_address_brackets_an_ipv6_host(host: str, expected: str) -> None:
+    assert bind_address(host, 9002) == expected

@@ -141,6 +141,12 @@ def test_each_decode_pod_runs_a_front_pinned_to_its_own_worker(changes: Any) -> 
     assert worker["command"][-2:] == ["--http-front", "$(KVRAIL_POD_IP):8000"]
     assert env(worker)["KVRAIL_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env(front)["KVRAIL_HTTP_PORT"] == "8000"
+    # The front listens on the pod's own address, IPv4 or IPv6 (0.0.0.0 misses an IPv6 pod);
+    # the kubelet expands it from a variable defined before it.
+    assert env(front)["KVRAIL_ROUTER_HOST"] == "$(KVRAIL_POD_IP)"
+    names = [e["name"] for e in front["env"]]
+    assert names.index("KVRAIL_POD_IP") < names.index("KVRAIL_ROUTER_HOST")
+    assert names.count("KVRAIL_ROUTER_HOST") == 1
     assert front["ports"] == [{"name": "front", "containerPort": 8000, "protocol": "TCP"}]
     assert front["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "front"}
     pod = child(children, "StatefulSet", "tiny-decode")["spec"]["template"]["spec"]
