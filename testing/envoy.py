@@ -11,8 +11,8 @@ fallback policy is what a FailOpen pool needs. Two Lua filters stand in for what
 gateway does that plain Envoy does not: the subset hint (from the test header ``x-test-subset``)
 and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. Three more
 listeners stand for an EPP that is down: ext_proc pointed at a closed port failing closed
-(FailClose), the same failing open (FailOpen, ``failure_mode_allow``), and failing open towards an
-EPP cluster with no endpoints (a GAIE pool whose EPP is scaled to zero).
+(FailClose), the same failing open (FailOpen, ``failure_mode_allow``), and an EPP cluster with no
+endpoints (a GAIE pool whose EPP is scaled to zero) failing closed and failing open.
 """
 
 from __future__ import annotations
@@ -114,10 +114,10 @@ def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -
     return {"name": name, "address": _address(port), "filter_chains": [{"filters": [chain]}]}
 
 
-def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_open: int,
-              gateway_fail_open_no_epp: int, epp: int, epp_down: int, pool: Sequence[int],
-              pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
-    """The static bootstrap: the gateway listener, the three EPP-down ones, the EPP clusters
+def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_no_epp: int,
+              gateway_fail_open: int, gateway_fail_open_no_epp: int, epp: int, epp_down: int,
+              pool: Sequence[int], pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
+    """The static bootstrap: the gateway listener, the four EPP-down ones, the EPP clusters
     (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
     ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
@@ -136,6 +136,7 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_o
             "listeners": [
                 _listener("gateway", gateway, "epp"),
                 _listener("gateway_epp_down", gateway_epp_down, "epp_down"),
+                _listener("gateway_no_epp", gateway_no_epp, "epp_none"),
                 _listener("gateway_fail_open", gateway_fail_open, "epp_down", fail_open=True),
                 _listener("gateway_fail_open_no_epp", gateway_fail_open_no_epp, "epp_none",
                           fail_open=True),
@@ -153,13 +154,15 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_fail_o
 @dataclasses.dataclass
 class Envoy:
     """A running Envoy and its listeners' URLs: ``gateway`` (ext_proc to the EPP), and with the
-    EPP down ``gateway_epp_down`` (FailClose), ``gateway_fail_open`` (FailOpen, the EPP refusing
-    connections) and ``gateway_fail_open_no_epp`` (FailOpen, no EPP endpoint at all)."""
+    EPP down ``gateway_epp_down`` (FailClose, the EPP refusing connections), ``gateway_no_epp``
+    (FailClose, no EPP endpoint at all), ``gateway_fail_open`` and ``gateway_fail_open_no_epp``
+    (the same two, FailOpen)."""
 
     process: ManagedProcess
     admin: str
     gateway: str
     gateway_epp_down: str
+    gateway_no_epp: str
     gateway_fail_open: str
     gateway_fail_open_no_epp: str
     log: Path
@@ -172,7 +175,8 @@ def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str 
                 timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
-    listeners = ("gateway", "gateway_epp_down", "gateway_fail_open", "gateway_fail_open_no_epp")
+    listeners = ("gateway", "gateway_epp_down", "gateway_no_epp", "gateway_fail_open",
+                 "gateway_fail_open_no_epp")  # fmt: skip
     ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
     config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, pool_host=pool_host, **ports)))

@@ -309,6 +309,9 @@ async def test_an_epp_that_is_down_fails_closed(envoy: Envoy, client: httpx.Asyn
     assert r.status_code == 500  # what Envoy 1.40 answers with failure_mode_allow: false
     r = await client.get(f"{envoy.gateway_epp_down}/sse?n=1&gap=0")
     assert r.status_code == 500  # a request without a body too
+    for no_epp in (client.post(f"{envoy.gateway_no_epp}/echo", content=b"{}"),
+                   client.get(f"{envoy.gateway_no_epp}/sse?n=1&gap=0")):  # fmt: skip
+        assert (await no_epp).status_code == 500  # no EPP endpoint at all (scaled to zero)
 
 
 async def test_failing_open_routes_blind_unless_a_body_already_went_to_a_refusing_epp(
