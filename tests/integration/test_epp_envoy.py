@@ -416,3 +416,41 @@ async def test_ipv6_endpoints_are_routed_in_brackets_and_read_back(
             await running.stop(1)
         for proc in procs:
             proc.stop()
+
+
+async def test_a_detached_epp_leaves_each_stream_once_routed_bodies_whole(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``detach``: a 1 MiB body still arrives intact (all its chunks go back before the EPP
+    closes the stream), and an SSE response streams on, at its cadence, with no ext_proc stream
+    open and the EPP stopped."""
+    recording = Recording(backends)
+    running = await start(recording, host="127.0.0.1", port=0,
+                          limits=Limits(max_body_bytes=MAX_BODY), detach=True)  # fmt: skip
+    pool = [int(b.rpartition(":")[2]) for b in backends]
+    gateway = start_envoy(tmp_path_factory.mktemp("envoy-detach"), epp=running.port, pool=pool)
+    stopped = False
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = os.urandom(1024 * 1024)
+            r = await http.post(f"{gateway.gateway}/echo", content=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["sha256"] == hashlib.sha256(body).hexdigest()
+            assert r.json()["served_by"] == r.json()["picked"].split(",")[0]
+            arrivals = []
+            async with http.stream("GET", f"{gateway.gateway}/sse?n=4&gap=0.4") as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 1:  # routed: the EPP is out of the path, and goes
+                        assert running.ext_proc.open_streams == 0
+                        await running.stop(0)
+                        stopped = True
+        assert len(arrivals) == 4  # the stream outlived the EPP
+        assert arrivals[-1] - arrivals[0] > 0.7 * 3 * 0.4, arrivals  # not buffered
+        assert not recording.served_reports  # a detached stream never sees the response
+    finally:
+        gateway.stop()
+        if not stopped:
+            await running.stop(0)
