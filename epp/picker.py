@@ -3,7 +3,10 @@
 The protocol layer (:mod:`kvrail.epp.protocol`) owns the ext_proc stream; a :class:`Picker` owns
 the choice and the load it books for it. Bookings are keyed by the stream, and the server calls
 :meth:`Picker.finished` exactly once per stream however it ends (response done, client gone
-mid-body, an error), so a booking can never outlive its request.
+mid-body, an error), so a booking can never outlive its request. A stream that detaches (the
+gateway serves the response without the EPP) ends before its request does: the server calls
+:meth:`Picker.detached` first, and a picker that learns of the request's end another way keeps
+the booking until then, for a bounded time (``KvAwarePicker``: the worker's next report).
 
 :class:`LeastInFlight` picks the fewest requests in flight over a static list of endpoints and
 knows nothing of prompts or KV caches; :class:`kvrail.epp.kv_picker.KvAwarePicker` makes the
