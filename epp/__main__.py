@@ -6,6 +6,12 @@ name (``KVRAIL_*``, as the pool's routers read them) and picks, for each request
 kvrail's router would choose, naming that worker's HTTP front (``kvrail.epp.kv_picker``). With
 ``--endpoints`` it picks the endpoint of that list with the fewest requests in flight and never
 reads the prompt. SIGTERM: not ready, then open streams finish.
+
+For a kvrail pool the EPP detaches by default (``--detach``): it ends each ext_proc stream once
+the request is routed, so the response never passes through it and killing or restarting the EPP
+loses no request already routed (``kvrail.epp.protocol``). ``--no-detach`` keeps it on the
+response path (the served endpoint read back, bookings ended with the response). A static list
+never detaches: its load is its streams.
 """
 
 from __future__ import annotations
@@ -42,11 +48,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--num-endpoints", type=int, default=3,
         help="kvrail pool: the endpoints named per request, the primary then fallbacks",
     )  # fmt: skip
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host", default="::",
+        help="default ::, every address of both families (IPv4 alone on a host without IPv6)",
+    )  # fmt: skip
     parser.add_argument("--port", type=int, default=9002)
     parser.add_argument(
         "--max-in-flight", type=int, default=None,
         help="static list: requests per endpoint before the EPP sheds (429); default: no limit",
+    )  # fmt: skip
+    parser.add_argument(
+        "--detach", action=argparse.BooleanOptionalAction, default=None,
+        help="end each ext_proc stream once its request is routed, so the response bypasses "
+        "the EPP (default for a kvrail pool; refused with --endpoints)",
     )  # fmt: skip
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
@@ -67,6 +81,8 @@ def settings(args: argparse.Namespace) -> tuple[LeastInFlight | None, Limits]:
             picker = LeastInFlight(args.endpoints.split(","), max_in_flight=args.max_in_flight)
         except ValueError as e:
             raise ValueError(f"--endpoints/--max-in-flight: {e}") from None
+        if args.detach:
+            raise ValueError("--detach: not with --endpoints (a static list's load is its streams)")
     elif args.max_in_flight is not None:
         raise ValueError("--max-in-flight: only with --endpoints")
     try:
@@ -91,8 +107,12 @@ async def serve(
 
 
 async def _serve(args: argparse.Namespace, picker: Picker, limits: Limits, what: str) -> None:
-    running = await start(picker, host=args.host, port=args.port, limits=limits)
-    log.info("kvrail.epp serving ext_proc on %s:%d for %s", args.host, running.port, what)
+    detach = args.detach is not False and not isinstance(picker, LeastInFlight)
+    running = await start(picker, host=args.host, port=args.port, limits=limits, detach=detach)
+    log.info(
+        "kvrail.epp serving ext_proc on %s:%d for %s detach=%s",
+        args.host, running.port, what, detach,
+    )  # fmt: skip
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -23,13 +23,24 @@ Only workers whose record advertises an HTTP front (``WorkerRecord.http_front``,
 router pinned to that worker) are picked, and the endpoint named is that address, never anything
 the request says. Each pick books one request on its worker in the dispatcher's in-flight table
 (the chooser's ``load`` reads it, as the router's own requests) until the stream ends.
+
+A detached stream (the EPP's ``--detach``: the gateway serves the response without the EPP)
+ends as soon as its request is routed, long before the request does. Its booking is then handed
+over to the worker's own count: it stays in the table until the first record of the worker that
+arrives at least ``COUNTED_AFTER_S`` after the pick, which counts the request among its running
+or waiting ones if it is still there, and leaves the table as that record arrives, so it is
+never counted twice nor dropped before the worker counts it. A worker that never reports again
+(it left) releases its handed-over bookings after ``MAX_HOLD_S``.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
+import time
 
+from kvrail.endpoints import parse_endpoint
 from kvrail.epp.picker import (
     NoEndpoint,
     Pick,
@@ -37,7 +48,6 @@ from kvrail.epp.picker import (
     Refused,
     Routed,
     is_allowed,
-    parse_endpoint,
 )
 from kvrail.errors import KvrailError
 from kvrail.router import app, chat
@@ -52,6 +62,13 @@ log = logging.getLogger("kvrail.epp")
 
 _SAMPLING = SamplingParams(max_tokens=1)  # a `Job` needs one; choosing never reads it
 
+COUNTED_AFTER_S = 0.5
+"""A worker's record written this long after a detached pick counts that request: the gateway
+forwarded it, the front tokenized it and the worker admitted it (tens of milliseconds; the rest
+is room for a loaded host)."""
+MAX_HOLD_S = 5.0
+"""A handed-over booking is released after this long even if its worker never reports again."""
+
 
 class KvAwarePicker:
     """Picks as kvrail's router does (module docstring); ``num_endpoints``: the primary and the
@@ -65,6 +82,9 @@ class KvAwarePicker:
         self.num_endpoints = num_endpoints
         self.booked: dict[int, str] = {}
         """The worker each open stream is booked on."""
+        self.handed_over: dict[str, collections.deque[float]] = {}
+        """Per worker, when each detached booking still in the table was made, oldest first."""
+        state.view.track_load(self._ours_in_report)
 
     async def pick(self, request: PickRequest) -> Pick:
         try:
@@ -86,6 +106,7 @@ class KvAwarePicker:
             decisions = self.dispatcher.rank(job, exclude, self.num_endpoints)
         except NoWorkerError:
             return NoEndpoint("no ready decode worker with an HTTP front")
+        self._release_handed_over(time.monotonic() - MAX_HOLD_S)
         self.finished(request.stream_id)  # one booking per stream, even if picked twice
         self._book(request.stream_id, decisions[0].worker_id)
         return Routed(tuple(fronts[d.worker_id] for d in decisions))
@@ -100,10 +121,38 @@ class KvAwarePicker:
         self.finished(stream_id)
         self._book(stream_id, worker_id)
 
+    def detached(self, stream_id: int) -> None:
+        """The booking stays until the worker's own report counts the request (module
+        docstring)."""
+        worker_id = self.booked.pop(stream_id, None)
+        if worker_id is not None:
+            self.handed_over.setdefault(worker_id, collections.deque()).append(time.monotonic())
+
     def finished(self, stream_id: int) -> None:
         worker_id = self.booked.pop(stream_id, None)
         if worker_id is not None:
             self.dispatcher.count_in_flight(worker_id, -1)
+
+    def _ours_in_report(self, worker_id: str) -> int:
+        """The view's load hook (``WorkerView.track_load``), read as each record of
+        ``worker_id`` arrives: the detached bookings that record counts leave the table first,
+        then the dispatcher says how many of ours it may count."""
+        self._release_handed_over(time.monotonic() - COUNTED_AFTER_S, worker_id)
+        return self.dispatcher.ours_in_report(worker_id)
+
+    def _release_handed_over(self, before: float, worker_id: str | None = None) -> None:
+        """Release the handed-over bookings made before ``before`` (of one worker, or all). They
+        leave the table as counted by the worker, not as ended requests."""
+        for worker in [worker_id] if worker_id is not None else list(self.handed_over):
+            times = self.handed_over.get(worker)
+            num_released = 0
+            while times and times[0] < before:
+                times.popleft()
+                num_released += 1
+            if times is not None and not times:
+                del self.handed_over[worker]
+            if num_released:
+                self.dispatcher.count_in_flight(worker, -num_released, ended=False)
 
     def fronts(self, eligible: frozenset[str] | None) -> dict[str, str]:
         """The HTTP front of every ready decode worker that has one (normalised ``ip:port``),

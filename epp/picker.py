@@ -3,7 +3,10 @@
 The protocol layer (:mod:`kvrail.epp.protocol`) owns the ext_proc stream; a :class:`Picker` owns
 the choice and the load it books for it. Bookings are keyed by the stream, and the server calls
 :meth:`Picker.finished` exactly once per stream however it ends (response done, client gone
-mid-body, an error), so a booking can never outlive its request.
+mid-body, an error), so a booking can never outlive its request. A stream that detaches (the
+gateway serves the response without the EPP) ends before its request does: the server calls
+:meth:`Picker.detached` first, and a picker that learns of the request's end another way keeps
+the booking until then, for a bounded time (``KvAwarePicker``: the worker's next report).
 
 :class:`LeastInFlight` picks the fewest requests in flight over a static list of endpoints and
 knows nothing of prompts or KV caches; :class:`kvrail.epp.kv_picker.KvAwarePicker` makes the
@@ -13,9 +16,10 @@ choice kvrail's router makes.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
 from collections.abc import Mapping, Sequence
 from typing import Protocol
+
+from kvrail.endpoints import endpoint_ip, parse_endpoint
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -76,26 +80,16 @@ class Picker(Protocol):
         primary failed); the booking follows it. Unknown streams are ignored."""
         ...
 
-    def finished(self, stream_id: int) -> None:
-        """The stream ended, however it ended: release whatever it booked. Idempotent."""
+    def detached(self, stream_id: int) -> None:
+        """The stream was routed and the gateway serves the rest of its request without the EPP
+        (``detach``); :meth:`finished` follows at once. A picker that can learn of the request's
+        end another way keeps its booking until then; the others let ``finished`` release it."""
         ...
 
-
-def parse_endpoint(text: str) -> str:
-    """``ip:port`` checked and normalised (IPv6 as ``[addr]:port``); ``ValueError`` names the
-    problem. Host names are refused: GAIE endpoints are pod addresses."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"endpoint {text!r} is not ip:port")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"endpoint {text!r} has no valid port")
-    try:
-        address = ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        raise ValueError(f"endpoint {text!r} does not start with an IP address") from None
-    if address.version == 6:
-        return f"[{address}]:{int(port)}"
-    return f"{address}:{int(port)}"
+    def finished(self, stream_id: int) -> None:
+        """The stream ended, however it ended: release whatever it booked, unless
+        :meth:`detached` handed the booking over. Idempotent."""
+        ...
 
 
 class LeastInFlight:
@@ -138,6 +132,10 @@ class LeastInFlight:
         self.finished(stream_id)
         self._book(stream_id, endpoint)
 
+    def detached(self, stream_id: int) -> None:
+        """Nothing to keep: a static list learns of no request's end but its stream's, so a
+        detached stream's booking ends with it (``kvrail.epp`` refuses ``--detach`` here)."""
+
     def finished(self, stream_id: int) -> None:
         endpoint = self._booked.pop(stream_id, None)
         if endpoint is not None:
@@ -149,7 +147,9 @@ class LeastInFlight:
 
 
 def is_allowed(endpoint: str, eligible: frozenset[str] | None) -> bool:
-    """The subset hint names endpoints as ``ip:port`` or a bare ``ip`` (every port of it)."""
+    """The subset hint names endpoints as ``ip:port`` or a bare ``ip`` (every port of it);
+    ``endpoint`` and ``eligible`` normalised (``kvrail.endpoints``: IPv6 ``[addr]:port``, a bare
+    IPv6 address without brackets)."""
     if eligible is None:
         return True
-    return endpoint in eligible or endpoint.rpartition(":")[0] in eligible
+    return endpoint in eligible or endpoint_ip(endpoint) in eligible

@@ -15,6 +15,14 @@ returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker,
 4. response headers pass unchanged (the served endpoint in their metadata context is read back)
    and response body chunks are echoed as they come, so SSE is not buffered.
 
+A stream made with ``detach`` ends after step 3 instead: the server closes the ext_proc stream
+with status OK once the routed request has gone back to the gateway, and Envoy serves the rest of
+the request (the whole response) without the EPP. Nothing of the request is still with the EPP
+then (its body was held whole and returned), so nothing is lost, and a routed stream no longer
+depends on the EPP process: killing or restarting it does not touch the request. What detaching
+costs: the served endpoint is not read back, and the picker learns the request's end some other
+way (``Picker.detached``).
+
 A body over ``max_body_bytes`` is answered 413 as soon as it crosses the cap; a ``NoEndpoint``
 pick 503, a ``Shed`` pick 429, a ``Refused`` pick its own status (a 400 for a body that is not
 JSON, say), each as an ``ImmediateResponse`` with an OpenAI-style error body.
@@ -43,6 +51,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 from envoy.type.v3.http_status_pb2 import HttpStatus
 from google.protobuf.struct_pb2 import Struct
 
+from kvrail.endpoints import normalise_hint
 from kvrail.epp.picker import NoEndpoint, Pick, PickRequest, Refused, Routed, Shed
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -95,9 +104,14 @@ class Step:
 class EppStream:
     """The protocol state of one ext_proc stream (one HTTP request)."""
 
-    def __init__(self, stream_id: int, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, stream_id: int, limits: Limits = DEFAULT_LIMITS, *, detach: bool = False
+    ) -> None:
         self.stream_id = stream_id
         self.limits = limits
+        self.detach = detach
+        self.detached = False
+        """Routed, and the gateway serves the rest of the request without this stream."""
         self.phase = Phase.REQUEST
         self.status: int | None = None  # the ImmediateResponse status, if one was sent
         self.endpoints: tuple[str, ...] = ()
@@ -145,7 +159,8 @@ class EppStream:
         if not pick.endpoints:
             return self._refuse(503, "service_unavailable", "the picker named no endpoint")
         self.endpoints = pick.endpoints
-        self.phase = Phase.RESPONSE
+        self.detached = self.detach
+        self.phase = Phase.DONE if self.detach else Phase.RESPONSE
         return Step((_routed_headers(",".join(pick.endpoints)), *self._held_body()))
 
     def _on_request_headers(self, message: ProcessingRequest) -> Step:
@@ -248,7 +263,9 @@ def _header_dict(headers: HttpHeaders) -> dict[str, str]:
 
 def _subset_hint(message: ProcessingRequest) -> frozenset[str] | None:
     """The gateway's subset hint: a list of ``ip:port`` (or ``ip``) strings, or one string of
-    them separated by commas. ``None`` when there is no hint; an empty set when it is empty."""
+    them separated by commas, each normalised (``kvrail.endpoints.normalise_hint``: IPv6 as
+    ``[addr]:port`` or a bare address). ``None`` when there is no hint; an empty set when it is
+    empty."""
     namespace = message.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
     if namespace is None or SUBSET_KEY not in namespace.fields:
         return None
@@ -257,7 +274,7 @@ def _subset_hint(message: ProcessingRequest) -> frozenset[str] | None:
         items = [v.string_value for v in value.list_value.values]
     else:
         items = value.string_value.split(",")
-    return frozenset(item.strip() for item in items if item.strip())
+    return frozenset(normalise_hint(item) for item in items if item.strip())
 
 
 def _metadata_string(message: ProcessingRequest, namespace: str, key: str) -> str:

@@ -6,6 +6,10 @@ what the stream answers. Whatever ends the stream (the response's end, an Immedi
 client leaving mid-body, a protocol error), ``Picker.finished`` runs exactly once for it, so no
 booking leaks. The work per stream is bounded: the held body by ``Limits.max_body_bytes``, the rest
 is echoed chunk by chunk. Logs carry stream ids, endpoints, statuses and sizes, never a body.
+
+With ``detach``, a routed stream is closed (status OK) as soon as the request has gone back to the
+gateway, which then serves the response without the EPP; ``Picker.detached`` runs for it before
+``Picker.finished``, so the picker can keep the request's booking past the stream.
 """
 
 from __future__ import annotations
@@ -37,16 +41,19 @@ HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
 class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
     """``envoy.service.ext_proc.v3.ExternalProcessor/Process`` speaking the EPP protocol."""
 
-    def __init__(self, picker: Picker, limits: Limits = DEFAULT_LIMITS) -> None:
+    def __init__(
+        self, picker: Picker, limits: Limits = DEFAULT_LIMITS, *, detach: bool = False
+    ) -> None:
         self.picker = picker
         self.limits = limits
+        self.detach = detach
         self.open_streams = 0
         self._ids = itertools.count(1)
 
     async def Process(  # the gRPC method's name
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ProcessingResponse]:
-        stream = EppStream(next(self._ids), self.limits)
+        stream = EppStream(next(self._ids), self.limits, detach=self.detach)
         self.open_streams += 1
         try:
             async for message in requests:
@@ -58,6 +65,8 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
                 for response in step.responses:
                     yield response
                 if stream.phase is Phase.DONE:
+                    if stream.detached:
+                        self.picker.detached(stream.stream_id)
                     return
         except ProtocolError as e:
             log.warning("stream %d: protocol error: %s", stream.stream_id, e)
@@ -98,20 +107,30 @@ class Running:
         await self.server.stop(grace_s)
 
 
+def bind_address(host: str, port: int) -> str:
+    """gRPC's ``host:port``, an IPv6 host in brackets: ``::`` gives ``[::]:9002``, which gRPC
+    binds on both families (IPv4 alone where the host has no IPv6)."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 async def start(
-    picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS
+    picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS, detach: bool = False
 ) -> Running:
-    """A started server with the ext_proc and health services (``port=0`` binds a free port).
-    Raises ``RuntimeError`` naming the address if it cannot be bound."""
+    """A started server with the ext_proc and health services (``port=0`` binds a free port);
+    ``detach``: routed streams end once the request is routed (the module docstring). Raises
+    ``RuntimeError`` naming the address if it cannot be bound."""
     server = grpc.aio.server()
-    ext_proc = ExtProc(picker, limits)
+    ext_proc = ExtProc(picker, limits, detach=detach)
     add_ExternalProcessorServicer_to_server(ext_proc, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    address = bind_address(host, port)
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = server.add_insecure_port(address)
     except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {host}:{port}: {e}") from None
+        raise RuntimeError(f"cannot listen on {address}: {e}") from None
     await server.start()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)

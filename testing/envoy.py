@@ -9,8 +9,10 @@ fallback. ``override_host`` rather than an ``ORIGINAL_DST`` cluster keyed on the
 sends only to endpoints it was configured with (a request header cannot aim it anywhere), and the
 fallback policy is what a FailOpen pool needs. Two Lua filters stand in for what a full GAIE
 gateway does that plain Envoy does not: the subset hint (from the test header ``x-test-subset``)
-and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. A second
-listener points ext_proc at a closed port, failing closed, for the EPP-down case.
+and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. Three more
+listeners stand for an EPP that is down: ext_proc pointed at a closed port failing closed
+(FailClose), the same failing open (FailOpen, ``failure_mode_allow``), and an EPP cluster with no
+endpoints (a GAIE pool whose EPP is scaled to zero) failing closed and failing open.
 """
 
 from __future__ import annotations
@@ -65,21 +67,23 @@ def envoy_binary() -> Path:
     return path
 
 
-def _address(port: int) -> dict[str, Any]:
-    return {"socket_address": {"address": "127.0.0.1", "port_value": port}}
+def _address(port: int, host: str = "127.0.0.1") -> dict[str, Any]:
+    return {"socket_address": {"address": host, "port_value": port}}
 
 
-def _static_cluster(name: str, ports: Sequence[int], **extra: Any) -> dict[str, Any]:
-    lb_endpoints = [{"endpoint": {"address": _address(p)}} for p in ports]
+def _static_cluster(
+    name: str, ports: Sequence[int], host: str = "127.0.0.1", **extra: Any
+) -> dict[str, Any]:
+    lb_endpoints = [{"endpoint": {"address": _address(p, host)}} for p in ports]
     assignment = {"cluster_name": name, "endpoints": [{"lb_endpoints": lb_endpoints}]}
     return {"name": name, "type": "STATIC", "connect_timeout": "1s",
             "load_assignment": assignment, **extra}  # fmt: skip
 
 
-def _listener(name: str, port: int, epp_cluster: str) -> dict[str, Any]:
+def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -> dict[str, Any]:
     ext_proc = {
         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
-        "failure_mode_allow": False,
+        "failure_mode_allow": fail_open,
         "message_timeout": "10s",
         "processing_mode": {
             "request_header_mode": "SEND", "response_header_mode": "SEND",
@@ -110,10 +114,12 @@ def _listener(name: str, port: int, epp_cluster: str) -> dict[str, Any]:
     return {"name": name, "address": _address(port), "filter_chains": [{"filters": [chain]}]}
 
 
-def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_down: int,
-              pool: Sequence[int]) -> dict[str, Any]:  # fmt: skip
-    """The static bootstrap: the gateway listener, the fail-closed one, the EPP clusters (HTTP/2)
-    and the pool cluster with ``override_host`` over round robin."""
+def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_no_epp: int,
+              gateway_fail_open: int, gateway_fail_open_no_epp: int, epp: int, epp_down: int,
+              pool: Sequence[int], pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
+    """The static bootstrap: the gateway listener, the four EPP-down ones, the EPP clusters
+    (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
+    ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
     h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only}
     override = {"policies": [{"typed_extension_config": {
@@ -127,12 +133,19 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_
     return {
         "admin": {"address": _address(admin)},
         "static_resources": {
-            "listeners": [_listener("gateway", gateway, "epp"),
-                          _listener("gateway_epp_down", gateway_epp_down, "epp_down")],
+            "listeners": [
+                _listener("gateway", gateway, "epp"),
+                _listener("gateway_epp_down", gateway_epp_down, "epp_down"),
+                _listener("gateway_no_epp", gateway_no_epp, "epp_none"),
+                _listener("gateway_fail_open", gateway_fail_open, "epp_down", fail_open=True),
+                _listener("gateway_fail_open_no_epp", gateway_fail_open_no_epp, "epp_none",
+                          fail_open=True),
+            ],
             "clusters": [
                 _static_cluster("epp", [epp], typed_extension_protocol_options=h2),
                 _static_cluster("epp_down", [epp_down], typed_extension_protocol_options=h2),
-                _static_cluster("pool", pool, load_balancing_policy=override),
+                _static_cluster("epp_none", [], typed_extension_protocol_options=h2),
+                _static_cluster("pool", pool, pool_host, load_balancing_policy=override),
             ],
         },
     }  # fmt: skip
@@ -140,31 +153,39 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, epp: int, epp_
 
 @dataclasses.dataclass
 class Envoy:
-    """A running Envoy; ``gateway`` and ``gateway_epp_down`` are its two listeners' URLs."""
+    """A running Envoy and its listeners' URLs: ``gateway`` (ext_proc to the EPP), and with the
+    EPP down ``gateway_epp_down`` (FailClose, the EPP refusing connections), ``gateway_no_epp``
+    (FailClose, no EPP endpoint at all), ``gateway_fail_open`` and ``gateway_fail_open_no_epp``
+    (the same two, FailOpen)."""
 
     process: ManagedProcess
     admin: str
     gateway: str
     gateway_epp_down: str
+    gateway_no_epp: str
+    gateway_fail_open: str
+    gateway_fail_open_no_epp: str
     log: Path
 
     def stop(self) -> None:
         self.process.stop()
 
 
-def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], timeout_s: float = 30) -> Envoy:
+def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str = "127.0.0.1",
+                timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
-    ports = {name: free_port() for name in ("admin", "gateway", "gateway_epp_down", "epp_down")}
+    listeners = ("gateway", "gateway_epp_down", "gateway_no_epp", "gateway_fail_open",
+                 "gateway_fail_open_no_epp")  # fmt: skip
+    ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
-    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, **ports)))
+    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, pool_host=pool_host, **ports)))
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip
     process = ManagedProcess("envoy", argv, log).start()
-    envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}",
-                  f"http://127.0.0.1:{ports['gateway']}",
-                  f"http://127.0.0.1:{ports['gateway_epp_down']}", log)  # fmt: skip
+    urls = {name: f"http://127.0.0.1:{ports[name]}" for name in listeners}
+    envoy = Envoy(process, f"http://127.0.0.1:{ports['admin']}", log=log, **urls)
 
     def live() -> bool:
         try:

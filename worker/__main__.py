@@ -22,7 +22,6 @@ import asyncio
 import base64
 import contextlib
 import gc
-import ipaddress
 import logging
 import os
 import signal
@@ -36,6 +35,7 @@ import uvloop
 from nats.aio.msg import Msg
 
 from kvrail.bus import PrefillQueue, connect, unsubscribe
+from kvrail.endpoints import parse_endpoint
 from kvrail.errors import ConfigError
 from kvrail.keys import PoolKeys, check_label
 from kvrail.messages import DECODE_ROLES, BlockCounts, WorkerRecord, WorkerRole
@@ -316,15 +316,13 @@ def _with(record: WorkerRecord, **changes: object) -> WorkerRecord:
     return replace(record, **changes)  # type: ignore[arg-type]
 
 
-def _check_front(address: str) -> None:
-    """`ip:port` (IPv6 as `[addr]:port`); raises ValueError naming the option."""
-    host, _, port = address.rpartition(":")
+def _front_address(address: str) -> str:
+    """`ip:port` normalised as the record holds it (`kvrail.endpoints`: IPv6 as `[addr]:port`,
+    also from the kubelet's unbracketed `$(KVRAIL_POD_IP):port`); ValueError names the option."""
     try:
-        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
-    except ValueError:
-        raise ValueError(f"--http-front {address!r} is not ip:port") from None
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--http-front {address!r} has no valid port")
+        return parse_endpoint(address)
+    except ValueError as err:
+        raise ValueError(f"--http-front: {err}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -345,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         worker_id = check_label("worker id", args.worker_id or settings.pod_name or "")
-        if args.http_front:
-            _check_front(args.http_front)
+        http_front = _front_address(args.http_front) if args.http_front else ""
         if settings.tensor_parallel_size > 1:  # refuse a model that cannot split before anything
             device, dtype = _device_and_dtype(settings)
             check_split(
@@ -363,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.torch_num_threads is not None:
         torch.set_num_threads(settings.torch_num_threads)
     role: WorkerRole = "colocated" if args.role == "both" else args.role
-    worker = Worker(settings, role, worker_id, args.http_front)
+    worker = Worker(settings, role, worker_id, http_front)
 
     async def run() -> None:
         loop = asyncio.get_running_loop()

@@ -68,7 +68,8 @@ class InferenceExtensionSpec(CrdModel):
     picker (docs/epp.md)."""
     epp_replicas: int = Field(1, ge=0, le=16)
     """Endpoint picker replicas. Default 1. Each replica books load on its own, from the same
-    etcd records and KV events."""
+    etcd records and KV events. With more than one, a PodDisruptionBudget (`<pool>-epp`) lets a
+    node drain evict one at a time."""
     num_endpoints: int = Field(3, ge=1, le=8)
     """Endpoints the picker names per request: the primary, then fallbacks. Default 3."""
     resources: PickerResources = sub(PickerResources)

@@ -41,8 +41,9 @@ def build_children(
 ) -> list[dict[str, Any]]:
     """All desired children: the operator's access to its servers (when the pool uses
     them) and the workers' NetworkPolicy first (no worker runs unprotected or without its
-    credentials), then Services, workloads, budgets, in GAIE mode the endpoint picker and the
-    GAIE InferencePool, and the route (to the GAIE pool only once it exists).
+    credentials), then Services, workloads, budgets, in GAIE mode the endpoint picker (with a
+    budget when it has more than one replica) and the GAIE InferencePool, and the route (to the
+    GAIE pool only once it exists).
 
     `replicas` overrides the worker StatefulSets' sizes (see
     `kvrail.operator.autoscale.replicas`)."""
@@ -60,8 +61,12 @@ def build_children(
     out.append(build_deployment(pool, ctx))
     out += [build_pdb(pool, r) for r in roles]
     out.append(build_pdb(pool, "router"))
-    if inference_extension(pool) is not None:
-        out += [build_epp_service(pool), build_epp_deployment(pool, ctx), build_gaie_pool(pool)]
+    gaie = inference_extension(pool)
+    if gaie is not None:
+        out += [build_epp_service(pool), build_epp_deployment(pool, ctx)]
+        if gaie.epp_replicas > 1:  # one EPP may always be evicted: a budget would add nothing
+            out.append(build_pdb(pool, "epp"))
+        out.append(build_gaie_pool(pool))
     route = build_httproute(pool)
     if route is not None:
         out.append(route)
@@ -100,6 +105,7 @@ def _every_possible(pool: InferencePool, ctx: BuildContext) -> list[ChildRef]:
     out += [
         ChildRef("v1", "Service", f"{name}-epp"),
         ChildRef("apps/v1", "Deployment", f"{name}-epp"),
+        ChildRef("policy/v1", "PodDisruptionBudget", f"{name}-epp"),
         ChildRef(GAIE_API_VERSION, GAIE_KIND, gaie_pool_name(pool)),
         ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", gaie_pool_name(pool)),
     ]

@@ -186,8 +186,11 @@ def front_container(
         {"name": "front-cache", "mountPath": CACHE_DIR},
         {"name": "front-tmp", "mountPath": "/tmp"},
     ]
-    env = [e for e in router_env(pool, ctx) if e["name"] != "KVRAIL_HTTP_PORT"]
-    env.append(setting("http_port", FRONT_PORT))
+    env = [e for e in router_env(pool, ctx)
+           if e["name"] not in ("KVRAIL_HTTP_PORT", "KVRAIL_ROUTER_HOST")]  # fmt: skip
+    # The pod's own address, IPv4 or IPv6 (0.0.0.0 would leave an IPv6 pod's front unreachable);
+    # the gateway and the kubelet's probes both come to it.
+    env += [setting("router_host", POD_IP_VAR), setting("http_port", FRONT_PORT)]
     container = {
         "name": "front",
         "image": image(pool, ctx),

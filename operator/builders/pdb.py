@@ -1,4 +1,5 @@
-"""PodDisruptionBudgets: voluntary evictions (node drains) take one pod of a role at a time."""
+"""PodDisruptionBudgets: voluntary evictions (node drains) take one pod of a role at a time (the
+workers', the router's and, in GAIE mode with more than one replica, the endpoint picker's)."""
 
 from __future__ import annotations
 

@@ -110,17 +110,19 @@ class Dispatcher:
             return [r for r in workers if r.worker_id == self.pin_worker]
         return workers
 
-    def count_in_flight(self, worker_id: str, delta: int) -> None:
+    def count_in_flight(self, worker_id: str, delta: int, *, ended: bool = True) -> None:
         """This router's requests in flight on `worker_id` (load-based choice and the per-worker
-        metrics read them); a worker with none leaves the table."""
+        metrics read them); a worker with none leaves the table. `ended=False`: the requests
+        taken off did not end, the worker's record counts them now (an endpoint picker's handed
+        over bookings), so they are not among `ours_in_report`'s recent ends."""
         left = self.in_flight.get(worker_id, 0) + delta
         if left > 0:
             self.in_flight[worker_id] = left
         else:
             self.in_flight.pop(worker_id, None)
-        if delta < 0:
-            ended = self._ended.setdefault(worker_id, collections.deque())
-            ended.extend([time.monotonic()] * -delta)
+        if delta < 0 and ended:
+            ends = self._ended.setdefault(worker_id, collections.deque())
+            ends.extend([time.monotonic()] * -delta)
             self._forget_ended(worker_id)
 
     def ours_in_report(self, worker_id: str) -> int:

@@ -307,6 +307,29 @@ async def _until(condition: object, timeout_s: float = 5) -> None:
 async def test_an_epp_that_is_down_fails_closed(envoy: Envoy, client: httpx.AsyncClient) -> None:
     r = await client.post(f"{envoy.gateway_epp_down}/echo", content=b"{}")
     assert r.status_code == 500  # what Envoy 1.40 answers with failure_mode_allow: false
+    r = await client.get(f"{envoy.gateway_epp_down}/sse?n=1&gap=0")
+    assert r.status_code == 500  # a request without a body too
+    for no_epp in (client.post(f"{envoy.gateway_no_epp}/echo", content=b"{}"),
+                   client.get(f"{envoy.gateway_no_epp}/sse?n=1&gap=0")):  # fmt: skip
+        assert (await no_epp).status_code == 500  # no EPP endpoint at all (scaled to zero)
+
+
+async def test_failing_open_routes_blind_unless_a_body_already_went_to_a_refusing_epp(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    backends = set(picker(epp).endpoints)
+    # No EPP endpoint at all (a GAIE pool's EPP scaled to zero): Envoy skips ext_proc and its
+    # fallback (round robin) routes, with or without a body.
+    r = await client.post(f"{envoy.gateway_fail_open_no_epp}/echo", content=b'{"a": 1}')
+    assert r.status_code == 200 and r.json()["served_by"] in backends
+    assert r.json()["picked"] is None  # no EPP said where
+    # An EPP refusing connections: a request without a body fails open...
+    r = await client.get(f"{envoy.gateway_fail_open}/sse?n=1&gap=0")
+    assert r.status_code == 200 and r.text.startswith("data: ")
+    # ...but one with a body does not: in FULL_DUPLEX_STREAMED mode Envoy 1.40 fails open only
+    # until a body chunk has gone to the ext_proc stream, which a refused connection comes after.
+    r = await client.post(f"{envoy.gateway_fail_open}/echo", content=b'{"a": 1}')
+    assert r.status_code == 500
 
 
 async def test_grpc_health_serves_the_protocols_service_names(epp: Running) -> None:
@@ -342,3 +365,92 @@ async def test_the_entry_point_serves_health_and_stops_on_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_ipv6_endpoints_are_routed_in_brackets_and_read_back(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A GAIE pool of IPv6 pods, on ``::1``: the EPP (on its default host ``::``, both
+    families) names ``[::1]:port``, Envoy's ``override_host`` parses it and sends the request
+    there, and its ``%UPSTREAM_HOST%`` comes back in the same form for the read-back."""
+    workdir = tmp_path_factory.mktemp("ipv6")
+    (workdir / "backend.py").write_text(BACKEND)
+    ports = [free_port(), free_port()]
+    procs = [ManagedProcess(f"backend-v6-{p}", [sys.executable, "-P", "-m", "uvicorn",
+             "backend:app", "--app-dir", str(workdir), "--host", "::1", "--port", str(p),
+             "--log-level", "warning"], workdir / f"{p}.log",
+             {**os.environ, "BACKEND_ADDRESS": f"[::1]:{p}"}).start() for p in ports]  # fmt: skip
+    running = None
+    gateway = None
+    try:
+        for p in ports:
+            _wait_http(f"http://[::1]:{p}/health")
+        recording = Recording([f"::1:{p}" for p in ports])  # unbracketed, as a kubelet writes
+        assert recording.endpoints == tuple(f"[::1]:{p}" for p in ports)
+        running = await start(recording, host="::", port=0)
+        gateway = start_envoy(workdir, epp=running.port, pool=ports, pool_host="::1")
+        async with httpx.AsyncClient(timeout=30) as http:
+            for endpoint in recording.endpoints:  # each one, by the subset hint
+                r = await http.post(f"{gateway.gateway}/echo", content=b"{}",
+                                    headers={"x-test-subset": endpoint})  # fmt: skip
+                assert r.status_code == 200, r.text
+                assert r.json()["served_by"] == r.json()["picked"] == endpoint
+                assert r.headers["x-test-upstream-host"] == endpoint
+            r = await http.post(
+                f"{gateway.gateway}/echo", content=b"{}", headers={"x-test-subset": "::1"}
+            )  # a bare address: both ports
+        assert r.status_code == 200 and r.json()["picked"].split(",") == list(recording.endpoints)
+        await _until(lambda: running is not None and running.ext_proc.open_streams == 0)
+        assert recording.served_reports and all(
+            recording.served_reports[s] == recording.picks[s][0] for s in recording.served_reports
+        )
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:  # IPv4 too
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), timeout=10
+            )
+        assert reply.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        if gateway is not None:
+            gateway.stop()
+        if running is not None:
+            await running.stop(1)
+        for proc in procs:
+            proc.stop()
+
+
+async def test_a_detached_epp_leaves_each_stream_once_routed_bodies_whole(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``detach``: a 1 MiB body still arrives intact (all its chunks go back before the EPP
+    closes the stream), and an SSE response streams on, at its cadence, with no ext_proc stream
+    open and the EPP stopped."""
+    recording = Recording(backends)
+    running = await start(recording, host="127.0.0.1", port=0,
+                          limits=Limits(max_body_bytes=MAX_BODY), detach=True)  # fmt: skip
+    pool = [int(b.rpartition(":")[2]) for b in backends]
+    gateway = start_envoy(tmp_path_factory.mktemp("envoy-detach"), epp=running.port, pool=pool)
+    stopped = False
+    try:
+        async with httpx.AsyncClient(timeout=30) as http:
+            body = os.urandom(1024 * 1024)
+            r = await http.post(f"{gateway.gateway}/echo", content=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["sha256"] == hashlib.sha256(body).hexdigest()
+            assert r.json()["served_by"] == r.json()["picked"].split(",")[0]
+            arrivals = []
+            async with http.stream("GET", f"{gateway.gateway}/sse?n=4&gap=0.4") as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    arrivals.append(time.monotonic())
+                    if len(arrivals) == 1:  # routed: the EPP is out of the path, and goes
+                        assert running.ext_proc.open_streams == 0
+                        await running.stop(0)
+                        stopped = True
+        assert len(arrivals) == 4  # the stream outlived the EPP
+        assert arrivals[-1] - arrivals[0] > 0.7 * 3 * 0.4, arrivals  # not buffered
+        assert not recording.served_reports  # a detached stream never sees the response
+    finally:
+        gateway.stop()
+        if not stopped:
+            await running.stop(0)

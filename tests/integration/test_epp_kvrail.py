@@ -13,12 +13,14 @@ its bookings. Every test ends with each worker's blocks free and every booking r
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import httpx
@@ -32,7 +34,7 @@ from kvrail.epp.kv_picker import KvAwarePicker
 from kvrail.epp.picker import Pick, PickRequest, Routed
 from kvrail.epp.pool import follow_pool
 from kvrail.epp.server import Running, start
-from kvrail.local.procs import free_port
+from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.local.servers import EtcdServer, NatsServer
 from kvrail.router.streams.job import Job
 from kvrail.sampling import SamplingParams
@@ -287,3 +289,108 @@ async def test_the_entry_point_follows_the_pool_and_stops_on_sigterm(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+STREAM_TOKENS = 40
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, gateway: str, content: str, first: asyncio.Event
+) -> tuple[int, str, str | None, int | None, bool]:
+    """A streamed chat through the gateway, read to its end: status, the front that served it,
+    the finish reason, the completion tokens in its usage, and whether ``[DONE]`` ended it.
+    ``first`` is set at the first content event. A broken stream raises ``httpx`` errors."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": content}],
+            "max_tokens": STREAM_TOKENS, "ignore_eos": True, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    finish, usage, done = None, None, False
+    async with http.stream("POST", f"{gateway}/v1/chat/completions", json=body) as r:
+        served = r.headers.get("x-test-upstream-host", "")
+        async for line in r.aiter_lines():
+            data = line.removeprefix("data: ")
+            if not line.startswith("data: "):
+                continue
+            if data == "[DONE]":
+                done = True
+                continue
+            event = json.loads(data)
+            for choice in event.get("choices", []):
+                first.set()
+                finish = choice.get("finish_reason") or finish
+            if event.get("usage"):
+                usage = event["usage"]["completion_tokens"]
+    return r.status_code, served, finish, usage, done
+
+
+def start_epp_process(pool: LocalPool, port: int, workdir: Path, *args: str) -> ManagedProcess:
+    """``python -P -m kvrail.epp`` with the pool's settings, as its routers get them."""
+    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
+            *args]  # fmt: skip
+    name = f"epp-{len(list(workdir.glob('epp-*.log')))}"
+    return ManagedProcess(name, argv, workdir / f"{name}.log", env=pool.env).start()
+
+
+async def wait_serving(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        reply = await health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=True, timeout=60
+        )
+    assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
+async def kill_under_streams(
+    epp: ManagedProcess, gateway: str, num_streams: int
+) -> list[tuple[int, str, str | None, int | None, bool] | BaseException]:
+    """Start ``num_streams`` streamed chats, kill the EPP (SIGKILL) once each has its first
+    event, and read them all to their end (or their error)."""
+    firsts = [asyncio.Event() for _ in range(num_streams)]
+    async with httpx.AsyncClient(timeout=120) as http:
+        prompts = [f"Tell a story about {i} owls." for i in range(num_streams)]
+        tasks = [asyncio.create_task(stream_chat(http, gateway, p, first))
+                 for p, first in zip(prompts, firsts, strict=True)]  # fmt: skip
+        await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 120)
+        epp.kill()
+        await asyncio.to_thread(epp.stop)  # reaped
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.usefixtures("nc")
+async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again_when_back(
+    pool: LocalPool, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    port = free_port()
+    workdir = tmp_path_factory.mktemp("epp-restart")
+    gateway = start_envoy(workdir, epp=port, pool=list(FRONTS.values()))
+    fronts = {front_of(w) for w in WORKERS}
+    epp = start_epp_process(pool, port, workdir, "--no-detach")
+    try:
+        # On the response path (--no-detach), the EPP's death breaks every stream it carries:
+        # Envoy resets them (the contrast the default exists for).
+        await wait_serving(port)
+        results = await kill_under_streams(epp, gateway.gateway, 2)
+        assert all(isinstance(r, httpx.HTTPError) for r in results), results
+        # While the EPP is down, a new request gets what Envoy gives a refused ext_proc
+        # connection with failure_mode_allow false (FailClose): a 500 with an empty body.
+        async with httpx.AsyncClient(timeout=30) as http:
+            down = await http.post(f"{gateway.gateway}/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
+        assert down.status_code == 500 and "x-test-upstream-host" not in down.headers
+        # Detached (the default for a pool): every routed stream completes intact.
+        epp = start_epp_process(pool, port, workdir)
+        await wait_serving(port)
+        results = await kill_under_streams(epp, gateway.gateway, 4)
+        for result in results:
+            assert not isinstance(result, BaseException), result
+            status, served, finish, num_tokens, done = result
+            assert (status, finish, num_tokens, done) == (200, "length", STREAM_TOKENS, True)
+            assert served in fronts
+        assert {r[1] for r in results if not isinstance(r, BaseException)} == fronts  # spread
+        # Restarted, the EPP routes new requests again.
+        epp = start_epp_process(pool, port, workdir)
+        await wait_serving(port)
+        served, _, text = await chat(gateway, "Name a colour.")
+        assert served in fronts and text
+        assert "detach=True" in epp.log_text()
+    finally:
+        epp.stop()
+        gateway.stop()

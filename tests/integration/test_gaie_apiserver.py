@@ -144,7 +144,7 @@ def test_gaie_mode_waits_for_gaies_crd_then_every_child_is_accepted(
         if err.status != 404:
             raise
     wait_crd(ext, GAIE_CRD, present=False)
-    pool = created_pool(api, "chat", gaie(failureMode="FailOpen"))
+    pool = created_pool(api, "chat", gaie(failureMode="FailOpen", eppReplicas=2))
     with pytest.raises(InferenceExtensionMissingError, match=GAIE_GROUP):
         reconcile(Kube(api), pool, CTX)
     routes = client.CustomObjectsApi(api).list_namespaced_custom_object(
@@ -169,7 +169,11 @@ def test_gaie_mode_waits_for_gaies_crd_then_every_child_is_accepted(
     )
     assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
     apps = client.AppsV1Api(api)
-    assert apps.read_namespaced_deployment("chat-epp", NAMESPACE).spec.replicas == 1
+    assert apps.read_namespaced_deployment("chat-epp", NAMESPACE).spec.replicas == 2
+    budget = client.PolicyV1Api(api).read_namespaced_pod_disruption_budget("chat-epp", NAMESPACE)
+    assert budget.spec.max_unavailable == 1  # two pickers: a drain evicts one at a time
+    epp_pods = {"kvrail.dev/pool": "chat", "kvrail.dev/role": "epp"}
+    assert budget.spec.selector.match_labels == epp_pods
     decode = apps.read_namespaced_stateful_set("chat-decode", NAMESPACE)
     assert [c.name for c in decode.spec.template.spec.containers] == ["worker", "front"]
 

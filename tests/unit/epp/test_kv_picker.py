@@ -5,6 +5,7 @@ SmolLM2 tokenizer; the endpoint always from the worker's record, bookings per st
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import Iterator
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvrail.epp import kv_picker
 from kvrail.epp.kv_picker import KvAwarePicker
 from kvrail.epp.picker import NoEndpoint, PickRequest, Refused, Routed
 from kvrail.keys import PoolKeys
@@ -22,9 +24,11 @@ from kvrail.router.generate import RouterState
 from kvrail.router.metrics import RouterMetrics
 from kvrail.router.policy import Chooser
 from kvrail.router.streams.dispatcher import Dispatcher
+from kvrail.router.streams.job import Job
 from kvrail.router.tenants import Admission, TenantTable
 from kvrail.router.text.threads import TokenizerThreads
 from kvrail.router.text.tokenizer import TextCodec
+from kvrail.sampling import SamplingParams
 from kvrail.settings import default_cache_dir
 
 FINGERPRINT = "f" * 64
@@ -236,6 +240,20 @@ def test_only_workers_with_a_front_the_subset_allows_are_picked(
     assert isinstance(none, NoEndpoint) and "eligible" in none.reason
 
 
+def test_ipv6_fronts_are_named_in_brackets_and_matched_by_the_subset_hint(
+    codec: TextCodec, threads: TokenizerThreads
+) -> None:
+    state = make_state(codec, threads)
+    add_worker(state, "w-a", "[fd00::1]:8000", cached_blocks(codec))
+    add_worker(state, "w-b", "fd00::2:8000")  # a record written unbracketed is read the same
+    picker = KvAwarePicker(state)
+    result = pick(picker, request(1, chat_body()))
+    assert isinstance(result, Routed)
+    assert result.endpoints == ("[fd00::1]:8000", "[fd00::2]:8000")
+    hinted = pick(picker, request(2, chat_body(), eligible=frozenset({"fd00::2"})))
+    assert hinted.endpoints == ("[fd00::2]:8000",)
+
+
 def test_no_worker_with_a_front_is_no_endpoint(codec: TextCodec, threads: TokenizerThreads) -> None:
     state = make_state(codec, threads)
     add_worker(state, "w-none", "")
@@ -256,3 +274,71 @@ def test_api_keys_are_checked_and_the_tenant_salts_the_prefix_match(
         result = pick(picker, request(stream_id, chat_body(), authorization=f"Bearer {key}"))
         assert result.endpoints[0] == front
         picker.finished(stream_id)
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def report(state: RouterState, worker_id: str, num_running: int) -> None:
+    """A newer record of the worker, as its load refresh writes it."""
+    record = state.view.records()[worker_id]
+    state.view._apply_record(worker_id, dataclasses.replace(record, num_running=num_running))
+
+
+def test_a_detached_booking_stays_until_the_worker_s_report_counts_the_request(
+    codec: TextCodec, threads: TokenizerThreads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(kv_picker, "time", clock)
+    state = make_state(codec, threads)
+    add_worker(state, "w-a", "10.0.0.1:8000")
+    add_worker(state, "w-b", "10.0.0.2:8000")
+    picker = KvAwarePicker(state)
+    result = pick(picker, request(1, chat_body("short")))
+    assert isinstance(result, Routed)
+    (worker,) = state.dispatcher.in_flight
+    picker.detached(1)
+    picker.finished(1)  # the stream ends at once: the booking stays, handed over
+    assert state.dispatcher.in_flight == {worker: 1} and picker.booked == {}
+
+    def load() -> int:
+        candidates, _ = state.dispatcher.candidates(probe_job())
+        return next(c.load for c in candidates if c.worker_id == worker)
+
+    # A report written before the worker saw the request does not release it.
+    clock.now += kv_picker.COUNTED_AFTER_S / 2
+    report(state, worker, 0)
+    assert state.dispatcher.in_flight == {worker: 1} and load() == 1
+    # The first report after COUNTED_AFTER_S counts it: the booking leaves as the report lands,
+    # and the request is counted once, by the worker.
+    clock.now += kv_picker.COUNTED_AFTER_S
+    report(state, worker, 1)
+    assert state.dispatcher.in_flight == {} and picker.handed_over == {}
+    assert load() == 1
+
+
+def test_a_handed_over_booking_is_released_after_max_hold_if_the_worker_never_reports(
+    codec: TextCodec, threads: TokenizerThreads, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = _Clock()
+    monkeypatch.setattr(kv_picker, "time", clock)
+    state = make_state(codec, threads)
+    add_worker(state, "w-a", "10.0.0.1:8000")
+    picker = KvAwarePicker(state)
+    assert isinstance(pick(picker, request(1, chat_body("short"))), Routed)
+    picker.detached(1)
+    picker.finished(1)
+    clock.now += kv_picker.MAX_HOLD_S + 0.1
+    assert isinstance(pick(picker, request(2, chat_body("short"))), Routed)  # sweeps first
+    assert state.dispatcher.in_flight == {"w-a": 1} and picker.booked == {2: "w-a"}
+    picker.finished(2)
+    assert state.dispatcher.in_flight == {} and picker.handed_over == {}
+
+
+def probe_job() -> Job:
+    return Job("probe", tuple(range(32)), SamplingParams(max_tokens=1), 0.0)

@@ -151,6 +151,29 @@ def test_the_subset_hint_is_read_as_a_list_or_a_string(subset: object) -> None:
     assert step.pick.eligible == frozenset({"10.0.0.1:8000", "10.0.0.2"})
 
 
+@pytest.mark.parametrize(
+    "subset", [["[FD00:0::1]:8000", "fd00::2"], "[fd00::1]:8000, [fd00:0::2]"]
+)  # fmt: skip
+def test_an_ipv6_subset_hint_is_normalised_as_endpoints_are(subset: object) -> None:
+    stream = EppStream(1)
+    stream.feed(headers(subset=subset))
+    step = stream.feed(body(b"{}", True))
+    assert step.pick is not None
+    assert step.pick.eligible == frozenset({"[fd00::1]:8000", "fd00::2"})
+
+
+def test_ipv6_endpoints_are_named_in_brackets_in_the_header_and_the_metadata() -> None:
+    stream = EppStream(1)
+    stream.feed(headers(end_of_stream=True))
+    (first,) = stream.picked(Routed(("[fd00::1]:8000", "[fd00::2]:8000"))).responses
+    (header,) = first.request_headers.response.header_mutation.set_headers
+    assert header.header.raw_value == b"[fd00::1]:8000,[fd00::2]:8000"
+    lb = first.dynamic_metadata.fields["envoy.lb"].struct_value
+    assert lb.fields["x-gateway-destination-endpoint"].string_value == (
+        "[fd00::1]:8000,[fd00::2]:8000"
+    )
+
+
 def test_response_chunks_are_echoed_and_the_served_endpoint_read_back() -> None:
     stream = EppStream(1)
     routed_stream(stream)
@@ -178,3 +201,28 @@ def test_messages_out_of_order_are_protocol_errors() -> None:
         stream.feed(headers())
     with pytest.raises(ProtocolError, match="pick"):
         stream.picked(Routed(("10.0.0.1:8000",)))
+
+
+@pytest.mark.parametrize("with_body", [True, False])
+def test_a_detached_stream_is_done_once_the_routed_request_is_answered(with_body: bool) -> None:
+    stream = EppStream(1, detach=True)
+    if with_body:
+        responses = routed_stream(stream, b'{"a":1}')
+        kinds = [r.WhichOneof("response") for r in responses]
+        assert kinds == ["request_headers", "request_body"]
+        streamed = responses[1].request_body.response.body_mutation.streamed_response
+        assert (streamed.body, streamed.end_of_stream) == (b'{"a":1}', True)
+    else:
+        assert stream.feed(headers(end_of_stream=True)).pick is not None
+        (first,) = stream.picked(Routed(("10.0.0.1:8000",))).responses
+        assert first.WhichOneof("response") == "request_headers"
+    assert stream.phase is Phase.DONE and stream.detached
+    with pytest.raises(ProtocolError, match="phase done"):  # nothing of the response comes here
+        stream.feed(ProcessingRequest(response_headers=HttpHeaders()))
+
+
+def test_a_refusal_is_not_a_detach() -> None:
+    stream = EppStream(1, detach=True)
+    stream.feed(headers(end_of_stream=True))
+    stream.picked(NoEndpoint("none"))
+    assert stream.phase is Phase.DONE and not stream.detached

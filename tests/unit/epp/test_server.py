@@ -17,7 +17,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2 import (
 
 from kvrail.epp.__main__ import parse_args, settings
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest
-from kvrail.epp.server import ExtProc
+from kvrail.epp.server import ExtProc, bind_address
 
 A = "10.0.0.1:8000"
 
@@ -87,3 +87,44 @@ def test_good_settings_make_a_picker_and_limits() -> None:
 def test_without_endpoints_the_epp_follows_the_pool() -> None:
     picker, _ = settings(parse_args(["--num-endpoints", "2"]))
     assert picker is None
+
+
+class Detaching(LeastInFlight):
+    """Records the order of the server's calls."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        super().__init__(endpoints)
+        self.calls: list[tuple[str, int]] = []
+
+    def detached(self, stream_id: int) -> None:
+        self.calls.append(("detached", stream_id))
+
+    def finished(self, stream_id: int) -> None:
+        self.calls.append(("finished", stream_id))
+        super().finished(stream_id)
+
+
+async def test_a_detached_stream_ends_once_routed_and_tells_the_picker_first() -> None:
+    picker = Detaching([A])
+    ext_proc = ExtProc(picker, detach=True)
+    context: Any = None
+    out = [r async for r in ext_proc.Process(messages(*request(b"{}")), context)]
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    assert picker.calls[-2:] == [("detached", 1), ("finished", 1)]  # pick() finishes first too
+    assert picker.in_flight == {A: 0} and ext_proc.open_streams == 0
+
+
+def test_detach_is_refused_for_a_static_list_and_optional_for_a_pool() -> None:
+    with pytest.raises(ValueError, match="--detach"):
+        settings(parse_args(["--endpoints", A, "--detach"]))
+    assert parse_args([]).detach is None  # the default: detach for a pool, not for a list
+    assert parse_args(["--no-detach"]).detach is False
+
+
+@pytest.mark.parametrize(
+    ("host", "expected"),
+    [("::", "[::]:9002"), ("0.0.0.0", "0.0.0.0:9002"), ("fd00::1", "[fd00::1]:9002"),
+     ("[fd00::1]", "[fd00::1]:9002"), ("127.0.0.1", "127.0.0.1:9002")],
+)  # fmt: skip
+def test_the_listen_address_brackets_an_ipv6_host(host: str, expected: str) -> None:
+    assert bind_address(host, 9002) == expected

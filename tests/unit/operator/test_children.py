@@ -24,6 +24,7 @@ ROUTER_CONFIG_MAP = ChildRef("v1", "ConfigMap", "tiny-config")
 GAIE_CHILDREN = [
     ChildRef("v1", "Service", "tiny-epp"),
     ChildRef("apps/v1", "Deployment", "tiny-epp"),
+    ChildRef("policy/v1", "PodDisruptionBudget", "tiny-epp"),
     ChildRef("inference.networking.k8s.io/v1", "InferencePool", "tiny-gaie"),
     ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", "tiny-gaie"),
 ]

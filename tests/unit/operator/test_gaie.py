@@ -141,6 +141,12 @@ def test_each_decode_pod_runs_a_front_pinned_to_its_own_worker(changes: Any) -> 
     assert worker["command"][-2:] == ["--http-front", "$(KVRAIL_POD_IP):8000"]
     assert env(worker)["KVRAIL_POD_IP"] == {"fieldRef": {"fieldPath": "status.podIP"}}
     assert env(front)["KVRAIL_HTTP_PORT"] == "8000"
+    # The front listens on the pod's own address, IPv4 or IPv6 (0.0.0.0 misses an IPv6 pod);
+    # the kubelet expands it from a variable defined before it.
+    assert env(front)["KVRAIL_ROUTER_HOST"] == "$(KVRAIL_POD_IP)"
+    names = [e["name"] for e in front["env"]]
+    assert names.index("KVRAIL_POD_IP") < names.index("KVRAIL_ROUTER_HOST")
+    assert names.count("KVRAIL_ROUTER_HOST") == 1
     assert front["ports"] == [{"name": "front", "containerPort": 8000, "protocol": "TCP"}]
     assert front["readinessProbe"]["httpGet"] == {"path": "/ready", "port": "front"}
     pod = child(children, "StatefulSet", "tiny-decode")["spec"]["template"]["spec"]
@@ -178,7 +184,8 @@ def test_route_goes_to_the_gaie_pool_and_the_router_route_is_stale() -> None:
     assert not [c for c in children if c["kind"] == "HTTPRoute" and c is not route]
     stale = stale_children(pool, CTX)
     assert ChildRef("gateway.networking.k8s.io/v1", "HTTPRoute", "tiny-router") in stale
-    assert not [r for r in stale if "epp" in r.name or "gaie" in r.name]
+    one_epp = ChildRef("policy/v1", "PodDisruptionBudget", "tiny-epp")  # one replica: no budget
+    assert not [r for r in stale if ("epp" in r.name or "gaie" in r.name) and r != one_epp]
     # The router stays: kvrail's own path keeps working beside the gateway's.
     assert child(children, "Deployment", "tiny-router")
 
@@ -229,3 +236,41 @@ def test_handler_degrades_the_pool_and_retries_while_gaies_crd_is_missing(
     assert "inference.networking.k8s.io" in conditions["Degraded"]["message"]
     assert conditions["Ready"]["status"] == "False"
     assert events == [("InferenceExtensionMissing", conditions["Degraded"]["message"])]
+
+
+@pytest.mark.parametrize(("replicas", "budget"), [(0, False), (1, False), (2, True), (5, True)])
+def test_the_epp_gets_a_budget_of_one_eviction_when_it_has_more_than_one_replica(
+    replicas: int, budget: bool
+) -> None:
+    pool = pool_with(gaie(eppReplicas=replicas))
+    children = build_children(pool, CTX)
+    budgets = [c for c in children if c["kind"] == "PodDisruptionBudget"]
+    ref = ChildRef("policy/v1", "PodDisruptionBudget", "tiny-epp")
+    if not budget:
+        assert "tiny-epp" not in [b["metadata"]["name"] for b in budgets]
+        assert ref in stale_children(pool, CTX)  # deleted when the replicas drop to one
+        return
+    pdb = child(children, "PodDisruptionBudget", "tiny-epp")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    epp = child(children, "Deployment", "tiny-epp")
+    assert pdb["spec"]["selector"] == epp["spec"]["selector"]  # the EPP's pods and no others
+    router = child(children, "Deployment", "tiny-router")
+    assert pdb["spec"]["selector"]["matchLabels"] != router["spec"]["selector"]["matchLabels"]
+    assert pdb["metadata"]["ownerReferences"] == epp["metadata"]["ownerReferences"]
+    assert ref not in stale_children(pool, CTX)
+    # Applied after the Deployment it guards, before the GAIE pool that names the EPP.
+    kinds = [(c["kind"], c["metadata"]["name"]) for c in children]
+    position = kinds.index(("PodDisruptionBudget", "tiny-epp"))
+    assert kinds.index(("Deployment", "tiny-epp")) < position
+    assert position < kinds.index(("InferencePool", "tiny-gaie"))
+
+
+def test_dropping_the_epp_to_one_replica_deletes_its_budget() -> None:
+    cluster = MemoryCluster()
+    reconcile(cluster, pool_with(gaie(eppReplicas=3)), CTX)
+    assert cluster.get("policy/v1", "PodDisruptionBudget", "tiny-epp", "default") is not None
+    outcome = reconcile(cluster, pool_with(gaie(eppReplicas=1)), CTX)
+    assert outcome.deleted == ["PodDisruptionBudget/tiny-epp"]
+    epp = cluster.get("apps/v1", "Deployment", "tiny-epp", "default")
+    assert epp is not None and epp["spec"]["replicas"] == 1
