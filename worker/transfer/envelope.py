@@ -110,12 +110,12 @@ def validate(
         raise EnvelopeError("checksum", "completion carries no checksum for every block")
     if done.layer_groups:  # layer-wise: name the groups (and ranks) that differ
         num_groups, num_blocks = len(done.layer_groups), len(r.block_ids)
-        bad = layer_groups.bad_groups(done.block_checksums, landed, num_groups, num_blocks)
-        if bad:
-            detail = f"layer groups {sorted({g for g, _ in bad})} differ"
+        parts = layer_groups.bad_groups(done.block_checksums, landed, num_groups, num_blocks)
+        if parts:
+            detail = f"layer groups {sorted({g for g, _ in parts})} differ"
             num_shards = len(landed) // (num_groups * num_blocks)
             if num_shards > 1:
-                detail += f" (ranks {sorted({s for _, s in bad})} of {num_shards})"
+                detail += f" (ranks {sorted({s for _, s in parts})} of {num_shards})"
             raise EnvelopeError("checksum", detail)
         return
     bad = sum(want != got for want, got in zip(done.block_checksums, landed, strict=True))
