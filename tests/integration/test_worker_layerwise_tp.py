@@ -42,6 +42,17 @@ TP = {"KVRAIL_TENSOR_PARALLEL_SIZE": "2"}
 generate = functools.partial(pool_generate, keys=KEYS, deadline_s=60.0, max_tokens=10)
 
 
+def gpus(first: int) -> dict[str, str]:
+    """As in test_worker_tensor_parallel.py: on a machine of 4 GPUs or more each two-rank worker
+    its own pair (the decode workers' ranks on GPUs 2 and 3, so shards cross GPUs); elsewhere
+    nothing (CPU, or both pairs on GPUs 0 and 1)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 4:
+        return {"CUDA_VISIBLE_DEVICES": f"{first},{first + 1}"}
+    return {}
+
+
 @pytest.fixture(scope="module")
 def pool(
     etcd_server: EtcdServer, nats_server: NatsServer, tmp_path_factory: pytest.TempPathFactory
@@ -60,9 +71,9 @@ def pool(
         "KVRAIL_DTYPE": "float32",
     })  # fmt: skip
     try:
-        p.start("prefill-lw", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS="3", **TP)
-        p.start("decode-0", "decode", **TP)
-        p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated")
+        p.start("prefill-lw", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS="3", **TP, **gpus(0))
+        p.start("decode-0", "decode", **TP, **gpus(2))
+        p.start("colo-0", "colocated", KVRAIL_DISAGGREGATION_MODE="colocated", **gpus(0))
         for worker_id in p.procs:
             p.wait_ready(worker_id)
         yield p
@@ -116,7 +127,7 @@ async def test_a_group_that_fails_its_checksum_on_one_shard_is_named_and_recompu
 ) -> None:
     """The fault flips a byte of the first received block in rank 0's shard (layer 0: the first
     group); rank 1's shard is intact."""
-    pool.start("decode-bad", "decode", KVRAIL_FAULT_CORRUPT_KV_TRANSFERS="1", **TP)
+    pool.start("decode-bad", "decode", KVRAIL_FAULT_CORRUPT_KV_TRANSFERS="1", **TP, **gpus(2))
     await asyncio.to_thread(pool.wait_ready, "decode-bad")
     token_ids = prompt(LONG_PROMPT, seed=21)
     colocated = await generate(nc, "colo-0", token_ids)
@@ -139,7 +150,7 @@ async def test_auto_goes_whole_until_it_measured_then_in_the_groups_its_link_cal
     await asyncio.to_thread(pool.procs["prefill-lw"].stop, 20)
     pool.start(
         "prefill-auto", "prefill", KVRAIL_KV_TRANSFER_LAYER_GROUPS="auto",
-        KVRAIL_FAULT_DELAY_KV_WRITES_S="0.3", KVRAIL_LOG_LEVEL="DEBUG", **TP,
+        KVRAIL_FAULT_DELAY_KV_WRITES_S="0.3", KVRAIL_LOG_LEVEL="DEBUG", **TP, **gpus(0),
     )  # fmt: skip
     await asyncio.to_thread(pool.wait_ready, "prefill-auto")
     for n, seed in enumerate((31, 32)):

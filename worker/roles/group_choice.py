@@ -41,8 +41,12 @@ class GroupChoice:
         if setting and not connector.supports_layers:
             raise ConfigError("kv_transfer_layer_groups: this worker's KV connector cannot")
         self.is_auto = setting == "auto"
-        self.num_layers = connector.region.num_layers
-        self._fixed = () if self.is_auto else plan_groups(self.num_layers, int(setting))
+        self.num_layers = 0  # the connector is read only when groups are asked for
+        self._fixed: LayerGroups = ()
+        if setting:
+            self.num_layers = connector.region.num_layers
+            if not self.is_auto:
+                self._fixed = plan_groups(self.num_layers, int(setting))
         self._connector = connector
         self._block_size = block_size
         self._step_tokens = step_tokens
@@ -78,7 +82,8 @@ class GroupChoice:
         return plan_groups(self.num_layers, num_groups)
 
     def computed(self, num_tokens: int, seconds: float) -> None:
-        """A prefill of `num_tokens` computed tokens took `seconds` (fetch to first token)."""
+        """A prefill of `num_tokens` computed tokens took `seconds` (from handing it to the
+        engine to its first token)."""
         self.prefill.add(seconds, num_tokens)
 
     def wrote(self, peer: str, stats: TransferStats) -> None:
