@@ -1,5 +1,7 @@
 """Layer groups of a layer-wise KV transfer (docs/layerwise.md): which layers each group holds,
-which bytes of a block they are, and their checksums. Pure but for reading a region's bytes.
+which bytes of a block they are, their checksums, and how many groups a prompt should go in
+(`choose_num_groups`, for `kv_transfer_layer_groups: auto`). Pure but for reading a region's
+bytes.
 
 A plan is written as the groups' end layers, in order: `(8, 16, 24, 32)` is four groups of
 eight layers of a 32-layer model. Group g holds layers `[ends[g - 1], ends[g])` (the first from
