@@ -274,8 +274,6 @@ class Settings(TransferSettings):
             raise ValueError("kv_disk_tier_path needs kv_host_tier_bytes and kv_disk_tier_bytes")
         if self.kv_disk_tier_bytes and not self.kv_disk_tier_path:
             raise ValueError("kv_disk_tier_bytes needs kv_disk_tier_path")
-        if self.kv_transfer_layer_groups and self.tensor_parallel_size > 1:
-            raise ValueError("kv_transfer_layer_groups is not supported with tensor parallelism")
         return self
 
     @model_validator(mode="after")

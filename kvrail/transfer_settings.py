@@ -3,17 +3,20 @@
 
 from __future__ import annotations
 
+from typing import Annotated, Literal
+
 from pydantic import BaseModel, Field
 
 
 class TransferSettings(BaseModel):
     """How a prefill worker writes KV to a decode worker, and the faults tests inject there."""
 
-    kv_transfer_layer_groups: int = Field(
-        0, ge=0, le=1024,
+    kv_transfer_layer_groups: Annotated[int, Field(ge=0, le=1024)] | Literal["auto"] = Field(
+        0,
         description="write a prompt's KV in this many groups of consecutive layers, each as soon "
         "as the prefill computed it (overlapping the next layers; docs/layerwise.md); 0: one "
-        "write of every layer after the prefill (the default until measured)",
+        "write of every layer after the prefill (the default until measured); auto: a count per "
+        "prompt from the link's measured bandwidth and the prefill's measured speed",
     )  # fmt: skip
     fault_corrupt_kv_transfers: float = Field(
         0.0, ge=0, le=1,

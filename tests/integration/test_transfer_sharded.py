@@ -4,7 +4,10 @@ worker reaches it (`rank_link.serve_transfers` on a thread, `RankTransferClient`
 
 A write moves each shard rank to rank and the payload comes out on the receiving side once, when
 every shard landed; checksums cover every shard; a peer of another layout is refused; a write
-whose rank is gone fails, and its payload never comes out."""
+whose rank is gone fails, and its payload never comes out. A layer-wise write (docs/layerwise.md)
+moves each group of layers of every shard, then its completion alone, which comes out once
+every rank's frame came; its checksums per group cover every shard, and the envelope names the
+group and the rank whose bytes differ."""
 
 from __future__ import annotations
 
@@ -19,8 +22,11 @@ import pytest
 import torch
 
 from kvrail.errors import TransferError
+from kvrail.messages import PrefillDone
 from kvrail.worker.kv_cache import KVCache
+from kvrail.worker.transfer.envelope import EnvelopeError, Reservation, checksums_of, validate
 from kvrail.worker.transfer.kv_connector import KvConnector
+from kvrail.worker.transfer.layer_groups import group_layers, plan_groups
 from kvrail.worker.transfer.rank_link import RankTransferClient, serve_transfers
 from kvrail.worker.transfer.sharded import ShardedConnector
 
@@ -44,8 +50,18 @@ class Worker:
             time.sleep(0.002)
 
 
-def make_worker(name: str, fill: float) -> Worker:
-    regions = [KVCache(torch.full((NUM_BLOCKS, 64), fill + r), NUM_BLOCKS) for r in range(2)]
+def make_worker(name: str, fill: float, num_layers: int = 0) -> Worker:
+    """Two ranks' regions of `NUM_BLOCKS` blocks, flat (64 floats a block) or in the engine's
+    layout with `num_layers` layers (random values, one seed per worker and rank)."""
+    if num_layers:
+        regions = [
+            KVCache.allocate(NUM_BLOCKS, num_layers, 4, 2, 8, torch.float32) for _ in range(2)
+        ]
+        for r, region in enumerate(regions):
+            seeded = torch.Generator().manual_seed(int(fill) * 10 + r)
+            region.tensor.copy_(torch.randn(region.tensor.shape, generator=seeded))
+    else:
+        regions = [KVCache(torch.full((NUM_BLOCKS, 64), fill + r), NUM_BLOCKS) for r in range(2)]
     rank1 = KvConnector(f"{name}-rank1", regions[1])
     ours, theirs = socket.socketpair()
     stopping = threading.Event()
@@ -58,9 +74,10 @@ def make_worker(name: str, fill: float) -> Worker:
     return Worker(connector, regions, rank1, server, stopping)
 
 
-@pytest.fixture
-def workers() -> Iterator[tuple[Worker, Worker]]:
-    src, dst = make_worker("prefill", 1.0), make_worker("decode", 10.0)
+@pytest.fixture(params=[0], ids=["flat"])
+def workers(request: pytest.FixtureRequest) -> Iterator[tuple[Worker, Worker]]:
+    num_layers = request.param
+    src, dst = make_worker("prefill", 1.0, num_layers), make_worker("decode", 10.0, num_layers)
     poller = threading.Thread(target=dst.poll, daemon=True)
     poller.start()
     try:
@@ -129,3 +146,63 @@ def test_a_write_whose_rank_is_gone_fails_and_its_payload_never_comes_out(
     assert dst.notes == []  # the payload stays back: rank 1's shard never came
     with pytest.raises(TransferError, match="rank 1 is gone"):
         src.connector.block_checksums([1])
+
+
+@pytest.mark.parametrize("workers", [4], ids=["4-layers"], indirect=True)
+def test_a_layer_wise_write_moves_each_group_of_every_shard_then_its_completion_alone(
+    workers: tuple[Worker, Worker],
+) -> None:
+    src, dst = workers
+    peer = src.connector.add_peer(dst.connector.metadata(), dst.connector.rank_metadata())
+    groups = plan_groups(4, 2)  # layers [0, 2) and [2, 4)
+    src_ids, dst_ids = [1, 2, 5], [6, 0, 3]
+    before = [r.tensor.clone() for r in dst.regions]
+    stats = src.connector.write_layers(peer, src_ids, dst_ids, (0, 2), time.monotonic() + 10)
+    assert stats.num_bytes == 3 * 2 * src.regions[0].block_bytes // 2  # 3 blocks, 2 of 4 layers
+    for rank in (0, 1):  # the first group's layers landed, rank to rank; nothing else moved
+        dst_rows, src_rows = dst.regions[rank].tensor[dst_ids], src.regions[rank].tensor[src_ids]
+        assert torch.equal(dst_rows[:, :2], src_rows[:, :2])
+        assert torch.equal(dst_rows[:, 2:], before[rank][dst_ids][:, 2:])
+    src.connector.write_layers(peer, src_ids, dst_ids, (2, 4), time.monotonic() + 10)
+    time.sleep(0.1)
+    assert dst.notes == []  # layer groups carry no notification
+    sums = tuple(
+        checksum
+        for g in range(len(groups))
+        for checksum in src.connector.layer_checksums(src_ids, group_layers(groups, g))
+    )
+    assert len(sums) == 2 * 2 * 3  # groups x ranks x blocks
+    src.connector.notify(peer, b"prefill-done")
+    assert [payload for _, payload in wait_notes(dst)] == [b"prefill-done"]
+    for rank in (0, 1):
+        assert torch.equal(dst.regions[rank].tensor[dst_ids], src.regions[rank].tensor[src_ids])
+    done = PrefillDone(
+        request_id="r-1", fingerprint="f" * 64, dest_incarnation=1, block_ids=tuple(dst_ids),
+        first_token_id=1, num_prompt_tokens=12, prefill_worker_id="p", prefill_incarnation=1,
+        block_checksums=sums, layer_groups=groups,
+    )  # fmt: skip
+    reservation = Reservation("r-1", "f" * 64, 1, tuple(dst_ids), 12, 2e9)
+    validate(done, reservation, 0.0, checksums_of(done, dst.connector))  # as it landed
+    dst.regions[1].tensor[0, 3, 1, 2] += 1.0  # rank 1's shard of block 0, layer 3: group 1
+    with pytest.raises(EnvelopeError, match=r"layer groups \[1\] differ \(ranks \[1\] of 2\)"):
+        validate(done, reservation, 0.0, checksums_of(done, dst.connector))
+
+
+@pytest.mark.parametrize("workers", [4], ids=["4-layers"], indirect=True)
+def test_a_layer_group_whose_rank_is_gone_fails_and_no_completion_comes_out(
+    workers: tuple[Worker, Worker],
+) -> None:
+    src, dst = workers
+    peer = src.connector.add_peer(dst.connector.metadata(), dst.connector.rank_metadata())
+    src.connector.write_layers(peer, [1], [3], (0, 2), time.monotonic() + 10)
+    src.stopping.set()  # the source's rank 1 stops serving between the groups
+    src.server.join(5)
+    with pytest.raises(TransferError, match="rank shards failed: rank 1 is gone"):
+        src.connector.write_layers(peer, [1], [3], (2, 4), time.monotonic() + 5)
+    with pytest.raises(TransferError, match="rank shards failed: rank 1 is gone"):
+        src.connector.notify(peer, b"never")
+    deadline = time.monotonic() + 5
+    while dst.connector.num_partial_writes < 1:  # rank 0's frame arrived, held back
+        assert time.monotonic() < deadline, "rank 0's frame never arrived"
+        time.sleep(0.01)
+    assert dst.notes == []

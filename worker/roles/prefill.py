@@ -18,7 +18,9 @@ For each `PrefillJob` from the pool's work queue (jobs addressed to this worker 
   (or nak'ed with a delay when there is none), bounded by max_deliver; a job still running when
   a drain times out is nak'ed for another worker at once; the retained blocks are released in
   every case. With `kv_transfer_layer_groups` the grant comes first and the KV goes in groups
-  of layers while the prefill computes (`layerwise.py`, docs/layerwise.md).
+  of layers while the prefill computes (`layerwise.py`, docs/layerwise.md), as many as the
+  setting says or, with `auto`, as this worker's measured link and prefill call for
+  (`group_choice.py`).
 
 Decode and colocated workers run this role too, for the jobs addressed to them alone (never the
 shared queue): a decode worker whose peer holds more of a prompt's prefix, in any KV tier, names
@@ -49,21 +51,16 @@ from nats.aio.subscription import Subscription
 
 from kvrail.bus import PrefillConsumer, QueuedJob, unsubscribe
 from kvrail.codec import MessageError, decode
-from kvrail.errors import ConfigError, DeadlineExceededError, InvalidRequestError, TransferError
-from kvrail.messages import (
-    Cancel,
-    PrefillDone,
-    PrefillJob,
-    PrefillSettled,
-)
+from kvrail.errors import DeadlineExceededError, InvalidRequestError, TransferError
+from kvrail.messages import Cancel, PrefillDone, PrefillJob, PrefillSettled
 from kvrail.worker import metrics
 from kvrail.worker.roles.cancels import RecentCancels
 from kvrail.worker.roles.context import WorkerContext
+from kvrail.worker.roles.group_choice import GroupChoice
 from kvrail.worker.roles.layerwise import LayeredWrite
 from kvrail.worker.roles.nixl_peers import NixlPeers
 from kvrail.worker.roles.prefill_replies import Refused, ask_grant, tell_refused
 from kvrail.worker.transfer.faults import TransportFaults
-from kvrail.worker.transfer.layer_groups import plan_groups
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +92,10 @@ class PrefillRole:
         self._subs: list[Subscription] = []
         self._fetcher: asyncio.Task[None] | None = None
         self._stopping = False
-        # Layer-wise writes (docs/layerwise.md): the groups planned, the engine's layer sinks,
-        # and the writes under way by job id.
-        wanted = ctx.settings.kv_transfer_layer_groups
-        if wanted and not ctx.connector.supports_layers:  # (settings refuse it with TP already)
-            raise ConfigError("kv_transfer_layer_groups: this worker's KV connector cannot")
-        self._groups = plan_groups(ctx.connector.region.num_layers, wanted) if wanted else ()
+        # Layer-wise writes (docs/layerwise.md): how many groups, and the writes under way.
+        self._choice = GroupChoice(
+            ctx.settings.kv_transfer_layer_groups, ctx.connector, ctx.block_size, self._step_tokens
+        )
         self._layered: dict[str, LayeredWrite] = {}
 
     @property
@@ -263,11 +258,11 @@ class PrefillRole:
         queue_wait_s = max(0.0, (datetime.datetime.now(datetime.UTC) - published).total_seconds())
         self._check(job)
         deadline = fetched + (job.deadline_unix_s - time.time())
-        if not self._groups:
+        groups = self._choice.plan(job)
+        if not groups:
             return await self._compute_and_write(job, compute_done, queue_wait_s, deadline, None)
-        submit = self._nixl.submit
         layered = LayeredWrite(
-            job, self._groups, self.ctx.connector, self.faults, submit, deadline,
+            job, groups, self.ctx.connector, self.faults, self._nixl.submit, deadline,
             self.ctx.block_size,
         )  # fmt: skip
         self._layered[job.request_id] = layered
@@ -308,6 +303,8 @@ class PrefillRole:
         sent = None  # a layer-wise write's LayeredStats
         try:
             computed = time.monotonic()
+            num_computed = len(job.token_ids) - result.output.num_cached_tokens
+            self._choice.computed(num_computed, computed - fetched)
             src = result.block_ids[job.first_block_index :]
             if len(src) != len(job.dest_block_ids):
                 raise Refused("block_count")
@@ -353,6 +350,7 @@ class PrefillRole:
             if layered is not None:  # no group reads the source blocks once they are released
                 await layered.settle()
             await self.ctx.service.release(job.request_id)
+        self._choice.wrote(job.dest_agent_name, stats)
         metrics.KV_TRANSFER_BYTES.labels(stats.transport).inc(stats.num_bytes)
         metrics.KV_TRANSFER_SECONDS.labels(stats.transport).observe(stats.seconds)
         metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)

@@ -108,10 +108,15 @@ def validate(
     landed = tuple(checksums(r.block_ids))
     if len(done.block_checksums) != len(landed):
         raise EnvelopeError("checksum", "completion carries no checksum for every block")
-    if done.layer_groups:  # layer-wise: name the groups that differ
-        bad_groups = layer_groups.bad_groups(done.block_checksums, landed, len(r.block_ids))
-        if bad_groups:
-            raise EnvelopeError("checksum", f"layer groups {bad_groups} differ")
+    if done.layer_groups:  # layer-wise: name the groups (and ranks) that differ
+        num_groups, num_blocks = len(done.layer_groups), len(r.block_ids)
+        parts = layer_groups.bad_groups(done.block_checksums, landed, num_groups, num_blocks)
+        if parts:
+            detail = f"layer groups {sorted({g for g, _ in parts})} differ"
+            num_shards = len(landed) // (num_groups * num_blocks)
+            if num_shards > 1:
+                detail += f" (ranks {sorted({s for _, s in parts})} of {num_shards})"
+            raise EnvelopeError("checksum", detail)
         return
     bad = sum(want != got for want, got in zip(done.block_checksums, landed, strict=True))
     if bad:

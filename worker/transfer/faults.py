@@ -2,9 +2,11 @@
 
 A prefill worker's NIXL WRITE goes through `TransportFaults.write`, which can fail it before
 anything is written (`fault_fail_kv_writes`, a fraction of writes), delay it on the NIXL thread
-like a slow link (`fault_delay_kv_writes_s`), or let the bytes land but lose the completion
-notification (`fault_lose_kv_notifications`, a fraction), so the decode worker never hears of
-it and its remote-prefill timeout decides. Each injected fault is logged with the request id.
+like a slow link (`fault_delay_kv_writes_s`, counted in the write's seconds as a slow link's
+time would be: the transfer metrics and `auto` layer groups see it), or let the bytes land but
+lose the completion notification (`fault_lose_kv_notifications`, a fraction), so the decode
+worker never hears of it and its remote-prefill timeout decides. Each injected fault is logged
+with the request id.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import logging
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvrail.errors import TransferError
 from kvrail.settings import Settings
@@ -56,7 +58,8 @@ class TransportFaults:
         if self.lose_notification and random.random() < self.lose_notification:
             log.warning("fault injection: losing a KV notification request_id=%s", request_id)
             notification = b""
-        return nixl.write(peer, src_block_ids, dst_block_ids, notification, deadline_s)
+        stats = nixl.write(peer, src_block_ids, dst_block_ids, notification, deadline_s)
+        return replace(stats, seconds=stats.seconds + self.delay_s)
 
     def write_layers(
         self,
@@ -75,7 +78,8 @@ class TransportFaults:
             raise TransferError("fault injection: KV layer write failed")
         if self.delay_s:
             time.sleep(self.delay_s)
-        return nixl.write_layers(peer, src_block_ids, dst_block_ids, layers, deadline_s, ready)
+        stats = nixl.write_layers(peer, src_block_ids, dst_block_ids, layers, deadline_s, ready)
+        return replace(stats, seconds=stats.seconds + self.delay_s)
 
     def notify(self, nixl: Connector, request_id: str, peer: str, notification: bytes) -> None:
         """`nixl.notify` (a layer-wise write's completion), with the lost-notification fault."""

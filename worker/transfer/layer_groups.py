@@ -1,5 +1,7 @@
 """Layer groups of a layer-wise KV transfer (docs/layerwise.md): which layers each group holds,
-which bytes of a block they are, and their checksums. Pure but for reading a region's bytes.
+which bytes of a block they are, their checksums, and how many groups a prompt should go in
+(`choose_num_groups`, for `kv_transfer_layer_groups: auto`). Pure but for reading a region's
+bytes.
 
 A plan is written as the groups' end layers, in order: `(8, 16, 24, 32)` is four groups of
 eight layers of a 32-layer model. Group g holds layers `[ends[g - 1], ends[g])` (the first from
@@ -79,12 +81,71 @@ def layer_checksums(
     return tuple(out)
 
 
-def bad_groups(want: Sequence[str], got: Sequence[str], num_blocks: int) -> list[int]:
-    """The groups (indices) whose checksums differ, for group-major lists of equal length."""
-    if num_blocks < 1 or len(want) != len(got) or len(want) % num_blocks:
+def bad_groups(
+    want: Sequence[str], got: Sequence[str], num_groups: int, num_blocks: int
+) -> list[tuple[int, int]]:
+    """The (group, shard) pairs whose checksums differ, for lists of equal length, group-major
+    and shard-major within a group (`num_blocks` per shard: what `Connector.layer_checksums`
+    gives per group, one shard on one device, every rank's on a tensor-parallel worker)."""
+    per_group = num_groups * num_blocks
+    if num_groups < 1 or num_blocks < 1 or len(want) != len(got) or len(want) % per_group:
         raise ValueError("checksum lists of different shapes")
+    num_shards = len(want) // per_group
     return [
-        g
-        for g in range(len(want) // num_blocks)
-        if want[g * num_blocks : (g + 1) * num_blocks] != got[g * num_blocks : (g + 1) * num_blocks]
+        divmod(part, num_shards)
+        for part in range(num_groups * num_shards)
+        if list(want[part * num_blocks : (part + 1) * num_blocks])
+        != list(got[part * num_blocks : (part + 1) * num_blocks])
     ]
+
+
+MIN_SAVING_S = 1e-3
+"""`choose_num_groups` writes the prompt whole unless groups land it this much sooner."""
+MIN_GROUP_GAIN_S = 1e-4
+"""... and adds a group only while it lands the prompt this much sooner than one group less."""
+
+
+def choose_num_groups(
+    kv_bytes: int,
+    bandwidth_bytes_per_s: float,
+    prefill_s: float,
+    setup_s: float,
+    num_layers: int,
+) -> int:
+    """How many layer groups a prompt's KV should go in (0: one whole write), given the link's
+    bandwidth, the prompt's KV bytes, the prefill's expected seconds and one write's set-up
+    seconds (`kv_transfer_layer_groups: auto`, docs/layerwise.md). Pure.
+
+    The model: the transfer takes `T = kv_bytes / bandwidth`; the prefill's layers take equal
+    time, `P / L` each; a group's write takes its share of the transfer plus a set-up, `T / G +
+    c`, and the writes run one after another, each once its group's last layer ran. Group `g`
+    (from 0) is ready at `P (g + 1) / G`, so the last one lands at
+
+        max over g of  P (g + 1) / G + (G - g) (T / G + c)  =  max(P + T/G + c,  P/G + T + G c)
+
+    (linear in g: one end decides). The first term is the tail: the last group's transfer after
+    the prefill, what grouping exists to shrink. The second is a link slower than the compute:
+    every group's transfer and set-up after the first group's layers. A whole write lands at
+    `P + T + c`. So groups pay when both the prefill and the transfer are long against a set-up:
+    the saving is at most `min(P, T)`, the tail left `T / G`, and each group costs `c` once the
+    link is the bottleneck. G grows from 1 while one more group lands the prompt at least
+    `MIN_GROUP_GAIN_S` sooner (past that, a group's set-up buys almost nothing: the tail shrinks
+    by `T / (G (G + 1))`), up to one group per layer; the answer is 0 when the best G saves less
+    than `MIN_SAVING_S` against a whole write (a small transfer, a short prefill, a costly
+    set-up: overlap that saves under a millisecond is not worth a write per group).
+    """
+    if kv_bytes < 0 or bandwidth_bytes_per_s <= 0 or prefill_s < 0 or setup_s < 0:
+        raise ValueError("a positive bandwidth, and no negative bytes or seconds")
+    if num_layers < 1:
+        raise ValueError(f"a model of {num_layers} layers")
+    transfer_s = kv_bytes / bandwidth_bytes_per_s
+
+    def lands_s(groups: int) -> float:
+        tail = prefill_s + transfer_s / groups + setup_s
+        return max(tail, prefill_s / groups + transfer_s + groups * setup_s)
+
+    groups = 1
+    while groups < num_layers and lands_s(groups + 1) <= lands_s(groups) - MIN_GROUP_GAIN_S:
+        groups += 1
+    whole_s = prefill_s + transfer_s + setup_s
+    return groups if lands_s(groups) <= whole_s - MIN_SAVING_S else 0

@@ -29,7 +29,10 @@ from kvrail.worker.transfer.kv_connector import KvConnector
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.002  # how often an idle rank's transfer thread polls its agent's notifications
-_METHODS = ("add_peer", "remove_peer", "write", "block_checksums", "transport_to")
+_METHODS = (
+    "add_peer", "remove_peer", "write", "block_checksums", "transport_to",
+    "write_layers", "notify", "layer_checksums",  # a layer-wise write's (docs/layerwise.md)
+)  # fmt: skip
 
 
 def serve_transfers(conn: Connection, connector: KvConnector, stopping: threading.Event) -> None:

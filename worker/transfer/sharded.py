@@ -12,6 +12,18 @@ payload; it returns when every shard's write completed, or raises `TransferError
 (the peer then never hands the payload over: its shards never all arrive). On the receiving
 side `notifications()` hands a payload over only once every shard of its write has arrived.
 `block_checksums` covers every shard, rank-major.
+
+A layer-wise write (docs/layerwise.md) is the same mechanism cut in two: `write_layers` moves
+layers `[a, b)` of every shard, rank to rank, with no notification, and returns once every
+shard's bytes landed; `notify` then sends the frames alone, one per rank from that rank's agent
+(each after its own shard's writes, which its rank ran one at a time), rank 0's with the
+payload, so the peer's assembler hands the payload over once every shard's frame came, as after
+a whole write. `layer_checksums` is `block_checksums` of those layers: every shard, rank-major.
+On CUDA a group's `ready` event is rank 0's, recorded after its layers; this waits for it on the
+calling thread before any rank writes. That event passing means every rank's layers ran too:
+each layer ends in row-parallel all-reduces over every rank, placed on each rank's stream after
+its attention wrote the layer's KV, and rank 0's all-reduce completes only once every rank's
+joined. On CPU the collectives block, and the engine calls after the layer.
 """
 
 from __future__ import annotations
@@ -20,7 +32,7 @@ import concurrent.futures
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -35,6 +47,8 @@ log = logging.getLogger(__name__)
 
 _CALL_TIMEOUT_S = 30.0  # a rank's answer to a call that moves no KV
 T = TypeVar("T")
+_ArgsOf = Callable[[int, str], tuple[Any, ...]]
+"""A call's arguments on one rank: `(rank, that rank's agent of the peer) -> args`."""
 
 
 class ShardedConnector:
@@ -112,38 +126,17 @@ class ShardedConnector:
         notification: bytes,
         deadline_s: float,
     ) -> TransferStats:
-        rank_peers = self._peers.get(peer)
-        if rank_peers is None:
-            raise TransferError(f"unknown or removed peer {peer}")
-        key = f"{self.local.agent_name}:{next(self._keys)}"
+        key = self._next_key()
         src, dst = list(src_block_ids), list(dst_block_ids)
-        started = time.perf_counter()
-        shards: list[Future[Any]] = [
-            client.call_async("write", rank_peer, src, dst, frame(key, i, self.size), deadline_s)
-            for i, (client, rank_peer) in enumerate(zip(self.ranks, rank_peers, strict=True), 1)
-        ]
-        try:
-            own = self.local.write(
-                peer, src, dst, frame(key, 0, self.size, notification), deadline_s
-            )
-        finally:  # every shard's outcome is known before this returns (or raises)
-            results, errors = _wait_all(shards, deadline_s)
-        if errors:
-            raise TransferError(f"{len(errors)} of {self.size - 1} rank shards failed: {errors[0]}")
-        num_bytes = own.num_bytes + sum(r.num_bytes for r in results)
-        return TransferStats(num_bytes, time.perf_counter() - started, own.transport)
 
-    def block_checksums(self, block_ids: Sequence[int]) -> tuple[str, ...]:
-        ids = list(block_ids)
-        calls: list[Future[Any]] = [c.call_async("block_checksums", ids) for c in self.ranks]
-        own = self.local.block_checksums(ids)
-        results, errors = _wait_all(calls, time.monotonic() + _CALL_TIMEOUT_S)
-        if errors:
-            raise TransferError(f"a rank's checksums are unknown: {errors[0]}")
-        return own + tuple(s for r in results for s in r)
+        def args(rank: int, rank_peer: str) -> tuple[Any, ...]:
+            note = frame(key, rank, self.size, notification if rank == 0 else b"")
+            return rank_peer, src, dst, note, deadline_s
 
-    supports_layers = False
-    """Layer-wise writes are not implemented over shards yet (docs/layerwise.md)."""
+        return self._write_shards(peer, "write", args, deadline_s)
+
+    supports_layers = True
+    """`write_layers`, `notify` and `layer_checksums` work on every shard (module docstring)."""
 
     def write_layers(
         self,
@@ -154,13 +147,70 @@ class ShardedConnector:
         deadline_s: float,
         ready: Any = None,
     ) -> TransferStats:
-        raise TransferError("layer-wise KV writes are not supported with tensor parallelism")
+        if ready is not None:  # rank 0's event: every rank's layers ran (module docstring)
+            ready.synchronize()  # this thread waits; the engine's stream does not
+        src, dst, span = list(src_block_ids), list(dst_block_ids), tuple(layers)
+
+        def args(_rank: int, rank_peer: str) -> tuple[Any, ...]:
+            return rank_peer, src, dst, span, deadline_s
+
+        return self._write_shards(peer, "write_layers", args, deadline_s)
 
     def notify(self, peer: str, notification: bytes) -> None:
-        raise TransferError("layer-wise KV writes are not supported with tensor parallelism")
+        key = self._next_key()
+
+        def args(rank: int, rank_peer: str) -> tuple[Any, ...]:
+            return rank_peer, frame(key, rank, self.size, notification if rank == 0 else b"")
+
+        self._on_every_rank(peer, "notify", args, time.monotonic() + _CALL_TIMEOUT_S)
+
+    def block_checksums(self, block_ids: Sequence[int]) -> tuple[str, ...]:
+        return self._checksums("block_checksums", list(block_ids))
 
     def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
-        raise TransferError("layer-wise KV checksums are not supported with tensor parallelism")
+        return self._checksums("layer_checksums", list(block_ids), tuple(layers))
+
+    def _next_key(self) -> str:
+        """A key no other transfer of this writer has (its shards' frames carry it)."""
+        return f"{self.local.agent_name}:{next(self._keys)}"
+
+    def _write_shards(
+        self, peer: str, method: str, args: _ArgsOf, deadline_s: float
+    ) -> TransferStats:
+        """`method` (`write` or `write_layers`) on every rank: what every shard moved together,
+        and how long the slowest took."""
+        started = time.perf_counter()
+        stats: list[TransferStats] = self._on_every_rank(peer, method, args, deadline_s)
+        seconds = time.perf_counter() - started
+        return TransferStats(sum(s.num_bytes for s in stats), seconds, stats[0].transport)
+
+    def _on_every_rank(self, peer: str, method: str, args: _ArgsOf, deadline_s: float) -> list[Any]:
+        """`method(*args(rank, that rank's agent of the peer))` on every rank's connector, rank
+        0's here while the others run theirs; the results in rank order. Raises TransferError
+        when a rank's failed, once every rank's outcome is known (none still counted on)."""
+        rank_peers = self._peers.get(peer)
+        if rank_peers is None:
+            raise TransferError(f"unknown or removed peer {peer}")
+        calls: list[Future[Any]] = [
+            client.call_async(method, *args(i, rank_peer))
+            for i, (client, rank_peer) in enumerate(zip(self.ranks, rank_peers, strict=True), 1)
+        ]
+        try:
+            own = getattr(self.local, method)(*args(0, peer))
+        finally:  # every shard's outcome is known before this returns (or raises)
+            results, errors = _wait_all(calls, deadline_s)
+        if errors:
+            raise TransferError(f"{len(errors)} of {self.size - 1} rank shards failed: {errors[0]}")
+        return [own, *results]
+
+    def _checksums(self, method: str, *args: Any) -> tuple[str, ...]:
+        """`method`'s checksums on every rank, rank-major."""
+        calls: list[Future[Any]] = [c.call_async(method, *args) for c in self.ranks]
+        own = getattr(self.local, method)(*args)
+        results, errors = _wait_all(calls, time.monotonic() + _CALL_TIMEOUT_S)
+        if errors:
+            raise TransferError(f"a rank's checksums are unknown: {errors[0]}")
+        return tuple(own) + tuple(s for r in results for s in r)
 
     def notifications(self) -> list[tuple[str, bytes]]:
         notes = self.local.notifications()

@@ -65,15 +65,26 @@ def test_settings_default_to_the_pool_api_defaults() -> None:
         ({"KVRAIL_LOG_LEVEL": "LOUD"}, "log_level"),
         ({"KVRAIL_POLL": "x"}, "unknown setting KVRAIL_POLL"),
         ({"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "-1"}, "kv_transfer_layer_groups"),
-        (
-            {"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "4", "KVRAIL_TENSOR_PARALLEL_SIZE": "2"},
-            "kv_transfer_layer_groups is not supported with tensor parallelism",
-        ),
+        ({"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "automatic"}, "kv_transfer_layer_groups"),
+        ({"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "1025"}, "kv_transfer_layer_groups"),
     ],
 )
 def test_invalid_settings_name_the_field(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(environ=env)
+
+
+def test_layer_groups_are_a_count_or_auto_and_go_with_tensor_parallelism(tmp_path: Path) -> None:
+    env = {"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "4", "KVRAIL_TENSOR_PARALLEL_SIZE": "2"}
+    assert load_settings(environ=env).kv_transfer_layer_groups == 4
+    assert (
+        load_settings(environ={"KVRAIL_KV_TRANSFER_LAYER_GROUPS": "auto"}).kv_transfer_layer_groups
+        == "auto"
+    )
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("kvTransferLayerGroups: auto\n")
+    assert load_settings(cfg, environ={}).kv_transfer_layer_groups == "auto"
+    assert Settings().kv_transfer_layer_groups == 0  # off by default
 
 
 @pytest.mark.parametrize(

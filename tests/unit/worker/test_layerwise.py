@@ -95,10 +95,22 @@ def test_a_groups_bytes_of_a_block_are_its_layers_and_nothing_else() -> None:
 
 def test_bad_groups_names_the_groups_whose_checksums_differ() -> None:
     want = ("a", "b", "c", "d", "e", "f")  # 3 groups of 2 blocks
-    assert bad_groups(want, want, 2) == []
-    assert bad_groups(want, ("a", "b", "x", "d", "e", "y"), 2) == [1, 2]
+    assert bad_groups(want, want, 3, 2) == []
+    assert bad_groups(want, ("a", "b", "x", "d", "e", "y"), 3, 2) == [(1, 0), (2, 0)]
     with pytest.raises(ValueError, match="shapes"):
-        bad_groups(want, want[:4], 2)
+        bad_groups(want, want[:4], 3, 2)
+    with pytest.raises(ValueError, match="shapes"):
+        bad_groups(want[:4], want[:4], 3, 2)  # not 3 groups of whole shards
+
+
+def test_bad_groups_names_the_group_and_the_shard_of_a_tensor_parallel_write() -> None:
+    """Per group, every shard's checksums, rank-major: 2 groups x 2 ranks x 3 blocks."""
+    want = tuple(f"g{g}r{r}b{b}" for g in range(2) for r in range(2) for b in range(3))
+    got = list(want)
+    got[1 * 6 + 1 * 3 + 2] = "x"  # group 1, rank 1, block 2
+    assert bad_groups(want, got, 2, 3) == [(1, 1)]
+    got[0 * 6 + 0 * 3 + 0] = "y"  # group 0, rank 0, block 0
+    assert bad_groups(want, got, 2, 3) == [(0, 0), (1, 1)]
 
 
 class RecordingConnector:
@@ -205,6 +217,39 @@ async def test_groups_are_written_in_order_on_the_nixl_thread_then_the_completio
     wrong = done_for(JOB, sent[0].block_checksums, (2, 4))  # not this model's 5 layers
     with pytest.raises(EnvelopeError, match="layer_groups"):
         validate(wrong, reservation, 0.0, checksums_of(wrong, cast(Connector, peer)))
+
+
+class TwoShards(RecordingConnector):
+    """A tensor-parallel worker's checksums as `ShardedConnector` gives them: rank 0's region,
+    then rank 1's, for every call."""
+
+    def __init__(self, rank0: KVCache, rank1: KVCache) -> None:
+        super().__init__(rank0, rank0)
+        self.rank1 = rank1
+
+    def layer_checksums(self, block_ids: Sequence[int], layers: tuple[int, int]) -> tuple[str, ...]:
+        return layer_checksums(self.region, block_ids, layers) + layer_checksums(
+            self.rank1, block_ids, layers
+        )
+
+
+def test_a_group_that_differs_on_one_shard_is_named_with_its_rank() -> None:
+    ranks = [region(num_blocks=8), region(num_blocks=8)]
+    ranks[1].tensor.add_(1.0)  # another shard, other bytes
+    groups = plan_groups(5, 2)
+    shards = TwoShards(*ranks)
+    sums = tuple(
+        s
+        for g in range(2)
+        for s in shards.layer_checksums(JOB.dest_block_ids, group_layers(groups, g))
+    )
+    assert len(sums) == 2 * 2 * 3  # groups x ranks x blocks
+    done = done_for(JOB, sums, groups)
+    reservation = Reservation("r-1", "f" * 64, 7, JOB.dest_block_ids, 16, 2e9)
+    validate(done, reservation, 0.0, checksums_of(done, cast(Connector, shards)))
+    ranks[1].tensor[0, 4, 1, 0, 0, 0] += 1.0  # block 0 (the job's third), layer 4: group 1
+    with pytest.raises(EnvelopeError, match=r"layer groups \[1\] differ \(ranks \[1\] of 2\)"):
+        validate(done, reservation, 0.0, checksums_of(done, cast(Connector, shards)))
 
 
 async def test_a_stop_between_groups_writes_no_more_and_finish_refuses(

@@ -1,0 +1,91 @@
+"""How many layer groups a prefill worker writes each job's KV in (docs/layerwise.md): the
+setting's count for every job, or with `kv_transfer_layer_groups: auto` a count per job from
+`layer_groups.choose_num_groups`, fed by what this worker measured: each peer link's bandwidth
+(`link_speed.PeerBandwidth`) and its prefills' seconds per computed token.
+
+A job's transfer is its blocks' bytes (every shard's: `Connector.block_bytes`); its prefill is
+its tokens after the decode worker's cached prefix, at the measured seconds per token (the
+engine's queue included: the time until the prompt's last layer as this worker sees it; a
+prefix cached here makes the prefill shorter than that, and the groups then more than needed,
+each a set-up more). A prompt longer than one engine step (`max_num_batched_tokens`) is
+prefilled in chunks and only its last step's blocks go in groups (those of earlier chunks go
+whole while the next chunk computes): both the prefill and the bytes are taken for that step's
+share. Before this worker measured any prefill, a job goes whole, which measures both.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvrail.errors import ConfigError, TransferError
+from kvrail.messages import PrefillJob
+from kvrail.worker.transfer.blocks import TransferStats
+from kvrail.worker.transfer.connector import Connector
+from kvrail.worker.transfer.layer_groups import LayerGroups, choose_num_groups, plan_groups
+from kvrail.worker.transfer.link_speed import DecayedRatio, PeerBandwidth
+
+log = logging.getLogger(__name__)
+
+GROUP_SETUP_S = 0.5e-3
+"""One group's write set-up (its NIXL transfer's descriptors, one per block, and its posting),
+as `choose_num_groups` charges it. Not measured yet on a GPU: bench/transfer/layerwise.py
+reports TTFT for fixed counts to calibrate it."""
+
+
+class GroupChoice:
+    """See the module docstring. Called from the event loop's thread only."""
+
+    def __init__(
+        self, setting: int | str, connector: Connector, block_size: int, step_tokens: int
+    ) -> None:
+        if setting and not connector.supports_layers:
+            raise ConfigError("kv_transfer_layer_groups: this worker's KV connector cannot")
+        self.is_auto = setting == "auto"
+        self.num_layers = 0  # the connector is read only when groups are asked for
+        self._fixed: LayerGroups = ()
+        if setting:
+            self.num_layers = connector.region.num_layers
+            if not self.is_auto:
+                self._fixed = plan_groups(self.num_layers, int(setting))
+        self._connector = connector
+        self._block_size = block_size
+        self._step_tokens = step_tokens
+        self.links = PeerBandwidth()
+        self.prefill = DecayedRatio()  # seconds per computed token
+
+    def plan(self, job: PrefillJob) -> LayerGroups:
+        """The groups of this job's write; () for one whole write."""
+        if not self.is_auto:
+            return self._fixed
+        per_token_s = self.prefill.value
+        if per_token_s is None:  # nothing measured yet: a whole write measures both
+            return ()
+        num_tokens = len(job.token_ids) - job.first_block_index * self._block_size
+        share = min(1.0, self._step_tokens / num_tokens) if num_tokens > 0 else 1.0
+        kv_bytes = int(len(job.dest_block_ids) * self._connector.block_bytes * share)
+        prefill_s = num_tokens * share * per_token_s
+        peer = job.dest_agent_name
+        try:
+            transport = self._connector.transport_to(peer)
+        except TransferError:  # not loaded yet: the write will say so
+            transport = self._connector.transport
+        bandwidth = self.links.estimate(peer, transport)
+        num_groups = choose_num_groups(
+            kv_bytes, bandwidth, prefill_s, GROUP_SETUP_S, self.num_layers
+        )
+        log.debug(
+            "layer groups chosen request_id=%s groups=%d kv_bytes=%d link_bytes_per_s=%.4g "
+            "measured=%s prefill_s=%.4f",
+            job.request_id, num_groups, kv_bytes, bandwidth, self.links.is_measured(peer),
+            prefill_s,
+        )  # fmt: skip
+        return plan_groups(self.num_layers, num_groups)
+
+    def computed(self, num_tokens: int, seconds: float) -> None:
+        """A prefill of `num_tokens` computed tokens took `seconds` (from handing it to the
+        engine to its first token)."""
+        self.prefill.add(seconds, num_tokens)
+
+    def wrote(self, peer: str, stats: TransferStats) -> None:
+        """A write to `peer` completed (whole, or every group of a layer-wise one)."""
+        self.links.observe(peer, stats)
