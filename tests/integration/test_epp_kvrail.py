@@ -362,10 +362,10 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
     workdir = tmp_path_factory.mktemp("epp-restart")
     gateway = start_envoy(workdir, epp=port, pool=list(FRONTS.values()))
     fronts = {front_of(w) for w in WORKERS}
-    epp = start_epp_process(pool, port, workdir, "--no-detach")
+    epp = start_epp_process(pool, port, workdir)
     try:
-        # On the response path (--no-detach), the EPP's death breaks every stream it carries:
-        # Envoy resets them (the contrast the default exists for).
+        # On the response path (the default), the EPP's death breaks every stream it carries:
+        # Envoy resets them (the contrast --detach exists for).
         await wait_serving(port)
         results = await kill_under_streams(epp, gateway.gateway, 2)
         assert all(isinstance(r, httpx.HTTPError) for r in results), results
@@ -375,8 +375,8 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
             down = await http.post(f"{gateway.gateway}/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert down.status_code == 500 and "x-test-upstream-host" not in down.headers
-        # Detached (the default for a pool): every routed stream completes intact.
-        epp = start_epp_process(pool, port, workdir)
+        # Detached: every routed stream completes intact.
+        epp = start_epp_process(pool, port, workdir, "--detach")
         await wait_serving(port)
         results = await kill_under_streams(epp, gateway.gateway, 4)
         for result in results:
@@ -390,7 +390,7 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
         await wait_serving(port)
         served, _, text = await chat(gateway, "Name a colour.")
         assert served in fronts and text
-        assert "detach=True" in epp.log_text()
+        assert "detach=False" in epp.log_text()
     finally:
         epp.stop()
         gateway.stop()

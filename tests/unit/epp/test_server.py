@@ -117,7 +117,7 @@ async def test_a_detached_stream_ends_once_routed_and_tells_the_picker_first() -
 def test_detach_is_refused_for_a_static_list_and_optional_for_a_pool() -> None:
     with pytest.raises(ValueError, match="--detach"):
         settings(parse_args(["--endpoints", A, "--detach"]))
-    assert parse_args([]).detach is None  # the default: detach for a pool, not for a list
+    assert parse_args([]).detach is False  # off by default (its race: docs/epp.md)
     assert parse_args(["--no-detach"]).detach is False
 
 
