@@ -27,9 +27,14 @@ from kvrail.worker.transfer.link_speed import DecayedRatio, PeerBandwidth
 log = logging.getLogger(__name__)
 
 GROUP_SETUP_S = 0.5e-3
-"""One group's write set-up (its NIXL transfer's descriptors, one per block, and its posting),
-as `choose_num_groups` charges it. Not measured yet on a GPU: bench/transfer/layerwise.py
-reports TTFT for fixed counts to calibrate it."""
+"""One group's write set-up (its transfer's posting), as `choose_num_groups` charges it, plus
+`BLOCK_DESCRIPTOR_S` per block over NIXL."""
+BLOCK_DESCRIPTOR_S = 30e-6
+"""Over NIXL, a group is one descriptor per block (a block's layers `[a, b)` are contiguous, two
+blocks' are not), and each cost about 30 us more: on the lent H100 (bench/transfer/
+layerwise_h100_2026-12-06.txt, UCX between two processes of one GPU) 512 blocks per group added
+about 14 ms a group and 2048 blocks about 60 ms. CUDA IPC moves a group in one gather/scatter:
+no cost per block."""
 
 
 class GroupChoice:
@@ -70,9 +75,10 @@ class GroupChoice:
         except TransferError:  # not loaded yet: the write will say so
             transport = self._connector.transport
         bandwidth = self.links.estimate(peer, transport)
-        num_groups = choose_num_groups(
-            kv_bytes, bandwidth, prefill_s, GROUP_SETUP_S, self.num_layers
-        )
+        setup_s = GROUP_SETUP_S
+        if transport != "cuda-ipc":
+            setup_s += BLOCK_DESCRIPTOR_S * len(job.dest_block_ids) * share
+        num_groups = choose_num_groups(kv_bytes, bandwidth, prefill_s, setup_s, self.num_layers)
         log.debug(
             "layer groups chosen request_id=%s groups=%d kv_bytes=%d link_bytes_per_s=%.4g "
             "measured=%s prefill_s=%.4f",

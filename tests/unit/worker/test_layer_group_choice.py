@@ -12,7 +12,7 @@ import pytest
 from kvrail.errors import ConfigError, TransferError
 from kvrail.messages import PrefillJob
 from kvrail.sampling import SamplingParams
-from kvrail.worker.roles.group_choice import GROUP_SETUP_S, GroupChoice
+from kvrail.worker.roles.group_choice import BLOCK_DESCRIPTOR_S, GROUP_SETUP_S, GroupChoice
 from kvrail.worker.transfer.blocks import TransferStats
 from kvrail.worker.transfer.connector import Connector
 from kvrail.worker.transfer.layer_groups import (
@@ -160,11 +160,13 @@ def test_auto_writes_whole_until_a_prefill_was_measured_then_follows_the_rule() 
     auto = choice("auto")
     assert auto.plan(job(160)) == ()  # nothing measured: the whole write measures both
     auto.computed(100, 1.0)  # 10 ms per token
-    # 160 tokens, 10 blocks of 1 MB over the default 25 Gb/s: 3.2 ms; a 1.6 s prefill.
-    expected = choose_num_groups(10_000_000, DEFAULT_NIXL_BYTES_PER_S, 1.6, GROUP_SETUP_S, 30)
+    # 160 tokens, 10 blocks of 1 MB over the default 25 Gb/s: 3.2 ms; a 1.6 s prefill; a group
+    # costs its set-up and one NIXL descriptor per block.
+    setup = GROUP_SETUP_S + 10 * BLOCK_DESCRIPTOR_S
+    expected = choose_num_groups(10_000_000, DEFAULT_NIXL_BYTES_PER_S, 1.6, setup, 30)
     assert expected > 0 and auto.plan(job(160)) == plan_groups(30, expected)
     auto.wrote("decode-0-7", TransferStats(10_000_000, 0.1, "nixl-ucx"))  # measured: 100 MB/s
-    expected = choose_num_groups(10_000_000, 1e8, 1.6, GROUP_SETUP_S, 30)
+    expected = choose_num_groups(10_000_000, 1e8, 1.6, setup, 30)
     assert auto.plan(job(160)) == plan_groups(30, expected)
     assert auto.plan(job(160, peer="gone-1")) != auto.plan(job(160))  # its default, unmeasured
     auto.wrote("decode-0-7", TransferStats(10_000_000, 0.0, "nixl-ucx"))  # untimed: no change
@@ -177,5 +179,23 @@ def test_auto_counts_only_what_the_job_moves_and_the_last_steps_share_of_a_long_
     auto.wrote("decode-0-7", TransferStats(10_000_000, 0.1, "nixl-ucx"))
     # 320 tokens after 4 cached blocks: 256 computed, 16 blocks moved; steps of 64 tokens, so
     # the groups carry about a quarter of them, while a quarter of the prefill runs.
-    expected = choose_num_groups(4_000_000, 1e8, 0.64, GROUP_SETUP_S, 30)
+    setup = GROUP_SETUP_S + 4 * BLOCK_DESCRIPTOR_S
+    expected = choose_num_groups(4_000_000, 1e8, 0.64, setup, 30)
     assert auto.plan(job(320, first_block_index=4)) == plan_groups(30, expected)
+
+
+def test_a_groups_set_up_over_nixl_grows_with_its_blocks_and_not_over_cuda_ipc() -> None:
+    """Over NIXL a group is one descriptor per block (measured: about 30 us each on the lent
+    H100), so a prompt of many blocks goes in fewer groups than over CUDA IPC."""
+    nixl, ipc = choice("auto"), choice("auto")
+    cast(FakeConnector, ipc._connector).peers["decode-0-7"] = "cuda-ipc"
+    for auto in (nixl, ipc):
+        auto.computed(8192, 0.3)
+        auto.wrote("decode-0-7", TransferStats(512_000_000, 0.4, "nixl-ucx"))  # 1.28 GB/s
+    # 8192 tokens: 512 blocks of 1 MB, 0.4 s on the link, a 0.3 s prefill.
+    many = job(8192)
+    assert len(nixl.plan(many)) == choose_num_groups(
+        512_000_000, 1.28e9, 0.3, GROUP_SETUP_S + 512 * BLOCK_DESCRIPTOR_S, 30
+    )
+    assert len(ipc.plan(many)) == choose_num_groups(512_000_000, 1.28e9, 0.3, GROUP_SETUP_S, 30)
+    assert 0 < len(nixl.plan(many)) < len(ipc.plan(many))
