@@ -15,12 +15,16 @@ Links (each a fresh writer/reader pair, UCX reads its environment at start):
   until `bytes / --cap-gbs` has passed: a link of that bandwidth, applied by this script;
 - `cuda-ipc`: kvrail's same-node fast path, for no regression.
 Per link and prompt length (2k, 8k, 32k tokens; one engine step each, `--max-batched-tokens`),
-the methods alternate (whole, G=2, G=4, G=8, whole, ...) over `--iters` rounds after one untimed
+the methods alternate (whole, G=2, G=4, G=8, whole, ...; with `--auto` also `auto`, the count
+`kv_transfer_layer_groups: auto` chooses per prompt, `roles/group_choice.py`, from the link's
+bandwidth and the prefill's speed as measured by every write and prefill of the run so far, the
+untimed round's included) over `--iters` rounds after one untimed
 round (the last round's writes land in zeroed blocks and are checked block by block by
 checksum, untimed work outside the TTFT), and the median is reported with the prefill alone
 (the engine's time to the first token) and the whole write's transfer time, and the issue's
 bound for layer-wise:
-`max(prefill, transfer) + transfer / G + 10 ms`.
+`max(prefill, transfer) + transfer / G + 10 ms`; for `auto`, G is the count it chose most often,
+and when that is a whole write the bound is the whole write's TTFT + 2% (no regression).
 
 With `--receiver-decode ROWS` the reader also runs kvrail's engine on the same model, decoding
 ROWS other requests without pause (restarted as they finish), and each line adds the worst and
@@ -63,6 +67,7 @@ LINKS: dict[str, dict[str, Any]] = {  # in this order: the restricted UCX enviro
     "ucx-tcp": {"env": {"UCX_TLS": "tcp,cuda_copy,self"}, "prefer_ipc": False, "cap": False},
 }
 BLOCK_SIZE = 16
+AUTO = -1  # the method `auto` among the group counts (0: one whole write)
 _LOOP = asyncio.new_event_loop()  # one for every layer-wise `finish` (a new one costs ms)
 _PROMPTS = itertools.count()  # every prompt of the run gets a first token of its own
 
@@ -192,6 +197,7 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
 
     from kvrail.messages import PrefillJob
     from kvrail.sampling import SamplingParams
+    from kvrail.worker.roles.group_choice import GroupChoice
     from kvrail.worker.roles.layerwise import LayeredWrite
     from kvrail.worker.transfer.faults import TransportFaults
     from kvrail.worker.transfer.kv_connector import KvConnector
@@ -222,6 +228,8 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
     link_ = CappedLink(nixl, args.cap_gbs * 1e9 if spec["cap"] else None)
     thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="nixl")
     params = SamplingParams(max_tokens=1, ignore_eos=True)
+    # what a prefill worker with `auto` learns: every write's and every prefill's time, any method
+    choice = GroupChoice("auto", nixl, BLOCK_SIZE, max(args.prompts))
     rows: list[dict[str, Any]] = []
     idle = None
     try:
@@ -236,8 +244,9 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
             g = torch.Generator().manual_seed(length)
             base_ids = torch.randint(3, args.vocab - 1, (length,), generator=g).tolist()
             dest = tuple(range(1, -(-length // BLOCK_SIZE) + 1))
-            methods = [0, *args.groups]
+            methods = [0, *args.groups, *([AUTO] if args.auto else [])]
             samples: dict[int, list[tuple[float, float, float]]] = {m: [] for m in methods}
+            chosen: list[int] = []  # auto's group counts in the timed rounds
             steps: dict[int, list[dict[str, float]]] = {m: [] for m in methods}
             for rnd in range(args.iters + 1):
                 for groups in methods:
@@ -245,31 +254,45 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                     rid = f"{link}-{length}-{groups}-{n}"
                     # a first token of its own: no prefix-cache hit on an earlier prompt
                     token_ids = [3 + n % (args.vocab - 4), *base_ids[1:]]
-                    ttft, prefill, transfer, window = _one(
-                        engine, nixl, link_, thread, peer, ours, rid, token_ids, params, dest,
-                        plan_groups(num_layers, groups), PrefillJob, LayeredWrite,
-                        TransportFaults(), verify=rnd == args.iters,  # the last round
+                    job = PrefillJob(
+                        request_id=rid, token_ids=tuple(token_ids), fingerprint="bench",
+                        dest_worker_id="r", dest_incarnation=1, dest_agent_name=peer,
+                        dest_block_ids=dest, first_block_index=0,
+                        deadline_unix_s=time.time() + 300, sampling=params,
                     )  # fmt: skip
+                    plan = choice.plan(job) if groups == AUTO else plan_groups(num_layers, groups)
+                    ttft, prefill, stats, window = _one(
+                        engine, link_, thread, ours, job, plan, LayeredWrite, TransportFaults(),
+                        verify=rnd == args.iters,  # the last round
+                    )  # fmt: skip
+                    choice.computed(len(token_ids), prefill)
+                    choice.wrote(peer, stats)
+                    transfer = stats.seconds if not plan else 0.0
                     if rnd:  # the first round is untimed
                         samples[groups].append((ttft, prefill, transfer))
+                        chosen += [len(plan)] if groups == AUTO else []
                         if args.receiver_decode:
                             ours.send(("steps", window))
                             steps[groups].append(ours.recv())
             whole = samples[0]
             base_prefill = statistics.median(s[1] for s in whole)
             base_transfer = statistics.median(s[2] for s in whole)
+            base_ttft = statistics.median(s[0] for s in whole)
             for groups in methods:
                 ttft = statistics.median(s[0] for s in samples[groups])
-                worst = max(base_prefill, base_transfer)
-                bound = worst + base_transfer / groups + 0.010 if groups else 0.0
+                g = max(set(chosen), key=chosen.count) if groups == AUTO else groups
+                bound = _bound(g, base_prefill, base_transfer, base_ttft) if groups else 0.0
                 row = {
-                    "link": link, "prompt_tokens": length, "layer_groups": groups,
+                    "link": link, "prompt_tokens": length,
+                    "layer_groups": "auto" if groups == AUTO else groups,
                     "ttft_s": ttft, "ttft_all_s": [s[0] for s in samples[groups]],
                     "prefill_s": base_prefill, "whole_transfer_s": base_transfer,
                     "bound_s": bound if groups else None,
                     "meets_bound": (ttft <= bound) if groups else None,
                     "kv_bytes": len(dest) * cache.block_bytes,
                 }  # fmt: skip
+                if groups == AUTO:
+                    row["chosen_groups"] = chosen
                 seen = [got for got in steps[groups] if got["steps"]]
                 if seen:
                     row["receiver_decode"] = {
@@ -278,8 +301,10 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                         "median_s": statistics.median(got["median_s"] for got in seen),
                     }  # fmt: skip
                 rows.append(row)
+                picked = ",".join(map(str, sorted(set(chosen))))
+                name = f"auto:{picked}" if groups == AUTO else groups
                 print(
-                    f"{link:9} {length:6d} tok  G={groups or 'whole':>5}  TTFT "
+                    f"{link:9} {length:6d} tok  G={name or 'whole':>5}  TTFT "
                     f"{ttft * 1e3:9.2f} ms   prefill {base_prefill * 1e3:8.2f} ms  "
                     f"whole transfer {base_transfer * 1e3:8.2f} ms  "
                     + (f"bound {bound * 1e3:8.2f} ms {'met' if ttft <= bound else 'NOT met'}"
@@ -299,18 +324,27 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
     return rows
 
 
+def _bound(groups: int, prefill: float, transfer: float, whole_ttft: float) -> float:
+    """The issue's bound for `groups` layer groups; for a whole write (what `auto` may choose),
+    the whole write's own TTFT + 2%: no regression."""
+    if not groups:
+        return whole_ttft * 1.02
+    return max(prefill, transfer) + transfer / groups + 0.010
+
+
 def _one(
-    engine: Any, nixl: Any, link: Any, thread: Any, peer: str, reader: Connection, rid: str,
-    token_ids: list[int], params: Any, dest: tuple[int, ...], groups: tuple[int, ...],
-    job_type: Any, layered_type: Any, faults: Any, verify: bool = False,
-) -> tuple[float, float, float, tuple[float, float]]:  # fmt: skip
-    """One prompt: (TTFT to the reader's notification, prefill alone, the whole write's time,
-    (submitted, notified) on CLOCK_MONOTONIC).
+    engine: Any, link: Any, thread: Any, reader: Connection, job: Any, groups: tuple[int, ...],
+    layered_type: Any, faults: Any, verify: bool = False,
+) -> tuple[float, float, Any, tuple[float, float]]:  # fmt: skip
+    """One prompt: (TTFT to the reader's notification, prefill alone, the write's TransferStats
+    (every group's together), (submitted, notified) on CLOCK_MONOTONIC).
     `verify`: zero the reader's blocks first and compare every block's checksum after."""
     import torch
 
     from kvrail.worker.transfer.envelope import block_checksums
 
+    rid, token_ids, dest = job.request_id, list(job.token_ids), job.dest_block_ids
+    peer, params = job.dest_agent_name, job.sampling
     if verify:
         reader.send(("zero", list(dest)))
         assert reader.recv() == "zeroed"
@@ -318,11 +352,6 @@ def _one(
     deadline = time.monotonic() + 300
     layered = None
     if groups:
-        job = job_type(
-            request_id=rid, token_ids=tuple(token_ids), fingerprint="bench", dest_worker_id="r",
-            dest_incarnation=1, dest_agent_name=peer, dest_block_ids=dest, first_block_index=0,
-            deadline_unix_s=time.time() + 300, sampling=params,
-        )  # fmt: skip
         layered = layered_type(job, groups, link, faults, thread.submit, deadline, BLOCK_SIZE)
         engine.runner.layer_sinks.add(rid, layered.sink)
     torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -333,13 +362,13 @@ def _one(
     computed = time.monotonic()
     src = engine.retained_block_ids(rid)
     note = rid.encode()
-    transfer = 0.0
     try:
         if layered is not None:
             written = _LOOP.run_until_complete(layered.finish(src, lambda _sums: note))
             assert written is not None, "the engine handed over no group"
+            stats = written.stats
         else:
-            transfer = link.write(peer, src, dest, note, deadline).seconds
+            stats = link.write(peer, src, dest, note, deadline)
         arrived = _arrival(reader, rid)
         if verify:
             reader.send(("sums", list(dest)))
@@ -347,7 +376,7 @@ def _one(
     finally:
         engine.runner.layer_sinks.discard(rid)
         engine.release(rid)
-    return arrived - started, computed - started, transfer, (started, arrived)
+    return arrived - started, computed - started, stats, (started, arrived)
 
 
 def main() -> None:
@@ -356,6 +385,10 @@ def main() -> None:
     parser.add_argument("--prompts", nargs="+", type=int, default=[2048, 8192, 32768])
     parser.add_argument("--groups", nargs="+", type=int, default=[2, 4, 8])
     parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument(
+        "--auto", action="store_true",
+        help="also `auto`: the count kv_transfer_layer_groups: auto chooses per prompt",
+    )  # fmt: skip
     parser.add_argument("--cap-gbs", type=float, default=5.0, help="capped link, GB/s")
     parser.add_argument(
         "--max-batched-tokens", type=int, default=0,
@@ -373,7 +406,7 @@ def main() -> None:
     import gpu_llama3_8b as gpu
 
     if args.smoke:
-        args.prompts, args.groups, args.iters = [64, 256], [2], 1
+        args.prompts, args.groups, args.iters, args.auto = [64, 256], [2], 1, True
         args.links = [link for link in args.links if link != "cuda-ipc"]
         LINKS["ucx-tcp"]["env"] = {"UCX_TLS": "tcp,self"}
     longest = max(args.prompts)
