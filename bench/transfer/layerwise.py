@@ -247,6 +247,7 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
             methods = [0, *args.groups, *([AUTO] if args.auto else [])]
             samples: dict[int, list[tuple[float, float, float]]] = {m: [] for m in methods}
             chosen: list[int] = []  # auto's group counts in the timed rounds
+            details: dict[int, list[Any]] = {m: [] for m in methods}  # LayeredStats
             steps: dict[int, list[dict[str, float]]] = {m: [] for m in methods}
             for rnd in range(args.iters + 1):
                 for groups in methods:
@@ -261,7 +262,7 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                         deadline_unix_s=time.time() + 300, sampling=params,
                     )  # fmt: skip
                     plan = choice.plan(job) if groups == AUTO else plan_groups(num_layers, groups)
-                    ttft, prefill, stats, window = _one(
+                    ttft, prefill, stats, window, layered = _one(
                         engine, link_, thread, ours, job, plan, LayeredWrite, TransportFaults(),
                         verify=rnd == args.iters,  # the last round
                     )  # fmt: skip
@@ -270,6 +271,8 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                     transfer = stats.seconds if not plan else 0.0
                     if rnd:  # the first round is untimed
                         samples[groups].append((ttft, prefill, transfer))
+                        if layered is not None:
+                            details[groups].append(layered)
                         chosen += [len(plan)] if groups == AUTO else []
                         if args.receiver_decode:
                             ours.send(("steps", window))
@@ -293,6 +296,10 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                 }  # fmt: skip
                 if groups == AUTO:
                     row["chosen_groups"] = chosen
+                if groups:  # where the time went: this method's own prefill, each group's write
+                    row["method_prefill_s"] = [s[1] for s in samples[groups]]
+                    row["groups_landed_s"] = [list(d.landed_s) for d in details[groups]]
+                    row["groups_write_s"] = [list(d.write_s) for d in details[groups]]
                 seen = [got for got in steps[groups] if got["steps"]]
                 if seen:
                     row["receiver_decode"] = {
@@ -304,11 +311,13 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                 picked = ",".join(map(str, sorted(set(chosen))))
                 name = f"auto:{picked}" if groups == AUTO else groups
                 print(
-                    f"{link:9} {length:6d} tok  G={name or 'whole':>5}  TTFT "
+                    f"{link:9} {length:6d} tok  G={name or 'whole':>7}  TTFT "
                     f"{ttft * 1e3:9.2f} ms   prefill {base_prefill * 1e3:8.2f} ms  "
                     f"whole transfer {base_transfer * 1e3:8.2f} ms  "
                     + (f"bound {bound * 1e3:8.2f} ms {'met' if ttft <= bound else 'NOT met'}"
-                       if groups else "")
+                       f"  own prefill {statistics.median(row['method_prefill_s']) * 1e3:.1f} ms"
+                       f" tail {statistics.median(d.tail_s for d in details[groups]) * 1e3:.1f}"
+                       " ms" if groups else "")
                     + (f"  decode worst {row['receiver_decode']['worst_s'] * 1e3:.2f} ms median "
                        f"{row['receiver_decode']['median_s'] * 1e3:.2f} ms"
                        if seen else ""),
@@ -335,9 +344,10 @@ def _bound(groups: int, prefill: float, transfer: float, whole_ttft: float) -> f
 def _one(
     engine: Any, link: Any, thread: Any, reader: Connection, job: Any, groups: tuple[int, ...],
     layered_type: Any, faults: Any, verify: bool = False,
-) -> tuple[float, float, Any, tuple[float, float]]:  # fmt: skip
+) -> tuple[float, float, Any, tuple[float, float], Any]:  # fmt: skip
     """One prompt: (TTFT to the reader's notification, prefill alone, the write's TransferStats
-    (every group's together), (submitted, notified) on CLOCK_MONOTONIC).
+    (every group's together), (submitted, notified) on CLOCK_MONOTONIC, the layer-wise write's
+    LayeredStats or None).
     `verify`: zero the reader's blocks first and compare every block's checksum after."""
     import torch
 
@@ -362,6 +372,7 @@ def _one(
     computed = time.monotonic()
     src = engine.retained_block_ids(rid)
     note = rid.encode()
+    written = None
     try:
         if layered is not None:
             written = _LOOP.run_until_complete(layered.finish(src, lambda _sums: note))
@@ -376,7 +387,7 @@ def _one(
     finally:
         engine.runner.layer_sinks.discard(rid)
         engine.release(rid)
-    return arrived - started, computed - started, stats, (started, arrived)
+    return arrived - started, computed - started, stats, (started, arrived), written
 
 
 def main() -> None:

@@ -49,6 +49,11 @@ class LayeredStats:
     num_groups: int
     tail_s: float
     overlap: float
+    landed_s: tuple[float, ...] = ()
+    """Each write's seconds from the prefill's end to its landing (negative: before it), in
+    order: the early chunks' writes, then one per group."""
+    write_s: tuple[float, ...] = ()
+    """... and each write's own seconds."""
 
 
 class LayeredWrite:
@@ -208,5 +213,7 @@ class LayeredWrite:
         )
         tail_s = max(0.0, self._written[-1][1] - computed)
         return LayeredStats(
-            total, len(self.groups), tail_s, early / num_bytes if num_bytes else 0.0
-        )
+            total, len(self.groups), tail_s, early / num_bytes if num_bytes else 0.0,
+            tuple(landed - computed for _, landed in self._written),
+            tuple(stats.seconds for stats, _ in self._written),
+        )  # fmt: skip
