@@ -79,6 +79,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: lwepp's chunk size: under Envoy's default 64 KiB gRPC message buffer with room for framing.
 DEFAULT_CHUNK_BYTES = 62_000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+_BODY_NONE: int = int(ProcessingMode.NONE)
 
 
 class ProtocolError(Exception):
@@ -145,7 +146,7 @@ class EppStream:
         """The answer to one gateway message. ``ProtocolError`` if it comes out of order."""
         kind = message.WhichOneof("request")
         if self.response_body_mode is None and message.HasField("protocol_config"):
-            self.response_body_mode = message.protocol_config.response_body_mode
+            self.response_body_mode = int(message.protocol_config.response_body_mode)
         if self.phase is Phase.REQUEST:
             if kind == "request_headers":
                 return self._on_request_headers(message)
@@ -190,7 +191,7 @@ class EppStream:
     @property
     def response_body_skipped(self) -> bool:
         """The gateway said it does not send the response body here (``NONE``)."""
-        return self.response_body_mode == ProcessingMode.NONE
+        return self.response_body_mode == _BODY_NONE
 
     def _on_request_headers(self, message: ProcessingRequest) -> Step:
         if self._headers:

@@ -89,23 +89,23 @@ def _listener(
 ) -> dict[str, Any]:
     """``response_body``: the response body goes to the EPP (FULL_DUPLEX_STREAMED, trailers too);
     without it, ``NONE`` and trailers ``SKIP``."""
+    mode = {
+        "request_header_mode": "SEND", "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if response_body else "NONE",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND" if response_body else "SKIP",
+    }  # fmt: skip
     ext_proc = {
         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
         "failure_mode_allow": fail_open,
         "message_timeout": "10s",
-        "processing_mode": {
-            "request_header_mode": "SEND", "response_header_mode": "SEND",
-            "request_body_mode": "FULL_DUPLEX_STREAMED",
-            "response_body_mode": "FULL_DUPLEX_STREAMED",
-            "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
-        },
+        "processing_mode": mode,
         "metadata_options": {
             "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
             "receiving_namespaces": {"untyped": ["envoy.lb"]},
         },
     }  # fmt: skip
-    if not response_body:
-        ext_proc["processing_mode"].update(response_body_mode="NONE", response_trailer_mode="SKIP")
     served = {"header": {"key": "x-test-upstream-host", "value": "%UPSTREAM_HOST%"}}
     route = {"match": {"prefix": "/"}, "route": {"cluster": "pool", "timeout": "60s"},
              "response_headers_to_add": [served]}  # fmt: skip
