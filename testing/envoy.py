@@ -85,10 +85,12 @@ def _static_cluster(
 
 
 def _listener(
-    name: str, port: int, epp_cluster: str, fail_open: bool = False, response_body: bool = True
-) -> dict[str, Any]:
+    name: str, port: int, epp_cluster: str, fail_open: bool = False, response_body: bool = True,
+    allow_mode_override: bool = False,
+) -> dict[str, Any]:  # fmt: skip
     """``response_body``: the response body goes to the EPP (FULL_DUPLEX_STREAMED, trailers too);
-    without it, ``NONE`` and trailers ``SKIP``."""
+    without it, ``NONE`` and trailers ``SKIP``. ``allow_mode_override``: the filter's flag of that
+    name (Envoy 1.40 ignores the override with these body modes all the same)."""
     mode = {
         "request_header_mode": "SEND", "response_header_mode": "SEND",
         "request_body_mode": "FULL_DUPLEX_STREAMED",
@@ -100,6 +102,7 @@ def _listener(
         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
         "failure_mode_allow": fail_open,
         "message_timeout": "10s",
+        "allow_mode_override": allow_mode_override,
         "processing_mode": mode,
         "metadata_options": {
             "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
@@ -127,7 +130,8 @@ def _listener(
 def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
               gateway_epp_down: int, gateway_no_epp: int,
               gateway_fail_open: int, gateway_fail_open_no_epp: int, epp: int, epp_down: int,
-              pool: Sequence[int], pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
+              pool: Sequence[int], pool_host: str = "127.0.0.1",
+              allow_mode_override: bool = False) -> dict[str, Any]:  # fmt: skip
     """The static bootstrap: the two gateway listeners, the four EPP-down ones, the EPP clusters
     (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
     ``override_host`` over round robin."""
@@ -145,9 +149,9 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
         "admin": {"address": _address(admin)},
         "static_resources": {
             "listeners": [
-                _listener("gateway", gateway, "epp"),
+                _listener("gateway", gateway, "epp", allow_mode_override=allow_mode_override),
                 _listener("gateway_no_response_body", gateway_no_response_body, "epp",
-                          response_body=False),
+                          response_body=False, allow_mode_override=allow_mode_override),
                 _listener("gateway_epp_down", gateway_epp_down, "epp_down"),
                 _listener("gateway_no_epp", gateway_no_epp, "epp_none"),
                 _listener("gateway_fail_open", gateway_fail_open, "epp_down", fail_open=True),
@@ -187,14 +191,16 @@ class Envoy:
 
 
 def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str = "127.0.0.1",
-                timeout_s: float = 30) -> Envoy:  # fmt: skip
+                allow_mode_override: bool = False, timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
     listeners = ("gateway", "gateway_no_response_body", "gateway_epp_down", "gateway_no_epp",
                  "gateway_fail_open", "gateway_fail_open_no_epp")  # fmt: skip
     ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
-    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, pool_host=pool_host, **ports)))
+    config.write_text(yaml.safe_dump(bootstrap(
+        epp=epp, pool=pool, pool_host=pool_host, allow_mode_override=allow_mode_override,
+        **ports)))  # fmt: skip
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip

@@ -23,6 +23,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
 from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
     add_ExternalProcessorServicer_to_server,
@@ -478,9 +479,25 @@ class LateClose(ExtProc):
         await asyncio.sleep(self.delay_s)
 
 
+class SkipResponse(ExtProc):
+    """The EPP asking, with the routed request, that the response skip it (``mode_override``:
+    response headers and trailers SKIP, body NONE), and staying attached."""
+
+    async def Process(  # the gRPC method's name
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        async for response in super().Process(requests, context):
+            if response.HasField("request_headers"):
+                response.mode_override.CopyFrom(ProcessingMode(
+                    response_header_mode=ProcessingMode.SKIP,
+                    response_body_mode=ProcessingMode.NONE,
+                    response_trailer_mode=ProcessingMode.SKIP))  # fmt: skip
+            yield response
+
+
 @contextlib.asynccontextmanager
 async def detaching_gateway(
-    ext_proc: ExtProc, backends: list[str], workdir: Path
+    ext_proc: ExtProc, backends: list[str], workdir: Path, allow_mode_override: bool = False
 ) -> AsyncIterator[Envoy]:
     """``ext_proc`` served on a free port, behind its own Envoy."""
     server = grpc.aio.server()
@@ -488,7 +505,7 @@ async def detaching_gateway(
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     pool = [int(b.rpartition(":")[2]) for b in backends]
-    gateway = start_envoy(workdir, epp=port, pool=pool)
+    gateway = start_envoy(workdir, epp=port, pool=pool, allow_mode_override=allow_mode_override)
     try:
         yield gateway
     finally:
@@ -540,6 +557,24 @@ async def test_without_the_guard_a_late_close_loses_streamed_response_bodies(
         broken = await mixed_load(gw.gateway, 40)
     assert len(broken) >= 20, broken
     assert all(b.startswith(("echo: 200 with 0 bytes", "sse: 200 with")) for b in broken), broken
+
+
+async def test_envoy_ignores_a_mode_override_with_full_duplex_bodies(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Why the EPP cannot switch the response off per stream: with ``allow_mode_override`` on
+    and the override sent with the routed request, Envoy 1.40 still sends each response to the
+    EPP (its headers, so the served endpoint comes back), because the request body mode is
+    FULL_DUPLEX_STREAMED. The same override does take effect on a filter whose body modes are
+    not (request BUFFERED, response NONE, tried by hand on bodiless requests: 0 of 20 response
+    headers reached the EPP, 20 of 20 without it). A later Envoy that honours it here fails this
+    test."""
+    ext_proc = SkipResponse(Recording(backends), Limits(max_body_bytes=MAX_BODY))
+    work = tmp_path_factory.mktemp("override")
+    async with detaching_gateway(ext_proc, backends, work, allow_mode_override=True) as gw:
+        assert await mixed_load(gw.gateway, 20) == []
+        await _until(lambda: ext_proc.open_streams == 0)
+    assert len(picker_of(ext_proc).served_reports) == 20
 
 
 def picker_of(ext_proc: ExtProc) -> Recording:
