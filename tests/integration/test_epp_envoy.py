@@ -204,6 +204,30 @@ async def test_the_served_endpoint_is_read_back(
     assert picker(epp).picks[stream_id][0] == r.json()["served_by"]
 
 
+async def test_without_the_response_body_an_attached_stream_ends_at_the_response_headers(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    """Behind the listener that sends no response body, an EPP that does not detach reads the
+    served endpoint back from the response headers and ends the stream there, handing the
+    booking over as a detached one (a static list's ends with it): mid-stream, nothing is
+    open, and the events still come."""
+    before = set(picker(epp).served_reports)
+    detached_before = epp.ext_proc.detached_streams
+    events = []
+    async with client.stream("GET", f"{envoy.gateway_no_response_body}/sse?n=3&gap=0.5") as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 1:
+                    await _until(lambda: epp.ext_proc.open_streams == 0)
+                    assert not any(picker(epp).in_flight.values())
+                    assert epp.ext_proc.detached_streams == detached_before + 1
+    assert len(events) == 3
+    (stream_id,) = set(picker(epp).served_reports) - before
+    served_by = events[0].removeprefix("data: ").split(" ")[0]
+    assert picker(epp).served_reports[stream_id] == served_by
+
+
 async def test_a_1mib_body_arrives_intact(
     envoy: Envoy, epp: Running, client: httpx.AsyncClient
 ) -> None:
