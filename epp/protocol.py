@@ -1,10 +1,11 @@
 """The GAIE endpoint picker protocol (v1) over one Envoy ext_proc stream, as pure logic.
 
-An :class:`EppStream` is fed the gateway's ``ProcessingRequest`` messages of one HTTP request in
-``FULL_DUPLEX_STREAMED`` mode (trailer modes ``SEND``) and answers with the ``ProcessingResponse``
-messages the protocol requires. It does no I/O and never awaits: when the request body is whole it
-returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker, and
-:meth:`EppStream.picked` turns the answer into responses. The order matters to Envoy:
+An :class:`EppStream` is fed the gateway's ``ProcessingRequest`` messages of one HTTP request (the
+request body ``FULL_DUPLEX_STREAMED``, its trailers ``SEND``; the response body
+``FULL_DUPLEX_STREAMED`` with trailers ``SEND``, or ``NONE``) and answers with the
+``ProcessingResponse`` messages the protocol requires. It does no I/O and never awaits: when the
+request body is whole it returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the
+picker, and :meth:`EppStream.picked` turns the answer into responses. The order matters to Envoy:
 
 1. the request-headers response is held until the body's ``end_of_stream`` (or the trailers);
 2. it then carries ``clear_route_cache``, the header ``x-gateway-destination-endpoint:
