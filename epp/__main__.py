@@ -7,14 +7,16 @@ kvrail's router would choose, naming that worker's HTTP front (``kvrail.epp.kv_p
 ``--endpoints`` it picks the endpoint of that list with the fewest requests in flight and never
 reads the prompt. SIGTERM: not ready, then open streams finish.
 
-By default the EPP stays on each request's ext_proc stream to the end of the response (the
-served endpoint read back, bookings ended with the response); SIGTERM lets those streams finish,
-so a rolling restart loses none, but a killed EPP breaks them. ``--detach`` (a kvrail pool only,
-off by default) ends each stream once the request is routed, so a killed EPP loses no routed
-request (``kvrail.epp.protocol``), but it has a race seen with Envoy 1.40: an upstream that
-answers before Envoy has processed the stream's close can have its response body dropped (a 200
-with an empty body, seen under load with a backend answering in under a millisecond). It logs a
-warning at start; docs/epp.md says more.
+For a kvrail pool the EPP detaches by default (``--no-detach`` turns it off): each ext_proc
+stream ends once its request is routed, so a killed or restarted EPP loses no routed request,
+but only behind a gateway that does not send the response body to the EPP
+(``response_body_mode: NONE``, which Envoy reports on each stream); behind one that streams it
+(``FULL_DUPLEX_STREAMED``) a close could lose response bytes, so there streams stay attached and
+the first logs why (``kvrail.epp.protocol``; docs/epp.md, "Detaching"). An attached stream
+follows the response (the served endpoint read back; to the response's end where the gateway
+sends its body here, bookings ended with it); SIGTERM lets open streams finish, so a rolling
+restart loses none, but a killed EPP breaks them. A static list never detaches: its only load
+signal is its streams.
 """
 
 from __future__ import annotations
@@ -61,9 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="static list: requests per endpoint before the EPP sheds (429); default: no limit",
     )  # fmt: skip
     parser.add_argument(
-        "--detach", action=argparse.BooleanOptionalAction, default=False,
+        "--detach", action=argparse.BooleanOptionalAction, default=None,
         help="end each ext_proc stream once its request is routed, so the response bypasses "
-        "the EPP (off by default: see the module docstring's race; refused with --endpoints)",
+        "the EPP, where the gateway sends no response body here; default: on for a kvrail "
+        "pool, refused with --endpoints",
     )  # fmt: skip
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES)
@@ -110,12 +113,7 @@ async def serve(
 
 
 async def _serve(args: argparse.Namespace, picker: Picker, limits: Limits, what: str) -> None:
-    detach = bool(args.detach) and not isinstance(picker, LeastInFlight)
-    if detach:
-        log.warning(
-            "--detach: a response that reaches the gateway before it processed the ext_proc "
-            "stream's close can lose its body (docs/epp.md, 'Detaching')"
-        )
+    detach = args.detach is not False and not isinstance(picker, LeastInFlight)
     running = await start(picker, host=args.host, port=args.port, limits=limits, detach=detach)
     log.info(
         "kvrail.epp serving ext_proc on %s:%d for %s detach=%s",

@@ -1,10 +1,11 @@
 """The GAIE endpoint picker protocol (v1) over one Envoy ext_proc stream, as pure logic.
 
-An :class:`EppStream` is fed the gateway's ``ProcessingRequest`` messages of one HTTP request in
-``FULL_DUPLEX_STREAMED`` mode (trailer modes ``SEND``) and answers with the ``ProcessingResponse``
-messages the protocol requires. It does no I/O and never awaits: when the request body is whole it
-returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker, and
-:meth:`EppStream.picked` turns the answer into responses. The order matters to Envoy:
+An :class:`EppStream` is fed the gateway's ``ProcessingRequest`` messages of one HTTP request (the
+request body ``FULL_DUPLEX_STREAMED``, its trailers ``SEND``; the response body
+``FULL_DUPLEX_STREAMED`` with trailers ``SEND``, or ``NONE``) and answers with the
+``ProcessingResponse`` messages the protocol requires. It does no I/O and never awaits: when the
+request body is whole it returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the
+picker, and :meth:`EppStream.picked` turns the answer into responses. The order matters to Envoy:
 
 1. the request-headers response is held until the body's ``end_of_stream`` (or the trailers);
 2. it then carries ``clear_route_cache``, the header ``x-gateway-destination-endpoint:
@@ -15,13 +16,28 @@ returns a :class:`~kvrail.epp.picker.PickRequest`, the server awaits the picker,
 4. response headers pass unchanged (the served endpoint in their metadata context is read back)
    and response body chunks are echoed as they come, so SSE is not buffered.
 
-A stream made with ``detach`` ends after step 3 instead: the server closes the ext_proc stream
-with status OK once the routed request has gone back to the gateway, and Envoy serves the rest of
-the request (the whole response) without the EPP. Nothing of the request is still with the EPP
-then (its body was held whole and returned), so nothing is lost, and a routed stream no longer
-depends on the EPP process: killing or restarting it does not touch the request. What detaching
-costs: the served endpoint is not read back, and the picker learns the request's end some other
-way (``Picker.detached``).
+A stream made with ``detach`` ends after step 3 instead, when the gateway does not send the
+response body to the EPP: the server closes the ext_proc stream with status OK once the routed
+request has gone back to the gateway, and Envoy serves the rest of the request (the whole
+response) without the EPP. Nothing of the request is still with the EPP then (its body was held
+whole and returned), so a routed stream no longer depends on the EPP process: killing or
+restarting it does not touch the request. What detaching costs: the served endpoint is not read
+back, and the picker learns the request's end some other way (``Picker.detached``).
+
+Whether the gateway sends the response body is read from the ``protocol_config`` of the stream's
+first message (Envoy sends its filter's body modes there). Only ``response_body_mode: NONE`` makes
+a detach safe. With ``FULL_DUPLEX_STREAMED`` the processor owns every response chunk Envoy sends
+it, and Envoy sends them until it has processed the stream's close: a response that reaches Envoy
+before that loses the chunks sent into the closing stream (a 200 with an empty body). Envoy 1.40
+ignores a ``mode_override`` (skip the response) whenever either body mode of the filter is
+``FULL_DUPLEX_STREAMED``, so the EPP cannot switch the response off itself. A gateway that streams
+the response body, or that sends no ``protocol_config``, gets a stream that stays attached, as
+without ``detach`` (:attr:`EppStream.detach_blocked` says why). In the ``NONE`` case Envoy keeps
+the response it holds while it waits for the close, so a late close costs a wait, never bytes.
+
+A stream that does not detach on a gateway that sends no response body ends after step 4's
+response headers (the served endpoint read back): the EPP sees nothing of the response after them,
+so the stream is then counted as detached too.
 
 A body over ``max_body_bytes`` is answered 413 as soon as it crosses the cap; a ``NoEndpoint``
 pick 503, a ``Shed`` pick 429, a ``Refused`` pick its own status (a 400 for a body that is not
@@ -35,6 +51,7 @@ import enum
 import json
 
 from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     BodyMutation,
     BodyResponse,
@@ -63,6 +80,7 @@ SERVED_KEY = "x-gateway-destination-endpoint-served"
 #: lwepp's chunk size: under Envoy's default 64 KiB gRPC message buffer with room for framing.
 DEFAULT_CHUNK_BYTES = 62_000
 DEFAULT_MAX_BODY_BYTES = 10 * 1024 * 1024
+_BODY_NONE: int = int(ProcessingMode.NONE)
 
 
 class ProtocolError(Exception):
@@ -112,6 +130,10 @@ class EppStream:
         self.detach = detach
         self.detached = False
         """Routed, and the gateway serves the rest of the request without this stream."""
+        self.response_body_mode: int | None = None
+        """The gateway's ``response_body_mode`` from ``protocol_config``; None if it sent none."""
+        self.detach_blocked: str | None = None
+        """Why a stream made with ``detach`` stayed attached once routed, if it did."""
         self.phase = Phase.REQUEST
         self.status: int | None = None  # the ImmediateResponse status, if one was sent
         self.endpoints: tuple[str, ...] = ()
@@ -124,6 +146,8 @@ class EppStream:
     def feed(self, message: ProcessingRequest) -> Step:
         """The answer to one gateway message. ``ProtocolError`` if it comes out of order."""
         kind = message.WhichOneof("request")
+        if self.response_body_mode is None and message.HasField("protocol_config"):
+            self.response_body_mode = int(message.protocol_config.response_body_mode)
         if self.phase is Phase.REQUEST:
             if kind == "request_headers":
                 return self._on_request_headers(message)
@@ -159,9 +183,16 @@ class EppStream:
         if not pick.endpoints:
             return self._refuse(503, "service_unavailable", "the picker named no endpoint")
         self.endpoints = pick.endpoints
-        self.detached = self.detach
-        self.phase = Phase.DONE if self.detach else Phase.RESPONSE
+        if self.detach and not self.response_body_skipped:
+            self.detach_blocked = _blocked_reason(self.response_body_mode)
+        self.detached = self.detach and self.response_body_skipped
+        self.phase = Phase.DONE if self.detached else Phase.RESPONSE
         return Step((_routed_headers(",".join(pick.endpoints)), *self._held_body()))
+
+    @property
+    def response_body_skipped(self) -> bool:
+        """The gateway said it does not send the response body here (``NONE``)."""
+        return self.response_body_mode == _BODY_NONE
 
     def _on_request_headers(self, message: ProcessingRequest) -> Step:
         if self._headers:
@@ -204,6 +235,9 @@ class EppStream:
     def _on_response_headers(self, message: ProcessingRequest) -> Step:
         if message.response_headers.end_of_stream:
             self.phase = Phase.DONE
+        elif self.response_body_skipped:  # nothing more of the response comes here
+            self.phase = Phase.DONE
+            self.detached = True
         served = _metadata_string(message, LB_NAMESPACE, SERVED_KEY) or None
         ok = ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))
         return Step((ok,), served=served)
@@ -225,6 +259,13 @@ class EppStream:
             body=body.encode(),
             details=f"kvrail_epp_{status}",
         )),))  # fmt: skip
+
+
+def _blocked_reason(mode: int | None) -> str:
+    if mode is None:
+        return "the gateway sent no protocol_config, so it may stream the response body here"
+    name = ProcessingMode.BodySendMode.Name(mode)
+    return f"the gateway sends the response body here (response_body_mode {name})"
 
 
 def _routed_headers(destination: str) -> ProcessingResponse:

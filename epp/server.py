@@ -8,8 +8,10 @@ booking leaks. The work per stream is bounded: the held body by ``Limits.max_bod
 is echoed chunk by chunk. Logs carry stream ids, endpoints, statuses and sizes, never a body.
 
 With ``detach``, a routed stream is closed (status OK) as soon as the request has gone back to the
-gateway, which then serves the response without the EPP; ``Picker.detached`` runs for it before
-``Picker.finished``, so the picker can keep the request's booking past the stream.
+gateway, which then serves the response without the EPP, if the gateway does not send the response
+body here (``kvrail.epp.protocol`` says why only then); ``Picker.detached`` runs for it before
+``Picker.finished``, so the picker can keep the request's booking past the stream. A stream that
+cannot detach stays attached, and the first one logs why (once per process).
 """
 
 from __future__ import annotations
@@ -48,7 +50,10 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
         self.limits = limits
         self.detach = detach
         self.open_streams = 0
+        self.detached_streams = 0
+        """Streams that ended detached (the gateway serves the rest without the EPP)."""
         self._ids = itertools.count(1)
+        self._said_blocked = False
 
     async def Process(  # the gRPC method's name
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
@@ -60,12 +65,18 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
                 step = stream.feed(message)
                 if step.pick is not None:
                     step = stream.picked(await self._pick(step.pick))
+                    if stream.detach_blocked is not None and not self._said_blocked:
+                        self._said_blocked = True
+                        log.warning("not detaching: %s; streams stay attached to the end of "
+                                    "the response (docs/epp.md, 'Detaching')",
+                                    stream.detach_blocked)  # fmt: skip
                 if step.served is not None:
                     self.picker.served(stream.stream_id, step.served)
                 for response in step.responses:
                     yield response
                 if stream.phase is Phase.DONE:
                     if stream.detached:
+                        self.detached_streams += 1
                         self.picker.detached(stream.stream_id)
                     return
         except ProtocolError as e:

@@ -7,12 +7,16 @@ static cluster of the pool's endpoints with the ``override_host`` load-balancing
 endpoint of the EPP's ``envoy.lb`` metadata that is in the cluster wins, and round robin is the
 fallback. ``override_host`` rather than an ``ORIGINAL_DST`` cluster keyed on the header: Envoy
 sends only to endpoints it was configured with (a request header cannot aim it anywhere), and the
-fallback policy is what a FailOpen pool needs. Two Lua filters stand in for what a full GAIE
-gateway does that plain Envoy does not: the subset hint (from the test header ``x-test-subset``)
-and the served endpoint (``%UPSTREAM_HOST%``) put in the metadata the EPP reads. Three more
-listeners stand for an EPP that is down: ext_proc pointed at a closed port failing closed
-(FailClose), the same failing open (FailOpen, ``failure_mode_allow``), and an EPP cluster with no
-endpoints (a GAIE pool whose EPP is scaled to zero) failing closed and failing open.
+fallback policy is what a FailOpen pool needs. A second listener to the same EPP,
+``gateway_no_response_body``, is the one a kvrail pool's EPP can detach behind: the same filter
+with ``response_body_mode: NONE`` and ``response_trailer_mode: SKIP`` (response headers still
+go to the EPP), so the response body never passes the EPP (docs/epp.md, "Detaching"). Two Lua
+filters stand in for what a full GAIE gateway does that plain Envoy does not: the subset hint
+(from the test header ``x-test-subset``) and the served endpoint (``%UPSTREAM_HOST%``) put in the
+metadata the EPP reads. Four more listeners stand for an EPP that is down: ext_proc pointed at a
+closed port failing closed (FailClose), the same failing open (FailOpen, ``failure_mode_allow``),
+and an EPP cluster with no endpoints (a GAIE pool whose EPP is scaled to zero) failing closed and
+failing open.
 """
 
 from __future__ import annotations
@@ -80,17 +84,26 @@ def _static_cluster(
             "load_assignment": assignment, **extra}  # fmt: skip
 
 
-def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -> dict[str, Any]:
+def _listener(
+    name: str, port: int, epp_cluster: str, fail_open: bool = False, response_body: bool = True,
+    allow_mode_override: bool = False,
+) -> dict[str, Any]:  # fmt: skip
+    """``response_body``: the response body goes to the EPP (FULL_DUPLEX_STREAMED, trailers too);
+    without it, ``NONE`` and trailers ``SKIP``. ``allow_mode_override``: the filter's flag of that
+    name (Envoy 1.40 ignores the override with these body modes all the same)."""
+    mode = {
+        "request_header_mode": "SEND", "response_header_mode": "SEND",
+        "request_body_mode": "FULL_DUPLEX_STREAMED",
+        "response_body_mode": "FULL_DUPLEX_STREAMED" if response_body else "NONE",
+        "request_trailer_mode": "SEND",
+        "response_trailer_mode": "SEND" if response_body else "SKIP",
+    }  # fmt: skip
     ext_proc = {
         "grpc_service": {"envoy_grpc": {"cluster_name": epp_cluster}, "timeout": "10s"},
         "failure_mode_allow": fail_open,
         "message_timeout": "10s",
-        "processing_mode": {
-            "request_header_mode": "SEND", "response_header_mode": "SEND",
-            "request_body_mode": "FULL_DUPLEX_STREAMED",
-            "response_body_mode": "FULL_DUPLEX_STREAMED",
-            "request_trailer_mode": "SEND", "response_trailer_mode": "SEND",
-        },
+        "allow_mode_override": allow_mode_override,
+        "processing_mode": mode,
         "metadata_options": {
             "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
             "receiving_namespaces": {"untyped": ["envoy.lb"]},
@@ -114,10 +127,12 @@ def _listener(name: str, port: int, epp_cluster: str, fail_open: bool = False) -
     return {"name": name, "address": _address(port), "filter_chains": [{"filters": [chain]}]}
 
 
-def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_no_epp: int,
+def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
+              gateway_epp_down: int, gateway_no_epp: int,
               gateway_fail_open: int, gateway_fail_open_no_epp: int, epp: int, epp_down: int,
-              pool: Sequence[int], pool_host: str = "127.0.0.1") -> dict[str, Any]:  # fmt: skip
-    """The static bootstrap: the gateway listener, the four EPP-down ones, the EPP clusters
+              pool: Sequence[int], pool_host: str = "127.0.0.1",
+              allow_mode_override: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The static bootstrap: the two gateway listeners, the four EPP-down ones, the EPP clusters
     (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
     ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
@@ -134,7 +149,9 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_no_epp
         "admin": {"address": _address(admin)},
         "static_resources": {
             "listeners": [
-                _listener("gateway", gateway, "epp"),
+                _listener("gateway", gateway, "epp", allow_mode_override=allow_mode_override),
+                _listener("gateway_no_response_body", gateway_no_response_body, "epp",
+                          response_body=False, allow_mode_override=allow_mode_override),
                 _listener("gateway_epp_down", gateway_epp_down, "epp_down"),
                 _listener("gateway_no_epp", gateway_no_epp, "epp_none"),
                 _listener("gateway_fail_open", gateway_fail_open, "epp_down", fail_open=True),
@@ -153,7 +170,8 @@ def bootstrap(*, admin: int, gateway: int, gateway_epp_down: int, gateway_no_epp
 
 @dataclasses.dataclass
 class Envoy:
-    """A running Envoy and its listeners' URLs: ``gateway`` (ext_proc to the EPP), and with the
+    """A running Envoy and its listeners' URLs: ``gateway`` (ext_proc to the EPP),
+    ``gateway_no_response_body`` (the same without the response body), and with the
     EPP down ``gateway_epp_down`` (FailClose, the EPP refusing connections), ``gateway_no_epp``
     (FailClose, no EPP endpoint at all), ``gateway_fail_open`` and ``gateway_fail_open_no_epp``
     (the same two, FailOpen)."""
@@ -161,6 +179,7 @@ class Envoy:
     process: ManagedProcess
     admin: str
     gateway: str
+    gateway_no_response_body: str
     gateway_epp_down: str
     gateway_no_epp: str
     gateway_fail_open: str
@@ -172,14 +191,16 @@ class Envoy:
 
 
 def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str = "127.0.0.1",
-                timeout_s: float = 30) -> Envoy:  # fmt: skip
+                allow_mode_override: bool = False, timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
-    listeners = ("gateway", "gateway_epp_down", "gateway_no_epp", "gateway_fail_open",
-                 "gateway_fail_open_no_epp")  # fmt: skip
+    listeners = ("gateway", "gateway_no_response_body", "gateway_epp_down", "gateway_no_epp",
+                 "gateway_fail_open", "gateway_fail_open_no_epp")  # fmt: skip
     ports = {name: free_port() for name in ("admin", *listeners, "epp_down")}
     config = workdir / "envoy.yaml"
-    config.write_text(yaml.safe_dump(bootstrap(epp=epp, pool=pool, pool_host=pool_host, **ports)))
+    config.write_text(yaml.safe_dump(bootstrap(
+        epp=epp, pool=pool, pool_host=pool_host, allow_mode_override=allow_mode_override,
+        **ports)))  # fmt: skip
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip

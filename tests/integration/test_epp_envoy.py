@@ -9,6 +9,7 @@ received, so every assertion compares where Envoy sent a request with what the E
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import os
@@ -17,15 +18,21 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import grpc
 import httpx
 import pytest
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
+from envoy.service.ext_proc.v3.external_processor_pb2 import ProcessingRequest, ProcessingResponse
+from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
+    add_ExternalProcessorServicer_to_server,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest, Routed
-from kvrail.epp.protocol import Limits
-from kvrail.epp.server import HEALTH_SERVICES, Running, start
+from kvrail.epp.protocol import EppStream, Limits
+from kvrail.epp.server import HEALTH_SERVICES, ExtProc, Running, start
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.testing.envoy import Envoy, start_envoy
 
@@ -195,6 +202,30 @@ async def test_the_served_endpoint_is_read_back(
     (stream_id,) = set(picker(epp).served_reports) - before
     assert picker(epp).served_reports[stream_id] == r.json()["served_by"]
     assert picker(epp).picks[stream_id][0] == r.json()["served_by"]
+
+
+async def test_without_the_response_body_an_attached_stream_ends_at_the_response_headers(
+    envoy: Envoy, epp: Running, client: httpx.AsyncClient
+) -> None:
+    """Behind the listener that sends no response body, an EPP that does not detach reads the
+    served endpoint back from the response headers and ends the stream there, handing the
+    booking over as a detached one (a static list's ends with it): mid-stream, nothing is
+    open, and the events still come."""
+    before = set(picker(epp).served_reports)
+    detached_before = epp.ext_proc.detached_streams
+    events = []
+    async with client.stream("GET", f"{envoy.gateway_no_response_body}/sse?n=3&gap=0.5") as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line)
+                if len(events) == 1:
+                    await _until(lambda: epp.ext_proc.open_streams == 0)
+                    assert not any(picker(epp).in_flight.values())
+                    assert epp.ext_proc.detached_streams == detached_before + 1
+    assert len(events) == 3
+    (stream_id,) = set(picker(epp).served_reports) - before
+    served_by = events[0].removeprefix("data: ").split(" ")[0]
+    assert picker(epp).served_reports[stream_id] == served_by
 
 
 async def test_a_1mib_body_arrives_intact(
@@ -416,3 +447,161 @@ async def test_ipv6_endpoints_are_routed_in_brackets_and_read_back(
             await running.stop(1)
         for proc in procs:
             proc.stop()
+
+
+# Detaching. Only where the gateway sends no response body to the EPP (the listener
+# ``gateway_no_response_body``): there a response that reaches Envoy before it processed the
+# stream's close waits for it, and loses nothing. Where the gateway streams the response body
+# (``gateway``, FULL_DUPLEX_STREAMED), chunks sent into a closing stream are lost, so the EPP
+# stays attached; the last test forces the detach there to show what the guard prevents, and
+# that the load below does catch a lost body.
+
+LOAD_BODY = os.urandom(1024 * 1024)
+
+
+async def mixed_load(gateway: str, num_requests: int) -> list[str]:
+    """``num_requests`` at once through ``gateway``, alternately a 1 MiB echo and a five-event
+    SSE stream; what was wrong with each one that did not arrive whole (empty: all whole)."""
+    digest = hashlib.sha256(LOAD_BODY).hexdigest()
+
+    async def echo(http: httpx.AsyncClient) -> str | None:
+        r = await http.post(f"{gateway}/echo", content=LOAD_BODY)
+        if r.status_code != 200 or not r.content:
+            return f"echo: {r.status_code} with {len(r.content)} bytes"
+        return None if r.json()["sha256"] == digest else "echo: the body arrived changed"
+
+    async def sse(http: httpx.AsyncClient) -> str | None:
+        events = []
+        async with http.stream("GET", f"{gateway}/sse?n=5&gap=0.02") as r:
+            events = [line async for line in r.aiter_lines() if line.startswith("data: ")]
+        return None if r.status_code == 200 and len(events) == 5 else (
+            f"sse: {r.status_code} with {len(events)} of 5 events")  # fmt: skip
+
+    async def one(i: int, http: httpx.AsyncClient) -> str | None:
+        try:
+            return await (echo if i % 2 == 0 else sse)(http)
+        except httpx.HTTPError as e:
+            return f"{type(e).__name__}: {e}"
+
+    limits = httpx.Limits(max_connections=64)
+    async with httpx.AsyncClient(timeout=60, limits=limits) as http:
+        results = await asyncio.gather(*(one(i, http) for i in range(num_requests)))
+    return [r for r in results if r is not None]
+
+
+class LateClose(ExtProc):
+    """The EPP with each stream's close sent ``delay_s`` after its last message, as a loaded EPP
+    might: every response reaches Envoy before the close does."""
+
+    delay_s = 0.2
+
+    async def Process(  # the gRPC method's name
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        async for response in super().Process(requests, context):
+            yield response
+        await asyncio.sleep(self.delay_s)
+
+
+class SkipResponse(ExtProc):
+    """The EPP asking, with the routed request, that the response skip it (``mode_override``:
+    response headers and trailers SKIP, body NONE), and staying attached."""
+
+    async def Process(  # the gRPC method's name
+        self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ProcessingResponse]:
+        async for response in super().Process(requests, context):
+            if response.HasField("request_headers"):
+                response.mode_override.CopyFrom(ProcessingMode(
+                    response_header_mode=ProcessingMode.SKIP,
+                    response_body_mode=ProcessingMode.NONE,
+                    response_trailer_mode=ProcessingMode.SKIP))  # fmt: skip
+            yield response
+
+
+@contextlib.asynccontextmanager
+async def detaching_gateway(
+    ext_proc: ExtProc, backends: list[str], workdir: Path, allow_mode_override: bool = False
+) -> AsyncIterator[Envoy]:
+    """``ext_proc`` served on a free port, behind its own Envoy."""
+    server = grpc.aio.server()
+    add_ExternalProcessorServicer_to_server(ext_proc, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    pool = [int(b.rpartition(":")[2]) for b in backends]
+    gateway = start_envoy(workdir, epp=port, pool=pool, allow_mode_override=allow_mode_override)
+    try:
+        yield gateway
+    finally:
+        gateway.stop()
+        await server.stop(0)
+
+
+async def test_detaching_loses_no_response_byte_under_load(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Five rounds of 120 requests at once (1 MiB echoes and SSE streams), every stream
+    detached once routed: every body whole. The backends answer within milliseconds, so on
+    this loaded host many responses reach Envoy before the close; with the response body sent
+    to the EPP that lost about a third of these bodies (the last test's guard)."""
+    ext_proc = ExtProc(Recording(backends), Limits(max_body_bytes=MAX_BODY), detach=True)
+    async with detaching_gateway(ext_proc, backends, tmp_path_factory.mktemp("detach")) as gw:
+        for _ in range(5):
+            assert await mixed_load(gw.gateway_no_response_body, 120) == []
+    assert ext_proc.detached_streams == 600 and ext_proc.open_streams == 0
+    assert not picker_of(ext_proc).served_reports  # a detached stream never sees the response
+
+
+async def test_a_late_close_costs_a_wait_not_bytes(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Every close after the response: behind the gateway that sends no response body, Envoy
+    holds each response until the close and then serves it whole; behind the one that streams
+    it, the EPP does not detach, and serves (and reads back) each response itself."""
+    ext_proc = LateClose(Recording(backends), Limits(max_body_bytes=MAX_BODY), detach=True)
+    async with detaching_gateway(ext_proc, backends, tmp_path_factory.mktemp("late")) as gw:
+        assert await mixed_load(gw.gateway_no_response_body, 40) == []
+        assert ext_proc.detached_streams == 40
+        assert await mixed_load(gw.gateway, 40) == []
+        assert ext_proc.detached_streams == 40  # the 40 behind `gateway` stayed attached
+        await _until(lambda: ext_proc.open_streams == 0)
+        assert len(picker_of(ext_proc).served_reports) == 40
+
+
+async def test_without_the_guard_a_late_close_loses_streamed_response_bodies(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the guard prevents: the EPP made to detach behind the gateway that streams the
+    response body (as it did before the guard), every close after the response. Envoy sends
+    response chunks into the closing stream and never gets them back: 200s with empty bodies,
+    SSE streams cut short."""
+    monkeypatch.setattr(EppStream, "response_body_skipped", property(lambda self: True))
+    ext_proc = LateClose(Recording(backends), Limits(max_body_bytes=MAX_BODY), detach=True)
+    async with detaching_gateway(ext_proc, backends, tmp_path_factory.mktemp("unguarded")) as gw:
+        broken = await mixed_load(gw.gateway, 40)
+    assert len(broken) >= 20, broken
+    assert all(b.startswith(("echo: 200 with 0 bytes", "sse: 200 with")) for b in broken), broken
+
+
+async def test_envoy_ignores_a_mode_override_with_full_duplex_bodies(
+    backends: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Why the EPP cannot switch the response off per stream: with ``allow_mode_override`` on
+    and the override sent with the routed request, Envoy 1.40 still sends each response to the
+    EPP (its headers, so the served endpoint comes back), because the request body mode is
+    FULL_DUPLEX_STREAMED. The same override does take effect on a filter whose body modes are
+    not (request BUFFERED, response NONE, tried by hand on bodiless requests: 0 of 20 response
+    headers reached the EPP, 20 of 20 without it). A later Envoy that honours it here fails this
+    test."""
+    ext_proc = SkipResponse(Recording(backends), Limits(max_body_bytes=MAX_BODY))
+    work = tmp_path_factory.mktemp("override")
+    async with detaching_gateway(ext_proc, backends, work, allow_mode_override=True) as gw:
+        assert await mixed_load(gw.gateway, 20) == []
+        await _until(lambda: ext_proc.open_streams == 0)
+    assert len(picker_of(ext_proc).served_reports) == 20
+
+
+def picker_of(ext_proc: ExtProc) -> Recording:
+    p = ext_proc.picker
+    assert isinstance(p, Recording)
+    return p

@@ -362,35 +362,40 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
     workdir = tmp_path_factory.mktemp("epp-restart")
     gateway = start_envoy(workdir, epp=port, pool=list(FRONTS.values()))
     fronts = {front_of(w) for w in WORKERS}
-    epp = start_epp_process(pool, port, workdir)
+    epp = start_epp_process(pool, port, workdir)  # a pool's default: detach where it can
     try:
-        # On the response path (the default), the EPP's death breaks every stream it carries:
-        # Envoy resets them (the contrast --detach exists for).
+        # Behind the listener that streams the response body to the EPP, the EPP cannot detach
+        # safely (docs/epp.md, "Detaching"): it stays on the response path, says so, and its
+        # death breaks every stream it carries (Envoy resets them).
         await wait_serving(port)
         results = await kill_under_streams(epp, gateway.gateway, 2)
         assert all(isinstance(r, httpx.HTTPError) for r in results), results
+        assert "not detaching: the gateway sends the response body here (response_body_mode "\
+            "FULL_DUPLEX_STREAMED)" in epp.log_text()  # fmt: skip
         # While the EPP is down, a new request gets what Envoy gives a refused ext_proc
         # connection with failure_mode_allow false (FailClose): a 500 with an empty body.
         async with httpx.AsyncClient(timeout=30) as http:
             down = await http.post(f"{gateway.gateway}/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})  # fmt: skip
         assert down.status_code == 500 and "x-test-upstream-host" not in down.headers
-        # Detached: every routed stream completes intact.
-        epp = start_epp_process(pool, port, workdir, "--detach")
+        # Behind the listener without the response body the EPP detaches: every routed stream
+        # completes intact.
+        epp = start_epp_process(pool, port, workdir)
         await wait_serving(port)
-        results = await kill_under_streams(epp, gateway.gateway, 4)
+        results = await kill_under_streams(epp, gateway.gateway_no_response_body, 4)
         for result in results:
             assert not isinstance(result, BaseException), result
             status, served, finish, num_tokens, done = result
             assert (status, finish, num_tokens, done) == (200, "length", STREAM_TOKENS, True)
             assert served in fronts
         assert {r[1] for r in results if not isinstance(r, BaseException)} == fronts  # spread
+        assert "not detaching" not in epp.log_text()
         # Restarted, the EPP routes new requests again.
         epp = start_epp_process(pool, port, workdir)
         await wait_serving(port)
         served, _, text = await chat(gateway, "Name a colour.")
         assert served in fronts and text
-        assert "detach=False" in epp.log_text()
+        assert "detach=True" in epp.log_text()
     finally:
         epp.stop()
         gateway.stop()

@@ -6,20 +6,29 @@ import json
 
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap, HeaderValue
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
     HttpTrailers,
     ProcessingRequest,
     ProcessingResponse,
+    ProtocolConfiguration,
 )
 from google.protobuf.struct_pb2 import Struct
 
 from kvrail.epp.picker import NoEndpoint, Refused, Routed, Shed
 from kvrail.epp.protocol import EppStream, Limits, Phase, ProtocolError
 
+FULL_DUPLEX = ProcessingMode.FULL_DUPLEX_STREAMED
 
-def headers(end_of_stream: bool = False, subset: object = None, **extra: str) -> ProcessingRequest:
+
+def headers(
+    end_of_stream: bool = False, subset: object = None, response_body: int | None = None,
+    **extra: str,
+) -> ProcessingRequest:  # fmt: skip
+    """The request headers; ``response_body``: the gateway's ``protocol_config`` with that
+    response body mode (Envoy sends it on a stream's first message), None for none."""
     values = [HeaderValue(key=":method", raw_value=b"POST"), HeaderValue(key="Content-Type",
               raw_value=b"application/json")]  # fmt: skip
     values += [HeaderValue(key=k, raw_value=v.encode()) for k, v in extra.items()]
@@ -29,6 +38,9 @@ def headers(end_of_stream: bool = False, subset: object = None, **extra: str) ->
         hint = Struct()
         hint.update({"x-gateway-destination-endpoint-subset": subset})
         message.metadata_context.filter_metadata["envoy.lb.subset_hint"].CopyFrom(hint)
+    if response_body is not None:
+        message.protocol_config.CopyFrom(ProtocolConfiguration(
+            request_body_mode=FULL_DUPLEX, response_body_mode=response_body))  # fmt: skip
     return message
 
 
@@ -36,8 +48,10 @@ def body(data: bytes, end_of_stream: bool) -> ProcessingRequest:
     return ProcessingRequest(request_body=HttpBody(body=data, end_of_stream=end_of_stream))
 
 
-def routed_stream(stream: EppStream, data: bytes = b"{}") -> list[ProcessingResponse]:
-    assert stream.feed(headers()).responses == ()
+def routed_stream(
+    stream: EppStream, data: bytes = b"{}", response_body: int | None = FULL_DUPLEX
+) -> list[ProcessingResponse]:
+    assert stream.feed(headers(response_body=response_body)).responses == ()
     step = stream.feed(body(data, True))
     assert step.pick is not None and step.responses == ()
     return list(stream.picked(Routed(("10.0.0.1:8000", "10.0.0.2:8000"))).responses)
@@ -207,18 +221,51 @@ def test_messages_out_of_order_are_protocol_errors() -> None:
 def test_a_detached_stream_is_done_once_the_routed_request_is_answered(with_body: bool) -> None:
     stream = EppStream(1, detach=True)
     if with_body:
-        responses = routed_stream(stream, b'{"a":1}')
+        responses = routed_stream(stream, b'{"a":1}', response_body=ProcessingMode.NONE)
         kinds = [r.WhichOneof("response") for r in responses]
         assert kinds == ["request_headers", "request_body"]
         streamed = responses[1].request_body.response.body_mutation.streamed_response
         assert (streamed.body, streamed.end_of_stream) == (b'{"a":1}', True)
     else:
-        assert stream.feed(headers(end_of_stream=True)).pick is not None
+        step = stream.feed(headers(end_of_stream=True, response_body=ProcessingMode.NONE))
+        assert step.pick is not None
         (first,) = stream.picked(Routed(("10.0.0.1:8000",))).responses
         assert first.WhichOneof("response") == "request_headers"
-    assert stream.phase is Phase.DONE and stream.detached
+    assert stream.phase is Phase.DONE and stream.detached and stream.detach_blocked is None
     with pytest.raises(ProtocolError, match="phase done"):  # nothing of the response comes here
         stream.feed(ProcessingRequest(response_headers=HttpHeaders()))
+
+
+@pytest.mark.parametrize(
+    ("response_body", "why"),
+    [(FULL_DUPLEX, "response_body_mode FULL_DUPLEX_STREAMED"), (None, "no protocol_config")],
+)
+def test_a_stream_stays_attached_where_the_response_body_would_come_here(
+    response_body: int | None, why: str
+) -> None:
+    """A gateway that streams the response body to the EPP (or does not say) would lose the
+    chunks it sends into a closing stream: no detach there, and the stream says why."""
+    stream = EppStream(1, detach=True)
+    routed_stream(stream, response_body=response_body)
+    assert stream.phase is Phase.RESPONSE and not stream.detached
+    assert stream.detach_blocked is not None and why in stream.detach_blocked
+    stream.feed(ProcessingRequest(response_headers=HttpHeaders()))
+    assert stream.phase is Phase.RESPONSE  # the body is echoed as without detach
+
+
+def test_without_detach_a_stream_without_the_response_body_ends_at_the_response_headers() -> None:
+    """The gateway sends no response body: the served endpoint is read back from the response
+    headers, and the stream then ends as a detached one (nothing more of it comes here)."""
+    stream = EppStream(1)
+    routed_stream(stream, response_body=ProcessingMode.NONE)
+    assert stream.phase is Phase.RESPONSE and stream.detach_blocked is None
+    response_headers = ProcessingRequest(response_headers=HttpHeaders())
+    served = Struct()
+    served.update({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"})
+    response_headers.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    step = stream.feed(response_headers)
+    assert step.served == "10.0.0.2:8000"
+    assert stream.phase is Phase.DONE and stream.detached
 
 
 def test_a_refusal_is_not_a_detach() -> None:

@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 from envoy.config.core.v3.base_pb2 import HeaderMap
+from envoy.extensions.filters.http.ext_proc.v3.processing_mode_pb2 import ProcessingMode
 from envoy.service.ext_proc.v3.external_processor_pb2 import (
     HttpBody,
     HttpHeaders,
     ProcessingRequest,
+    ProtocolConfiguration,
 )
 
 from kvrail.epp.__main__ import parse_args, settings
@@ -32,8 +34,14 @@ async def messages(*items: ProcessingRequest) -> AsyncIterator[ProcessingRequest
         yield item
 
 
-def request(body: bytes) -> tuple[ProcessingRequest, ProcessingRequest]:
-    return (ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap())),
+def request(
+    body: bytes, response_body: int = ProcessingMode.FULL_DUPLEX_STREAMED
+) -> tuple[ProcessingRequest, ProcessingRequest]:
+    """A whole request, from a gateway whose filter has that response body mode."""
+    config = ProtocolConfiguration(request_body_mode=ProcessingMode.FULL_DUPLEX_STREAMED,
+                                   response_body_mode=response_body)  # fmt: skip
+    return (ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap()),
+                              protocol_config=config),
             ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True)))  # fmt: skip
 
 
@@ -108,16 +116,38 @@ async def test_a_detached_stream_ends_once_routed_and_tells_the_picker_first() -
     picker = Detaching([A])
     ext_proc = ExtProc(picker, detach=True)
     context: Any = None
-    out = [r async for r in ext_proc.Process(messages(*request(b"{}")), context)]
+    stream = request(b"{}", response_body=ProcessingMode.NONE)
+    out = [r async for r in ext_proc.Process(messages(*stream), context)]
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
     assert picker.calls[-2:] == [("detached", 1), ("finished", 1)]  # pick() finishes first too
     assert picker.in_flight == {A: 0} and ext_proc.open_streams == 0
+    assert ext_proc.detached_streams == 1
 
 
-def test_detach_is_refused_for_a_static_list_and_optional_for_a_pool() -> None:
+async def test_where_the_gateway_streams_the_response_body_streams_stay_attached_and_it_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    picker = Detaching([A])
+    ext_proc = ExtProc(picker, detach=True)
+    context: Any = None
+    with caplog.at_level(logging.WARNING, logger="kvrail.epp"):
+        for _ in range(2):
+            responses = ext_proc.Process(messages(*request(b"{}")), context)
+            out = [await anext(responses), await anext(responses)]
+            assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+            assert picker.in_flight == {A: 1}  # attached: booked until the stream ends
+            await responses.aclose()
+    assert [r.getMessage() for r in caplog.records].count(
+        "not detaching: the gateway sends the response body here (response_body_mode "
+        "FULL_DUPLEX_STREAMED); streams stay attached to the end of the response "
+        "(docs/epp.md, 'Detaching')") == 1  # fmt: skip
+    assert ("detached", 1) not in picker.calls and ext_proc.detached_streams == 0
+
+
+def test_detach_is_refused_for_a_static_list_and_the_default_for_a_pool() -> None:
     with pytest.raises(ValueError, match="--detach"):
         settings(parse_args(["--endpoints", A, "--detach"]))
-    assert parse_args([]).detach is False  # off by default (its race: docs/epp.md)
+    assert parse_args([]).detach is None  # on for a pool where the gateway allows; off for a list
     assert parse_args(["--no-detach"]).detach is False
 
 
