@@ -188,14 +188,19 @@ def test_ipv6_endpoints_are_named_in_brackets_in_the_header_and_the_metadata() -
     )
 
 
+def served_response_headers(endpoint: str) -> ProcessingRequest:
+    """The response headers as Envoy sends them: the endpoint it served in `envoy.lb`."""
+    response_headers = ProcessingRequest(response_headers=HttpHeaders())
+    served = Struct()
+    served.update({"x-gateway-destination-endpoint-served": endpoint})
+    response_headers.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
+    return response_headers
+
+
 def test_response_chunks_are_echoed_and_the_served_endpoint_read_back() -> None:
     stream = EppStream(1)
     routed_stream(stream)
-    response_headers = ProcessingRequest(response_headers=HttpHeaders())
-    served = Struct()
-    served.update({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"})
-    response_headers.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
-    step = stream.feed(response_headers)
+    step = stream.feed(served_response_headers("10.0.0.2:8000"))
     assert step.served == "10.0.0.2:8000"
     assert step.responses[0].WhichOneof("response") == "response_headers"
     for data, end in ((b"data: 1\n\n", False), (b"data: 2\n\n", True)):
@@ -259,11 +264,7 @@ def test_without_detach_a_stream_without_the_response_body_ends_at_the_response_
     stream = EppStream(1)
     routed_stream(stream, response_body=ProcessingMode.NONE)
     assert stream.phase is Phase.RESPONSE and stream.detach_blocked is None
-    response_headers = ProcessingRequest(response_headers=HttpHeaders())
-    served = Struct()
-    served.update({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"})
-    response_headers.metadata_context.filter_metadata["envoy.lb"].CopyFrom(served)
-    step = stream.feed(response_headers)
+    step = stream.feed(served_response_headers("10.0.0.2:8000"))
     assert step.served == "10.0.0.2:8000"
     assert stream.phase is Phase.DONE and stream.detached
 
