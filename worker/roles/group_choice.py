@@ -27,15 +27,14 @@ from kvrail.worker.transfer.link_speed import DecayedRatio, PeerBandwidth
 log = logging.getLogger(__name__)
 
 GROUP_SETUP_S = 0.5e-3
-"""One write's set-up (its transfer's posting), as `choose_num_groups` charges it, plus per
-block over NIXL what a descriptor costs (below)."""
+"""One group's write set-up (its transfer's posting), as `choose_num_groups` charges it, plus
+`BLOCK_DESCRIPTOR_S` per block over NIXL."""
 BLOCK_DESCRIPTOR_S = 30e-6
 """Over NIXL, a group is one descriptor per block (a block's layers `[a, b)` are contiguous, two
-blocks' are not). What one costs is fitted from this worker's own writes to each peer
-(`link_speed.LinkFit`) once it wrote that peer in groups; before, this: on the lent H100
-(bench/transfer/layerwise_h100_2026-12-06.txt, UCX between two processes of one GPU) 512 blocks
-per group added about 14 ms a group and 2048 blocks about 60 ms. CUDA IPC moves a group in one
-gather/scatter: no cost per block."""
+blocks' are not), and each cost about 30 us more: on the lent H100 (bench/transfer/
+layerwise_h100_2026-12-06.txt, UCX between two processes of one GPU) 512 blocks per group added
+about 14 ms a group and 2048 blocks about 60 ms. CUDA IPC moves a group in one gather/scatter:
+no cost per block."""
 
 
 class GroupChoice:
@@ -76,19 +75,15 @@ class GroupChoice:
         except TransferError:  # not loaded yet: the write will say so
             transport = self._connector.transport
         bandwidth = self.links.estimate(peer, transport)
-        per_block = 0.0
+        setup_s = GROUP_SETUP_S
         if transport != "cuda-ipc":
-            fitted = self.links.per_descriptor_s(peer)
-            per_block = BLOCK_DESCRIPTOR_S if fitted is None else fitted
-        setup_s = GROUP_SETUP_S + per_block * len(job.dest_block_ids) * share
-        num_groups = choose_num_groups(
-            kv_bytes, bandwidth, prefill_s, setup_s, self.num_layers, whole_setup_s=GROUP_SETUP_S
-        )
+            setup_s += BLOCK_DESCRIPTOR_S * len(job.dest_block_ids) * share
+        num_groups = choose_num_groups(kv_bytes, bandwidth, prefill_s, setup_s, self.num_layers)
         log.debug(
             "layer groups chosen request_id=%s groups=%d kv_bytes=%d link_bytes_per_s=%.4g "
-            "measured=%s per_block_s=%.3g prefill_s=%.4f",
+            "measured=%s prefill_s=%.4f",
             job.request_id, num_groups, kv_bytes, bandwidth, self.links.is_measured(peer),
-            per_block, prefill_s,
+            prefill_s,
         )  # fmt: skip
         return plan_groups(self.num_layers, num_groups)
 

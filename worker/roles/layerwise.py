@@ -210,7 +210,6 @@ class LayeredWrite:
             num_bytes,
             sum(stats.seconds for stats, _ in self._written),
             self._written[-1][0].transport,
-            sum(stats.descriptors for stats, _ in self._written),
         )
         tail_s = max(0.0, self._written[-1][1] - computed)
         return LayeredStats(

@@ -23,9 +23,6 @@ class TransferStats:
     num_bytes: int
     seconds: float
     transport: str
-    descriptors: int = 0
-    """The address ranges it moved as over NIXL (a run of blocks contiguous on both sides is
-    one; a layer group's is one per block); 0 when not counted (CUDA IPC's copies)."""
 
     @property
     def bytes_per_s(self) -> float:

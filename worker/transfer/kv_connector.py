@@ -238,7 +238,7 @@ class KvConnector:
         src = [(base + s * size, n * size, dev) for s, _, n in runs]
         dst = [(remote.base_address + d * size, n * size, remote.device_id) for _, d, n in runs]
         seconds = self._nixl_write(peer, src, dst, notification, deadline_s)
-        return TransferStats(len(src_block_ids) * size, seconds, self.transport, len(runs))
+        return TransferStats(len(src_block_ids) * size, seconds, self.transport)
 
     def write_layers(
         self,
@@ -280,7 +280,7 @@ class KvConnector:
         src = [(base + int(s) * size, offsets[1], dev) for s in src_ids]
         dst = [(rbase + int(d) * size, offsets[1], remote.device_id) for d in dst_ids]
         seconds = self._nixl_write(peer, src, dst, b"", deadline_s, yield_gil=True)
-        return TransferStats(nbytes, seconds, self.transport, len(src))
+        return TransferStats(nbytes, seconds, self.transport)
 
     def _endpoints(
         self, peer: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int]

@@ -111,13 +111,10 @@ def choose_num_groups(
     prefill_s: float,
     setup_s: float,
     num_layers: int,
-    whole_setup_s: float | None = None,
 ) -> int:
     """How many layer groups a prompt's KV should go in (0: one whole write), given the link's
-    bandwidth, the prompt's KV bytes, the prefill's expected seconds and one group's write's
-    set-up seconds (`kv_transfer_layer_groups: auto`, docs/layerwise.md); a whole write's set-up
-    is `whole_setup_s` (default `setup_s`: over NIXL a group pays per block, a whole write per
-    run of blocks). Pure.
+    bandwidth, the prompt's KV bytes, the prefill's expected seconds and one write's set-up
+    seconds (`kv_transfer_layer_groups: auto`, docs/layerwise.md). Pure.
 
     The model: the transfer takes `T = kv_bytes / bandwidth`; the prefill's layers take equal
     time, `P / L` each; a group's write takes its share of the transfer plus a set-up, `T / G +
@@ -137,9 +134,7 @@ def choose_num_groups(
     than `MIN_SAVING_S` against a whole write (a small transfer, a short prefill, a costly
     set-up: overlap that saves under a millisecond is not worth a write per group).
     """
-    whole_setup_s = setup_s if whole_setup_s is None else whole_setup_s
-    setups = min(setup_s, whole_setup_s)
-    if kv_bytes < 0 or bandwidth_bytes_per_s <= 0 or prefill_s < 0 or setups < 0:
+    if kv_bytes < 0 or bandwidth_bytes_per_s <= 0 or prefill_s < 0 or setup_s < 0:
         raise ValueError("a positive bandwidth, and no negative bytes or seconds")
     if num_layers < 1:
         raise ValueError(f"a model of {num_layers} layers")
@@ -152,5 +147,5 @@ def choose_num_groups(
     groups = 1
     while groups < num_layers and lands_s(groups + 1) <= lands_s(groups) - MIN_GROUP_GAIN_S:
         groups += 1
-    whole_s = prefill_s + transfer_s + whole_setup_s
+    whole_s = prefill_s + transfer_s + setup_s
     return groups if lands_s(groups) <= whole_s - MIN_SAVING_S else 0

@@ -182,10 +182,7 @@ class ShardedConnector:
         started = time.perf_counter()
         stats: list[TransferStats] = self._on_every_rank(peer, method, args, deadline_s)
         seconds = time.perf_counter() - started
-        return TransferStats(
-            sum(s.num_bytes for s in stats), seconds, stats[0].transport,
-            max(s.descriptors for s in stats),  # the ranks' writes run side by side
-        )  # fmt: skip
+        return TransferStats(sum(s.num_bytes for s in stats), seconds, stats[0].transport)
 
     def _on_every_rank(self, peer: str, method: str, args: _ArgsOf, deadline_s: float) -> list[Any]:
         """`method(*args(rank, that rank's agent of the peer))` on every rank's connector, rank

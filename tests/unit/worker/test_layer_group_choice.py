@@ -5,7 +5,7 @@ CPU, tokens equal to a colocated worker's) is in tests/integration/test_worker_l
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import cast
 
 import pytest
 
@@ -23,12 +23,10 @@ from kvrail.worker.transfer.layer_groups import (
 from kvrail.worker.transfer.link_speed import (
     DEFAULT_NIXL_BYTES_PER_S,
     DecayedRatio,
-    LinkFit,
     PeerBandwidth,
 )
 
 MS = 1e-3
-WHOLE = GROUP_SETUP_S  # a whole write's set-up as GroupChoice charges it (one posting)
 
 
 def groups_for(transfer_s: float, prefill_s: float, setup_s: float, num_layers: int = 32) -> int:
@@ -165,10 +163,10 @@ def test_auto_writes_whole_until_a_prefill_was_measured_then_follows_the_rule() 
     # 160 tokens, 10 blocks of 1 MB over the default 25 Gb/s: 3.2 ms; a 1.6 s prefill; a group
     # costs its set-up and one NIXL descriptor per block.
     setup = GROUP_SETUP_S + 10 * BLOCK_DESCRIPTOR_S
-    expected = choose_num_groups(10_000_000, DEFAULT_NIXL_BYTES_PER_S, 1.6, setup, 30, WHOLE)
+    expected = choose_num_groups(10_000_000, DEFAULT_NIXL_BYTES_PER_S, 1.6, setup, 30)
     assert expected > 0 and auto.plan(job(160)) == plan_groups(30, expected)
     auto.wrote("decode-0-7", TransferStats(10_000_000, 0.1, "nixl-ucx"))  # measured: 100 MB/s
-    expected = choose_num_groups(10_000_000, 1e8, 1.6, setup, 30, WHOLE)
+    expected = choose_num_groups(10_000_000, 1e8, 1.6, setup, 30)
     assert auto.plan(job(160)) == plan_groups(30, expected)
     assert auto.plan(job(160, peer="gone-1")) != auto.plan(job(160))  # its default, unmeasured
     auto.wrote("decode-0-7", TransferStats(10_000_000, 0.0, "nixl-ucx"))  # untimed: no change
@@ -182,7 +180,7 @@ def test_auto_counts_only_what_the_job_moves_and_the_last_steps_share_of_a_long_
     # 320 tokens after 4 cached blocks: 256 computed, 16 blocks moved; steps of 64 tokens, so
     # the groups carry about a quarter of them, while a quarter of the prefill runs.
     setup = GROUP_SETUP_S + 4 * BLOCK_DESCRIPTOR_S
-    expected = choose_num_groups(4_000_000, 1e8, 0.64, setup, 30, WHOLE)
+    expected = choose_num_groups(4_000_000, 1e8, 0.64, setup, 30)
     assert auto.plan(job(320, first_block_index=4)) == plan_groups(30, expected)
 
 
@@ -197,85 +195,7 @@ def test_a_groups_set_up_over_nixl_grows_with_its_blocks_and_not_over_cuda_ipc()
     # 8192 tokens: 512 blocks of 1 MB, 0.4 s on the link, a 0.3 s prefill.
     many = job(8192)
     assert len(nixl.plan(many)) == choose_num_groups(
-        512_000_000, 1.28e9, 0.3, GROUP_SETUP_S + 512 * BLOCK_DESCRIPTOR_S, 30, WHOLE
+        512_000_000, 1.28e9, 0.3, GROUP_SETUP_S + 512 * BLOCK_DESCRIPTOR_S, 30
     )
-    assert len(ipc.plan(many)) == choose_num_groups(512_000_000, 1.28e9, 0.3, WHOLE, 30, WHOLE)
+    assert len(ipc.plan(many)) == choose_num_groups(512_000_000, 1.28e9, 0.3, GROUP_SETUP_S, 30)
     assert 0 < len(nixl.plan(many)) < len(ipc.plan(many))
-
-
-def test_a_whole_write_may_cost_less_to_set_up_than_a_group() -> None:
-    # T = P = 40 ms. A group's set-up of 10 ms: 2 groups land at 80 ms, a whole write at 90 ms
-    # charged a group's set-up, but at 80.5 ms charged its own 0.5 ms: then it goes whole.
-    cheap_whole = 0.5 * MS
-    assert groups_for(40 * MS, 40 * MS, 10 * MS) == 2
-    assert choose_num_groups(40_000_000, 1e9, 40 * MS, 10 * MS, 32, cheap_whole) == 0
-    # a 2 ms set-up: 4 groups land at 58 ms, well before either whole write
-    assert choose_num_groups(40_000_000, 1e9, 40 * MS, 2 * MS, 32, cheap_whole) == 4
-
-
-def write(
-    descriptors: int, num_bytes: int, per_descriptor_s: float, bytes_per_s: float
-) -> tuple[int, int, float]:
-    return descriptors, num_bytes, descriptors * per_descriptor_s + num_bytes / bytes_per_s
-
-
-def stats(descriptors: int, num_bytes: int, per_descriptor_s: float, bytes_per_s: float) -> Any:
-    _, _, seconds = write(descriptors, num_bytes, per_descriptor_s, bytes_per_s)
-    return TransferStats(num_bytes, seconds, "nixl-ucx", descriptors)
-
-
-def test_a_links_cost_per_descriptor_is_fitted_once_its_writes_differ_in_shape() -> None:
-    fit = LinkFit()
-    assert fit.solve() is None
-    for size in (1e9, 2e9, 4e9):  # whole writes, one descriptor each: no spread to fit from
-        fit.add(*write(1, int(size), 100e-6, 5e9))
-    assert fit.solve() is None
-    fit.add(*write(512, 250_000_000, 100e-6, 5e9))  # a layer group: one descriptor per block
-    per_descriptor, bandwidth = fit.solve() or (0.0, 0.0)
-    assert per_descriptor == pytest.approx(100e-6, rel=1e-6)
-    assert bandwidth == pytest.approx(5e9, rel=1e-6)
-    fit.add(0, 10, 1.0)  # nothing counted: ignored
-    fit.add(5, 10, 0.0)
-    assert fit.solve() == pytest.approx((100e-6, 5e9), rel=1e-6)
-    with pytest.raises(ValueError, match="half-life"):
-        LinkFit(half_life=-1.0)
-
-
-def test_descriptors_in_proportion_to_the_bytes_do_not_separate_their_costs() -> None:
-    fit = LinkFit()
-    for blocks in (128, 512, 2048):  # every write one descriptor per 2 MB block
-        fit.add(*write(blocks, blocks * 2_000_000, 30e-6, 5e9))
-    assert fit.solve() is None
-
-
-def test_descriptors_that_cost_nothing_leave_the_bandwidth_alone() -> None:
-    fit = LinkFit()
-    fit.add(1, 1_000_000_000, 0.21)  # 1 GB in 0.21 s
-    fit.add(512, 250_000_000, 0.05)  # faster per byte with more descriptors: a negative cost
-    per_descriptor, bandwidth = fit.solve() or (1.0, 0.0)
-    assert per_descriptor == 0.0 and 4.7e9 < bandwidth < 5e9
-
-
-def test_a_peers_fitted_cost_replaces_the_default_and_lowers_the_group_count() -> None:
-    links = PeerBandwidth()
-    assert links.per_descriptor_s("a") is None
-    costly = 120e-6  # what a descriptor costs while a long prefill shares the GPU
-    links.observe("a", stats(1, 1_000_000_000, costly, 5e9))
-    assert links.per_descriptor_s("a") is None
-    assert links.estimate("a", "nixl-ucx") == pytest.approx(5e9, rel=1e-3)
-    links.observe("a", stats(2048, 1_000_000_000, costly, 5e9))
-    assert links.per_descriptor_s("a") == pytest.approx(costly, rel=1e-6)
-    assert links.estimate("a", "nixl-ucx") == pytest.approx(5e9, rel=1e-6)  # the line's, not
-    # the ratio's (which the group's descriptors slowed)
-
-    auto = choice("auto")
-    auto.computed(32768, 1.2)
-    auto.wrote("decode-0-7", TransferStats(4_000_000_000, 0.8, "nixl-ucx", 1))  # 5 GB/s
-    prompt = job(32768)  # 2048 blocks of 1 MB: 2 GB, 0.4 s
-    default = len(auto.plan(prompt))
-    fitted_setup = GROUP_SETUP_S + 2048 * costly
-    auto.wrote("decode-0-7", TransferStats(500_000_000, 0.1 + 2048 * costly, "nixl-ucx", 2048))
-    assert len(auto.plan(prompt)) == choose_num_groups(
-        2_000_000_000, 5e9, 1.2, fitted_setup, 30, WHOLE
-    )
-    assert 0 < len(auto.plan(prompt)) < default
