@@ -47,13 +47,17 @@ class LayeredStats:
 
     stats: TransferStats
     num_groups: int
-    tail_s: float
     overlap: float
-    landed_s: tuple[float, ...] = ()
+    landed_s: tuple[float, ...]
     """Each write's seconds from the prefill's end to its landing (negative: before it), in
     order: the early chunks' writes, then one per group."""
-    write_s: tuple[float, ...] = ()
+    write_s: tuple[float, ...]
     """... and each write's own seconds."""
+
+    @property
+    def tail_s(self) -> float:
+        """Seconds from the prefill's end to the last write's landing (0 if before it)."""
+        return max(0.0, self.landed_s[-1]) if self.landed_s else 0.0
 
 
 class LayeredWrite:
@@ -211,9 +215,8 @@ class LayeredWrite:
             sum(stats.seconds for stats, _ in self._written),
             self._written[-1][0].transport,
         )
-        tail_s = max(0.0, self._written[-1][1] - computed)
         return LayeredStats(
-            total, len(self.groups), tail_s, early / num_bytes if num_bytes else 0.0,
+            total, len(self.groups), early / num_bytes if num_bytes else 0.0,
             tuple(landed - computed for _, landed in self._written),
             tuple(stats.seconds for stats, _ in self._written),
         )  # fmt: skip
