@@ -202,6 +202,7 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
     from kvrail.worker.transfer.faults import TransportFaults
     from kvrail.worker.transfer.kv_connector import KvConnector
     from kvrail.worker.transfer.layer_groups import plan_groups
+    from kvrail.worker.transfer.link_speed import WriteTiming
 
     spec = LINKS[link]
     saved = {key: os.environ.get(key) for key in spec["env"]}
@@ -267,7 +268,10 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                         verify=rnd == args.iters,  # the last round
                     )  # fmt: skip
                     choice.computed(len(token_ids), prefill)
-                    choice.wrote(peer, stats)
+                    blocks = len(job.dest_block_ids)
+                    choice.wrote(
+                        peer, layered.writes if layered else (WriteTiming.whole(stats, blocks),)
+                    )
                     transfer = stats.seconds if not plan else 0.0
                     if rnd:  # the first round is untimed
                         samples[groups].append((ttft, prefill, transfer))
@@ -294,12 +298,17 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                     "meets_bound": (ttft <= bound) if groups else None,
                     "kv_bytes": len(dest) * cache.block_bytes,
                 }  # fmt: skip
-                if groups == AUTO:
+                if groups == AUTO:  # and what it had learned of the link by the end
                     row["chosen_groups"] = chosen
+                    learned = choice.links.estimate(peer, nixl.transport_to(peer))
+                    row["auto_link"] = {"bytes_per_s": learned.bytes_per_s,
+                                        "busy_block_s": learned.busy_block_s}  # fmt: skip
                 if groups:  # where the time went: this method's own prefill, each group's write
                     row["method_prefill_s"] = [s[1] for s in samples[groups]]
-                    row["groups_landed_s"] = [list(d.landed_s) for d in details[groups]]
-                    row["groups_write_s"] = [list(d.write_s) for d in details[groups]]
+                    row["groups_landed_s"] = [
+                        [w.landed_s for w in d.writes] for d in details[groups]
+                    ]
+                    row["groups_write_s"] = [[w.seconds for w in d.writes] for d in details[groups]]
                 seen = [got for got in steps[groups] if got["steps"]]
                 if seen:
                     row["receiver_decode"] = {

@@ -1,7 +1,8 @@
 """How many layer groups a prefill worker writes each job's KV in (docs/layerwise.md): the
 setting's count for every job, or with `kv_transfer_layer_groups: auto` a count per job from
 `layer_groups.choose_num_groups`, fed by what this worker measured: each peer link's bandwidth
-(`link_speed.PeerBandwidth`) and its prefills' seconds per computed token.
+and per-block cost while a prefill runs (`link_speed.PeerLinks`) and its prefills' seconds per
+computed token.
 
 A job's transfer is its blocks' bytes (every shard's: `Connector.block_bytes`); its prefill is
 its tokens after the decode worker's cached prefix, at the measured seconds per token (the
@@ -16,25 +17,25 @@ share. Before this worker measured any prefill, a job goes whole, which measures
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 from kvrail.errors import ConfigError, TransferError
 from kvrail.messages import PrefillJob
-from kvrail.worker.transfer.blocks import TransferStats
 from kvrail.worker.transfer.connector import Connector
-from kvrail.worker.transfer.layer_groups import LayerGroups, choose_num_groups, plan_groups
-from kvrail.worker.transfer.link_speed import DecayedRatio, PeerBandwidth
+from kvrail.worker.transfer.layer_groups import (
+    LayerGroups,
+    WriteCost,
+    choose_num_groups,
+    plan_groups,
+)
+from kvrail.worker.transfer.link_speed import IDLE_BLOCK_S, DecayedRatio, PeerLinks, WriteTiming
 
 log = logging.getLogger(__name__)
 
 GROUP_SETUP_S = 0.5e-3
-"""One group's write set-up (its transfer's posting), as `choose_num_groups` charges it, plus
-`BLOCK_DESCRIPTOR_S` per block over NIXL."""
-BLOCK_DESCRIPTOR_S = 30e-6
-"""Over NIXL, a group is one descriptor per block (a block's layers `[a, b)` are contiguous, two
-blocks' are not), and each cost about 30 us more: on the lent H100 (bench/transfer/
-layerwise_h100_2026-12-06.txt, UCX between two processes of one GPU) 512 blocks per group added
-about 14 ms a group and 2048 blocks about 60 ms. CUDA IPC moves a group in one gather/scatter:
-no cost per block."""
+"""One write's set-up (its transfer's posting), as `choose_num_groups` charges it, an
+assumption. Over NIXL each block costs more (`link_speed.PeerLinks`, `WriteCost`); CUDA IPC
+moves a group in one gather/scatter, with no cost per block."""
 
 
 class GroupChoice:
@@ -55,7 +56,7 @@ class GroupChoice:
         self._connector = connector
         self._block_size = block_size
         self._step_tokens = step_tokens
-        self.links = PeerBandwidth()
+        self.links = PeerLinks()
         self.prefill = DecayedRatio()  # seconds per computed token
 
     def plan(self, job: PrefillJob) -> LayerGroups:
@@ -74,16 +75,20 @@ class GroupChoice:
             transport = self._connector.transport_to(peer)
         except TransferError:  # not loaded yet: the write will say so
             transport = self._connector.transport
-        bandwidth = self.links.estimate(peer, transport)
-        setup_s = GROUP_SETUP_S
-        if transport != "cuda-ipc":
-            setup_s += BLOCK_DESCRIPTOR_S * len(job.dest_block_ids) * share
-        num_groups = choose_num_groups(kv_bytes, bandwidth, prefill_s, setup_s, self.num_layers)
+        link = self.links.estimate(peer, transport)
+        if transport == "cuda-ipc":
+            cost = WriteCost(GROUP_SETUP_S)
+        else:
+            cost = WriteCost(GROUP_SETUP_S, link.busy_block_s, IDLE_BLOCK_S)
+        num_blocks = round(len(job.dest_block_ids) * share)
+        num_groups = choose_num_groups(
+            kv_bytes, link.bytes_per_s, prefill_s, num_blocks, cost, self.num_layers
+        )
         log.debug(
             "layer groups chosen request_id=%s groups=%d kv_bytes=%d link_bytes_per_s=%.4g "
-            "measured=%s prefill_s=%.4f",
-            job.request_id, num_groups, kv_bytes, bandwidth, self.links.is_measured(peer),
-            prefill_s,
+            "measured=%s busy_block_s=%.3g prefill_s=%.4f",
+            job.request_id, num_groups, kv_bytes, link.bytes_per_s, link.measured,
+            cost.busy_block_s, prefill_s,
         )  # fmt: skip
         return plan_groups(self.num_layers, num_groups)
 
@@ -92,6 +97,6 @@ class GroupChoice:
         engine to its first token)."""
         self.prefill.add(seconds, num_tokens)
 
-    def wrote(self, peer: str, stats: TransferStats) -> None:
-        """A write to `peer` completed (whole, or every group of a layer-wise one)."""
-        self.links.observe(peer, stats)
+    def wrote(self, peer: str, writes: Sequence[WriteTiming]) -> None:
+        """A job's writes to `peer` completed: one whole write, or each of a layer-wise one's."""
+        self.links.observe(peer, writes)

@@ -32,6 +32,7 @@ from kvrail.worker.transfer.blocks import TransferStats
 from kvrail.worker.transfer.connector import Connector
 from kvrail.worker.transfer.faults import TransportFaults
 from kvrail.worker.transfer.layer_groups import LayerGroups, completed_group, group_layers
+from kvrail.worker.transfer.link_speed import WriteTiming
 
 log = logging.getLogger(__name__)
 
@@ -48,16 +49,13 @@ class LayeredStats:
     stats: TransferStats
     num_groups: int
     overlap: float
-    landed_s: tuple[float, ...]
-    """Each write's seconds from the prefill's end to its landing (negative: before it), in
-    order: the early chunks' writes, then one per group."""
-    write_s: tuple[float, ...]
-    """... and each write's own seconds."""
+    writes: tuple[WriteTiming, ...]
+    """Each write, in order: the early chunks', then one per group."""
 
     @property
     def tail_s(self) -> float:
         """Seconds from the prefill's end to the last write's landing (0 if before it)."""
-        return max(0.0, self.landed_s[-1]) if self.landed_s else 0.0
+        return max(0.0, self.writes[-1].landed_s) if self.writes else 0.0
 
 
 class LayeredWrite:
@@ -86,7 +84,7 @@ class LayeredWrite:
         self._deadline = deadline_monotonic
         self._src: tuple[int, ...] | None = None  # the source blocks of the groups handed over
         self._checksums: list[tuple[str, ...]] = [() for _ in groups]
-        self._written: list[tuple[TransferStats, float]] = []  # and when it landed (monotonic)
+        self._written: list[tuple[TransferStats, int, float]] = []  # blocks, landed (monotonic)
         self._error: TransferError | None = None  # the first group that failed (NIXL thread)
         self._stopped = ""  # why the groups left stopped (a cancel, a settled job, the deadline)
 
@@ -169,7 +167,7 @@ class LayeredWrite:
         except TransferError as err:
             self._error = err
             return False
-        self._written.append((stats, time.monotonic()))
+        self._written.append((stats, len(src), time.monotonic()))
         log.debug("layer group written request_id=%s group=%s layers=%d-%d blocks=%d bytes=%d",
                   job.request_id, what, layers[0], layers[1] - 1, len(src),
                   stats.num_bytes)  # fmt: skip
@@ -208,15 +206,15 @@ class LayeredWrite:
         peer = job.dest_agent_name
         sent = self._submit(lambda: faults.notify(connector, job.request_id, peer, note))
         await asyncio.wrap_future(sent)
-        num_bytes = sum(stats.num_bytes for stats, _ in self._written)
-        early = sum(stats.num_bytes for stats, landed in self._written if landed <= computed)
+        writes = tuple(
+            WriteTiming(stats.num_bytes, blocks, stats.seconds, landed - computed)
+            for stats, blocks, landed in self._written
+        )
+        num_bytes = sum(w.num_bytes for w in writes)
+        early = sum(w.num_bytes for w in writes if w.landed_s <= 0)
         total = TransferStats(
-            num_bytes,
-            sum(stats.seconds for stats, _ in self._written),
-            self._written[-1][0].transport,
+            num_bytes, sum(w.seconds for w in writes), self._written[-1][0].transport
         )
         return LayeredStats(
-            total, len(self.groups), early / num_bytes if num_bytes else 0.0,
-            tuple(landed - computed for _, landed in self._written),
-            tuple(stats.seconds for stats, _ in self._written),
-        )  # fmt: skip
+            total, len(self.groups), early / num_bytes if num_bytes else 0.0, writes
+        )

@@ -61,6 +61,7 @@ from kvrail.worker.roles.layerwise import LayeredWrite
 from kvrail.worker.roles.nixl_peers import NixlPeers
 from kvrail.worker.roles.prefill_replies import Refused, ask_grant, tell_refused
 from kvrail.worker.transfer.faults import TransportFaults
+from kvrail.worker.transfer.link_speed import WriteTiming
 
 log = logging.getLogger(__name__)
 
@@ -350,7 +351,8 @@ class PrefillRole:
             if layered is not None:  # no group reads the source blocks once they are released
                 await layered.settle()
             await self.ctx.service.release(job.request_id)
-        self._choice.wrote(job.dest_agent_name, stats)
+        whole = (WriteTiming.whole(stats, len(src)),)
+        self._choice.wrote(job.dest_agent_name, sent.writes if sent else whole)
         metrics.KV_TRANSFER_BYTES.labels(stats.transport).inc(stats.num_bytes)
         metrics.KV_TRANSFER_SECONDS.labels(stats.transport).observe(stats.seconds)
         metrics.KV_TRANSPORT_BANDWIDTH.labels(stats.transport).set(stats.bytes_per_s)

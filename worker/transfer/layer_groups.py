@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -102,50 +103,79 @@ def bad_groups(
 MIN_SAVING_S = 1e-3
 """`choose_num_groups` writes the prompt whole unless groups land it this much sooner."""
 MIN_GROUP_GAIN_S = 1e-4
-"""... and adds a group only while it lands the prompt this much sooner than one group less."""
+"""... and takes a group more only where that lands the prompt at least this much sooner per
+group added."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteCost:
+    """What one write costs beyond its bytes' time on the link: a set-up, and per block (one
+    NIXL descriptor each: a group's layers are one range per block) seconds that differ by
+    whether the prefill still runs when the write starts (`busy_block_s`: the write shares the
+    GPU with the prefill's compute) or has ended (`idle_block_s`). A write takes `setup_s +
+    max(bytes / bandwidth, blocks x per_block)`: the link and the descriptors overlap, the
+    slower decides (measured on the lent H100: docs/layerwise.md)."""
+
+    setup_s: float
+    busy_block_s: float = 0.0
+    idle_block_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if min(self.setup_s, self.busy_block_s, self.idle_block_s) < 0:
+            raise ValueError("a write cost of negative seconds")
+
+
+def lands_s(
+    num_groups: int, transfer_s: float, prefill_s: float, num_blocks: int, cost: WriteCost
+) -> float:
+    """Seconds from the prefill's start to the last group's landing when a prompt goes in
+    `num_groups` groups (1: one write after the prefill, as a whole write). Pure.
+
+    The prefill's layers take equal time, so group `g` (from 0) is ready at `P (g + 1) / G`;
+    the writes run one after another, each once its group is ready and the write before it
+    landed, each carrying `T / G` of the transfer and every block (`WriteCost`)."""
+    end = 0.0
+    for group in range(num_groups):
+        start = max(prefill_s * (group + 1) / num_groups, end)
+        per_block = cost.busy_block_s if start < prefill_s else cost.idle_block_s
+        end = start + cost.setup_s + max(transfer_s / num_groups, num_blocks * per_block)
+    return end
 
 
 def choose_num_groups(
     kv_bytes: int,
     bandwidth_bytes_per_s: float,
     prefill_s: float,
-    setup_s: float,
+    num_blocks: int,
+    cost: WriteCost,
     num_layers: int,
 ) -> int:
     """How many layer groups a prompt's KV should go in (0: one whole write), given the link's
-    bandwidth, the prompt's KV bytes, the prefill's expected seconds and one write's set-up
-    seconds (`kv_transfer_layer_groups: auto`, docs/layerwise.md). Pure.
+    bandwidth, the prompt's KV bytes and blocks, the prefill's expected seconds and what a write
+    costs (`kv_transfer_layer_groups: auto`, docs/layerwise.md). Pure.
 
-    The model: the transfer takes `T = kv_bytes / bandwidth`; the prefill's layers take equal
-    time, `P / L` each; a group's write takes its share of the transfer plus a set-up, `T / G +
-    c`, and the writes run one after another, each once its group's last layer ran. Group `g`
-    (from 0) is ready at `P (g + 1) / G`, so the last one lands at
-
-        max over g of  P (g + 1) / G + (G - g) (T / G + c)  =  max(P + T/G + c,  P/G + T + G c)
-
-    (linear in g: one end decides). The first term is the tail: the last group's transfer after
-    the prefill, what grouping exists to shrink. The second is a link slower than the compute:
-    every group's transfer and set-up after the first group's layers. A whole write lands at
-    `P + T + c`. So groups pay when both the prefill and the transfer are long against a set-up:
-    the saving is at most `min(P, T)`, the tail left `T / G`, and each group costs `c` once the
-    link is the bottleneck. G grows from 1 while one more group lands the prompt at least
-    `MIN_GROUP_GAIN_S` sooner (past that, a group's set-up buys almost nothing: the tail shrinks
-    by `T / (G (G + 1))`), up to one group per layer; the answer is 0 when the best G saves less
-    than `MIN_SAVING_S` against a whole write (a small transfer, a short prefill, a costly
-    set-up: overlap that saves under a millisecond is not worth a write per group).
+    Each count from 1 to one group per layer is played out by `lands_s`. Without a per-block
+    cost that is `max(P + T/G + c, P/G + T + G c)` (T the transfer, P the prefill, c the
+    set-up): the tail after the prefill, or, over a link slower than the compute, every group's
+    transfer and set-up after the first group's layers; the saving against a whole write (`P +
+    T + c`) is at most `min(P, T)`. A per-block cost while the prefill runs makes small groups
+    dear until the prefill ends, after which only their bytes count: so a few large groups
+    during the prefill, not many small ones. The answer is the fewest groups that no larger
+    count beats by `MIN_GROUP_GAIN_S` per group added, or 0 when that saves less than
+    `MIN_SAVING_S` against a whole write (a small transfer, a short prefill, a costly set-up).
     """
-    if kv_bytes < 0 or bandwidth_bytes_per_s <= 0 or prefill_s < 0 or setup_s < 0:
-        raise ValueError("a positive bandwidth, and no negative bytes or seconds")
+    if kv_bytes < 0 or bandwidth_bytes_per_s <= 0 or prefill_s < 0 or num_blocks < 0:
+        raise ValueError("a positive bandwidth, and no negative bytes, blocks or seconds")
     if num_layers < 1:
         raise ValueError(f"a model of {num_layers} layers")
     transfer_s = kv_bytes / bandwidth_bytes_per_s
-
-    def lands_s(groups: int) -> float:
-        tail = prefill_s + transfer_s / groups + setup_s
-        return max(tail, prefill_s / groups + transfer_s + groups * setup_s)
-
-    groups = 1
-    while groups < num_layers and lands_s(groups + 1) <= lands_s(groups) - MIN_GROUP_GAIN_S:
-        groups += 1
-    whole_s = prefill_s + transfer_s + setup_s
-    return groups if lands_s(groups) <= whole_s - MIN_SAVING_S else 0
+    times = [lands_s(g, transfer_s, prefill_s, num_blocks, cost) for g in range(1, num_layers + 1)]
+    groups = next(
+        g
+        for g in range(1, num_layers + 1)
+        if all(
+            times[more - 1] > times[g - 1] - MIN_GROUP_GAIN_S * (more - g)
+            for more in range(g + 1, num_layers + 1)
+        )
+    )
+    return groups if times[groups - 1] <= times[0] - MIN_SAVING_S else 0
