@@ -10,15 +10,24 @@ The same total bytes in one descriptor is the reference for what the bytes alone
 
 Here (DRAM): .venv/bin/python -P bench/transfer/nixl_descriptors.py
 On the lent GPU (VRAM; carry .whl): source hack/device-env.sh &&
-    python3 -P bench/transfer/nixl_descriptors.py --device cuda
+    python3 -P bench/transfer/nixl_descriptors.py --device cuda [--busy default|side]
+
+`--busy` keeps the GPU computing while the writes run, as a prefill does while a layer group
+is written (issue 49's writes during the prefill cost 100-200 us a descriptor on the H100 and
+after it almost nothing): back-to-back bf16 matmuls, a few queued at a time, on torch's default
+stream (where kvrail's engine computes) or on a stream of their own (non-blocking). The same
+cost under both says the copies wait for the GPU's SMs; a cost under `default` only says they
+are ordered behind the engine's stream.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -48,12 +57,43 @@ def _median(fn: Callable[[], tuple[float, ...]], iters: int) -> tuple[float, ...
     return tuple(statistics.median(r[i] for r in runs) for i in range(len(runs[0])))
 
 
+@contextlib.contextmanager
+def _busy(where: str) -> Iterator[None]:
+    """Back-to-back matmuls on the GPU (`where`: torch's default stream, or a side stream)
+    until the block ends; nothing when `where` is none."""
+    if where == "none":
+        yield
+        return
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    stream = torch.cuda.default_stream() if where == "default" else torch.cuda.Stream()
+    stop = threading.Event()
+
+    def spin() -> None:
+        with torch.cuda.stream(stream):
+            while not stop.is_set():
+                for _ in range(4):  # a few queued, like a prefill's layers
+                    a @ a
+                stream.synchronize()
+
+    thread = threading.Thread(target=spin, daemon=True)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--sizes", nargs="+", type=int, default=[256, 65536, 524288])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--busy", default="none", choices=["none", "default", "side"])
     args = parser.parse_args()
+    if args.busy != "none" and args.device != "cuda":
+        parser.error("--busy needs --device cuda")
     api = _nixl()
     cfg = api.nixl_agent_config(backends=["UCX"])
     writer, reader = api.nixl_agent("writer", cfg), api.nixl_agent("reader", cfg)
@@ -67,7 +107,12 @@ def main() -> None:
     writer.add_remote_agent(reader.get_agent_metadata())
     reader.add_remote_agent(writer.get_agent_metadata())
     print(f"# NIXL, UCX, {mem}, two agents in one process; microseconds per descriptor, "
-          f"median of {args.iters}")  # fmt: skip
+          f"median of {args.iters}; GPU busy: {args.busy}")  # fmt: skip
+    with _busy(args.busy):
+        _table(args, writer, src, dst, mem, dev)
+
+
+def _table(args: argparse.Namespace, writer: Any, src: Any, dst: Any, mem: str, dev: int) -> None:
     for size in args.sizes:
 
         def ranges(base: int, n: int, size: int = size) -> list[tuple[int, int, int]]:
