@@ -29,17 +29,21 @@ import os
 import signal
 import sys
 
+from prometheus_client import CollectorRegistry
+
 from kvrail.epp.kv_picker import KvAwarePicker
 from kvrail.epp.picker import LeastInFlight, Picker
 from kvrail.epp.pool import follow_pool
 from kvrail.epp.protocol import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES, Limits
 from kvrail.epp.server import start
 from kvrail.errors import ConfigError, KvrailError
+from kvrail.router.generate import RouterState
 from kvrail.settings import Settings, load_settings
 
 log = logging.getLogger("kvrail.epp")
 
 _GRACE_S = 30.0
+METRICS_REFRESH_S = 5.0
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -59,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--port", type=int, default=9002)
     parser.add_argument(
+        "--metrics-port", type=int, default=9090,
+        help="Prometheus metrics over HTTP (/metrics) on --host:this port (default 9090, as "
+        "GAIE's EPPs); 0: a free port, logged",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-in-flight", type=int, default=None,
         help="static list: requests per endpoint before the EPP sheds (429); default: no limit",
     )  # fmt: skip
@@ -77,8 +86,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def settings(args: argparse.Namespace) -> tuple[LeastInFlight | None, Limits]:
     """The static picker (None: follow the kvrail pool) and the limits the arguments describe;
     ``ValueError`` names the bad option."""
-    if not 0 <= args.port < 65536:
-        raise ValueError("--port: must be 0-65535")
+    for name, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not 0 <= port < 65536:
+            raise ValueError(f"{name}: must be 0-65535")
     if args.num_endpoints < 1:
         raise ValueError("--num-endpoints: must be at least 1")
     picker = None
@@ -102,22 +112,50 @@ async def serve(
     args: argparse.Namespace, static: LeastInFlight | None, limits: Limits, pool: Settings | None
 ) -> None:
     if static is not None:
-        await _serve(args, static, limits, f"{len(static.endpoints)} static endpoints")
+        await _serve(args, static, limits, f"{len(static.endpoints)} static endpoints", None)
         return
     assert pool is not None
     async with follow_pool(pool) as state:
         picker = KvAwarePicker(state, num_endpoints=args.num_endpoints)
         gc.collect()  # what was loaded stays: out of the collector's sight, as in the router
         gc.freeze()
-        await _serve(args, picker, limits, f"pool {pool.namespace}/{pool.pool}")
+        what = f"pool {pool.namespace}/{pool.pool}"
+        refresh = asyncio.create_task(_refresh_worker_gauges(state))
+        try:
+            await _serve(args, picker, limits, what, state.metrics.registry)
+        finally:
+            refresh.cancel()
 
 
-async def _serve(args: argparse.Namespace, picker: Picker, limits: Limits, what: str) -> None:
+async def _refresh_worker_gauges(state: RouterState) -> None:
+    """The router's per-worker gauges, set from the view every `METRICS_REFRESH_S` (the router
+    sets them as it renders a scrape; here the scrape runs on the metrics server's thread, which
+    must not read the view)."""
+    while True:
+        state.metrics.refresh(state.view, state.dispatcher.in_flight)
+        await asyncio.sleep(METRICS_REFRESH_S)
+
+
+async def _serve(
+    args: argparse.Namespace,
+    picker: Picker,
+    limits: Limits,
+    what: str,
+    router_metrics: CollectorRegistry | None,
+) -> None:
     detach = args.detach is not False and not isinstance(picker, LeastInFlight)
     running = await start(picker, host=args.host, port=args.port, limits=limits, detach=detach)
+    metrics = running.ext_proc.metrics
+    if router_metrics is not None:
+        metrics.also(router_metrics)
+    try:
+        metrics_port = metrics.serve(args.host, args.metrics_port)
+    except RuntimeError:
+        await running.stop(0)
+        raise
     log.info(
-        "kvrail.epp serving ext_proc on %s:%d for %s detach=%s",
-        args.host, running.port, what, detach,
+        "kvrail.epp serving ext_proc on %s:%d for %s detach=%s, metrics on port %d",
+        args.host, running.port, what, detach, metrics_port,
     )  # fmt: skip
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()

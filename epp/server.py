@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -30,6 +31,7 @@ from envoy.service.ext_proc.v3.external_processor_pb2_grpc import (
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
+from kvrail.epp.metrics import EppMetrics
 from kvrail.epp.picker import NoEndpoint, Pick, Picker, PickRequest
 from kvrail.epp.protocol import DEFAULT_LIMITS, EppStream, Limits, Phase, ProtocolError
 
@@ -52,6 +54,7 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
         self.open_streams = 0
         self.detached_streams = 0
         """Streams that ended detached (the gateway serves the rest without the EPP)."""
+        self.metrics = EppMetrics(lambda: self.open_streams)
         self._ids = itertools.count(1)
         self._said_blocked = False
 
@@ -60,6 +63,7 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ProcessingResponse]:
         stream = EppStream(next(self._ids), self.limits, detach=self.detach)
         self.open_streams += 1
+        result = "abandoned"  # until the stream says otherwise
         try:
             async for message in requests:
                 step = stream.feed(message)
@@ -77,12 +81,19 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
                 if stream.phase is Phase.DONE:
                     if stream.detached:
                         self.detached_streams += 1
+                        self.metrics.detached.inc()
                         self.picker.detached(stream.stream_id)
                     return
         except ProtocolError as e:
+            result = "protocol_error"
             log.warning("stream %d: protocol error: %s", stream.stream_id, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
+            if result != "protocol_error" and stream.status is not None:
+                result = str(stream.status)
+            elif result != "protocol_error" and stream.endpoints:
+                result = "routed"
+            self.metrics.requests.labels(result).inc()
             self.open_streams -= 1
             self.picker.finished(stream.stream_id)
             log.debug(
@@ -94,12 +105,15 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
     async def _pick(self, request: PickRequest) -> Pick:
         """The picker's answer; a picker that fails answers 503 rather than dropping the stream
         (which Envoy would turn into a 500 or, failing open, a request routed blind)."""
+        started = time.perf_counter()
         try:
             return await self.picker.pick(request)
         except Exception as e:
             # The type only: an exception's message may quote the request, which stays out of logs.
             log.error("stream %d: the picker failed: %s", request.stream_id, type(e).__name__)
             return NoEndpoint(f"the endpoint picker failed ({type(e).__name__})")
+        finally:
+            self.metrics.pick.observe(time.perf_counter() - started)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -54,6 +54,13 @@ VLLM_NUM_REQUESTS_RUNNING = "vllm:num_requests_running"
 VLLM_NUM_REQUESTS_WAITING = "vllm:num_requests_waiting"
 VLLM_KV_CACHE_USAGE_PERC = "vllm:kv_cache_usage_perc"  # a fraction, 0 to 1, despite its name
 
+# the endpoint picker (kvrail.epp), labelled result=routed|<the HTTP status it answered>|
+# protocol_error|abandoned (a stream that ended before its request was whole)
+EPP_REQUESTS_TOTAL = PREFIX + "epp_requests_total"
+EPP_PICK_SECONDS = PREFIX + "epp_pick_seconds"
+EPP_STREAMS = PREFIX + "epp_streams"
+EPP_DETACHED_STREAMS_TOTAL = PREFIX + "epp_detached_streams_total"
+
 # operator and planner
 PLANNER_DESIRED_REPLICAS = PREFIX + "planner_desired_replicas"
 PLANNER_ACTUAL_REPLICAS = PREFIX + "planner_actual_replicas"

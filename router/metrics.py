@@ -114,6 +114,11 @@ class RouterMetrics:
                 self.stages.labels(stage).observe(seconds)
 
     def render(self, view: WorkerView, in_flight: dict[str, int]) -> bytes:
+        self.refresh(view, in_flight)
+        return generate_latest(self.registry)
+
+    def refresh(self, view: WorkerView, in_flight: dict[str, int]) -> None:
+        """Set the per-worker gauges from the view (on the event loop's thread)."""
         self.worker_requests.clear()
         self.worker_kv.clear()
         self.worker_cached.clear()
@@ -124,7 +129,6 @@ class RouterMetrics:
             self.worker_requests.labels(w, "in_flight").set(in_flight.get(w, 0))
             self.worker_kv.labels(w).set(record.kv_utilization)
             self.worker_cached.labels(w).set(view.index.num_hashes(w, "gpu"))
-        return generate_latest(self.registry)
 
 
 class LoopHistogram:

@@ -168,7 +168,7 @@ def main() -> int:
         for path, extra in (("gateway", []), ("gateway-no-detach", ["--no-detach"])):
             port = free_port()
             argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1",
-                    "--port", str(port), *extra]  # fmt: skip
+                    "--port", str(port), "--metrics-port", "0", *extra]  # fmt: skip
             epps.append(ManagedProcess(path, argv, work / f"{path}-epp.log", env=pool.env).start())
             asyncio.run(wait_serving(port))
             envoy_dir = work / path

@@ -46,6 +46,8 @@ FRONT_PORT: Final = ROUTER_PORT
 FRONT_PORT_NAME: Final = "front"
 EPP_PORT: Final = 9002
 """The EPP's ext_proc and gRPC health port (`kvrail.epp`'s default, as in GAIE's examples)."""
+EPP_METRICS_PORT: Final = 9090
+"""The EPP's Prometheus `/metrics` over HTTP (`kvrail.epp`'s default, as GAIE's EPPs)."""
 EPP_COMMAND: Final = ["python", "-P", "-m", "kvrail.epp"]
 FRONT_COMMAND: Final = ["python", "-P", "-m", "kvrail.router", "--pin-worker"]
 POD_NAME_VAR: Final = "$(KVRAIL_POD_NAME)"
@@ -95,7 +97,8 @@ def build_gaie_pool(pool: InferencePool) -> dict[str, Any]:
 
 
 def build_epp_service(pool: InferencePool) -> dict[str, Any]:
-    """ClusterIP, HTTP/2 cleartext (gRPC): the gateway's ext_proc cluster."""
+    """ClusterIP, HTTP/2 cleartext (gRPC): the gateway's ext_proc cluster; and the EPP's
+    metrics (HTTP), for a ServiceMonitor."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -110,7 +113,13 @@ def build_epp_service(pool: InferencePool) -> dict[str, Any]:
                     "targetPort": "grpc",
                     "protocol": "TCP",
                     "appProtocol": "kubernetes.io/h2c",
-                }
+                },
+                {
+                    "name": "metrics",
+                    "port": EPP_METRICS_PORT,
+                    "targetPort": "metrics",
+                    "protocol": "TCP",
+                },
             ],
         },
     }
@@ -142,8 +151,13 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
             str(EPP_PORT),
             "--num-endpoints",
             str(gaie.num_endpoints),
+            "--metrics-port",
+            str(EPP_METRICS_PORT),
         ],
-        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},
+            {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
+        ],
         "env": router_env(pool, ctx),
         "securityContext": container_security_context([]),
         "volumeMounts": mounts,

@@ -387,7 +387,7 @@ def test_the_entry_point_refuses_bad_settings() -> None:
 async def test_the_entry_point_serves_health_and_stops_on_sigterm() -> None:
     port = free_port()
     argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
-            "--endpoints", "127.0.0.1:1,127.0.0.1:2"]  # fmt: skip
+            "--metrics-port", "0", "--endpoints", "127.0.0.1:1,127.0.0.1:2"]  # fmt: skip
     proc = subprocess.Popen(argv)  # noqa: ASYNC220 (started once; nothing else runs meanwhile)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:

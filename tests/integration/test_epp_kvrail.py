@@ -260,8 +260,9 @@ async def test_the_pool_s_records_advertise_the_fronts_and_both_fronts_serve(
 async def test_the_entry_point_follows_the_pool_and_stops_on_sigterm(
     pool: LocalPool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    port = free_port()
-    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port)]
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
+            "--metrics-port", str(metrics_port)]  # fmt: skip
     log = tmp_path_factory.mktemp("epp-process") / "epp.log"
     with log.open("wb") as out:  # the pool's settings, as its routers get them
         proc = subprocess.Popen(argv, env=pool.env, stdout=out, stderr=subprocess.STDOUT)  # noqa: ASYNC220
@@ -280,6 +281,14 @@ async def test_the_entry_point_follows_the_pool_and_stops_on_sigterm(
             r = await http.post(f"{gateway.gateway}/v1/completions", content=b"[1,",
                                 headers={"content-type": "application/json"})  # fmt: skip
         assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+        async with httpx.AsyncClient(timeout=30) as http:  # the EPP's metrics, the router's too
+            text = (await http.get(f"http://127.0.0.1:{metrics_port}/metrics")).text
+        assert 'kvrail_epp_requests_total{result="routed"} 1.0' in text
+        assert 'kvrail_epp_requests_total{result="400"} 1.0' in text
+        assert "kvrail_epp_pick_seconds_count 2.0" in text
+        for w in WORKERS:  # the view the EPP picks from
+            assert f'kvrail_router_worker_requests{{state="in_flight",worker="{w}"}} 0.0' in text
+        assert "Name a colour" not in text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0
         assert "[1," not in log.read_text()  # no body in the EPP's logs
@@ -325,7 +334,7 @@ async def stream_chat(
 def start_epp_process(pool: LocalPool, port: int, workdir: Path, *args: str) -> ManagedProcess:
     """``python -P -m kvrail.epp`` with the pool's settings, as its routers get them."""
     argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
-            *args]  # fmt: skip
+            "--metrics-port", "0", *args]  # fmt: skip
     name = f"epp-{len(list(workdir.glob('epp-*.log')))}"
     return ManagedProcess(name, argv, workdir / f"{name}.log", env=pool.env).start()
 

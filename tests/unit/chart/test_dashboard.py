@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
 from kvrail import metrics
+from kvrail.epp.metrics import EppMetrics
 from kvrail.operator import metrics as operator_metrics
 from kvrail.router.metrics import LoopHistogram, RouterMetrics
 from kvrail.router.policy import Decision
@@ -87,9 +88,11 @@ Collector = MetricWrapperBase | LoopHistogram
 
 
 def _collectors() -> dict[str, list[Collector]]:
-    """Every collector of the router, the workers and the operator, by its name in `ALL`."""
+    """Every collector of the router, the EPP, the workers and the operator, by its name in
+    `ALL`."""
     found = [
         *vars(RouterMetrics()).values(),
+        *vars(EppMetrics(lambda: 0)).values(),
         *vars(worker_metrics).values(),
         *vars(operator_metrics).values(),
     ]

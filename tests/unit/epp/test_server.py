@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import urllib.request
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -77,6 +78,7 @@ async def test_a_stream_that_stops_mid_request_releases_its_booking() -> None:
     [(["--endpoints", "pod:80"], "--endpoints"), (["--endpoints", A, "--port", "70000"], "--port"),
      (["--endpoints", A, "--max-in-flight", "0"], "--max-in-flight"),
      (["--endpoints", A, "--chunk-bytes", "0"], "--chunk-bytes"),
+     (["--endpoints", A, "--metrics-port", "-1"], "--metrics-port"),
      (["--num-endpoints", "0"], "--num-endpoints"), (["--max-in-flight", "4"], "--max-in-flight")],
 )  # fmt: skip
 def test_bad_settings_name_the_option(argv: list[str], problem: str) -> None:
@@ -158,3 +160,66 @@ def test_detach_is_refused_for_a_static_list_and_the_default_for_a_pool() -> Non
 )  # fmt: skip
 def test_the_listen_address_brackets_an_ipv6_host(host: str, expected: str) -> None:
     assert bind_address(host, 9002) == expected
+
+
+class Abort(Exception):
+    pass
+
+
+class Context:
+    """What the servicer uses of a gRPC context: abort, which raises."""
+
+    async def abort(self, code: object, details: str) -> None:
+        raise Abort(details)
+
+
+def sample(ext_proc: ExtProc, name: str, labels: dict[str, str] | None = None) -> float:
+    value = ext_proc.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
+
+
+async def test_each_stream_is_counted_by_its_result_and_each_pick_timed() -> None:
+    picker = LeastInFlight([A])
+    ext_proc = ExtProc(picker, detach=True)
+    context: Any = Context()
+    await drain(ext_proc.Process(messages(*request(b"{}")), context))  # routed, attached
+    await drain(ext_proc.Process(messages(*request(b"{}", ProcessingMode.NONE)), context))
+    ext_proc_failing = ExtProc(Failing([A]))
+    await drain(ext_proc_failing.Process(messages(*request(b"x")), context))  # 503
+    headers_only = ProcessingRequest(request_headers=HttpHeaders(headers=HeaderMap()))
+    await drain(ext_proc.Process(messages(headers_only), context))  # the client left
+    early = ProcessingRequest(response_headers=HttpHeaders(headers=HeaderMap()))
+    with pytest.raises(Abort, match="not expected"):  # a response before the request
+        await drain(ext_proc.Process(messages(early), context))
+    count = "kvrail_epp_requests_total"
+    assert sample(ext_proc, count, {"result": "routed"}) == 2
+    assert sample(ext_proc, count, {"result": "abandoned"}) == 1
+    assert sample(ext_proc, count, {"result": "protocol_error"}) == 1
+    assert sample(ext_proc_failing, count, {"result": "503"}) == 1
+    assert sample(ext_proc, "kvrail_epp_detached_streams_total") == 1
+    assert sample(ext_proc, "kvrail_epp_pick_seconds_count") == 2  # a pick per whole request
+    assert sample(ext_proc_failing, "kvrail_epp_pick_seconds_count") == 1
+    assert sample(ext_proc, "kvrail_epp_streams") == 0
+
+
+async def drain(responses: AsyncIterator[Any]) -> None:
+    async for _ in responses:
+        pass
+
+
+def test_the_metrics_are_served_over_http_with_the_routers_beside_them() -> None:
+    from prometheus_client import CollectorRegistry, Counter
+
+    ext_proc = ExtProc(LeastInFlight([A]))
+    router = CollectorRegistry()
+    Counter("kvrail_routing_decisions_total", "test", ["reason"], registry=router).labels(
+        "prefix"
+    ).inc(3)
+    ext_proc.metrics.also(router)
+    port = ext_proc.metrics.serve("127.0.0.1", 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        text = reply.read().decode()
+    assert "kvrail_epp_streams 0.0" in text
+    assert 'kvrail_routing_decisions_total{reason="prefix"} 3.0' in text
+    with pytest.raises(RuntimeError, match=r"cannot serve metrics on 127\.0\.0\.1"):
+        ExtProc(LeastInFlight([A])).metrics.serve("127.0.0.1", port)  # taken

@@ -78,7 +78,7 @@ def test_gaie_pool_selects_the_decode_pods_on_the_front_port_picked_by_the_epp()
     front_ports = [p["containerPort"] for p in containers(decode)["front"]["ports"]]
     assert gaie_pool["spec"]["targetPorts"] == [{"number": p} for p in front_ports]
     epp_service = child(children, "Service", "tiny-epp")
-    (grpc,) = epp_service["spec"]["ports"]
+    grpc, _metrics = epp_service["spec"]["ports"]
     assert gaie_pool["spec"]["endpointPickerRef"] == {
         "group": "",
         "kind": "Service",
@@ -111,6 +111,7 @@ def test_epp_runs_the_picker_with_the_routers_settings_and_no_api_access() -> No
     assert container["image"] == "registry.example/kvrail:test"
     assert container["command"] == [
         "python", "-P", "-m", "kvrail.epp", "--port", "9002", "--num-endpoints", "2",
+        "--metrics-port", "9090",
     ]  # fmt: skip
     assert container["resources"] == {"requests": {"cpu": "500m"}}
     router_container = router["spec"]["template"]["spec"]["containers"][0]
@@ -126,6 +127,12 @@ def test_epp_runs_the_picker_with_the_routers_settings_and_no_api_access() -> No
     assert service["spec"]["selector"] == selector
     assert service["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+    # the EPP's metrics, for a ServiceMonitor: the port its command names
+    assert [(p["name"], p["targetPort"]) for p in service["spec"]["ports"]][1] == (
+        "metrics",
+        "metrics",
+    )
+    assert container["ports"][1] == {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}
 
 
 @pytest.mark.parametrize("changes", [(), COLOCATED], ids=["disaggregated", "colocated"])
