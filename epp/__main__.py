@@ -1,11 +1,13 @@
 """``python -P -m kvrail.epp``: a GAIE endpoint picker for a kvrail pool, or a static list.
 
-It serves Envoy's ext_proc service and gRPC health on ``--host:--port`` (default 0.0.0.0:9002,
-the port GAIE's examples use). Without ``--endpoints`` it follows the kvrail pool its settings
-name (``KVRAIL_*``, as the pool's routers read them) and picks, for each request, the worker
-kvrail's router would choose, naming that worker's HTTP front (``kvrail.epp.kv_picker``). With
-``--endpoints`` it picks the endpoint of that list with the fewest requests in flight and never
-reads the prompt. SIGTERM: not ready, then open streams finish.
+It serves Envoy's ext_proc service and gRPC health on ``--host:--port`` (default [::]:9002, the
+port GAIE's examples use), over TLS unless ``--no-secure-serving`` (``kvrail.epp.tls``), gRPC
+health alone in plaintext on ``--health-port`` (9003) for the kubelet's probes, and Prometheus
+metrics on ``--metrics-port`` (9090). Without ``--endpoints`` it follows the kvrail pool its
+settings name (``KVRAIL_*``, as the pool's routers read them) and picks, for each request, the
+worker kvrail's router would choose, naming that worker's HTTP front (``kvrail.epp.kv_picker``).
+With ``--endpoints`` it picks the endpoint of that list with the fewest requests in flight and
+never reads the prompt. SIGTERM: not ready, then open streams finish.
 
 For a kvrail pool the EPP detaches by default (``--no-detach`` turns it off): each ext_proc
 stream ends once its request is routed, so a killed or restarted EPP loses no routed request,
@@ -28,6 +30,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 
 from prometheus_client import CollectorRegistry
 
@@ -36,6 +39,7 @@ from kvrail.epp.picker import LeastInFlight, Picker
 from kvrail.epp.pool import follow_pool
 from kvrail.epp.protocol import DEFAULT_CHUNK_BYTES, DEFAULT_MAX_BODY_BYTES, Limits
 from kvrail.epp.server import start
+from kvrail.epp.tls import server_credentials
 from kvrail.errors import ConfigError, KvrailError
 from kvrail.router.generate import RouterState
 from kvrail.settings import Settings, load_settings
@@ -63,6 +67,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--port", type=int, default=9002)
     parser.add_argument(
+        "--secure-serving", action=argparse.BooleanOptionalAction, default=True,
+        help="TLS on --port, as GAIE's gateways expect of a picker (default; they do not verify "
+        "its certificate); --no-secure-serving: plaintext",
+    )  # fmt: skip
+    parser.add_argument(
+        "--cert-path", type=Path, default=None,
+        help="a directory with tls.crt and tls.key (e.g. a mounted kubernetes.io/tls Secret), "
+        "re-read when they change; default: a self-signed certificate made at start-up",
+    )  # fmt: skip
+    parser.add_argument(
+        "--health-port", type=int, default=9003,
+        help="gRPC health alone, in plaintext, for the kubelet's probes (default 9003, as GAIE's "
+        "picker); the health service is on --port too",
+    )  # fmt: skip
+    parser.add_argument(
         "--metrics-port", type=int, default=9090,
         help="Prometheus metrics over HTTP (/metrics) on --host:this port (default 9090, as "
         "GAIE's EPPs); 0: a free port, logged",
@@ -86,9 +105,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def settings(args: argparse.Namespace) -> tuple[LeastInFlight | None, Limits]:
     """The static picker (None: follow the kvrail pool) and the limits the arguments describe;
     ``ValueError`` names the bad option."""
-    for name, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    ports = (("--port", args.port), ("--health-port", args.health_port),
+             ("--metrics-port", args.metrics_port))  # fmt: skip
+    for name, port in ports:
         if not 0 <= port < 65536:
             raise ValueError(f"{name}: must be 0-65535")
+    taken = [p for _, p in ports if p]
+    if len(set(taken)) != len(taken):
+        raise ValueError("--port, --health-port, --metrics-port: must differ (or be 0: free ports)")
+    if args.cert_path is not None and not args.secure_serving:
+        raise ValueError("--cert-path: not with --no-secure-serving")
     if args.num_endpoints < 1:
         raise ValueError("--num-endpoints: must be at least 1")
     picker = None
@@ -144,7 +170,10 @@ async def _serve(
     router_metrics: CollectorRegistry | None,
 ) -> None:
     detach = args.detach is not False and not isinstance(picker, LeastInFlight)
-    running = await start(picker, host=args.host, port=args.port, limits=limits, detach=detach)
+    running = await start(
+        picker, host=args.host, port=args.port, limits=limits, detach=detach,
+        credentials=args.credentials, health_port=args.health_port,
+    )  # fmt: skip
     metrics = running.ext_proc.metrics
     if router_metrics is not None:
         metrics.also(router_metrics)
@@ -154,8 +183,10 @@ async def _serve(
         await running.stop(0)
         raise
     log.info(
-        "kvrail.epp serving ext_proc on %s:%d for %s detach=%s, metrics on port %d",
-        args.host, running.port, what, detach, metrics_port,
+        "kvrail.epp serving ext_proc on %s:%d (%s) for %s detach=%s, health on port %s, "
+        "metrics on port %d",
+        args.host, running.port, "TLS" if args.credentials else "plaintext", what, detach,
+        running.health_port, metrics_port,
     )  # fmt: skip
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         picker, limits = settings(args)
         pool = load_settings() if picker is None else None
+        args.credentials = server_credentials(args.cert_path) if args.secure_serving else None
     except (ValueError, ConfigError) as e:
         print(f"kvrail.epp: bad settings: {e}", file=sys.stderr)
         return 2

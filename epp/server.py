@@ -118,18 +118,23 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Running:
-    """A started EPP: the gRPC server, its health servicer, the ext_proc servicer and the port."""
+    """A started EPP: the gRPC server, its health servicer, the ext_proc servicer, the port, and
+    the plaintext health server and port when there is one."""
 
     server: grpc.aio.Server
     health: health_aio.HealthServicer
     ext_proc: ExtProc
     port: int
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
 
     async def stop(self, grace_s: float) -> None:
         """Not ready first (gateways stop sending new streams), then let open streams finish."""
         for name in ("readiness", EXT_PROC_SERVICE):
             await self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
 
 
 def bind_address(host: str, port: int) -> str:
@@ -141,22 +146,46 @@ def bind_address(host: str, port: int) -> str:
 
 
 async def start(
-    picker: Picker, *, host: str, port: int, limits: Limits = DEFAULT_LIMITS, detach: bool = False
+    picker: Picker,
+    *,
+    host: str,
+    port: int,
+    limits: Limits = DEFAULT_LIMITS,
+    detach: bool = False,
+    credentials: grpc.ServerCredentials | None = None,
+    health_port: int | None = None,
 ) -> Running:
     """A started server with the ext_proc and health services (``port=0`` binds a free port);
-    ``detach``: routed streams end once the request is routed (the module docstring). Raises
-    ``RuntimeError`` naming the address if it cannot be bound."""
+    ``detach``: routed streams end once the request is routed (the module docstring);
+    ``credentials``: TLS on that port (``kvrail.epp.tls``), else plaintext; ``health_port``: the
+    health service alone, in plaintext, on a port of its own too (the kubelet's gRPC probes
+    speak no TLS). Raises ``RuntimeError`` naming the address if one cannot be bound."""
     server = grpc.aio.server()
     ext_proc = ExtProc(picker, limits, detach=detach)
     add_ExternalProcessorServicer_to_server(ext_proc, server)
     health = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    address = bind_address(host, port)
-    try:
-        bound = server.add_insecure_port(address)
-    except RuntimeError as e:
-        raise RuntimeError(f"cannot listen on {address}: {e}") from None
+    bound = _listen(server, host, port, credentials)
+    health_server, health_bound = None, None
+    if health_port is not None:
+        health_server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(health, health_server)
+        health_bound = _listen(health_server, host, health_port, None)
     await server.start()
+    if health_server is not None:
+        await health_server.start()
     for name in HEALTH_SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return Running(server, health, ext_proc, bound)
+    return Running(server, health, ext_proc, bound, health_server, health_bound)
+
+
+def _listen(
+    server: grpc.aio.Server, host: str, port: int, credentials: grpc.ServerCredentials | None
+) -> int:
+    address = bind_address(host, port)
+    try:
+        if credentials is None:
+            return int(server.add_insecure_port(address))
+        return int(server.add_secure_port(address, credentials))
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot listen on {address}: {e}") from None

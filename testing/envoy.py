@@ -40,6 +40,7 @@ _ROUTER = _T + "filters.http.router.v3.Router"
 _OVERRIDE = _T + "load_balancing_policies.override_host.v3.OverrideHost"
 _ROUND_ROBIN = _T + "load_balancing_policies.round_robin.v3.RoundRobin"
 _HTTP_OPTIONS = _T + "upstreams.http.v3.HttpProtocolOptions"
+_UPSTREAM_TLS = _T + "transport_sockets.tls.v3.UpstreamTlsContext"
 
 _SUBSET_LUA = """
 function envoy_on_request(h)
@@ -130,13 +131,22 @@ def _listener(
 def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
               gateway_epp_down: int, gateway_no_epp: int,
               gateway_fail_open: int, gateway_fail_open_no_epp: int, epp: int, epp_down: int,
-              pool: Sequence[int], pool_host: str = "127.0.0.1",
-              allow_mode_override: bool = False) -> dict[str, Any]:  # fmt: skip
+              pool: Sequence[int], pool_host: str = "127.0.0.1", allow_mode_override: bool = False,
+              epp_tls: bool = False) -> dict[str, Any]:  # fmt: skip
     """The static bootstrap: the two gateway listeners, the four EPP-down ones, the EPP clusters
-    (HTTP/2) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
+    (HTTP/2; ``epp_tls``: over TLS without verifying the picker's certificate, as GAIE's gateways
+    connect) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
     ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
-    h2 = {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only}
+    h2: dict[str, Any] = {
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only
+        }
+    }
+    if epp_tls:
+        context = {"alpn_protocols": ["h2"], "validation_context": {}}
+        h2["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": _UPSTREAM_TLS, "common_tls_context": context}}  # fmt: skip
     override = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
         "typed_config": {"@type": _OVERRIDE,
@@ -159,9 +169,9 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
                           fail_open=True),
             ],
             "clusters": [
-                _static_cluster("epp", [epp], typed_extension_protocol_options=h2),
-                _static_cluster("epp_down", [epp_down], typed_extension_protocol_options=h2),
-                _static_cluster("epp_none", [], typed_extension_protocol_options=h2),
+                _static_cluster("epp", [epp], **h2),
+                _static_cluster("epp_down", [epp_down], **h2),
+                _static_cluster("epp_none", [], **h2),
                 _static_cluster("pool", pool, pool_host, load_balancing_policy=override),
             ],
         },
@@ -191,7 +201,8 @@ class Envoy:
 
 
 def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str = "127.0.0.1",
-                allow_mode_override: bool = False, timeout_s: float = 30) -> Envoy:  # fmt: skip
+                allow_mode_override: bool = False, epp_tls: bool = False,
+                timeout_s: float = 30) -> Envoy:  # fmt: skip
     """Envoy with :func:`bootstrap`, ready (admin ``/ready`` answers LIVE) or a ``ProcessFailed``
     (a ``RuntimeError``) with the tail of its log. A managed process: killed with its parent."""
     listeners = ("gateway", "gateway_no_response_body", "gateway_epp_down", "gateway_no_epp",
@@ -200,7 +211,7 @@ def start_envoy(workdir: Path, *, epp: int, pool: Sequence[int], pool_host: str 
     config = workdir / "envoy.yaml"
     config.write_text(yaml.safe_dump(bootstrap(
         epp=epp, pool=pool, pool_host=pool_host, allow_mode_override=allow_mode_override,
-        **ports)))  # fmt: skip
+        epp_tls=epp_tls, **ports)))  # fmt: skip
     log = workdir / "envoy.log"
     argv = [str(envoy_binary()), "-c", str(config), "--log-level", "warn",
             "--disable-hot-restart", "--concurrency", "2"]  # fmt: skip

@@ -166,14 +166,15 @@ def main() -> int:
         pool.wait_ready("router")
         urls = {"router": f"http://127.0.0.1:{router_port}", "front": f"http://{front}"}
         for path, extra in (("gateway", []), ("gateway-no-detach", ["--no-detach"])):
-            port = free_port()
+            port, health = free_port(), free_port()
             argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1",
-                    "--port", str(port), "--metrics-port", "0", *extra]  # fmt: skip
+                    "--port", str(port), "--health-port", str(health), "--metrics-port", "0",
+                    *extra]  # fmt: skip
             epps.append(ManagedProcess(path, argv, work / f"{path}-epp.log", env=pool.env).start())
-            asyncio.run(wait_serving(port))
+            asyncio.run(wait_serving(health))
             envoy_dir = work / path
-            envoy_dir.mkdir()
-            envoys.append(start_envoy(envoy_dir, epp=port, pool=[front_port]))
+            envoy_dir.mkdir()  # TLS to the picker, as GAIE's gateways connect
+            envoys.append(start_envoy(envoy_dir, epp=port, pool=[front_port], epp_tls=True))
             gateway = envoys[-1]
             urls[path] = gateway.gateway_no_response_body if path == "gateway" else gateway.gateway
         load_before = os.getloadavg()

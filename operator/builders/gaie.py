@@ -45,7 +45,10 @@ FRONT_PORT: Final = ROUTER_PORT
 """A decode pod's HTTP front: the router's port, in the pod (the worker's own is 8080)."""
 FRONT_PORT_NAME: Final = "front"
 EPP_PORT: Final = 9002
-"""The EPP's ext_proc and gRPC health port (`kvrail.epp`'s default, as in GAIE's examples)."""
+"""The EPP's ext_proc port, TLS with a self-signed certificate, which GAIE's gateways connect to
+without verifying it (`kvrail.epp`'s defaults, as GAIE's own picker)."""
+EPP_HEALTH_PORT: Final = 9003
+"""The EPP's gRPC health in plaintext, for the kubelet's gRPC probes (which speak no TLS)."""
 EPP_METRICS_PORT: Final = 9090
 """The EPP's Prometheus `/metrics` over HTTP (`kvrail.epp`'s default, as GAIE's EPPs)."""
 EPP_COMMAND: Final = ["python", "-P", "-m", "kvrail.epp"]
@@ -97,8 +100,8 @@ def build_gaie_pool(pool: InferencePool) -> dict[str, Any]:
 
 
 def build_epp_service(pool: InferencePool) -> dict[str, Any]:
-    """ClusterIP, HTTP/2 cleartext (gRPC): the gateway's ext_proc cluster; and the EPP's
-    metrics (HTTP), for a ServiceMonitor."""
+    """ClusterIP: the gateway's ext_proc cluster (gRPC over TLS); and the EPP's metrics (HTTP),
+    for a ServiceMonitor."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -112,7 +115,7 @@ def build_epp_service(pool: InferencePool) -> dict[str, Any]:
                     "port": EPP_PORT,
                     "targetPort": "grpc",
                     "protocol": "TCP",
-                    "appProtocol": "kubernetes.io/h2c",
+                    "appProtocol": "http2",
                 },
                 {
                     "name": "metrics",
@@ -127,7 +130,7 @@ def build_epp_service(pool: InferencePool) -> dict[str, Any]:
 
 def _grpc_probe(service: str, period_s: int, failures: int) -> dict[str, Any]:
     return {
-        "grpc": {"port": EPP_PORT, "service": service},
+        "grpc": {"port": EPP_HEALTH_PORT, "service": service},
         "periodSeconds": period_s,
         "failureThreshold": failures,
         "timeoutSeconds": 2,
@@ -151,11 +154,14 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
             str(EPP_PORT),
             "--num-endpoints",
             str(gaie.num_endpoints),
+            "--health-port",
+            str(EPP_HEALTH_PORT),
             "--metrics-port",
             str(EPP_METRICS_PORT),
         ],
         "ports": [
             {"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},
+            {"name": "health", "containerPort": EPP_HEALTH_PORT, "protocol": "TCP"},
             {"name": "metrics", "containerPort": EPP_METRICS_PORT, "protocol": "TCP"},
         ],
         "env": router_env(pool, ctx),

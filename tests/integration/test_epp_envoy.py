@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvrail.epp.picker import LeastInFlight, Pick, PickRequest, Routed
 from kvrail.epp.protocol import EppStream, Limits
 from kvrail.epp.server import HEALTH_SERVICES, ExtProc, Running, start
+from kvrail.epp.tls import self_signed
 from kvrail.local.procs import ManagedProcess, free_port
 from kvrail.testing.envoy import Envoy, start_envoy
 
@@ -384,18 +385,43 @@ def test_the_entry_point_refuses_bad_settings() -> None:
     assert "--endpoints" in r.stderr and "pod-a:8000" in r.stderr
 
 
-async def test_the_entry_point_serves_health_and_stops_on_sigterm() -> None:
-    port = free_port()
+async def test_the_entry_point_serves_tls_with_its_cert_path_reloads_it_and_stops_on_sigterm(
+    tmp_path: Path,
+) -> None:
+    """``--cert-path``: the certificate served on the ext_proc port, re-read when the files
+    change (a rotated Secret, for each new connection); health in plaintext on its own port."""
+
+    def write_pair() -> bytes:
+        key, cert = self_signed(["localhost", "127.0.0.1"])
+        (tmp_path / "tls.key").write_bytes(key)
+        (tmp_path / "tls.crt").write_bytes(cert)
+        return cert
+
+    async def check(port: int, root: bytes | None, wait: bool = True) -> int:
+        target = f"127.0.0.1:{port}"
+        channel = (grpc.aio.insecure_channel(target) if root is None else
+                   grpc.aio.secure_channel(target, grpc.ssl_channel_credentials(root)))  # fmt: skip
+        async with channel:
+            reply = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=wait, timeout=30
+            )
+        return int(reply.status)
+
+    first = write_pair()
+    port, health = free_port(), free_port()
     argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
-            "--metrics-port", "0", "--endpoints", "127.0.0.1:1,127.0.0.1:2"]  # fmt: skip
+            "--health-port", str(health), "--metrics-port", "0", "--cert-path", str(tmp_path),
+            "--endpoints", "127.0.0.1:1,127.0.0.1:2"]  # fmt: skip
     proc = subprocess.Popen(argv)  # noqa: ASYNC220 (started once; nothing else runs meanwhile)
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            reply = await stub.Check(
-                health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=True, timeout=30
-            )
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert await check(health, None) == serving
+        assert await check(port, first) == serving  # the directory's certificate, verified
+        await asyncio.sleep(0.05)  # a later mtime
+        second = write_pair()
+        assert await check(port, second) == serving  # re-read for the new connection
+        with pytest.raises(grpc.aio.AioRpcError):  # ... and the first no longer served
+            await check(port, first, wait=False)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=40) == 0
     finally:

@@ -260,21 +260,24 @@ async def test_the_pool_s_records_advertise_the_fronts_and_both_fronts_serve(
 async def test_the_entry_point_follows_the_pool_and_stops_on_sigterm(
     pool: LocalPool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    port, metrics_port = free_port(), free_port()
+    port, health_port, metrics_port = free_port(), free_port(), free_port()
     argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
-            "--metrics-port", str(metrics_port)]  # fmt: skip
+            "--health-port", str(health_port), "--metrics-port", str(metrics_port)]  # fmt: skip
     log = tmp_path_factory.mktemp("epp-process") / "epp.log"
     with log.open("wb") as out:  # the pool's settings, as its routers get them
         proc = subprocess.Popen(argv, env=pool.env, stdout=out, stderr=subprocess.STDOUT)  # noqa: ASYNC220
     gateway = None
     try:
+        await wait_serving(health_port)  # plaintext, for the kubelet's probes
+        assert f"pool default/{POOL}" in log.read_text() and "(TLS)" in log.read_text()
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            reply = await health_pb2_grpc.HealthStub(channel).Check(
-                health_pb2.HealthCheckRequest(service="readiness"), wait_for_ready=True, timeout=60
-            )
-        assert reply.status == health_pb2.HealthCheckResponse.SERVING
-        assert f"pool default/{POOL}" in log.read_text()
-        gateway = start_envoy(log.parent, epp=port, pool=list(FRONTS.values()))
+            with pytest.raises(grpc.aio.AioRpcError) as plaintext:  # the ext_proc port is TLS
+                await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=5
+                )
+        assert plaintext.value.code() == grpc.StatusCode.UNAVAILABLE
+        # as GAIE's gateways connect: TLS, the picker's self-signed certificate not verified
+        gateway = start_envoy(log.parent, epp=port, pool=list(FRONTS.values()), epp_tls=True)
         served, _, text = await chat(gateway, "Name a colour.")
         assert served in {front_of(w) for w in WORKERS} and text
         async with httpx.AsyncClient(timeout=30) as http:
@@ -331,10 +334,11 @@ async def stream_chat(
     return r.status_code, served, finish, usage, done
 
 
-def start_epp_process(pool: LocalPool, port: int, workdir: Path, *args: str) -> ManagedProcess:
-    """``python -P -m kvrail.epp`` with the pool's settings, as its routers get them."""
-    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port", str(port),
-            "--metrics-port", "0", *args]  # fmt: skip
+def start_epp_process(pool: LocalPool, ports: tuple[int, int], workdir: Path) -> ManagedProcess:
+    """``python -P -m kvrail.epp`` with the pool's settings, as its routers get them, serving TLS
+    on ``ports[0]`` and plaintext health on ``ports[1]``."""
+    argv = [sys.executable, "-P", "-m", "kvrail.epp", "--host", "127.0.0.1", "--port",
+            str(ports[0]), "--health-port", str(ports[1]), "--metrics-port", "0"]  # fmt: skip
     name = f"epp-{len(list(workdir.glob('epp-*.log')))}"
     return ManagedProcess(name, argv, workdir / f"{name}.log", env=pool.env).start()
 
@@ -367,16 +371,16 @@ async def kill_under_streams(
 async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again_when_back(
     pool: LocalPool, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    port = free_port()
+    port, health = ports = free_port(), free_port()
     workdir = tmp_path_factory.mktemp("epp-restart")
-    gateway = start_envoy(workdir, epp=port, pool=list(FRONTS.values()))
+    gateway = start_envoy(workdir, epp=port, pool=list(FRONTS.values()), epp_tls=True)
     fronts = {front_of(w) for w in WORKERS}
-    epp = start_epp_process(pool, port, workdir)  # a pool's default: detach where it can
+    epp = start_epp_process(pool, ports, workdir)  # a pool's default: detach where it can
     try:
         # Behind the listener that streams the response body to the EPP, the EPP cannot detach
         # safely (docs/epp.md, "Detaching"): it stays on the response path, says so, and its
         # death breaks every stream it carries (Envoy resets them).
-        await wait_serving(port)
+        await wait_serving(health)
         results = await kill_under_streams(epp, gateway.gateway, 2)
         assert all(isinstance(r, httpx.HTTPError) for r in results), results
         assert "not detaching: the gateway sends the response body here (response_body_mode "\
@@ -389,8 +393,8 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
         assert down.status_code == 500 and "x-test-upstream-host" not in down.headers
         # Behind the listener without the response body the EPP detaches: every routed stream
         # completes intact.
-        epp = start_epp_process(pool, port, workdir)
-        await wait_serving(port)
+        epp = start_epp_process(pool, ports, workdir)
+        await wait_serving(health)
         results = await kill_under_streams(epp, gateway.gateway_no_response_body, 4)
         for result in results:
             assert not isinstance(result, BaseException), result
@@ -400,8 +404,8 @@ async def test_the_epp_killed_under_load_loses_no_routed_stream_and_routes_again
         assert {r[1] for r in results if not isinstance(r, BaseException)} == fronts  # spread
         assert "not detaching" not in epp.log_text()
         # Restarted, the EPP routes new requests again.
-        epp = start_epp_process(pool, port, workdir)
-        await wait_serving(port)
+        epp = start_epp_process(pool, ports, workdir)
+        await wait_serving(health)
         served, _, text = await chat(gateway, "Name a colour.")
         assert served in fronts and text
         assert "detach=True" in epp.log_text()

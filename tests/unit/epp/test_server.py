@@ -79,6 +79,8 @@ async def test_a_stream_that_stops_mid_request_releases_its_booking() -> None:
      (["--endpoints", A, "--max-in-flight", "0"], "--max-in-flight"),
      (["--endpoints", A, "--chunk-bytes", "0"], "--chunk-bytes"),
      (["--endpoints", A, "--metrics-port", "-1"], "--metrics-port"),
+     (["--endpoints", A, "--health-port", "9002"], "must differ"),
+     (["--endpoints", A, "--cert-path", "/x", "--no-secure-serving"], "--cert-path"),
      (["--num-endpoints", "0"], "--num-endpoints"), (["--max-in-flight", "4"], "--max-in-flight")],
 )  # fmt: skip
 def test_bad_settings_name_the_option(argv: list[str], problem: str) -> None:
@@ -92,6 +94,13 @@ def test_good_settings_make_a_picker_and_limits() -> None:
     assert picker is not None
     assert picker.endpoints == (A, "10.0.0.2:8000") and picker.max_in_flight == 4
     assert limits.max_body_bytes == 1000
+
+
+def test_tls_is_the_default_with_health_in_plaintext_on_its_own_port() -> None:
+    args = parse_args([])
+    assert args.secure_serving and args.cert_path is None
+    assert (args.port, args.health_port, args.metrics_port) == (9002, 9003, 9090)
+    assert not parse_args(["--no-secure-serving"]).secure_serving
 
 
 def test_without_endpoints_the_epp_follows_the_pool() -> None:

@@ -111,7 +111,7 @@ def test_epp_runs_the_picker_with_the_routers_settings_and_no_api_access() -> No
     assert container["image"] == "registry.example/kvrail:test"
     assert container["command"] == [
         "python", "-P", "-m", "kvrail.epp", "--port", "9002", "--num-endpoints", "2",
-        "--metrics-port", "9090",
+        "--health-port", "9003", "--metrics-port", "9090",
     ]  # fmt: skip
     assert container["resources"] == {"requests": {"cpu": "500m"}}
     router_container = router["spec"]["template"]["spec"]["containers"][0]
@@ -119,20 +119,24 @@ def test_epp_runs_the_picker_with_the_routers_settings_and_no_api_access() -> No
     assert env(container)["KVRAIL_ROUTER_POLICY"] == "least-loaded"
     assert env(container)["KVRAIL_API_KEYS_FILE"].endswith("/api-keys.yaml")
     assert container["volumeMounts"] == router_container["volumeMounts"]
-    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
-    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    # probes on the plaintext health port: the kubelet's gRPC probes speak no TLS
+    assert container["readinessProbe"]["grpc"] == {"port": 9003, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9003, "service": "liveness"}
     selector = dep["spec"]["selector"]["matchLabels"]
     assert selector.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     service = child(children, "Service", "tiny-epp")
     assert service["spec"]["selector"] == selector
-    assert service["spec"]["ports"][0]["appProtocol"] == "kubernetes.io/h2c"
+    assert service["spec"]["ports"][0]["appProtocol"] == "http2"  # over TLS, as GAIE's pickers
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
     # the EPP's metrics, for a ServiceMonitor: the port its command names
     assert [(p["name"], p["targetPort"]) for p in service["spec"]["ports"]][1] == (
         "metrics",
         "metrics",
     )
-    assert container["ports"][1] == {"name": "metrics", "containerPort": 9090, "protocol": "TCP"}
+    assert container["ports"][1:] == [
+        {"name": "health", "containerPort": 9003, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 9090, "protocol": "TCP"},
+    ]
 
 
 @pytest.mark.parametrize("changes", [(), COLOCATED], ids=["disaggregated", "colocated"])
