@@ -74,6 +74,11 @@ class InferenceExtensionSpec(CrdModel):
     """Endpoints the picker names per request: the primary, then fallbacks. Default 3."""
     resources: PickerResources = sub(PickerResources)
     """CPU and memory of a picker replica."""
+    tls_secret: str | None = Field(None, max_length=253)
+    """A `kubernetes.io/tls` Secret (`tls.crt`, `tls.key`) in the pool's namespace that the
+    picker serves on its ext_proc port, for a gateway that verifies it; re-read when the Secret
+    is rotated. Optional: without it the picker makes a self-signed certificate when it starts,
+    which GAIE's gateways accept without verifying it (docs/epp.md, "TLS")."""
 
 
 class GatewaySpec(CrdModel):

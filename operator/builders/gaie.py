@@ -47,6 +47,8 @@ FRONT_PORT_NAME: Final = "front"
 EPP_PORT: Final = 9002
 """The EPP's ext_proc port, TLS with a self-signed certificate, which GAIE's gateways connect to
 without verifying it (`kvrail.epp`'s defaults, as GAIE's own picker)."""
+EPP_TLS_DIR: Final = "/etc/kvrail/epp-tls"
+"""Where `inferenceExtension.tlsSecret` is mounted (`--cert-path`)."""
 EPP_HEALTH_PORT: Final = 9003
 """The EPP's gRPC health in plaintext, for the kubelet's gRPC probes (which speak no TLS)."""
 EPP_METRICS_PORT: Final = 9090
@@ -144,6 +146,12 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
     if gaie is None:
         raise ValueError(f"pool {pool.metadata.name} is not in GAIE mode")
     volumes, mounts = router_volumes(pool, ctx)
+    tls: list[str] = []
+    if gaie.tls_secret:  # mounted, so a rotated Secret reaches the picker without a restart
+        secret = {"secretName": gaie.tls_secret, "defaultMode": 0o440}
+        volumes.append({"name": "epp-tls", "secret": secret})
+        mounts.append({"name": "epp-tls", "mountPath": EPP_TLS_DIR, "readOnly": True})
+        tls = ["--cert-path", EPP_TLS_DIR]
     container: dict[str, Any] = {
         "name": "epp",
         "image": image(pool, ctx),
@@ -158,6 +166,7 @@ def build_epp_deployment(pool: InferencePool, ctx: BuildContext) -> dict[str, An
             str(EPP_HEALTH_PORT),
             "--metrics-port",
             str(EPP_METRICS_PORT),
+            *tls,
         ],
         "ports": [
             {"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"},

@@ -90,6 +90,21 @@ def test_gaie_pool_selects_the_decode_pods_on_the_front_port_picked_by_the_epp()
     assert gaie_pool["metadata"]["ownerReferences"][0]["uid"] == "uid-1"
 
 
+def test_a_tls_secret_is_mounted_and_served_by_the_picker() -> None:
+    dep = child(
+        build_children(pool_with(gaie(tlsSecret="epp-cert")), CTX), "Deployment", "tiny-epp"
+    )
+    pod = dep["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"][-2:] == ["--cert-path", "/etc/kvrail/epp-tls"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "epp-tls"]
+    assert volume["secret"] == {"secretName": "epp-cert", "defaultMode": 0o440}
+    (mount,) = [m for m in container["volumeMounts"] if m["name"] == "epp-tls"]
+    assert mount == {"name": "epp-tls", "mountPath": "/etc/kvrail/epp-tls", "readOnly": True}
+    without = child(build_children(pool_with(gaie()), CTX), "Deployment", "tiny-epp")
+    assert "--cert-path" not in without["spec"]["template"]["spec"]["containers"][0]["command"]
+
+
 def test_failure_mode_defaults_to_fail_close() -> None:
     children = build_children(pool_with(gaie()), CTX)
     ref = child(children, "InferencePool", "tiny-gaie")["spec"]["endpointPickerRef"]
