@@ -3,12 +3,13 @@
 # the repository (default ~/.cache/kvrail/gaie/bin, override with GAIE_CACHE). Prints the bin dir last.
 #
 #   hack/gaie-binaries.sh                 # build what is missing, then print the bin dir
-#   hack/gaie-binaries.sh envoy-gateway|ai-gateway|conformance|echo-basic
+#   hack/gaie-binaries.sh envoy-gateway|ai-gateway|lwepp|conformance|echo-basic
 #   GOFLAGS=-p=1 nice -n 19 hack/gaie-binaries.sh     # gentler on a shared machine
 #
 # - envoy-gateway: Envoy Gateway's controller (github.com/envoyproxy/gateway, cmd/envoy-gateway);
 # - aigw-controller, aigw-extproc: Envoy AI Gateway's controller (Envoy Gateway's extension server,
 #   which adds InferencePool backends) and its ext_proc (github.com/envoyproxy/ai-gateway);
+# - lwepp: the Gateway API Inference Extension's lightweight EPP (round robin), the suite's EPP;
 # - gaie-conformance.test: the Gateway API Inference Extension's conformance suite, `go test -c`;
 # - echo-basic: the suite's model-server stand-in (sigs.k8s.io/gateway-api/conformance).
 #
@@ -27,11 +28,14 @@ export GOFLAGS="-buildvcs=false${GOFLAGS:+ $GOFLAGS}"
 # wheel has it); Envoy AI Gateway v1.0.0 needs Envoy Gateway v1.8.1 or later.
 ENVOY_GATEWAY_VERSION=${ENVOY_GATEWAY_VERSION:-v1.8.2}
 AI_GATEWAY_VERSION=${AI_GATEWAY_VERSION:-v1.0.0}
-GAIE_CONFORMANCE_VERSION=${GAIE_CONFORMANCE_VERSION:-v1.6.0}
+# GAIE's lightweight EPP and its conformance suite, at the same tag (as the suite's manifests run
+# lwepp); hack/k8s-binaries.sh takes the InferencePool CRD from the same variable.
+GAIE_VERSION=${GAIE_VERSION:-v1.6.0}
 GATEWAY_API_CONFORMANCE_VERSION=${GATEWAY_API_CONFORMANCE_VERSION:-v1.6.1}
 EG=github.com/envoyproxy/gateway
 AIGW=github.com/envoyproxy/ai-gateway
-GAIE_CONF=sigs.k8s.io/gateway-api-inference-extension/conformance
+GAIE=sigs.k8s.io/gateway-api-inference-extension
+GAIE_CONF=$GAIE/conformance
 GWAPI_CONF=sigs.k8s.io/gateway-api/conformance
 CACHE=${GAIE_CACHE:-$HOME/.cache/kvrail/gaie}
 BIN=$CACHE/bin
@@ -116,12 +120,20 @@ for r in json.load(sys.stdin).get("Replace") or []:
   go get ${GET_FLAGS:-} "${gets[@]}" || fail "$mod $version: go get ${gets[*]} failed (the go error is above)"
 }
 
+build_lwepp() {
+  has "$BIN/lwepp" "$GAIE" "$GAIE_VERSION" && return 0
+  log "building lwepp $GAIE_VERSION"
+  wrapper "$CACHE/lwepp-wrapper" "$GAIE" "$GAIE_VERSION" "$GAIE/cmd/lwepp"
+  go build -trimpath -ldflags "-s -w" -o "$BIN/lwepp" "$GAIE/cmd/lwepp" \
+    || fail "$GAIE $GAIE_VERSION: go build cmd/lwepp failed (the go error is above)"
+}
+
 build_conformance() {
-  has "$BIN/gaie-conformance.test" "$GAIE_CONF" "$GAIE_CONFORMANCE_VERSION" && return 0
-  log "building gaie-conformance.test $GAIE_CONFORMANCE_VERSION"
-  GET_FLAGS=-t wrapper "$CACHE/conformance-wrapper" "$GAIE_CONF" "$GAIE_CONFORMANCE_VERSION" "$GAIE_CONF"
+  has "$BIN/gaie-conformance.test" "$GAIE_CONF" "$GAIE_VERSION" && return 0
+  log "building gaie-conformance.test $GAIE_VERSION"
+  GET_FLAGS=-t wrapper "$CACHE/conformance-wrapper" "$GAIE_CONF" "$GAIE_VERSION" "$GAIE_CONF"
   go test -c -trimpath -ldflags "-s -w" -o "$BIN/gaie-conformance.test" "$GAIE_CONF" \
-    || fail "$GAIE_CONF $GAIE_CONFORMANCE_VERSION: go test -c failed (the go error is above)"
+    || fail "$GAIE_CONF $GAIE_VERSION: go test -c failed (the go error is above)"
 }
 
 build_echo_basic() {
@@ -134,11 +146,12 @@ build_echo_basic() {
 }
 
 case "${1:-all}" in
-  all) build_envoy_gateway; build_ai_gateway; build_conformance; build_echo_basic ;;
+  all) build_envoy_gateway; build_ai_gateway; build_lwepp; build_conformance; build_echo_basic ;;
   envoy-gateway) build_envoy_gateway ;;
   ai-gateway) build_ai_gateway ;;
+  lwepp) build_lwepp ;;
   conformance) build_conformance ;;
   echo-basic) build_echo_basic ;;
-  *) echo "usage: $0 [all|envoy-gateway|ai-gateway|conformance|echo-basic]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|envoy-gateway|ai-gateway|lwepp|conformance|echo-basic]" >&2; exit 2 ;;
 esac
 echo "$BIN"
