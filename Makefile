@@ -31,7 +31,7 @@ LMEVAL_VENV ?= .venv-lmeval
 LMEVAL_PINS := lm-eval[api]==0.4.13 transformers==5.25.0
 LMEVAL_STAMP := $(LMEVAL_VENV)/.kvrail-installed-$(subst [,_,$(subst ],,$(subst ==,-,$(subst $(_space),_,$(LMEVAL_PINS)))))
 
-.PHONY: help setup system-deps python-deps k8s-binaries node-deps image vllm-env lmeval-env run test test-unit test-integration e2e node lint bench clean
+.PHONY: help setup system-deps python-deps k8s-binaries gaie-binaries node-deps image vllm-env lmeval-env run test test-unit test-integration e2e node lint bench clean
 
 help:
 	@echo "make run      start the local stack serving SmolLM2-135M-Instruct"
@@ -68,6 +68,10 @@ $(STAMP): pyproject.toml
 
 k8s-binaries:
 	hack/k8s-binaries.sh >/dev/null
+
+# The GAIE node tier's gateway and conformance binaries (docs/epp.md); not part of `make test`.
+gaie-binaries:
+	hack/gaie-binaries.sh >/dev/null
 
 # The real node (tests/node) and the image: containerd and runc, the CNI plugins, iptables and
 # conntrack for kube-proxy, buildah, skopeo and debootstrap (the image's base comes from Debian's
