@@ -144,7 +144,7 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
         }
     }
     if epp_tls:
-        context = {"alpn_protocols": ["h2"], "validation_context": {}}
+        context = {"validation_context": {}}  # as Envoy AI Gateway: no ALPN, nothing verified
         h2["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
             "@type": _UPSTREAM_TLS, "common_tls_context": context}}  # fmt: skip
     override = {"policies": [{"typed_extension_config": {
