@@ -28,6 +28,7 @@ WORKLOAD_KINDS: dict[Component, tuple[str, str]] = {
     "prefill": ("apps/v1", "StatefulSet"),
     "decode": ("apps/v1", "StatefulSet"),
     "router": ("apps/v1", "Deployment"),
+    "epp": ("apps/v1", "Deployment"),  # GAIE mode's endpoint picker
 }
 
 
@@ -107,7 +108,7 @@ def live_replicas(cluster: Reader, pool: InferencePool) -> dict[Role, int | None
 
 
 def observe_workloads(cluster: Reader, pool: InferencePool) -> dict[Component, Workload | None]:
-    """The pool's StatefulSets and Deployment as the API server reports them."""
+    """The pool's StatefulSets and Deployments as the API server reports them."""
     out: dict[Component, Workload | None] = {}
     for component, (api_version, kind) in WORKLOAD_KINDS.items():
         obj = cluster.get(api_version, kind, child_name(pool, component), pool.metadata.namespace)

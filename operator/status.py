@@ -3,7 +3,8 @@
 Three conditions, each with a CamelCase reason:
 
 - `Ready`: every workload exists, has rolled out the current spec and has all its replicas ready,
-  and at least one decode worker and one router replica serve.
+  and at least one decode worker and one router replica serve. In GAIE mode the endpoint picker
+  is one of the workloads (its replicas may be 0: then the gateway's `failureMode` answers).
 - `Progressing`: a workload is missing or still rolling out the current spec.
 - `Degraded`: the spec was refused (`InvalidSpec`), applying failed (`ApplyFailed`), GAIE mode is
   on without GAIE's CRD (`InferenceExtensionMissing`), or a rolled-out
@@ -21,6 +22,7 @@ from typing import Any, Literal
 
 from kvrail.crd.pool import InferencePool
 from kvrail.crd.status import Condition, InferencePoolStatus, RoleStatus
+from kvrail.operator.builders.gaie import inference_extension
 from kvrail.operator.builders.meta import Component, model_hash, selector_labels
 from kvrail.operator.builders.service import router_url
 
@@ -88,6 +90,8 @@ def compute_status(
     """
     expected: list[Component] = [r for r in ("prefill", "decode") if pool.role(r) is not None]
     expected.append("router")
+    if inference_extension(pool) is not None:
+        expected.append("epp")
     seen = {c: workloads.get(c) for c in expected}
     missing = [c for c, w in seen.items() if w is None]
     present = {c: w for c, w in seen.items() if w is not None}
@@ -141,6 +145,7 @@ def compute_status(
         prefill=roles.get("prefill"),
         decode=roles.get("decode"),
         router=roles.get("router"),
+        endpoint_picker=roles.get("epp"),
     )
     return status.model_dump(mode="json", exclude_none=True)
 

@@ -27,7 +27,8 @@ class Condition(CrdModel):
 
 
 class RoleStatus(CrdModel):
-    """Replica counts of one workload (a worker StatefulSet or the router Deployment)."""
+    """Replica counts of one workload (a worker StatefulSet, the router's or the endpoint
+    picker's Deployment)."""
 
     replicas: int = Field(0, ge=0)
     """Desired replicas of the workload."""
@@ -97,6 +98,8 @@ class InferencePoolStatus(CrdModel):
     """The decode pool."""
     router: RoleStatus | None = None
     """The router."""
+    endpoint_picker: RoleStatus | None = None
+    """GAIE mode's endpoint picker (`<pool>-epp`); absent unless the mode is on."""
     endpoint: str = ""
     """Where clients reach the OpenAI API: the Gateway hostname, else the router Service."""
     model_hash: str = ""

@@ -100,6 +100,7 @@ def test_observe_workloads_reads_the_pools_statefulsets_and_deployment() -> None
         "prefill": None,
         "decode": None,
         "router": None,
+        "epp": None,
     }
     reconcile(cluster, make_pool(), CTX)
     observed = observe_workloads(cluster, make_pool())

@@ -10,6 +10,7 @@ from kvrail.crd.pool import InferencePool
 from kvrail.operator import status as st
 from kvrail.operator.builders.meta import Component
 from kvrail.operator.testing import DELETE, make_pool, mutate, pool_manifest
+from kvrail.operator.testing_gaie import gaie
 
 NOW = "2026-01-01T00:00:00Z"
 LATER = "2026-01-01T00:05:00Z"
@@ -74,6 +75,23 @@ def test_conditions_follow_the_observed_workloads(
 ) -> None:
     status = st.compute_status(make_pool(), {**ALL_DONE, **override}, NOW, problem)
     assert conditions(status) == expected
+
+
+def test_in_gaie_mode_the_endpoint_picker_is_counted_and_awaited() -> None:
+    pool = make_pool(mutate(pool_manifest(), gaie(eppReplicas=2)))
+    status = st.compute_status(pool, ALL_DONE, NOW)  # no picker Deployment yet
+    assert conditions(status)["Ready"] == ("False", st.WORKLOADS_MISSING)
+    assert "not created yet: epp" in status["conditions"][0]["message"]
+    status = st.compute_status(pool, {**ALL_DONE, "epp": SHORT}, NOW)
+    assert conditions(status)["Degraded"] == ("True", st.REPLICAS_UNAVAILABLE)
+    assert status["endpointPicker"] == {
+        "replicas": 2, "readyReplicas": 1, "updatedReplicas": 2,
+        "selector": "kvrail.dev/pool=tiny,kvrail.dev/role=epp",
+    }  # fmt: skip
+    # scaled to zero (the gateway's failureMode answers): the pool itself still serves
+    status = st.compute_status(pool, {**ALL_DONE, "epp": ZERO}, NOW)
+    assert conditions(status)["Ready"] == ("True", st.ALL_REPLICAS_READY)
+    assert "endpointPicker" not in st.compute_status(make_pool(), ALL_DONE, NOW)  # mode off
 
 
 def test_colocated_pool_needs_no_prefill_workload() -> None:
