@@ -144,7 +144,7 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
         }
     }
     if epp_tls:
-        context = {"validation_context": {}}  # as Envoy AI Gateway: no ALPN, nothing verified
+        context: dict[str, Any] = {"validation_context": {}}  # as AI Gateway: no ALPN, no check
         h2["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
             "@type": _UPSTREAM_TLS, "common_tls_context": context}}  # fmt: skip
     override = {"policies": [{"typed_extension_config": {
