@@ -31,7 +31,7 @@ LMEVAL_VENV ?= .venv-lmeval
 LMEVAL_PINS := lm-eval[api]==0.4.13 transformers==5.25.0
 LMEVAL_STAMP := $(LMEVAL_VENV)/.kvrail-installed-$(subst [,_,$(subst ],,$(subst ==,-,$(subst $(_space),_,$(LMEVAL_PINS)))))
 
-.PHONY: help setup system-deps python-deps k8s-binaries gaie-binaries node-deps image vllm-env lmeval-env run test test-unit test-integration e2e node lint bench clean
+.PHONY: help setup system-deps python-deps k8s-binaries gaie-binaries gaie-images node-deps image vllm-env lmeval-env run test test-unit test-integration e2e node lint bench clean
 
 help:
 	@echo "make run      start the local stack serving SmolLM2-135M-Instruct"
@@ -72,6 +72,10 @@ k8s-binaries:
 # The GAIE node tier's gateway and conformance binaries (docs/epp.md); not part of `make test`.
 gaie-binaries:
 	hack/gaie-binaries.sh >/dev/null
+
+# Their images (buildah, FROM scratch), each entrypoint run once; needs node-deps' buildah.
+gaie-images: gaie-binaries
+	hack/gaie-images.sh check
 
 # The real node (tests/node) and the image: containerd and runc, the CNI plugins, iptables and
 # conntrack for kube-proxy, buildah, skopeo and debootstrap (the image's base comes from Debian's
