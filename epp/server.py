@@ -63,7 +63,7 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
     ) -> AsyncIterator[ProcessingResponse]:
         stream = EppStream(next(self._ids), self.limits, detach=self.detach)
         self.open_streams += 1
-        result = "abandoned"  # until the stream says otherwise
+        result = ""  # or protocol_error; else read from the stream as it ends
         try:
             async for message in requests:
                 step = stream.feed(message)
@@ -89,10 +89,8 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
             log.warning("stream %d: protocol error: %s", stream.stream_id, e)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         finally:
-            if result != "protocol_error" and stream.status is not None:
-                result = str(stream.status)
-            elif result != "protocol_error" and stream.endpoints:
-                result = "routed"
+            if result != "protocol_error":
+                result = _result(stream)
             self.metrics.requests.labels(result).inc()
             self.open_streams -= 1
             self.picker.finished(stream.stream_id)
@@ -114,6 +112,13 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
             return NoEndpoint(f"the endpoint picker failed ({type(e).__name__})")
         finally:
             self.metrics.pick.observe(time.perf_counter() - started)
+
+
+def _result(stream: EppStream) -> str:
+    """The ``result`` label of a stream that ended without a protocol error."""
+    if stream.status is not None:  # the EPP's own refusal
+        return str(stream.status)
+    return "routed" if stream.endpoints else "abandoned"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
