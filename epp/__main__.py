@@ -32,6 +32,7 @@ import signal
 import sys
 from pathlib import Path
 
+import grpc
 from prometheus_client import CollectorRegistry
 
 from kvrail.epp.kv_picker import KvAwarePicker
@@ -135,10 +136,16 @@ def settings(args: argparse.Namespace) -> tuple[LeastInFlight | None, Limits]:
 
 
 async def serve(
-    args: argparse.Namespace, static: LeastInFlight | None, limits: Limits, pool: Settings | None
+    args: argparse.Namespace,
+    static: LeastInFlight | None,
+    limits: Limits,
+    pool: Settings | None,
+    credentials: grpc.ServerCredentials | None,
 ) -> None:
+    """Serve until SIGTERM; ``credentials``: TLS on the ext_proc port (None: plaintext)."""
     if static is not None:
-        await _serve(args, static, limits, f"{len(static.endpoints)} static endpoints", None)
+        what = f"{len(static.endpoints)} static endpoints"
+        await _serve(args, static, limits, credentials, what, None)
         return
     assert pool is not None
     async with follow_pool(pool) as state:
@@ -148,7 +155,7 @@ async def serve(
         what = f"pool {pool.namespace}/{pool.pool}"
         refresh = asyncio.create_task(_refresh_worker_gauges(state))
         try:
-            await _serve(args, picker, limits, what, state.metrics.registry)
+            await _serve(args, picker, limits, credentials, what, state.metrics.registry)
         finally:
             refresh.cancel()
 
@@ -166,13 +173,14 @@ async def _serve(
     args: argparse.Namespace,
     picker: Picker,
     limits: Limits,
+    credentials: grpc.ServerCredentials | None,
     what: str,
     router_metrics: CollectorRegistry | None,
 ) -> None:
     detach = args.detach is not False and not isinstance(picker, LeastInFlight)
     running = await start(
         picker, host=args.host, port=args.port, limits=limits, detach=detach,
-        credentials=args.credentials, health_port=args.health_port,
+        credentials=credentials, health_port=args.health_port,
     )  # fmt: skip
     metrics = running.ext_proc.metrics
     if router_metrics is not None:
@@ -185,7 +193,7 @@ async def _serve(
     log.info(
         "kvrail.epp serving ext_proc on %s:%d (%s) for %s detach=%s, health on port %s, "
         "metrics on port %d",
-        args.host, running.port, "TLS" if args.credentials else "plaintext", what, detach,
+        args.host, running.port, "TLS" if credentials else "plaintext", what, detach,
         running.health_port, metrics_port,
     )  # fmt: skip
     stopping = asyncio.Event()
@@ -205,12 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         picker, limits = settings(args)
         pool = load_settings() if picker is None else None
-        args.credentials = server_credentials(args.cert_path) if args.secure_serving else None
+        credentials = server_credentials(args.cert_path) if args.secure_serving else None
     except (ValueError, ConfigError) as e:
         print(f"kvrail.epp: bad settings: {e}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(serve(args, picker, limits, pool))
+        asyncio.run(serve(args, picker, limits, pool, credentials))
     except (RuntimeError, KvrailError) as e:
         print(f"kvrail.epp: {e}", file=sys.stderr)
         return 1

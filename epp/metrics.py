@@ -3,10 +3,9 @@
 One registry per ``ExtProc`` (tests run several in one process). Label values are the EPP's own
 outcomes, never anything a client sent: ``result`` is ``routed``, the status of the
 ImmediateResponse it answered (kvrail's own refusals: 400, 401, 404, 413, 429, 503),
-``protocol_error`` or
-``abandoned`` (the stream ended before the request was whole: the client left, or the gateway
-gave up). Following a kvrail pool, the router's own metrics (its routing decisions and its view
-of each worker) are served beside them.
+``protocol_error`` or ``abandoned`` (the stream ended before the request was whole: the
+client left, or the gateway gave up). Following a kvrail pool, the router's own metrics (its
+routing decisions and its view of each worker) are served beside them.
 """
 
 from __future__ import annotations

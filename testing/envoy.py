@@ -138,14 +138,14 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
     connect) and the pool cluster (``pool`` ports on ``pool_host``, ``::1`` for IPv6) with
     ``override_host`` over round robin."""
     h2_only = {"@type": _HTTP_OPTIONS, "explicit_http_config": {"http2_protocol_options": {}}}
-    h2: dict[str, Any] = {
+    epp_cluster: dict[str, Any] = {
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": h2_only
         }
     }
     if epp_tls:
         context: dict[str, Any] = {"validation_context": {}}  # as AI Gateway: no ALPN, no check
-        h2["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+        epp_cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
             "@type": _UPSTREAM_TLS, "common_tls_context": context}}  # fmt: skip
     override = {"policies": [{"typed_extension_config": {
         "name": "envoy.load_balancing_policies.override_host",
@@ -169,9 +169,9 @@ def bootstrap(*, admin: int, gateway: int, gateway_no_response_body: int,
                           fail_open=True),
             ],
             "clusters": [
-                _static_cluster("epp", [epp], **h2),
-                _static_cluster("epp_down", [epp_down], **h2),
-                _static_cluster("epp_none", [], **h2),
+                _static_cluster("epp", [epp], **epp_cluster),
+                _static_cluster("epp_down", [epp_down], **epp_cluster),
+                _static_cluster("epp_none", [], **epp_cluster),
                 _static_cluster("pool", pool, pool_host, load_balancing_policy=override),
             ],
         },
