@@ -59,8 +59,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "HTTP fronts of the kvrail pool the settings name, picked as its router picks",
     )  # fmt: skip
     parser.add_argument(
-        "--num-endpoints", type=int, default=3,
-        help="kvrail pool: the endpoints named per request, the primary then fallbacks",
+        "--num-endpoints", type=int, default=1,
+        help="kvrail pool: the endpoints named per request, the primary then fallbacks; more "
+        "than 1 only for a gateway that takes a list (an ORIGINAL_DST cluster does not)",
     )  # fmt: skip
     parser.add_argument(
         "--host", default="::",

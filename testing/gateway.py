@@ -10,15 +10,22 @@ entry points: `web` is 8000, the Service's port 80 in front of it.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
+import logging
+import subprocess
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvrail.testing.kubectl import kubectl, rule
+from kvrail.testing.kubectl import KubectlError, kubectl, rule
 from kvrail.testing.node_config import NodeNetwork
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "traefik-system"
 NAME = "traefik"
@@ -157,3 +164,28 @@ def assign_load_balancers(kubeconfig: Path, net: NodeNetwork) -> dict[str, str]:
                 "--subresource=status", "--type=merge", "-p", json.dumps(patch))  # fmt: skip
         out[key] = ip
     return out
+
+
+@contextlib.contextmanager
+def load_balancer_controller(
+    kubeconfig: Path, net: NodeNetwork, period_s: float = 1.0
+) -> Iterator[None]:
+    """`assign_load_balancers` every `period_s` in a thread while the block runs, as a cloud's
+    controller keeps doing: for the Services a gateway makes after the cluster came up (Envoy
+    Gateway makes one per Gateway, and its Gateways are Programmed only once it has an address)."""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(period_s):
+            try:
+                assign_load_balancers(kubeconfig, net)
+            except (KubectlError, subprocess.TimeoutExpired) as err:  # tried again next time
+                log.warning("load balancer assignment failed: %s", err)
+
+    thread = threading.Thread(target=run, name="load-balancers", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=30)

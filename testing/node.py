@@ -125,6 +125,12 @@ class RealNode:
         out = _script(["hack/image.sh", "import", str(self.paths.containerd_socket)])
         return out.splitlines()[-1]
 
+    def import_gaie_images(self) -> dict[str, str]:
+        """The GAIE tier's images (`hack/gaie-images.sh`: Envoy Gateway, its Envoy, AI Gateway's
+        controller, the conformance suite's picker and echo server), built if missing and loaded:
+        name -> reference, the suite's own tags as `suite-<name>`."""
+        return _refs(_script(["hack/gaie-images.sh", "import", str(self.paths.containerd_socket)]))
+
     def ctr(self, *args: str) -> str:
         done = subprocess.run(
             ["ctr", "-a", str(self.paths.containerd_socket), "-n", "k8s.io", *args],
@@ -271,7 +277,11 @@ def _make_cgroup_root(cgroup_root: str) -> None:
 
 
 def _platform_refs() -> dict[str, str]:
-    out = _script(["hack/node-images.sh", "build"])
+    return _refs(_script(["hack/node-images.sh", "build"]))
+
+
+def _refs(out: str) -> dict[str, str]:
+    """An image script's `name=reference` lines."""
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 

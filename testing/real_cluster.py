@@ -40,6 +40,20 @@ class RealCluster:
     def kubeconfig(self) -> Path:
         return self.plane.kubeconfig()
 
+    def chart_sets(self) -> list[str]:
+        """`helm install` arguments for kvrail's chart on this node: the images loaded into it
+        (a mirror, as an air-gapped cluster has) and no persistence (the node has no storage
+        provisioner)."""
+        repo, tag = self.kvrail_image.rsplit(":", 1)
+        sets = {"operator.image.repository": repo, "operator.image.tag": tag}
+        sets["operator.image.pullPolicy"] = "Never"
+        for server in ("etcd", "nats"):
+            repo, tag = self.platform_images[server].rsplit(":", 1)
+            sets[f"{server}.image.repository"], sets[f"{server}.image.tag"] = repo, tag
+            sets[f"{server}.image.pullPolicy"] = "Never"
+            sets[f"{server}.persistence.enabled"] = "false"
+        return [arg for key, value in sets.items() for arg in ("--set", f"{key}={value}")]
+
 
 @contextlib.contextmanager
 def real_cluster(workdir: Path, bin_dir: Path, cache: Path) -> Iterator[RealCluster]:

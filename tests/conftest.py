@@ -148,6 +148,22 @@ def gaie_crd() -> Path:
     return path
 
 
+GAIE_BINARIES = ("envoy-gateway", "aigw-controller", "lwepp", "echo-basic", "gaie-conformance.test")
+"""What `make gaie-binaries` builds for the GAIE node tier (`tests/node/test_gaie.py`)."""
+
+
+@pytest.fixture(scope="session")
+def gaie_binaries() -> Path:
+    """The folder of the GAIE tier's binaries: Envoy Gateway, AI Gateway's controller, and
+    GAIE's conformance suite with its picker and echo server (`make gaie-binaries`)."""
+    cache = os.environ.get("GAIE_CACHE") or str(Path.home() / ".cache/kvrail/gaie")
+    folder = Path(cache) / "bin"
+    missing = [name for name in GAIE_BINARIES if not (folder / name).is_file()]
+    if missing:
+        _unavailable(f"GAIE binaries {missing} not in {folder}; run `make gaie-binaries`")
+    return folder
+
+
 @pytest.fixture(scope="session")
 def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
     """The control plane with one real node (kubelet, containerd, runc, CNI bridge, kube-proxy),

@@ -70,8 +70,11 @@ class InferenceExtensionSpec(CrdModel):
     """Endpoint picker replicas. Default 1. Each replica books load on its own, from the same
     etcd records and KV events. With more than one, a PodDisruptionBudget (`<pool>-epp`) lets a
     node drain evict one at a time."""
-    num_endpoints: int = Field(3, ge=1, le=8)
-    """Endpoints the picker names per request: the primary, then fallbacks. Default 3."""
+    num_endpoints: int = Field(1, ge=1, le=8)
+    """Endpoints the picker names per request: the primary, then fallbacks. Default 1: Envoy AI
+    Gateway routes through an `ORIGINAL_DST` cluster keyed on the header, which takes one
+    `ip:port` and answers 503 to a list (docs/epp.md); more only for a gateway that takes
+    GAIE's comma-separated fallbacks."""
     resources: PickerResources = sub(PickerResources)
     """CPU and memory of a picker replica."""
     tls_secret: str | None = Field(None, max_length=253)

@@ -120,21 +120,10 @@ def chat_streamed(client: openai.OpenAI, prompt: str, max_tokens: int = 32) -> s
 
 
 def chart_values(cluster: RealCluster) -> list[str]:
-    """The chart's gateway values (ci/gateway-values.yaml: Traefik's class and port) plus the
-    images loaded into the node (a mirror, as an air-gapped cluster has) and no persistence (the
-    node has no storage provisioner)."""
-    repo, tag = cluster.kvrail_image.rsplit(":", 1)
-    sets = {"operator.image.repository": repo, "operator.image.tag": tag}
-    sets["operator.image.pullPolicy"] = "Never"
-    for server in ("etcd", "nats"):
-        repo, tag = cluster.platform_images[server].rsplit(":", 1)
-        sets[f"{server}.image.repository"], sets[f"{server}.image.tag"] = repo, tag
-        sets[f"{server}.image.pullPolicy"] = "Never"
-        sets[f"{server}.persistence.enabled"] = "false"
-    args = ["-f", str(REPO / "charts" / "kvrail" / "ci" / "gateway-values.yaml")]
-    for key, value in sets.items():
-        args += ["--set", f"{key}={value}"]
-    return args
+    """The chart's gateway values (ci/gateway-values.yaml: Traefik's class and port) and the
+    node's images."""
+    gateway_values = REPO / "charts" / "kvrail" / "ci" / "gateway-values.yaml"
+    return ["-f", str(gateway_values), *cluster.chart_sets()]
 
 
 def install_and_apply(j: Journey) -> None:
