@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import urllib.request
 from pathlib import Path
 from typing import Any
 
+import openai
 from nats.js.errors import NotFoundError
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -29,15 +31,41 @@ def pods(kubeconfig: Path, namespace: str, selector: str = "") -> list[dict[str,
     return list(get_json(kubeconfig, *args)["items"])
 
 
+def conditions(status: dict[str, Any]) -> dict[str, str]:
+    """An object's (or a status entry's) conditions: type -> status."""
+    return {c["type"]: c["status"] for c in status.get("conditions", [])}
+
+
 def is_ready(pod: dict[str, Any]) -> bool:
     """Running, not terminating, and Ready by its readiness probe."""
     status = pod.get("status", {})
-    conditions = {c["type"]: c["status"] for c in status.get("conditions", [])}
     return (
         status.get("phase") == "Running"
         and "deletionTimestamp" not in pod["metadata"]
-        and conditions.get("Ready") == "True"
+        and conditions(status).get("Ready") == "True"
     )
+
+
+def stream_outcome(
+    client: openai.OpenAI, model: str, prompt: str, max_tokens: int, started: threading.Event
+) -> str:
+    """A greedy chat streamed to its end: `finished:<reason>`, `error:<kind>` for an API error,
+    or that it ended without a finish reason. `started` is set at the first chunk (or the
+    error), so a caller can act while the stream is under way."""
+    try:
+        out = client.chat.completions.create(
+            model=model, temperature=0, max_tokens=max_tokens, stream=True,
+            messages=[{"role": "user", "content": prompt}],
+        )  # fmt: skip
+        outcome = "ended without a finish reason"
+        for chunk in out:
+            started.set()
+            if chunk.choices and chunk.choices[0].finish_reason:
+                outcome = f"finished:{chunk.choices[0].finish_reason}"
+    except openai.APIError as err:
+        outcome = f"error:{type(err).__name__}"
+    started.set()
+    return outcome
 
 
 def pod_list_ready(pod_list: list[dict[str, Any]]) -> bool:

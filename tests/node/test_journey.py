@@ -33,6 +33,7 @@ from kvrail.testing.cluster_checks import (
     pods,
     pool_traces,
     restarts,
+    stream_outcome,
 )
 from kvrail.testing.kubectl import kubectl
 from kvrail.testing.operator_process import wait_for
@@ -226,21 +227,10 @@ def delete_decode_under_load(j: Journey) -> None:
     started = [threading.Event() for _ in range(3)]
 
     def stream(i: int) -> tuple[str, float]:
-        try:
-            out = client.chat.completions.create(
-                model=MODEL, temperature=0, max_tokens=400, stream=True,
-                messages=[{"role": "user", "content": f"List the numbers from {i} to {i + 500},"
-                           " one per line, each followed by its square."}],
-            )  # fmt: skip
-            outcome = "ended without a finish reason"
-            for chunk in out:
-                started[i].set()
-                if chunk.choices and chunk.choices[0].finish_reason:
-                    outcome = f"finished:{chunk.choices[0].finish_reason}"
-        except openai.APIError as err:
-            outcome = f"error:{type(err).__name__}"
-        started[i].set()
-        return outcome, time.monotonic()
+        prompt = (
+            f"List the numbers from {i} to {i + 500}, one per line, each followed by its square."
+        )
+        return stream_outcome(client, MODEL, prompt, 400, started[i]), time.monotonic()
 
     with ThreadPoolExecutor(len(started)) as executor:
         futures = [executor.submit(stream, i) for i in range(len(started))]
