@@ -3,6 +3,7 @@
 # the repository (default ~/.cache/kvrail/gaie/bin, override with GAIE_CACHE). Prints the bin dir last.
 #
 #   hack/gaie-binaries.sh                 # build what is missing, then print the bin dir
+#   hack/gaie-binaries.sh gateway      # only what kvrail's journey needs (Envoy Gateway, AI Gateway's controller)
 #   hack/gaie-binaries.sh envoy-gateway|ai-gateway|lwepp|conformance|echo-basic
 #   GOFLAGS=-p=1 nice -n 19 hack/gaie-binaries.sh     # gentler on a shared machine
 #
@@ -73,9 +74,11 @@ build_envoy_gateway() {
     || fail "$EG $ENVOY_GATEWAY_VERSION: go build cmd/envoy-gateway failed (the go error is above)"
 }
 
+# build_ai_gateway [CMD...]: the controller and extproc, or only the CMDs named.
 build_ai_gateway() {
-  local cmd need=()
-  for cmd in controller extproc; do
+  local cmd need=() cmds=("$@")
+  [ "${#cmds[@]}" -gt 0 ] || cmds=(controller extproc)
+  for cmd in "${cmds[@]}"; do
     has "$BIN/aigw-$cmd" "$AIGW" "$AI_GATEWAY_VERSION" || need+=("$cmd")
   done
   [ "${#need[@]}" = 0 ] && return 0
@@ -147,11 +150,14 @@ build_echo_basic() {
 
 case "${1:-all}" in
   all) build_envoy_gateway; build_ai_gateway; build_lwepp; build_conformance; build_echo_basic ;;
+  # What a kvrail pool behind the gateway needs (make test): no suite, no extproc (AI Gateway
+  # injects it only for AIGatewayRoutes and MCPRoutes).
+  gateway) build_envoy_gateway; build_ai_gateway controller ;;
   envoy-gateway) build_envoy_gateway ;;
   ai-gateway) build_ai_gateway ;;
   lwepp) build_lwepp ;;
   conformance) build_conformance ;;
   echo-basic) build_echo_basic ;;
-  *) echo "usage: $0 [all|envoy-gateway|ai-gateway|lwepp|conformance|echo-basic]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|gateway|envoy-gateway|ai-gateway|lwepp|conformance|echo-basic]" >&2; exit 2 ;;
 esac
 echo "$BIN"

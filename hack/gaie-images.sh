@@ -12,6 +12,7 @@
 #   hack/gaie-images.sh                 # build what is missing
 #   hack/gaie-images.sh import SOCKET   # and load them into the containerd at SOCKET
 #   hack/gaie-images.sh check           # build, then run each image's entrypoint (buildah run)
+#   GAIE_IMAGES=gateway hack/gaie-images.sh ...   # only the gateway's three (no suite binaries needed)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=hack/buildah.sh
@@ -103,6 +104,8 @@ suite_tag() {
   echo "suite-$1=$alias"
 }
 
+# The gateway's images (what a kvrail pool behind it needs), then, unless GAIE_IMAGES=gateway,
+# the conformance suite's.
 build_all() {
   local envoy ref specs
   envoy=$(envoy_binary)
@@ -113,6 +116,11 @@ build_all() {
   image envoy "v$ENVOY_VERSION" '["/usr/local/bin/envoy"]' "$envoy" $specs
   image aigw-controller "$(modver "$BIN/aigw-controller" github.com/envoyproxy/ai-gateway)" \
     '["/usr/local/bin/aigw-controller"]' "$BIN/aigw-controller"
+  case ${GAIE_IMAGES:-all} in
+    all) ;;
+    gateway) return 0 ;;
+    *) fail "GAIE_IMAGES=$GAIE_IMAGES: expected all or gateway" ;;
+  esac
   ref=$(image lwepp "$(modver "$BIN/lwepp" sigs.k8s.io/gateway-api-inference-extension)" \
     '["/usr/local/bin/lwepp"]' "$BIN/lwepp")
   echo "$ref"
@@ -160,6 +168,7 @@ check_all() {
   # server comes up far enough to check it.
   expect "${refs[envoy]}" "configuration '' OK" -- envoy --mode validate --config-yaml "$ENVOY_VALIDATE"
   expect "${refs[aigw-controller]}" "-extProcImage" -- aigw-controller -h
+  [ "${GAIE_IMAGES:-all}" = all ] || return 0
   expect "${refs[suite-lwepp]}" "--pool-name" -- lwepp --help
   # echo-basic only serves; an unusable port makes it stop at once, after it has started.
   expect "${refs[suite-echo-basic]}" "Failed to start listening" --env HTTP_PORT=none -- echo-basic

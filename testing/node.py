@@ -125,11 +125,12 @@ class RealNode:
         out = _script(["hack/image.sh", "import", str(self.paths.containerd_socket)])
         return out.splitlines()[-1]
 
-    def import_gaie_images(self) -> dict[str, str]:
+    def import_gaie_images(self, suite: bool = False) -> dict[str, str]:
         """The GAIE tier's images (`hack/gaie-images.sh`: Envoy Gateway, its Envoy, AI Gateway's
-        controller, the conformance suite's picker and echo server), built if missing and loaded:
-        name -> reference, the suite's own tags as `suite-<name>`."""
-        return _refs(_script(["hack/gaie-images.sh", "import", str(self.paths.containerd_socket)]))
+        controller; with `suite`, the conformance suite's picker and echo server too), built if
+        missing and loaded: name -> reference, the suite's own tags as `suite-<name>`."""
+        argv = ["hack/gaie-images.sh", "import", str(self.paths.containerd_socket)]
+        return _refs(_script(argv, {"GAIE_IMAGES": "all" if suite else "gateway"}))
 
     def ctr(self, *args: str) -> str:
         done = subprocess.run(
@@ -285,9 +286,9 @@ def _refs(out: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def _script(argv: list[str]) -> str:
+def _script(argv: list[str], extra_env: dict[str, str] | None = None) -> str:
     """Run a repository script; its stdout. Failures raise with its stderr."""
-    env = {**os.environ, "VENV": sys.prefix}
+    env = {**os.environ, "VENV": sys.prefix, **(extra_env or {})}
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, env=env, timeout=1800)
     if done.returncode != 0:
         raise NodeError(f"{' '.join(argv)} failed ({done.returncode}):\n{done.stderr[-4000:]}")

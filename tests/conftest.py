@@ -148,20 +148,31 @@ def gaie_crd() -> Path:
     return path
 
 
-GAIE_BINARIES = ("envoy-gateway", "aigw-controller", "lwepp", "echo-basic", "gaie-conformance.test")
-"""What `make gaie-binaries` builds for the GAIE node tier (`tests/node/test_gaie.py`)."""
+GATEWAY_BINARIES = ("envoy-gateway", "aigw-controller")
+"""The gateway of the GAIE node tier (`make gaie-gateway`, in `make test`)."""
+SUITE_BINARIES = ("lwepp", "echo-basic", "gaie-conformance.test")
+"""GAIE's conformance suite, its picker and echo server (`make gaie-binaries`, for `make gaie`)."""
+
+
+def _gaie_bin(names: tuple[str, ...], target: str) -> Path:
+    cache = os.environ.get("GAIE_CACHE") or str(Path.home() / ".cache/kvrail/gaie")
+    folder = Path(cache) / "bin"
+    missing = [name for name in names if not (folder / name).is_file()]
+    if missing:
+        _unavailable(f"GAIE binaries {missing} not in {folder}; run `make {target}`")
+    return folder
 
 
 @pytest.fixture(scope="session")
 def gaie_binaries() -> Path:
-    """The folder of the GAIE tier's binaries: Envoy Gateway, AI Gateway's controller, and
-    GAIE's conformance suite with its picker and echo server (`make gaie-binaries`)."""
-    cache = os.environ.get("GAIE_CACHE") or str(Path.home() / ".cache/kvrail/gaie")
-    folder = Path(cache) / "bin"
-    missing = [name for name in GAIE_BINARIES if not (folder / name).is_file()]
-    if missing:
-        _unavailable(f"GAIE binaries {missing} not in {folder}; run `make gaie-binaries`")
-    return folder
+    """The folder of the GAIE tier's gateway binaries: Envoy Gateway, AI Gateway's controller."""
+    return _gaie_bin(GATEWAY_BINARIES, "gaie-gateway")
+
+
+@pytest.fixture(scope="session")
+def gaie_suite_binaries() -> Path:
+    """The folder of GAIE's conformance suite binaries (and the gateway's)."""
+    return _gaie_bin(GATEWAY_BINARIES + SUITE_BINARIES, "gaie-binaries")
 
 
 @pytest.fixture(scope="session")
