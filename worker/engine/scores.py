@@ -30,11 +30,19 @@ def token_scores(
     logits: torch.Tensor, tokens: torch.Tensor, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each row: the log-softmax (float32) entry of its token in `tokens`, and its `k` most
-    likely token ids and their log-probabilities (most likely first)."""
+    likely token ids and their log-probabilities (most likely first).
+
+    The top-k runs over the raw `logits`, not the float32 log-probabilities: a row's
+    log-softmax never reorders it (x - max - log-sum, the same constant for every entry, rounded),
+    so its k largest logits are its k most likely tokens, and their entries are gathered from the
+    same log-softmax. The values are those of a top-k over the log-probabilities, bit for bit;
+    only which of equal values comes first may differ, as a top-k leaves it open. In bf16 the
+    top-k reads half the bytes: `Sampler.logprobs` of 256 rows of 128,256 tokens at k = 5 took
+    0.74 ms of an H100 a step instead of 0.91 (bench/engine/logprobs_parts.txt)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    return chosen, top_ids, top_logprobs
+    top_ids = logits.topk(k, dim=-1).indices
+    return chosen, top_ids, logprobs.gather(1, top_ids)
 
 
 @dataclass(frozen=True, slots=True)

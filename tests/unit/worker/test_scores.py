@@ -67,3 +67,21 @@ def test_token_scores_are_the_log_softmax_entries_and_the_top_k() -> None:
     assert torch.allclose(chosen, expected[[0, 1], [0, 2]])
     assert top_ids.tolist() == [[1, 2], [2, 0]]
     assert np.allclose(top_logprobs[0].numpy(), expected[0, [1, 2]].numpy())
+
+
+def test_the_top_k_of_bf16_logits_gives_the_top_k_of_the_float32_log_softmax_bit_for_bit() -> None:
+    """The top-k runs over the raw logits: the values are a top-k over the float32 log-softmax,
+    exactly, and each id's log-probability is its value, also where two logits round to one
+    log-probability (the last row: 1e-6 and 2e-6 beside 300)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 1001, generator=gen) * 4).to(torch.bfloat16)
+    logits[6] = -50.0
+    logits[6, :3] = torch.tensor([300.0, 1e-6, 2e-6])
+    tokens = torch.randint(0, 1001, (7,), generator=gen)
+    chosen, top_ids, top_logprobs = token_scores(logits, tokens, 5)
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    assert torch.equal(chosen, expected.gather(1, tokens.unsqueeze(1)).squeeze(1))
+    assert torch.equal(top_logprobs, expected.topk(5, dim=-1).values)
+    assert torch.equal(expected.gather(1, top_ids), top_logprobs)
+    assert top_ids[6, :3].tolist() == [0, 2, 1] and top_logprobs[6, 1] == top_logprobs[6, 2]
+    assert token_scores(logits, tokens, 0)[1].shape == (7, 0)
