@@ -122,7 +122,7 @@ $(LMEVAL_STAMP): | $(STAMP)
 run: setup
 	$(VENV)/bin/kvrail up
 
-# Everything but the GAIE tier (`make gaie`: its Go builds take 13.5 minutes cold).
+# Everything but GAIE's conformance suite (`make gaie`: 29 minutes and three more Go builds).
 test: setup k8s-binaries gaie-gateway vllm-env lmeval-env image
 	$(VENV)/bin/pytest -m "not gaie_suite" $(PYTEST_ARGS)
 
