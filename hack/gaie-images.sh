@@ -24,6 +24,10 @@ ENVOY_VERSION=${ENVOY_VERSION:-1.38.3}
 GAIE_VERSION=${GAIE_VERSION:-v1.6.0}  # as in hack/gaie-binaries.sh
 log() { echo "gaie-images: $*" >&2; }
 fail() { log "$*"; exit 1; }
+case ${GAIE_IMAGES:=all} in
+  all | gateway) ;;
+  *) fail "GAIE_IMAGES=$GAIE_IMAGES: expected all or gateway" ;;
+esac
 
 # modver BINARY MODULE: the version of MODULE in BINARY's build info.
 modver() {
@@ -116,11 +120,7 @@ build_all() {
   image envoy "v$ENVOY_VERSION" '["/usr/local/bin/envoy"]' "$envoy" $specs
   image aigw-controller "$(modver "$BIN/aigw-controller" github.com/envoyproxy/ai-gateway)" \
     '["/usr/local/bin/aigw-controller"]' "$BIN/aigw-controller"
-  case ${GAIE_IMAGES:-all} in
-    all) ;;
-    gateway) return 0 ;;
-    *) fail "GAIE_IMAGES=$GAIE_IMAGES: expected all or gateway" ;;
-  esac
+  [ "$GAIE_IMAGES" = all ] || return 0
   ref=$(image lwepp "$(modver "$BIN/lwepp" sigs.k8s.io/gateway-api-inference-extension)" \
     '["/usr/local/bin/lwepp"]' "$BIN/lwepp")
   echo "$ref"
@@ -168,7 +168,7 @@ check_all() {
   # server comes up far enough to check it.
   expect "${refs[envoy]}" "configuration '' OK" -- envoy --mode validate --config-yaml "$ENVOY_VALIDATE"
   expect "${refs[aigw-controller]}" "-extProcImage" -- aigw-controller -h
-  [ "${GAIE_IMAGES:-all}" = all ] || return 0
+  [ "$GAIE_IMAGES" = all ] || return 0
   expect "${refs[suite-lwepp]}" "--pool-name" -- lwepp --help
   # echo-basic only serves; an unusable port makes it stop at once, after it has started.
   expect "${refs[suite-echo-basic]}" "Failed to start listening" --env HTTP_PORT=none -- echo-basic
