@@ -166,7 +166,9 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def closed_loop(port: int, concurrency: int, seconds: float) -> dict[str, Any]:
+async def closed_loop(port: int, pid: int, concurrency: int, seconds: float) -> dict[str, Any]:
+    """Phase 2: non-streamed completions, `concurrency` at a time; requests per second and the
+    router's CPU time per request (the core share near 1: the router is the limit)."""
     stop_at = time.perf_counter() + seconds
     latencies: list[float] = []
 
@@ -176,11 +178,13 @@ async def closed_loop(port: int, concurrency: int, seconds: float) -> dict[str, 
             latencies.append(await via_router(conn, 16))
         await conn.close()
 
-    started = time.perf_counter()
+    cpu_before, started = cpu_seconds(pid), time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - started
+    elapsed, cpu = time.perf_counter() - started, cpu_seconds(pid) - cpu_before
     return {"concurrency": concurrency, "seconds": elapsed,
-            "requests_per_s": len(latencies) / elapsed, **summary(latencies)}  # fmt: skip
+            "requests_per_s": len(latencies) / elapsed, "router_core_share": cpu / elapsed,
+            "router_cpu_us_per_request": 1e6 * cpu / max(1, len(latencies)),
+            **summary(latencies)}  # fmt: skip
 
 
 async def streamed(conn: Connection, max_tokens: int) -> int:
@@ -271,9 +275,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             base.append(await direct(nc, 16))
             routed.append(await via_router(conn, 16))
         await conn.close()
-        loop = await closed_loop(port, args.concurrency, args.seconds)
         pid = router.pid
         assert pid is not None
+        loop = await closed_loop(port, pid, args.concurrency, args.seconds)
         stream = await streaming_loop(
             port, pid, steps, args.concurrency, args.seconds, args.stream_tokens
         )

@@ -190,18 +190,22 @@ class KvIndex:
         if not hashes:
             return matched
         gpu, host, disk = (self._holders[t] for t in ("gpu", "host", "disk"))
+        first = hashes[0]
         on_gpu: set[str] = set()  # workers whose run is still in GPU memory
         for holders in (gpu, host, disk):
-            on_gpu |= holders.get(hashes[0], _NONE)
+            on_gpu |= holders.get(first, _NONE)
+        if not on_gpu:
+            return matched  # nobody holds the first block: no run to follow
         loading: set[str] = set()  # workers whose run went on in a lower tier
         lower: dict[str, list[int]] = {}  # worker -> [host blocks, disk blocks]
         for i, h in enumerate(hashes):
-            missed = on_gpu - gpu.get(h, _NONE)
+            in_gpu = gpu.get(h, _NONE)
+            if not loading and on_gpu <= in_gpu:
+                continue  # the usual case: every worker still matching holds it in GPU memory
+            missed = on_gpu - in_gpu
             if missed:
                 on_gpu -= missed
                 loading |= missed
-            if not loading:
-                continue  # the usual case: every worker still matching holds it in GPU memory
             rest = set(loading)
             for k, holders in enumerate((host, disk)):
                 held = rest & holders.get(h, _NONE)

@@ -33,6 +33,7 @@ class RecordFollower(KvEventFollower):
     _stamps: dict[str, int]
     _ours: Callable[[str], int] | None
     _ours_at_report: dict[str, int]
+    _ready_by_role: tuple[list[WorkerRecord], list[WorkerRecord]] | None
 
     # Registry -----------------------------------------------------------------------------------
     async def _follow_registry(self) -> None:
@@ -98,6 +99,7 @@ class RecordFollower(KvEventFollower):
             if old is None:
                 return
             del self._records[worker_id]
+            self._ready_by_role = None
             self._cancel_fetch(worker_id)
             self.index.forget(worker_id)
             log.info("worker left worker=%s incarnation=%d", worker_id, old.incarnation)
@@ -108,6 +110,7 @@ class RecordFollower(KvEventFollower):
         if record == old:
             return
         self._records[worker_id] = record
+        self._ready_by_role = None
         if (
             old is None
             or old.incarnation != record.incarnation

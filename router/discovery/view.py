@@ -89,6 +89,8 @@ class WorkerView(RecordFollower):
         self._resync_interval_s = resync_interval_s
         self._rng = rng if rng is not None else random.Random()
         self._records: dict[str, WorkerRecord] = {}
+        self._ready_by_role: tuple[list[WorkerRecord], list[WorkerRecord]] | None = None
+        """`_ready`'s lists, None once the records change."""
         self._ours: Callable[[str], int] | None = None
         self._ours_at_report: dict[str, int] = {}
         # A logical clock: the stamp of each worker's latest applied change (removals included),
@@ -138,13 +140,22 @@ class WorkerView(RecordFollower):
 
     def decode_workers(self) -> list[WorkerRecord]:
         """Ready workers that take decode requests, by worker id."""
-        return [
-            r for _, r in sorted(self._records.items()) if r.role in DECODE_ROLES and r.is_ready
-        ]
+        return list(self._ready()[0])
 
     def prefill_workers(self) -> list[WorkerRecord]:
         """Ready prefill-only workers, by worker id."""
-        return [r for _, r in sorted(self._records.items()) if r.role == "prefill" and r.is_ready]
+        return list(self._ready()[1])
+
+    def _ready(self) -> tuple[list[WorkerRecord], list[WorkerRecord]]:
+        """The ready decode and prefill workers, sorted once per change of the records (every
+        request reads them, several times)."""
+        if self._ready_by_role is None:
+            ready = [r for _, r in sorted(self._records.items()) if r.is_ready]
+            self._ready_by_role = (
+                [r for r in ready if r.role in DECODE_ROLES],
+                [r for r in ready if r.role == "prefill"],
+            )
+        return self._ready_by_role
 
     def candidates(
         self,
