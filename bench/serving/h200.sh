@@ -5,7 +5,8 @@
 # kernels bench/engine | tar -x -C .old`). Usage, from the repository root:
 #   bash bench/serving/h200.sh service-step   # EngineService at 32/128/256 running, old and new
 #   bash bench/serving/h200.sh serving        # bench/serving/run.py, Llama-3-8B shape
-#   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's
+#   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's (NEW_MODES=stack
+#     NEW_CONCURRENCY=32,256: the same points as the old tree's alone, inside one call's 10 minutes)
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 #   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
 #   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
@@ -46,7 +47,8 @@ case "${1:?what to run}" in
     tail -n 3 "$OUT/serving_before.log"
     mkdir -p /tmp/s-new && ln -sfn /tmp/s-old/model-llama3-8b /tmp/s-new/model-llama3-8b
     python3 -P bench/serving/run.py "${args[@]}" --concurrency "${NEW_CONCURRENCY:-1,32,256}" \
-      --work /tmp/s-new --out "$OUT/serving_after.json" > "$OUT/serving_after.log" 2>&1
+      --modes "${NEW_MODES:-engine,service,stack}" --work /tmp/s-new --out "$OUT/serving_after.json" \
+      > "$OUT/serving_after.log" 2>&1
     tail -n 4 "$OUT/serving_after.log"
     cp /tmp/s-old/logs/worker-0.0.log "$OUT/worker_before.log" 2>/dev/null || true
     cp /tmp/s-new/logs/worker-0.0.log "$OUT/worker_after.log" 2>/dev/null || true
