@@ -6,7 +6,8 @@
 #   bash bench/serving/h200.sh service-step   # EngineService at 32/128/256 running, old and new
 #   bash bench/serving/h200.sh serving        # bench/serving/run.py, Llama-3-8B shape
 #   bash bench/serving/h200.sh serving-ab     # the stack of build/old, then this tree's (NEW_MODES=stack
-#     NEW_CONCURRENCY=32,256: the same points as the old tree's alone, inside one call's 10 minutes)
+#     NEW_CONCURRENCY=32,256: the same points as the old tree's alone, inside one call's 10 minutes;
+#     the clients in CLIENT_PROCS processes, default 4)
 #   bash bench/serving/h200.sh profile        # py-spy on the worker and a router, 256 streams
 #   bash bench/serving/h200.sh chat-profile   # py-spy on both under chat 600/200 at 32 req/s
 #   bash bench/serving/h200.sh remote-ab      # remote prefill, build/old then this tree, + local
@@ -40,7 +41,8 @@ case "${1:?what to run}" in
     # agent cli local testing | tar -x -C build/old`) then this tree's, on one random model
     source bench/sweep/device-setup.sh || exit 1
     kvrail_view "$PWD/build/old" /tmp/view-old || exit 1
-    args=(--device cuda --shape llama3-8b --routers 4 --steps "${STEPS:-100}")
+    args=(--device cuda --shape llama3-8b --routers 4 --steps "${STEPS:-100}"
+          --client-procs "${CLIENT_PROCS:-4}")  # one client process saturates near 22k tok/s
     PYTHONPATH=/tmp/view-old:/tmp/site python3 -P bench/serving/run.py "${args[@]}" \
       --concurrency "${OLD_CONCURRENCY:-32,256}" --modes stack --work /tmp/s-old \
       --out "$OUT/serving_before.json" > "$OUT/serving_before.log" 2>&1
