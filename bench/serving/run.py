@@ -277,15 +277,18 @@ def _client_process(*args: Any) -> Streams:
     return asyncio.run(client_streams(*args))
 
 
-def _cpu_in_window(
-    samples: Sequence[tuple[float, float]], start: float, end: float
-) -> tuple[float, float]:
-    """CPU seconds between the first and last sample inside [start, end], and the wall time
-    between them."""
+def _cpu_us_per_token(
+    samples: Sequence[tuple[float, float]], start: float, end: float, tokens: int
+) -> float | None:
+    """A process's CPU microseconds per token over the window [start, end], from its
+    (time, CPU seconds) samples: the CPU between the first and last sample inside the window,
+    scaled to the whole window; None with fewer than two samples inside."""
     inside = [(t, c) for t, c in samples if start <= t <= end]
     if len(inside) < 2:
-        return 0.0, 0.0
-    return inside[-1][1] - inside[0][1], inside[-1][0] - inside[0][0]
+        return None
+    (t0, c0), (t1, c1) = inside[0], inside[-1]
+    share = (t1 - t0) / (end - start) if end > start else 0.0
+    return (c1 - c0) / max(tokens * share, 1) * 1e6
 
 
 async def stack_tokens_per_s(
@@ -332,16 +335,14 @@ async def stack_tokens_per_s(
     window = window_end - window_start
     gaps = [b - a for s in streams for a, b in zip(s.chunks, s.chunks[1:], strict=False)
             if window_start < b <= window_end]  # fmt: skip
-    inside = [(t, c) for t, c in cpu_marks if window_start <= t <= window_end]
-    cpu: dict[str, float] = {}
-    if len(inside) >= 2:
-        (t0, c0), (t1, c1) = inside[0], inside[-1]
-        share = (t1 - t0) / window if window > 0 else 0.0
-        cpu = {k: (c1[k] - c0[k]) / max(tokens * share, 1) * 1e6 for k in c0}
+    per_token = {
+        k: _cpu_us_per_token([(t, c[k]) for t, c in cpu_marks], window_start, window_end, tokens)
+        for k in pids
+    }
     # the clients' CPU from each client process's own samples (this process's, with one)
-    spent = [_cpu_in_window(samples, window_start, window_end) for samples in client_samples]
-    if all(wall > 0 for _, wall in spent):
-        cpu["clients"] = sum(c / (w / window) for c, w in spent) / max(tokens, 1) * 1e6
+    clients = [_cpu_us_per_token(c, window_start, window_end, tokens) for c in client_samples]
+    per_token["clients"] = None if None in clients else sum(c for c in clients if c is not None)
+    cpu = {k: v for k, v in per_token.items() if v is not None}
     return {
         "output_tokens_per_s": tokens / window if window > 0 else 0.0,
         "window_s": window, "window_tokens": tokens, "client_procs": procs,
