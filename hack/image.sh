@@ -53,19 +53,38 @@ build() {
            echo "$base"; "$UV" --version; wheel_digest; } | sha256sum | cut -c1-16)
   ref=localhost/kvrail:dev-$key
   if ! bah inspect --type image "$ref" >/dev/null 2>&1; then
-    log "building $ref from $base (cold: several minutes, most of it copying torch)"
+    log "building $ref from $base (cold: several minutes, most of it copying torch;" \
+      "a new torch layer needs about 13 GB while it is committed: $(df -h --output=avail \
+      "$IMAGE_CACHE" | tail -1 | tr -d ' ') free)"
     local start=$SECONDS
     bah bud -q --layers --force-rm --network host -f Dockerfile \
       --build-arg BASE="$base" --build-arg UV_CACHE_DIR=/uv-cache --build-arg UV_OFFLINE=1 \
       -v "${UV_CACHE_DIR:-$HOME/.cache/uv}:/uv-cache" -t "$ref" "$CTX" >/dev/null
     log "built $ref in $((SECONDS - start)) s, $(bah images --format '{{.Size}}' "$ref")"
-    # Older builds of this image: their tags go, the layers they share with this one stay.
-    local old
-    for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/kvrail:dev-' || true); do
-      [ "$old" = "$ref" ] || bah rmi "$old" >/dev/null 2>&1 || true
-    done
+    forget_older "$ref"
   fi
   echo "$ref"
+}
+
+# What older builds left behind: their tags, and the untagged images `--layers` keeps as its cache
+# whose layers are not a prefix of this image's (a torch layer of 6.5 GB each time the pinned
+# dependencies change). This build's own stay: the next build starts from them.
+forget_older() {
+  local ref=$1 mine old id layers
+  mine=$(diff_ids "$ref")
+  for old in $(bah images --format '{{.Name}}:{{.Tag}}' | grep '^localhost/kvrail:dev-' || true); do
+    [ "$old" = "$ref" ] || bah rmi "$old" >/dev/null 2>&1 || true
+  done
+  for id in $(bah images -a --format '{{.ID}} {{.Name}}' | awk '$2 == "<none>" {print $1}'); do
+    layers=$(diff_ids "$id") || continue
+    [[ $mine == "$layers"* ]] || bah rmi "$id" >/dev/null 2>&1 || true
+  done
+}
+
+# An image's layer digests, one line: "sha256:... sha256:..." (equal length, so a list that is a
+# string prefix of another is a prefix of it layer by layer).
+diff_ids() {
+  bah inspect --type image --format '{{range .OCIv1.RootFS.DiffIDs}}{{.}} {{end}}' "$1"
 }
 
 import_into() {

@@ -104,7 +104,7 @@ class TpGroup:
             return x
         self._group()
         with self._timing("all_reduce"):
-            dist.all_reduce(x, group=self._pg)  # type: ignore[arg-type]
+            dist.all_reduce(x, group=self._pg)  # type: ignore[arg-type, unused-ignore]
         return x
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
