@@ -104,6 +104,9 @@ async def prepare_chat(state: RouterState, body: ChatCompletionRequest) -> Ready
     choice = body.tool_choice or ("auto" if tools else "none")
     prompt_ids = await chat_prompt(state, body)
     reasoning = _reasoning(state, prompt_ids)
+    answer = _answer(body.response_format, body.structured_outputs)
+    if answer is None and not tools and reasoning is None:
+        return Ready(prompt_ids, requested(body))  # a plain chat: nothing to force or parse
     parser = state.tool_call_parser if tools and choice != "none" else None
     markers = [
         *(_MARKERS[parser] if parser else ()),
@@ -114,7 +117,7 @@ async def prepare_chat(state: RouterState, body: ChatCompletionRequest) -> Ready
     if parser is not None:
         mode = "named" if isinstance(choice, NamedToolChoice) else choice  # type: ignore[assignment]
     grammar_request = GrammarRequest(
-        answer=_answer(body.response_format, body.structured_outputs),
+        answer=answer,
         tools=tuple(
             ToolFunction(
                 t.function.name,

@@ -33,7 +33,7 @@ class RecordFollower(KvEventFollower):
     _stamps: dict[str, int]
     _ours: Callable[[str], int] | None
     _ours_at_report: dict[str, int]
-    _ready_by_role: tuple[list[WorkerRecord], list[WorkerRecord]] | None
+    _ready_by_role: tuple[tuple[WorkerRecord, ...], tuple[WorkerRecord, ...]] | None
 
     # Registry -----------------------------------------------------------------------------------
     async def _follow_registry(self) -> None:

@@ -89,7 +89,7 @@ class WorkerView(RecordFollower):
         self._resync_interval_s = resync_interval_s
         self._rng = rng if rng is not None else random.Random()
         self._records: dict[str, WorkerRecord] = {}
-        self._ready_by_role: tuple[list[WorkerRecord], list[WorkerRecord]] | None = None
+        self._ready_by_role: tuple[tuple[WorkerRecord, ...], tuple[WorkerRecord, ...]] | None = None
         """`_ready`'s lists, None once the records change."""
         self._ours: Callable[[str], int] | None = None
         self._ours_at_report: dict[str, int] = {}
@@ -138,22 +138,26 @@ class WorkerView(RecordFollower):
         """Every live record, by worker id (a copy)."""
         return dict(self._records)
 
-    def decode_workers(self) -> list[WorkerRecord]:
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        """`worker_id`'s live record, if it has one."""
+        return self._records.get(worker_id)
+
+    def decode_workers(self) -> tuple[WorkerRecord, ...]:
         """Ready workers that take decode requests, by worker id."""
-        return list(self._ready()[0])
+        return self._ready()[0]
 
-    def prefill_workers(self) -> list[WorkerRecord]:
+    def prefill_workers(self) -> tuple[WorkerRecord, ...]:
         """Ready prefill-only workers, by worker id."""
-        return list(self._ready()[1])
+        return self._ready()[1]
 
-    def _ready(self) -> tuple[list[WorkerRecord], list[WorkerRecord]]:
+    def _ready(self) -> tuple[tuple[WorkerRecord, ...], tuple[WorkerRecord, ...]]:
         """The ready decode and prefill workers, sorted once per change of the records (every
-        request reads them, several times)."""
+        request reads them, several times; immutable, so no reader copies them)."""
         if self._ready_by_role is None:
             ready = [r for _, r in sorted(self._records.items()) if r.is_ready]
             self._ready_by_role = (
-                [r for r in ready if r.role in DECODE_ROLES],
-                [r for r in ready if r.role == "prefill"],
+                tuple(r for r in ready if r.role in DECODE_ROLES),
+                tuple(r for r in ready if r.role == "prefill"),
             )
         return self._ready_by_role
 
@@ -239,7 +243,7 @@ class WorkerView(RecordFollower):
         def enough() -> bool:
             workers = self.decode_workers()
             if with_state:
-                workers = [r for r in workers if self.has_state(r.worker_id)]
+                return sum(self.has_state(r.worker_id) for r in workers) >= n
             return len(workers) >= n
 
         await self.wait_until(enough, timeout_s)

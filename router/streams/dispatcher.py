@@ -25,7 +25,7 @@ import asyncio
 import collections
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
 from nats.aio.client import Client as NatsClient
@@ -103,7 +103,7 @@ class Dispatcher:
             num_blocks = len(job.token_ids) // block_size
         return out, num_blocks
 
-    def decode_workers(self) -> list[WorkerRecord]:
+    def decode_workers(self) -> Sequence[WorkerRecord]:
         """The ready decode workers this dispatcher sends to: the pinned one alone, if any."""
         workers = self.view.decode_workers()
         if self.pin_worker:
@@ -159,7 +159,7 @@ class Dispatcher:
             decision = self.choose(job, set())
         except NoWorkerError:
             return TokenStream(self.nc, self.keys, self.inbox, self, job)
-        record = self.view.records().get(decision.worker_id)
+        record = self.view.record(decision.worker_id)
         if record is not None and record.engine == "vllm":
             assert self.vllm is not None  # candidates() offers vLLM workers only with options
             return VllmStream(self, self.vllm, job, first=decision)
@@ -167,8 +167,8 @@ class Dispatcher:
 
     # The `Workers` protocol (what a stream may ask of its dispatcher) ---------------------------
 
-    def records(self) -> dict[str, WorkerRecord]:
-        return self.view.records()
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        return self.view.record(worker_id)
 
     def prefill_candidates(self, fingerprint: str, engines: tuple[Engine, ...]) -> list[Candidate]:
         return self.view.prefill_candidates(self.in_flight, fingerprint, engines)
@@ -181,7 +181,7 @@ class Dispatcher:
         peer holding more still when `holding_peer` says the move is most of the work; ""
         otherwise, or under a policy that does not weigh cached blocks (the prefill queue
         balances the load by itself)."""
-        record = self.view.records().get(decision.worker_id)
+        record = self.view.record(decision.worker_id)
         if record is None or record.engine != "kvrail" or self.chooser.policy != "kv-aware":
             return ""
         fingerprint = record.fingerprint

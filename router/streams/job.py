@@ -9,7 +9,7 @@ of them imports another.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -86,8 +86,8 @@ class Workers(Protocol):
     max_attempts: int
     """At most this many workers try one request."""
 
-    def records(self) -> Mapping[str, WorkerRecord]:
-        """Every worker of the pool, by id, as last seen in etcd."""
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        """`worker_id`'s record as last seen in etcd; None when it has none (gone)."""
         ...
 
     def choose(self, job: Job, exclude: set[str], engines: tuple[Engine, ...]) -> Decision:

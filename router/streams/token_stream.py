@@ -82,7 +82,7 @@ class TokenStream:
     async def _send(self, decision: Decision) -> None:
         self.decision = decision
         self.worker_id = decision.worker_id
-        record = self.workers.records().get(self.worker_id)
+        record = self.workers.record(self.worker_id)
         self._incarnation = record.incarnation if record else 0
         self._seq = 0
         rid = self.job.request_id
@@ -167,7 +167,7 @@ class TokenStream:
         return event
 
     def _worker_alive(self) -> bool:
-        record = self.workers.records().get(self.worker_id)
+        record = self.workers.record(self.worker_id)
         return record is not None and record.incarnation == self._incarnation
 
     async def _release_attempt(self) -> None:

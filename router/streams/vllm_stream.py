@@ -126,7 +126,7 @@ class VllmStream:
         """Prefill (maybe) and decode on `decision`'s server until its first event. Raises
         AttemptFailed (another server may take it), DispatchError."""
         self.decision, self.worker_id = decision, decision.worker_id
-        record = self.workers.records().get(decision.worker_id)
+        record = self.workers.record(decision.worker_id)
         if record is None:  # it left between the choice and now
             raise AttemptFailed("worker_gone")
         self._incarnation = record.incarnation
@@ -162,7 +162,8 @@ class VllmStream:
             if not candidates:
                 break
             chosen = opts.prefill_chooser.choose(candidates, 0)
-            record = workers.records()[chosen.worker_id]  # candidates come from the records
+            record = workers.record(chosen.worker_id)  # candidates come from the records
+            assert record is not None
             started = time.monotonic()
             try:
                 params = await self._post_prefill(record, deadline)
@@ -335,7 +336,7 @@ class VllmStream:
         return DispatchError("worker_lost", "the decode server went away")
 
     def _worker_alive(self) -> bool:
-        record = self.workers.records().get(self.worker_id)
+        record = self.workers.record(self.worker_id)
         return record is not None and record.incarnation == self._incarnation
 
     # Bookkeeping --------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import httpx
@@ -29,8 +28,8 @@ class NoServers:
     def __init__(self) -> None:
         self.asked = 0
 
-    def records(self) -> Mapping[str, WorkerRecord]:
-        return {}
+    def record(self, worker_id: str) -> WorkerRecord | None:
+        return None
 
     def choose(self, job: Job, exclude: set[str], engines: tuple[Engine, ...]) -> Decision:
         self.asked += 1
