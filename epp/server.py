@@ -76,13 +76,14 @@ class ExtProc(ExternalProcessorServicer):  # type: ignore[misc]
                                     stream.detach_blocked)  # fmt: skip
                 if step.served is not None:
                     self.picker.served(stream.stream_id, step.served)
+                done = stream.phase is Phase.DONE
+                if done and stream.detached:  # before the last answer: the gateway may close
+                    self.detached_streams += 1  # the stream as soon as it has it
+                    self.metrics.detached.inc()
+                    self.picker.detached(stream.stream_id)
                 for response in step.responses:
                     yield response
-                if stream.phase is Phase.DONE:
-                    if stream.detached:
-                        self.detached_streams += 1
-                        self.metrics.detached.inc()
-                        self.picker.detached(stream.stream_id)
+                if done:
                     return
         except ProtocolError as e:
             result = "protocol_error"

@@ -135,6 +135,20 @@ async def test_a_detached_stream_ends_once_routed_and_tells_the_picker_first() -
     assert ext_proc.detached_streams == 1
 
 
+async def test_a_detached_stream_is_counted_when_the_gateway_closes_at_its_last_answer() -> None:
+    """Envoy may end the stream as soon as it has the answer that detaches it: the hand-over to
+    the picker and the count happen before that answer goes out, not after."""
+    picker = Detaching([A])
+    ext_proc = ExtProc(picker, detach=True)
+    context: Any = None
+    responses = ext_proc.Process(messages(*request(b"{}", ProcessingMode.NONE)), context)
+    out = [await anext(responses), await anext(responses)]
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    await responses.aclose()  # the gateway closes here
+    assert picker.calls[-2:] == [("detached", 1), ("finished", 1)]
+    assert ext_proc.detached_streams == 1 and ext_proc.open_streams == 0
+
+
 async def test_where_the_gateway_streams_the_response_body_streams_stay_attached_and_it_says_so(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
