@@ -154,6 +154,9 @@ class ClientWatch:
         if self._watcher is not None:
             self._watcher.cancel()
         task = self._task
+        # The waiting task's frame holds this object: without these two references no cycle
+        # joins them, and a request's objects are freed when it ends, not by the collector.
+        self._task = self._watcher = None
         if self.left and task is not None and task.cancelling():
             remaining = task.uncancel()  # ours, whether or not the block let it through
             if exc_type is asyncio.CancelledError and remaining == 0:

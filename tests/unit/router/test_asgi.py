@@ -4,7 +4,9 @@ rules, and the watch that cancels a request whose client left."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -112,6 +114,28 @@ def test_a_cancellation_from_elsewhere_passes_through_the_watch() -> None:
             await task
 
     asyncio.run(main())
+
+
+def test_a_watch_is_freed_when_its_request_ends_without_the_collector() -> None:
+    """A watch whose block ended leaves no reference cycle: its waiting task, cancelled, and
+    the watch itself go as soon as the loop has run the cancellation (a cycle per request would
+    leave each request's objects to the garbage collector)."""
+
+    async def main() -> weakref.ref[asgi.ClientWatch]:
+        async with asgi.ClientWatch(receiver()) as watch:
+            await asyncio.sleep(0)
+        ref = weakref.ref(watch)
+        del watch
+        for _ in range(3):  # the cancelled task's last steps
+            await asyncio.sleep(0)
+        return ref
+
+    gc.collect()
+    gc.disable()
+    try:
+        assert asyncio.run(main())() is None
+    finally:
+        gc.enable()
 
 
 def _set() -> asyncio.Event:
