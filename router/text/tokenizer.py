@@ -277,12 +277,12 @@ class TextCodec:
         holds a special token's text (see the module docstring)."""
         if self._special_pattern is None:
             return
+        fields = [{k: v for k, v in m.items() if k not in ("role", "content")} for m in messages]
         outside_contents = {
-            "messages": [{k: v for k, v in m.items() if k not in ("role", "content")}
-                         for m in messages],
-            "tools": tools or [],
-            "chat_template_kwargs": dict(variables or {}),
-        }  # fmt: skip
+            "messages": fields if any(fields) else None,  # a plain chat has none to check
+            "tools": tools,
+            "chat_template_kwargs": dict(variables) if variables else None,
+        }
         for param, value in outside_contents.items():
             if value and self._special_pattern.search(json.dumps(value, ensure_ascii=False)):
                 raise InvalidRequestError(
