@@ -170,7 +170,9 @@ def test_kvrail_pool_in_gaie_mode_served_through_envoy_ai_gateway(
         kubectl(kc, "delete", "-n", POOL_NS, "-f", str(EXAMPLE), "--ignore-not-found",
                 "--wait=true", "--timeout=180s", timeout_s=200)  # fmt: skip
         helm("uninstall", RELEASE, "-n", CHART_NS, "--wait", "--timeout", "3m")
-        kubectl(kc, "delete", "namespace", GATEWAY_NS, "--timeout=180s", timeout_s=200)
+        # The gateway's Envoy drains before it exits (its preStop hook: a minute seen here), and
+        # the namespace controller retries with a backoff of up to a minute: 180 s once ran out.
+        kubectl(kc, "delete", "namespace", GATEWAY_NS, "--timeout=420s", timeout_s=440)
 
 
 def journey(kc: Path) -> None:
