@@ -90,7 +90,7 @@ class WorkerView(RecordFollower):
         self._rng = rng if rng is not None else random.Random()
         self._records: dict[str, WorkerRecord] = {}
         self._ready_by_role: tuple[tuple[WorkerRecord, ...], tuple[WorkerRecord, ...]] | None = None
-        """`_ready`'s lists, None once the records change."""
+        """`_ready`'s tuples, None once the records change."""
         self._ours: Callable[[str], int] | None = None
         self._ours_at_report: dict[str, int] = {}
         # A logical clock: the stamp of each worker's latest applied change (removals included),
