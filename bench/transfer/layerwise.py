@@ -12,7 +12,8 @@ same either way, are not in it.
 Links (each a fresh writer/reader pair, UCX reads its environment at start):
 - `ucx-tcp`: NIXL with UCX restricted to TCP (on loopback) and cuda_copy: a slow link for real;
 - `capped`: NIXL with UCX's default transports, each write (a group, or the whole prompt) held
-  until `bytes / --cap-gbs` has passed: a link of that bandwidth, applied by this script;
+  until `bytes / --cap-gbs` has passed since its bytes existed (a group's: since the prefill
+  wrote its layers): a link of that bandwidth, applied by this script;
 - `cuda-ipc`: kvrail's same-node fast path, for no regression.
 Per link and prompt length (2k, 8k, 32k tokens; one engine step each, `--max-batched-tokens`),
 the methods alternate (whole, G=2, G=4, G=8, whole, ...; with `--auto` also `auto`, the count
@@ -161,10 +162,13 @@ class CappedLink:
         self._inner, self._rate = inner, bytes_per_s
         self.region, self.supports_layers = inner.region, True
 
-    def _hold(self, started: float, stats: Any) -> Any:
+    def _hold(self, started: float, stats: Any, issued: float | None = None) -> Any:
+        """Hold a write until `started` + bytes / cap; its seconds count from `issued` (default
+        `started`), as the connector beneath counts them."""
         if self._rate:
             time.sleep(max(0.0, started + stats.num_bytes / self._rate - time.perf_counter()))
-        return dataclasses.replace(stats, seconds=time.perf_counter() - started)
+        since = started if issued is None else issued
+        return dataclasses.replace(stats, seconds=time.perf_counter() - since)
 
     def write(self, peer: str, src: Any, dst: Any, note: bytes, deadline: float) -> Any:
         if not self._rate:
@@ -174,8 +178,19 @@ class CappedLink:
         self._inner.notify(peer, note)
         return stats
 
-    def write_layers(self, *a: Any) -> Any:
-        return self._hold(time.perf_counter(), self._inner.write_layers(*a))
+    def write_layers(
+        self, peer: str, src: Any, dst: Any, layers: tuple[int, int], deadline: float,
+        ready: Any = None,
+    ) -> Any:  # fmt: skip
+        """One layer group. Its bytes can cross the link only once the prefill wrote them: the
+        cap's clock starts when `ready` passed, not when the group was issued (which would let
+        the link carry, while it waited, bytes that did not exist yet)."""
+        issued = time.perf_counter()
+        if self._rate and ready is not None:
+            ready.synchronize()
+        started = time.perf_counter()
+        stats = self._inner.write_layers(peer, src, dst, layers, deadline, ready)
+        return self._hold(started, stats, issued)
 
     def notify(self, peer: str, note: bytes) -> None:
         self._inner.notify(peer, note)
@@ -319,14 +334,15 @@ def _measure_link(link: str, args: argparse.Namespace, engine: Any) -> list[dict
                 rows.append(row)
                 picked = ",".join(map(str, sorted(set(chosen))))
                 name = f"auto:{picked}" if groups == AUTO else groups
+                tails = [d.tail_s for d in details[groups]]  # none where auto wrote whole
+                tail = f"{statistics.median(tails) * 1e3:.1f} ms" if tails else "-"
                 print(
                     f"{link:9} {length:6d} tok  G={name or 'whole':>7}  TTFT "
                     f"{ttft * 1e3:9.2f} ms   prefill {base_prefill * 1e3:8.2f} ms  "
                     f"whole transfer {base_transfer * 1e3:8.2f} ms  "
                     + (f"bound {bound * 1e3:8.2f} ms {'met' if ttft <= bound else 'NOT met'}"
                        f"  own prefill {statistics.median(row['method_prefill_s']) * 1e3:.1f} ms"
-                       f" tail {statistics.median(d.tail_s for d in details[groups]) * 1e3:.1f}"
-                       " ms" if groups else "")
+                       f" tail {tail}" if groups else "")
                     + (f"  decode worst {row['receiver_decode']['worst_s'] * 1e3:.2f} ms median "
                        f"{row['receiver_decode']['median_s'] * 1e3:.2f} ms"
                        if seen else ""),
