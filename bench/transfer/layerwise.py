@@ -11,9 +11,10 @@ same either way, are not in it.
 
 Links (each a fresh writer/reader pair, UCX reads its environment at start):
 - `ucx-tcp`: NIXL with UCX restricted to TCP (on loopback) and cuda_copy: a slow link for real;
-- `capped`: NIXL with UCX's default transports, each write (a group, or the whole prompt) held
-  until `bytes / --cap-gbs` has passed since its bytes existed (a group's: since the prefill
-  wrote its layers): a link of that bandwidth, applied by this script;
+- `capped`: NIXL with UCX's default transports (VRAM to VRAM by `cuda_ipc` on one GPU) under a
+  link of `--cap-gbs` this script applies (`CappedLink`): the writes (groups, or the whole
+  prompt) cross it one after another, each from when its bytes exist (a group's: when the
+  prefill wrote its layers) or the link carried the write before, whichever is later;
 - `cuda-ipc`: kvrail's same-node fast path, for no regression.
 Per link and prompt length (2k, 8k, 32k tokens; one engine step each, `--max-batched-tokens`),
 the methods alternate (whole, G=2, G=4, G=8, whole, ...; with `--auto` also `auto`, the count
@@ -154,21 +155,25 @@ class _Decode:
 
 
 class CappedLink:
-    """A connector whose every write lasts at least bytes / cap: a link of that bandwidth. A
-    whole write's notification goes only after that time (sent with the bytes, the reader
-    would see it before the link could have carried them)."""
+    """A connector whose writes cross a link of `bytes_per_s`, one after another: a write's
+    bytes start crossing once they exist and the link has carried the write before it, and it
+    lands when they have crossed and the transport beneath has moved them (whichever is later).
+    A whole write's notification goes only then (sent with the bytes, the reader would see it
+    before the link could have carried them)."""
 
     def __init__(self, inner: Any, bytes_per_s: float | None) -> None:
         self._inner, self._rate = inner, bytes_per_s
         self.region, self.supports_layers = inner.region, True
+        self._free_at = 0.0  # when the link has carried every write before
 
-    def _hold(self, started: float, stats: Any, issued: float | None = None) -> Any:
-        """Hold a write until `started` + bytes / cap; its seconds count from `issued` (default
-        `started`), as the connector beneath counts them."""
+    def _hold(self, started: float, stats: Any) -> Any:
+        """Hold a write whose bytes existed at `started` until the link has carried them; its
+        seconds count from `started`, as the NIXL connector beneath counts a group's (from its
+        layers' readiness, not from its issue)."""
         if self._rate:
-            time.sleep(max(0.0, started + stats.num_bytes / self._rate - time.perf_counter()))
-        since = started if issued is None else issued
-        return dataclasses.replace(stats, seconds=time.perf_counter() - since)
+            self._free_at = max(started, self._free_at) + stats.num_bytes / self._rate
+            time.sleep(max(0.0, self._free_at - time.perf_counter()))
+        return dataclasses.replace(stats, seconds=time.perf_counter() - started)
 
     def write(self, peer: str, src: Any, dst: Any, note: bytes, deadline: float) -> Any:
         if not self._rate:
@@ -183,14 +188,16 @@ class CappedLink:
         ready: Any = None,
     ) -> Any:  # fmt: skip
         """One layer group. Its bytes can cross the link only once the prefill wrote them: the
-        cap's clock starts when `ready` passed, not when the group was issued (which would let
-        the link carry, while it waited, bytes that did not exist yet)."""
-        issued = time.perf_counter()
+        link's clock for them starts when `ready` passed, or when the link carried the group
+        before, whichever is later; not when the group was issued (which would let the link
+        carry, while it waited, bytes that did not exist yet), nor when the transport beneath
+        finished the group before (on one GPU its copies wait for the prefill's kernels, which
+        a NIC's DMA would not)."""
         if self._rate and ready is not None:
             ready.synchronize()
         started = time.perf_counter()
         stats = self._inner.write_layers(peer, src, dst, layers, deadline, ready)
-        return self._hold(started, stats, issued)
+        return self._hold(started, stats)
 
     def notify(self, peer: str, note: bytes) -> None:
         self._inner.notify(peer, note)
