@@ -111,10 +111,11 @@ group added."""
 class WriteCost:
     """What one write costs beyond its bytes' time on the link: a set-up, and per block (one
     NIXL descriptor each: a group's layers are one range per block) seconds that differ by
-    whether the prefill still runs when the write starts (`busy_block_s`: the write shares the
-    GPU with the prefill's compute) or has ended (`idle_block_s`). A write takes `setup_s +
-    max(bytes / bandwidth, blocks x per_block)`: the link and the descriptors overlap, the
-    slower decides (measured on the lent H100: docs/layerwise.md)."""
+    whether the prefill still runs (`busy_block_s`: the write shares the GPU with the prefill's
+    compute) or has ended (`idle_block_s`). A write's blocks go at the busy cost until the
+    prefill ends and at the idle cost after it, while its bytes go at the link's bandwidth: it
+    lands after its set-up and the slower of the two (measured on the lent H100:
+    docs/layerwise.md)."""
 
     setup_s: float
     busy_block_s: float = 0.0
@@ -123,6 +124,17 @@ class WriteCost:
     def __post_init__(self) -> None:
         if min(self.setup_s, self.busy_block_s, self.idle_block_s) < 0:
             raise ValueError("a write cost of negative seconds")
+
+    def blocks_done_s(self, start_s: float, num_blocks: int, prefill_s: float) -> float:
+        """When `num_blocks` descriptors posted at `start_s` are through: at the busy cost
+        until `prefill_s`, at the idle cost after it."""
+        if start_s < prefill_s:
+            busy_s = prefill_s - start_s
+            if num_blocks * self.busy_block_s <= busy_s:
+                return start_s + num_blocks * self.busy_block_s
+            done = busy_s / self.busy_block_s  # > 0: busy_block_s > 0 here
+            return prefill_s + (num_blocks - done) * self.idle_block_s
+        return start_s + num_blocks * self.idle_block_s
 
 
 def lands_s(
@@ -133,12 +145,13 @@ def lands_s(
 
     The prefill's layers take equal time, so group `g` (from 0) is ready at `P (g + 1) / G`;
     the writes run one after another, each once its group is ready and the write before it
-    landed, each carrying `T / G` of the transfer and every block (`WriteCost`)."""
+    landed, each carrying `T / G` of the transfer and every block (`WriteCost`: a write begun
+    during the prefill pays the busy cost only for the blocks it posts before the prefill
+    ends)."""
     end = 0.0
     for group in range(num_groups):
-        start = max(prefill_s * (group + 1) / num_groups, end)
-        per_block = cost.busy_block_s if start < prefill_s else cost.idle_block_s
-        end = start + cost.setup_s + max(transfer_s / num_groups, num_blocks * per_block)
+        start = max(prefill_s * (group + 1) / num_groups, end) + cost.setup_s
+        end = max(start + transfer_s / num_groups, cost.blocks_done_s(start, num_blocks, prefill_s))
     return end
 
 
