@@ -12,6 +12,12 @@ each a set-up more). A prompt longer than one engine step (`max_num_batched_toke
 prefilled in chunks and only its last step's blocks go in groups (those of earlier chunks go
 whole while the next chunk computes): both the prefill and the bytes are taken for that step's
 share. Before this worker measured any prefill, a job goes whole, which measures both.
+
+Over CUDA IPC a job always goes whole. Its groups' copies are gather/scatter kernels on the
+prefill's GPU, which take SMs from the prefill while they overlap it, and the whole write they
+would hide is short (1-3 ms for 8k-32k tokens of a Llama-3-8B on an H100). On the lent H100
+(bench/transfer/layerwise_h100_2026-12-07c.txt) every count lost against a whole write: 2 groups
+12 ms at 8k tokens and 17 ms at 32k, the counts this rule chose before (22-32) 4 and 15 ms.
 """
 
 from __future__ import annotations
@@ -34,8 +40,7 @@ log = logging.getLogger(__name__)
 
 GROUP_SETUP_S = 0.5e-3
 """One write's set-up (its transfer's posting), as `choose_num_groups` charges it, an
-assumption. Over NIXL each block costs more (`link_speed.PeerLinks`, `WriteCost`); CUDA IPC
-moves a group in one gather/scatter, with no cost per block."""
+assumption. Each block costs more (`link_speed.PeerLinks`, `WriteCost`)."""
 
 
 class GroupChoice:
@@ -75,11 +80,10 @@ class GroupChoice:
             transport = self._connector.transport_to(peer)
         except TransferError:  # not loaded yet: the write will say so
             transport = self._connector.transport
+        if transport == "cuda-ipc":  # its copy is a kernel on the prefill's own GPU
+            return ()
         link = self.links.estimate(peer, transport)
-        if transport == "cuda-ipc":
-            cost = WriteCost(GROUP_SETUP_S)
-        else:
-            cost = WriteCost(GROUP_SETUP_S, link.busy_block_s, IDLE_BLOCK_S)
+        cost = WriteCost(GROUP_SETUP_S, link.busy_block_s, IDLE_BLOCK_S)
         num_blocks = round(len(job.dest_block_ids) * share)
         num_groups = choose_num_groups(
             kv_bytes, link.bytes_per_s, prefill_s, num_blocks, cost, self.num_layers

@@ -123,11 +123,34 @@ def test_descriptors_dear_while_the_prefill_runs_make_a_few_large_groups_best() 
 
     assert at(1) == pytest.approx(prefill_s + transfer_s + GROUP_SETUP_S)  # a whole write
     assert at(2) == pytest.approx(0.320, abs=1e-3)  # the first group's bytes hide its blocks
-    assert at(3) == pytest.approx(0.297, abs=1e-3)
-    assert at(4) > at(3) and at(16) > at(1)  # each group during the prefill pays 77 ms
+    assert at(3) == pytest.approx(0.2915, abs=1e-3)  # the second pays busy until 210 ms only
+    assert at(4) > at(3) and at(16) > at(2)  # each group during the prefill pays up to 77 ms
     assert choose_num_groups(1_074_000_000, 5e9, prefill_s, 512, cost, 32) == 3
     cheap = WriteCost(GROUP_SETUP_S, busy_block_s=10e-6, idle_block_s=10e-6)
     assert choose_num_groups(1_074_000_000, 5e9, prefill_s, 512, cheap, 32) > 3
+
+
+def test_a_write_begun_during_the_prefill_pays_the_busy_cost_only_until_it_ends() -> None:
+    """The lent H100's 32k prompt (bench/transfer/layerwise_h100_2026-12-07c.txt): a 1.19 s
+    prefill, 4.3 GB over a 5 GB/s cap (859 ms), 2048 blocks, about 460 us a block while the
+    prefill runs. A first group of 2 landed about 20 ms after the prefill ended and the
+    second its bytes' 430 ms later (1.63 s measured); 4 groups took 1.84 s. Charging the busy
+    cost for a whole write begun during the prefill put 2 groups at 1.97 s and chose 4."""
+    cost = WriteCost(GROUP_SETUP_S, busy_block_s=460e-6, idle_block_s=10e-6)
+    transfer_s, prefill_s = 0.859, 1.19
+
+    def at(groups: int) -> float:
+        return lands_s(groups, transfer_s, prefill_s, 2048, cost)
+
+    assert at(2) == pytest.approx(1.628, abs=5e-3)
+    assert at(4) == pytest.approx(1.837, abs=5e-3)
+    assert choose_num_groups(4_295_000_000, 5e9, prefill_s, 2048, cost, 32) == 2
+    # the blocks still owed when the prefill ends go at the idle cost
+    assert cost.blocks_done_s(0.595, 2048, prefill_s) == pytest.approx(
+        prefill_s + (2048 - 0.595 / 460e-6) * 10e-6
+    )
+    assert cost.blocks_done_s(1.0, 100, prefill_s) == pytest.approx(1.0 + 100 * 460e-6)
+    assert cost.blocks_done_s(1.5, 100, prefill_s) == pytest.approx(1.5 + 100 * 10e-6)
 
 
 def test_a_decayed_ratio_is_a_ratio_of_sums_whose_old_samples_fade() -> None:
@@ -260,10 +283,11 @@ def test_auto_counts_only_what_the_job_moves_and_the_last_steps_share_of_a_long_
     assert auto.plan(job(320, first_block_index=4)) == plan_groups(30, expected)
 
 
-def test_over_nixl_blocks_cost_a_group_and_what_they_cost_is_learned_not_over_cuda_ipc() -> None:
+def test_over_nixl_blocks_cost_a_group_and_what_they_cost_is_learned() -> None:
     """Over NIXL each block of a group is a descriptor, dear while the prefill runs (about 150
-    us on the lent H100), so a prompt of many blocks goes in fewer groups than over CUDA IPC;
-    and once the groups' own writes show the blocks cheaper, in more."""
+    us on the lent H100), so a prompt of many blocks goes in a few groups; once the groups' own
+    writes show the blocks cheaper, in more. Over CUDA IPC it goes whole whatever the link: the
+    copies would take SMs from the prefill they overlap."""
     nixl, ipc = choice("auto"), choice("auto")
     cast(FakeConnector, ipc._connector).peers["decode-0-7"] = "cuda-ipc"
     for auto in (nixl, ipc):
@@ -273,11 +297,9 @@ def test_over_nixl_blocks_cost_a_group_and_what_they_cost_is_learned_not_over_cu
     many = job(8192)
     busy = WriteCost(GROUP_SETUP_S, BUSY_BLOCK_S, IDLE_BLOCK_S)
     assert len(nixl.plan(many)) == choose_num_groups(512_000_000, 1.28e9, 0.3, 512, busy, 30)
-    assert len(ipc.plan(many)) == choose_num_groups(
-        512_000_000, 1.28e9, 0.3, 512, WriteCost(GROUP_SETUP_S), 30
-    )
+    assert ipc.plan(many) == ()
     before = len(nixl.plan(many))
-    assert 0 < before < len(ipc.plan(many))
+    assert before > 0
     # the job's groups during the prefill took their bytes' time: the blocks cost less
     nixl.wrote("decode-0-7", tuple(
         WriteTiming(64_000_000, 512, 0.05, landed_s=-0.3 + 0.0375 * (g + 1)) for g in range(8)
