@@ -68,13 +68,6 @@ class GroupChoice:
         """The groups of this job's write; () for one whole write."""
         if not self.is_auto:
             return self._fixed
-        per_token_s = self.prefill.value
-        if per_token_s is None:  # nothing measured yet: a whole write measures both
-            return ()
-        num_tokens = len(job.token_ids) - job.first_block_index * self._block_size
-        share = min(1.0, self._step_tokens / num_tokens) if num_tokens > 0 else 1.0
-        kv_bytes = int(len(job.dest_block_ids) * self._connector.block_bytes * share)
-        prefill_s = num_tokens * share * per_token_s
         peer = job.dest_agent_name
         try:
             transport = self._connector.transport_to(peer)
@@ -82,6 +75,13 @@ class GroupChoice:
             transport = self._connector.transport
         if transport == "cuda-ipc":  # its copy is a kernel on the prefill's own GPU
             return ()
+        per_token_s = self.prefill.value
+        if per_token_s is None:  # nothing measured yet: a whole write measures both
+            return ()
+        num_tokens = len(job.token_ids) - job.first_block_index * self._block_size
+        share = min(1.0, self._step_tokens / num_tokens) if num_tokens > 0 else 1.0
+        kv_bytes = int(len(job.dest_block_ids) * self._connector.block_bytes * share)
+        prefill_s = num_tokens * share * per_token_s
         link = self.links.estimate(peer, transport)
         cost = WriteCost(GROUP_SETUP_S, link.busy_block_s, IDLE_BLOCK_S)
         num_blocks = round(len(job.dest_block_ids) * share)

@@ -25,7 +25,7 @@ from kvrail.worker.transfer.blocks import TransferStats
 DEFAULT_BYTES_PER_S = {"cuda-ipc": 1.0e12}
 """A peer's bandwidth before any write to it completed, by transport: CUDA IPC between two GPUs
 of one node (2.0 TB/s measured on an H200 for a 1 GiB handoff: bench/transfer/README.md; half
-of it here, so a first write there is whole)."""
+of it here). Only reported: `GroupChoice` writes whole over CUDA IPC whatever it is."""
 DEFAULT_NIXL_BYTES_PER_S = 25e9 / 8
 """... and over NIXL (any other transport): a 25 Gb/s NIC without RDMA, the slow end of what
 layer-wise transfer is for. An RDMA link shows itself in the first write's measurement."""
