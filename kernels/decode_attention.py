@@ -39,20 +39,21 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kvrail.kernels import prefix_attention
 from kvrail.kernels.launch import pdl
 from kvrail.kernels.paged_kv import (
+    attend_tile,
     check_paged_inputs,
     compute_dtype,
-    paged_convert,
-    paged_load,
+    decode_query,
     words_fit,
 )
 from kvrail.kernels.reference import FP8_DTYPES
+from kvrail.kernels.shared_prefix import SharedPrefixes
 
 MAX_SPLITS = 64
 MIN_SPLIT_TOKENS = 32
 WAVES = 2  # aim for about this many programs per SM before splitting stops
-F16_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
 
 
 # The table width varies from step to step in eager steps: not specialized on, so it never
@@ -64,6 +65,7 @@ def _decode_kernel(
     v_cache,
     block_tables,
     seq_lens,
+    starts,
     out,
     part_ml,
     part_acc,
@@ -91,6 +93,7 @@ def _decode_kernel(
     IEEE: tl.constexpr,
     KV_FP8: tl.constexpr,
     KV_WORDS: tl.constexpr,
+    SLOT0: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # see kvrail.kernels.launch; the next kernel is let in after the main loop
@@ -99,8 +102,11 @@ def _decode_kernel(
     s = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + s)
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    lo = split * chunk
+    first = 0
+    if SLOT0:  # slot 0 is the shared prefix's (kvrail.kernels.prefix_attention): skip its tokens
+        first = tl.load(starts + s)
+    chunk = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+    lo = first + split * chunk
     hi = tl.minimum(lo + chunk, seq_len)
     g = tl.arange(0, G_PAD)
     d = tl.arange(0, D_PAD)
@@ -111,51 +117,16 @@ def _decode_kernel(
     q = tl.load(
         query + s * stride_qs + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0
     )
-    if not KV_FP8:
-        q = q.to(k_cache.dtype.element_ty)
-    else:  # float16 (see the module's docstring): the scale folded in, saturating, not inf
-        q = tl.clamp(q.to(tl.float32) * scale, -F16_MAX, F16_MAX).to(tl.float16)
+    q = decode_query(q, k_cache, scale, KV_FP8)
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
     table = block_tables + s.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < hi
-        phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
-        within = (n % block_size).to(tl.int64)
-        k_raw = paged_load(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
-                           d_mask, KV_WORDS, D_PAD)  # fmt: skip
-        # V's load issued with K's, both in flight before the first dot waits, except for an FP8
-        # cache read as bytes (slower there: see the module's docstring)
-        if KV_WORDS or not KV_FP8:
-            v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
-                               n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
-        k = paged_convert(k_raw, k_cache, KV_WORDS, BLOCK_N, D_PAD)
-        if KV_FP8:  # read in FP8, multiplied in float16 (already, read as words)
-            k = k.to(tl.float16)
-        if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
-            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        if not KV_FP8:
-            scores = scores * scale
-        scores = tl.where(n_mask[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        p = tl.exp(scores - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if KV_FP8 and not KV_WORDS:  # not loaded above
-            v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
-                               n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
-        v = paged_convert(v_raw, v_cache, KV_WORDS, BLOCK_N, D_PAD)
-        if KV_FP8:
-            v = v.to(tl.float16)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = attend_tile(q, m_i, l_i, acc, k_cache, v_cache, table, start, hi, scale,
+                                    kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                                    stride_vh, block_size, d, d_mask, BLOCK_N, D_PAD, IEEE,
+                                    KV_FP8, KV_WORDS)  # fmt: skip
     if PDL:
         gdc_launch_dependents()
     if DIRECT:
@@ -165,11 +136,14 @@ def _decode_kernel(
             mask=q_mask,
         )
     else:
-        # partials: part_ml [S, Hq, 2, splits] (max, sum), part_acc [S, Hq, splits, D_PAD]
+        # partials: part_ml [S, Hq, 2, slots] (max, sum), part_acc [S, Hq, slots, D_PAD], the
+        # splits from slot SLOT0 on
         row = s.to(tl.int64) * num_heads + heads
-        tl.store(part_ml + (row * 2) * num_splits + split, m_i, mask=g_mask)
-        tl.store(part_ml + (row * 2 + 1) * num_splits + split, l_i, mask=g_mask)
-        acc_ptr = part_acc + ((row * num_splits + split) * D_PAD)[:, None] + d[None, :]
+        slots = num_splits + SLOT0
+        slot = split + SLOT0
+        tl.store(part_ml + (row * 2) * slots + slot, m_i, mask=g_mask)
+        tl.store(part_ml + (row * 2 + 1) * slots + slot, l_i, mask=g_mask)
+        acc_ptr = part_acc + ((row * slots + slot) * D_PAD)[:, None] + d[None, :]
         tl.store(acc_ptr, acc, mask=g_mask[:, None])
 
 
@@ -177,6 +151,7 @@ def _decode_kernel(
 def _reduce_kernel(
     part_ml,
     part_acc,
+    starts,
     out,
     stride_os,
     stride_oh,
@@ -185,8 +160,11 @@ def _reduce_kernel(
     num_splits,
     SPLIT_PAD: tl.constexpr,
     D_PAD: tl.constexpr,
+    SLOT0: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """Merges a row's slots (`num_splits` of them: with SLOT0, the shared prefix's slot 0, which
+    holds nothing for a row whose start is 0, then the splits of the rest)."""
     if PDL:  # see kvrail.kernels.launch
         gdc_wait()
         gdc_launch_dependents()
@@ -196,6 +174,8 @@ def _reduce_kernel(
     i = tl.arange(0, SPLIT_PAD)
     d = tl.arange(0, D_PAD)
     i_mask = i < num_splits
+    if SLOT0:  # a row without a shared prefix: its slot 0 was never written
+        i_mask = i_mask & (i >= tl.where(tl.load(starts + s) > 0, 0, 1))
     m = tl.load(part_ml + (row * 2) * num_splits + i, mask=i_mask, other=float("-inf"))
     l_s = tl.load(part_ml + (row * 2 + 1) * num_splits + i, mask=i_mask, other=0.0)
     acc = tl.load(
@@ -203,7 +183,7 @@ def _reduce_kernel(
         mask=i_mask[:, None],
         other=0.0,
     )
-    m_max = tl.max(m, 0)  # finite: split 0 always holds at least one token
+    m_max = tl.max(m, 0)  # finite: the first split always holds at least one token
     w = tl.where(m > float("-inf"), tl.exp(m - m_max), 0.0)
     total = tl.sum(w * l_s, 0)
     result = tl.sum(w[:, None] * acc, 0) / total
@@ -244,9 +224,13 @@ def paged_decode_attention(
     num_stages: int | None = None,
     max_registers: int | None = None,
     fp8_words: bool | None = None,
+    prefix: SharedPrefixes | None = None,
 ) -> torch.Tensor:
     """`num_splits` None picks it from the batch and the table's width (a static bound on the
-    context, so no host sync and the same choice on every replay of a captured graph).
+    context, so no host sync and the same choice on every replay of a captured graph). `prefix`:
+    rows that share their first blocks, which `kvrail.kernels.prefix_attention` attends once per
+    group; the rest of each row is split as usual, and the reduce merges both (launch hint: the
+    result is the same without it).
     `block_n`, `num_warps`, `num_stages`, `max_registers` (a cap on registers per thread, which
     can fit more programs on an SM at the cost of spills; at 96 and 80 slower than the default
     at 256 sequences on an H100, decode_attention_sweep.txt): tuning knobs (None: the defaults;
@@ -268,7 +252,8 @@ def paged_decode_attention(
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers must be within 24..255, got {max_registers}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    direct = num_splits == 1
+    direct = num_splits == 1 and prefix is None
+    slots = num_splits + (prefix is not None)  # partials: the prefix's slot 0, then the splits
     on = pdl(query.device)
     fits = words_fit(k_cache, v_cache, head_dim)
     words = fits if fp8_words is None else fp8_words
@@ -285,16 +270,19 @@ def paged_decode_attention(
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:
         f32 = torch.float32
-        part_ml = torch.empty(num_seqs, num_heads, 2, num_splits, dtype=f32, device=query.device)
-        part_acc = torch.empty(
-            num_seqs, num_heads, num_splits, d_pad, dtype=f32, device=query.device
-        )
+        part_ml = torch.empty(num_seqs, num_heads, 2, slots, dtype=f32, device=query.device)
+        part_acc = torch.empty(num_seqs, num_heads, slots, d_pad, dtype=f32, device=query.device)
+    ieee = compute_dtype(query, k_cache) == torch.float32
+    if prefix is not None:
+        prefix_attention.launch(query, k_cache, v_cache, block_tables, prefix, part_ml, part_acc,
+                                scale, words, ieee)  # fmt: skip
     _decode_kernel[(num_kv_heads, num_seqs, num_splits)](
         query,
         k_cache,
         v_cache,
         block_tables,
         seq_lens,
+        seq_lens if prefix is None else prefix.starts,
         out,
         part_ml,
         part_acc,
@@ -319,9 +307,10 @@ def paged_decode_attention(
         D_PAD=d_pad,
         BLOCK_N=block_n or tile,
         DIRECT=direct,
-        IEEE=compute_dtype(query, k_cache) == torch.float32,
+        IEEE=ieee,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
         KV_WORDS=words,
+        SLOT0=prefix is not None,
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,
@@ -332,14 +321,16 @@ def paged_decode_attention(
         _reduce_kernel[(num_seqs, num_heads)](
             part_ml,
             part_acc,
+            seq_lens if prefix is None else prefix.starts,
             out,
             out.stride(0),
             out.stride(1),
             head_dim,
             num_heads,
-            num_splits,
-            SPLIT_PAD=triton.next_power_of_2(num_splits),
+            slots,
+            SPLIT_PAD=triton.next_power_of_2(slots),
             D_PAD=d_pad,
+            SLOT0=prefix is not None,
             PDL=on,
             launch_pdl=on,
         )

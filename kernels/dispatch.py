@@ -14,6 +14,7 @@ from torch.nn import functional
 from kvrail.kernels import reference
 from kvrail.kernels.launch import pdl
 from kvrail.kernels.reference import FP8_WEIGHT_DTYPE, QuantizedRows
+from kvrail.kernels.shared_prefix import SharedPrefixes
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -306,10 +307,11 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    prefix: SharedPrefixes | None = None,
 ) -> torch.Tensor:
     impl = _triton("decode_attention") if query.is_cuda else reference
     out: torch.Tensor = impl.paged_decode_attention(
-        query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits
+        query, k_cache, v_cache, block_tables, seq_lens, scale, num_splits, prefix=prefix
     )
     return out
 

@@ -103,6 +103,90 @@ def paged_convert(raw, cache, WORDS: tl.constexpr, BLOCK_N: tl.constexpr, D_PAD:
     return tile
 
 
+F16_MAX = tl.constexpr(float(torch.finfo(torch.float16).max))
+
+
+@triton.jit
+def decode_query(q, k_cache, scale, KV_FP8: tl.constexpr):
+    """Query rows as the decode kernels' dots take them: in the cache's dtype, or over an FP8
+    cache in float16 with the scale folded in, saturating, not inf (see
+    `kvrail.kernels.decode_attention`'s docstring)."""
+    if not KV_FP8:
+        q = q.to(k_cache.dtype.element_ty)
+    else:
+        q = tl.clamp(q.to(tl.float32) * scale, -F16_MAX, F16_MAX).to(tl.float16)
+    return q
+
+
+@triton.jit
+def attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache,
+    v_cache,
+    table,
+    start,
+    hi,
+    scale,
+    kvh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    block_size,
+    d,
+    d_mask,
+    BLOCK_N: tl.constexpr,
+    D_PAD: tl.constexpr,
+    IEEE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    KV_WORDS: tl.constexpr,
+):
+    """One BLOCK_N-token tile from `start` (tokens from `hi` on masked) of the block table `table`
+    folded into the online softmax of the query rows `q` (KV head `kvh`): the new (max, sum,
+    unnormalised acc). Every decode kernel's loop body (`kvrail.kernels.prefix_attention`'s too)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_mask = n < hi
+    phys = tl.load(table + n // block_size, mask=n_mask, other=0).to(tl.int64)
+    within = (n % block_size).to(tl.int64)
+    k_raw = paged_load(k_cache, phys, within, kvh, stride_kb, stride_ks, stride_kh, d, n_mask,
+                       d_mask, KV_WORDS, D_PAD)  # fmt: skip
+    # V's load issued with K's, both in flight before the first dot waits, except for an FP8
+    # cache read as bytes (slower there: see kvrail.kernels.decode_attention's docstring)
+    if KV_WORDS or not KV_FP8:
+        v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
+                           n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
+    k = paged_convert(k_raw, k_cache, KV_WORDS, BLOCK_N, D_PAD)
+    if KV_FP8:  # read in FP8, multiplied in float16 (already, read as words)
+        k = k.to(tl.float16)
+    if IEEE:  # noqa: SIM108 - a constexpr branch, kept explicit for the Triton compiler
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    if not KV_FP8:
+        scores = scores * scale
+    scores = tl.where(n_mask[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp(scores - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_FP8 and not KV_WORDS:  # not loaded above
+        v_raw = paged_load(v_cache, phys, within, kvh, stride_vb, stride_vs, stride_vh, d,
+                           n_mask, d_mask, KV_WORDS, D_PAD)  # fmt: skip
+    v = paged_convert(v_raw, v_cache, KV_WORDS, BLOCK_N, D_PAD)
+    if KV_FP8:
+        v = v.to(tl.float16)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
 def check_paged_inputs(
     query: torch.Tensor,
     k_cache: torch.Tensor,

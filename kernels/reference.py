@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from kvrail.kernels.shared_prefix import SharedPrefixes, check_shared_prefixes
+
 FP8_DTYPES = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
 
@@ -142,13 +144,17 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    prefix: SharedPrefixes | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [S, Hq, D] -> [S, Hq, D]. `num_splits` (how many
-    programs share one sequence's context in the kernel) is a launch hint the reference ignores."""
+    programs share one sequence's context in the kernel) and `prefix` (rows that share their
+    first blocks) are launch hints the reference does not need; `prefix` is checked."""
     num_seqs, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    if prefix is not None:
+        check_shared_prefixes(prefix, block_tables, seq_lens, block_size)
     if num_seqs == 0:
         return query.new_empty(query.shape)
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     num_blocks = -(-max_len // block_size)

@@ -21,6 +21,7 @@ KERNEL_MODULES = (
     "race",
     "token_bitmask",
     "paged_kv",
+    "prefix_attention",
     "decode_attention",
     "prefill_attention",
     "block_copy",

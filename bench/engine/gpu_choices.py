@@ -4,8 +4,11 @@ choices each against 256 distinct prompts, 512 prompt / 128 output tokens, seede
 The 8 choices go to the engine as the router sends them (`kvrail.router.choices`): the first
 choice of each prompt alone, and its 7 others (seeds + 1 to + 7) as soon as it has its first
 token, when its prompt's full blocks are in the prefix cache: they compute only the prompt's last
-partial block. Measured in the order a, b, a, b after one untimed run of each
-(`gpu_llama3_8b.alternate`). vLLM is not run here (see bench/engine/README.md).
+partial block. The choices' decode steps run twice: reading the prompt's shared blocks once per
+prompt (`shared_prefix_decode`, the default; `kvrail.kernels.prefix_attention`) and once per
+choice ("whole": every row its whole context, as before). Measured in the order a, b, c, a, b, c
+after one untimed run of each (`gpu_llama3_8b.alternate`). vLLM's side is
+bench/engine/vllm_sampling.py.
 
 Run on the lent GPU (from the repository root, after `source hack/device-env.sh`):
   python3 -P bench/engine/gpu_choices.py | tee bench/engine/gpu_choices.txt
@@ -27,10 +30,13 @@ import gpu_llama3_8b as base
 _SEEDS = iter(range(100, 10_000))
 
 
-def run(engine: Any, prompts: int, choices: int, length: int, out: int) -> float:
+def run(engine: Any, prompts: int, choices: int, shared: bool, length: int, out: int) -> float:
     """Output tokens/s of `prompts` new prompts of `length` tokens with `choices` choices each,
-    `out` tokens per choice; the followers join when their leader has its first token."""
+    `out` tokens per choice; the followers join when their leader has its first token. `shared`:
+    decode over shared blocks once per group."""
     from kvrail.sampling import SamplingParams
+
+    engine.runner.shared_prefixes = shared
 
     batch = base.prompts(prompts, length, seed=next(_SEEDS))
     seed = next(_SEEDS) * 1000
@@ -67,9 +73,11 @@ def main() -> int:
     args = parser.parse_args()
     engine = base.bench_engine(args.smoke, args.kv_gib)
     length, out = (args.prompt_len, args.max_tokens) if not args.smoke else (40, 8)
-    shapes = {"n=8 x 32 prompts": (32, 8), "256 prompts": (256, 1)}
+    shapes = {"n=8 x 32 prompts": (32, 8, True), "n=8 x 32, whole": (32, 8, False),
+              "256 prompts": (256, 1, True)}  # fmt: skip
     if args.smoke:
-        shapes = {"n=8 x 4 prompts": (4, 8), "32 prompts": (32, 1)}
+        shapes = {"n=8 x 4 prompts": (4, 8, True), "n=8 x 4, whole": (4, 8, False),
+                  "32 prompts": (32, 1, True)}  # fmt: skip
     values = base.alternate(
         dict.fromkeys(shapes, True), lambda mode: run(engine, *shapes[mode], length, out)
     )

@@ -13,7 +13,8 @@ and no tokenizer (token-id prompts).
 Run on the lent GPU once vLLM 0.26 is installed in /tmp/vsite (the device bundle), in the same
 command as the kvrail scripts:
   PYTHONPATH=/tmp/vsite VLLM_USE_FLASHINFER_SAMPLER=0 python3 bench/engine/vllm_sampling.py
-`--prompt-len` and `--max-tokens` set the lengths (default 512 / 128), as in the kvrail scripts.
+`--prompt-len` and `--max-tokens` set the lengths (default 512 / 128), as in the kvrail scripts;
+`--only logprobs` or `--only choices` runs one part.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--only", choices=("logprobs", "choices"), help="one of the two parts")
     args = parser.parse_args()
     length, out = args.prompt_len, args.max_tokens
     write_config()
@@ -85,15 +87,17 @@ def main() -> int:
             print(f"{name:18} " + " ".join(f"{v:10.0f}" for v in runs) + f"   {ratio:.3f}x {first}")
 
     greedy = dict(max_tokens=out, ignore_eos=True, temperature=0.0, detokenize=False)
-    report(f"256 requests of {length} / {out} tokens", alternate({
-        "none": (256, SamplingParams(**greedy)),
-        "logprobs=5": (256, SamplingParams(**greedy, logprobs=5)),
-    }))  # fmt: skip
+    if args.only != "choices":
+        report(f"256 requests of {length} / {out} tokens", alternate({
+            "none": (256, SamplingParams(**greedy)),
+            "logprobs=5": (256, SamplingParams(**greedy, logprobs=5)),
+        }))  # fmt: skip
     sampled = dict(max_tokens=out, ignore_eos=True, temperature=1.0, detokenize=False, seed=7)
-    report(f"{length} prompt / {out} output tokens per choice", alternate({
-        "256 prompts": (256, SamplingParams(**sampled)),
-        "n=8 x 32 prompts": (32, SamplingParams(**sampled, n=8)),
-    }))  # fmt: skip
+    if args.only != "logprobs":
+        report(f"{length} prompt / {out} output tokens per choice", alternate({
+            "256 prompts": (256, SamplingParams(**sampled)),
+            "n=8 x 32 prompts": (32, SamplingParams(**sampled, n=8)),
+        }))  # fmt: skip
     return 0
 
 

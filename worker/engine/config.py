@@ -80,6 +80,9 @@ class EngineConfig:
     host memory; a directory fed by it), see `kvrail.worker.engine.kv_tiers`; 0 and "": none.
     `grammar_threads`: the threads that fill grammar masks (`grammar_masks.MaskFiller`; 0:
     llguidance's default, 80% of the CPUs, at most 32).
+    `shared_prefix_decode`: decode rows that share their first blocks (a request's `n` choices,
+    a cached system prompt) read those blocks once per group of rows, not once per row
+    (`kvrail.worker.engine.shared_prefix`); off, every row reads its whole context.
 
     The fields the worker fills from `kvrail.settings.Settings` default to Settings' defaults
     (one default each). `block_size` is any positive size here (tests use 4); what a pool may
@@ -100,6 +103,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     kv_dtype: str = _setting("kv_dtype")
     grammar_threads: int = 0
+    shared_prefix_decode: bool = True
     kv_host_tier_bytes: int = _setting("kv_host_tier_bytes")
     kv_disk_tier_path: str = _setting("kv_disk_tier_path")
     kv_disk_tier_bytes: int = _setting("kv_disk_tier_bytes")

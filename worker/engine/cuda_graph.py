@@ -37,7 +37,10 @@ import time
 import numpy as np
 import torch
 
+from kvrail.kernels.shared_prefix import SharedPrefixes
 from kvrail.kernels.tile_map import fill_tile_maps, tile_capacities
+from kvrail.worker.engine.graph_inputs import GraphInputs
+from kvrail.worker.engine.shared_prefix import PrefixGroups
 from kvrail.worker.engine.staging import feed_tokens
 from kvrail.worker.engine.step_inputs import PreparedInputs
 from kvrail.worker.kv_cache import KVCache
@@ -76,6 +79,7 @@ class StepGraphs:
         max_num_seqs: int,
         max_blocks_per_seq: int,
         max_mixed_tokens: int,
+        shared_prefixes: bool = False,
     ) -> None:
         device = kv_cache.tensor.device
         if device.type != "cuda":
@@ -83,6 +87,8 @@ class StepGraphs:
         self.model = model
         self.kv_cache = kv_cache
         self.batch_sizes = graph_batch_sizes(max_num_seqs)
+        # a "shared" decode graph of each batch size that can hold a group (two rows at least)
+        self.shared_sizes = [b for b in self.batch_sizes if b >= 2] if shared_prefixes else []
         self.token_sizes = mixed_token_sizes(max_mixed_tokens)
         self.max_num_seqs = max_num_seqs
         self.group = model.layout.num_local_heads // model.layout.num_local_kv_heads
@@ -90,7 +96,7 @@ class StepGraphs:
         self.short_capacity, self.long_capacity = tile_capacities(
             max_mixed_tokens, max_num_seqs, self.group
         )
-        self.inputs = _Inputs(tokens, max_num_seqs, max_blocks_per_seq,
+        self.inputs = GraphInputs(tokens, max_num_seqs, max_blocks_per_seq,
                               self.short_capacity + self.long_capacity, device)  # fmt: skip
         self._no_prefill = (
             torch.zeros((0, 1), dtype=torch.int32, device=device),
@@ -120,8 +126,9 @@ class StepGraphs:
 
     def _metadata(self, kind: str, size: int) -> AttentionMetadata:
         ins = self.inputs
-        if kind == "decode":
+        if kind in ("decode", "shared"):
             tables, start_loc, lens = self._no_prefill
+            prefix = ins.prefix
             return AttentionMetadata(
                 slot_mapping=ins.slot_mapping[:size],
                 num_decode_tokens=size,
@@ -131,6 +138,11 @@ class StepGraphs:
                 prefill_query_start_loc=start_loc,
                 prefill_seq_lens=lens,
                 prefill_max_query_len=0,
+                decode_prefix=SharedPrefixes(
+                    prefix.rows[: size // 2], prefix.tokens[: size // 2], prefix.starts[:size]
+                )
+                if kind == "shared"
+                else None,
             )
         decode_tables, decode_lens = self._no_decode
         return AttentionMetadata(
@@ -162,6 +174,7 @@ class StepGraphs:
         pool = None
         keys = [("mixed", t) for t in reversed(self.token_sizes)]
         keys += [("decode", b) for b in reversed(self.batch_sizes)]
+        keys += [("shared", b) for b in reversed(self.shared_sizes)]
         for key in keys:
             self._forward(*key)  # warm-up: compiles the kernels for this shape
             torch.cuda.synchronize()
@@ -172,9 +185,9 @@ class StepGraphs:
             self.graphs[key] = graph
         torch.cuda.synchronize()
         logger.info(
-            "cuda graphs captured decode=%d max_batch=%d mixed=%d max_tokens=%d seconds=%.1f",
-            len(self.batch_sizes), self.max_batch_size, len(self.token_sizes),
-            self.max_mixed_tokens, time.perf_counter() - started,
+            "cuda graphs captured decode=%d max_batch=%d shared=%d mixed=%d max_tokens=%d "
+            "seconds=%.1f", len(self.batch_sizes), self.max_batch_size, len(self.shared_sizes),
+            len(self.token_sizes), self.max_mixed_tokens, time.perf_counter() - started,
         )  # fmt: skip
 
     def run(
@@ -185,17 +198,25 @@ class StepGraphs:
         block_tables: np.ndarray,
         seq_lens: np.ndarray,
         fed: tuple[np.ndarray, torch.Tensor] | None = None,
+        shared: PrefixGroups | None = None,
     ) -> torch.Tensor:
         """Queue a decode replay for n = len(input_ids) <= max_batch_size decodes; returns hidden
         [n, H]. The inputs are host arrays as `model_runner.prepare_decode` makes them
-        (block_tables [n, width]); `fed` = (rows, sampled) as `staging.feed_tokens` takes them."""
+        (block_tables [n, width]); `fed` = (rows, sampled) as `staging.feed_tokens` takes them;
+        `shared`: the rows' shared prefixes, for the "shared" graph (captured with
+        `shared_prefixes`)."""
         n = len(input_ids)
         bs = next(s for s in self.batch_sizes if s >= n)
         staging = self.inputs.stage()
         staging.fill_tokens(n, bs, input_ids, positions, slot_mapping)
         staging.fill_sequences(n, bs, seq_lens, [block_tables])
-        self.inputs.copy(staging, bs, bs, block_tables.shape[1], with_tiles=False)
-        return self._replay(("decode", bs), n, fed)
+        if shared is not None:
+            if bs not in self.shared_sizes:
+                raise RuntimeError(f"no shared-prefix decode graph of batch {bs} was captured")
+            staging.fill_prefix(n, bs, shared)
+        self.inputs.copy(staging, bs, bs, block_tables.shape[1], with_tiles=False,
+                         with_prefix=shared is not None)  # fmt: skip
+        return self._replay(("shared" if shared is not None else "decode", bs), n, fed)
 
     def run_mixed(
         self,
@@ -241,91 +262,6 @@ class StepGraphs:
             feed_tokens(self.inputs.input_ids, *fed)
         self.graphs[key].replay()
         return self.outputs[key][:n]
-
-
-class _Inputs:
-    """The graphs' static device buffers and two sets of pinned staging buffers, in turn."""
-
-    def __init__(
-        self, tokens: int, seqs: int, max_blocks: int, tiles: int, device: torch.device
-    ) -> None:
-        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(seqs, max_blocks, dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
-        self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device=device)
-        self._staging = tuple(_Staging(tokens, seqs, max_blocks, tiles) for _ in range(2))
-        self._turn = 0
-
-    def stage(self) -> _Staging:
-        """The next staging set, once the copies out of it (two replays ago) have run."""
-        staging = self._staging[self._turn]
-        self._turn ^= 1
-        staging.copied.synchronize()
-        return staging
-
-    def copy(self, staging: _Staging, tokens: int, seqs: int, width: int, with_tiles: bool) -> None:
-        """Queue the copies of `staging`'s first `tokens` tokens and `seqs` sequences (tables
-        `width` wide), and the query starts and tile maps for a mixed graph."""
-        self.input_ids[:tokens].copy_(staging.ids[0, :tokens], non_blocking=True)
-        self.positions[:tokens].copy_(staging.ids[1, :tokens], non_blocking=True)
-        self.slot_mapping[:tokens].copy_(staging.ids[2, :tokens], non_blocking=True)
-        self.seq_lens[:seqs].copy_(staging.lens[:seqs], non_blocking=True)
-        tables = staging.tables[: seqs * width].view(seqs, width)
-        self.block_tables[:seqs, :width].copy_(tables, non_blocking=True)
-        if with_tiles:
-            self.query_start_loc[: seqs + 1].copy_(staging.start_loc[: seqs + 1],
-                                                   non_blocking=True)  # fmt: skip
-            self.tiles.copy_(staging.tiles, non_blocking=True)
-        staging.copied.record()
-
-
-class _Staging:
-    """Pinned host buffers for one replay's inputs, and an event recorded after their copies."""
-
-    def __init__(self, tokens: int, seqs: int, max_blocks: int, tiles: int) -> None:
-        self.ids = torch.zeros(3, tokens, dtype=torch.int64, device="cpu", pin_memory=True)
-        self.lens = torch.ones(seqs, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.tables = torch.zeros(seqs * max_blocks, dtype=torch.int32, device="cpu",
-                                  pin_memory=True)  # fmt: skip
-        self.start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
-
-    def fill_tokens(
-        self,
-        n: int,
-        padded: int,
-        input_ids: np.ndarray,
-        positions: np.ndarray,
-        slot_mapping: np.ndarray,
-    ) -> None:
-        """Tokens 0..n-1, then padding up to `padded` that writes no KV."""
-        host = self.ids.numpy()
-        host[0, :n] = input_ids
-        host[1, :n] = positions
-        host[2, :n] = slot_mapping
-        host[:, n:padded] = 0
-        host[2, n:padded] = -1
-
-    def fill_sequences(
-        self, n: int, padded: int, seq_lens: np.ndarray, block_tables: list[np.ndarray]
-    ) -> None:
-        """Sequences 0..n-1 (their tables stacked from `block_tables`, padded with the null
-        block to the widest), then padding up to `padded`: length 1 over the null block."""
-        width = max(t.shape[1] for t in block_tables)
-        lens = self.lens.numpy()
-        lens[:n] = seq_lens
-        lens[n:padded] = 1
-        rows = self.tables[: padded * width].numpy().reshape(padded, width)
-        rows[:] = 0
-        row = 0
-        for table in block_tables:
-            rows[row : row + table.shape[0], : table.shape[1]] = table
-            row += table.shape[0]
 
 
 @torch.inference_mode()

@@ -135,12 +135,16 @@ class LLMEngine:
         if self.device.type == "cuda" and config.enable_cuda_graphs:
             max_blocks = -(-config.max_model_len // config.block_size)
             mixed = min(config.max_mixed_graph_tokens, config.max_num_batched_tokens)
-            capture = CaptureGraphs(config.max_num_seqs, max_blocks, mixed)
+            capture = CaptureGraphs(
+                config.max_num_seqs, max_blocks, mixed, config.shared_prefix_decode
+            )
             graphs = StepGraphs(model, self.kv_cache, *capture.sizes)
             if peers is not None:  # the graphs hold collectives: every rank captures together
                 peers.send(capture)
             graphs.capture()
-        self.runner = runner = ModelRunner(model, self.kv_cache, self.device, graphs, peers)
+        self.runner = runner = ModelRunner(
+            model, self.kv_cache, self.device, graphs, peers, config.shared_prefix_decode
+        )
         async_scheduling = (
             config.async_scheduling
             if config.async_scheduling is not None

@@ -23,6 +23,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from kvrail.kernels.shared_prefix import SharedPrefixes
 from kvrail.worker.engine.cuda_graph import StepGraphs
 from kvrail.worker.engine.layer_sinks import LayerSinks
 from kvrail.worker.engine.rank_commands import RankPeers
@@ -36,6 +37,7 @@ from kvrail.worker.engine.scores import (
     score_rows,
     token_scores,
 )
+from kvrail.worker.engine.shared_prefix import PrefixGroups, find_shared_prefixes
 from kvrail.worker.engine.staging import feed_tokens, to_device
 from kvrail.worker.engine.step_inputs import GraphKind, PreparedInputs, StepInputs
 from kvrail.worker.kv_cache import KVCache
@@ -119,16 +121,24 @@ def prepare_step(
     block_size: int,
     previous: SampledOnDevice | None,
     graphs: GraphLimits = (0, 0, 0),
+    shared_prefixes: bool = False,
 ) -> tuple[StepInputs, list[Request], list[ScoredSpan]]:
     """A scheduled step's inputs (host arrays), the requests its sampled rows belong to, in
     row order, and the requests its prompt score rows belong to (`scores.score_rows`).
     `graphs`: the largest captured decode batch, mixed step (tokens) and number of requests in a
-    mixed step (0: none); see `choose_graph`."""
+    mixed step (0: none); see `choose_graph`. `shared_prefixes`: group the decode rows that share
+    their first blocks (`kvrail.worker.engine.shared_prefix`), except in a mixed graph, whose
+    tiled kernel attends decodes as one-token chunks."""
     dec = prepare_decode(out.decodes, block_size)
     fed = device_fed_rows(out.decodes, previous)
     pre = prepare_prefill(out.prefills, block_size)
     graph = choose_graph(len(out.decodes), len(out.prefills), dec.num_tokens + pre.num_tokens,
                          graphs)  # fmt: skip
+    shared = None
+    if shared_prefixes and graph != "mixed":
+        shared = find_shared_prefixes(dec.block_tables, dec.seq_lens, block_size)
+        if shared is not None and graph == "decode":
+            graph = "shared"
     rows: list[int] = []
     requests: list[Request] = []
     for i, item in enumerate(out.decodes):
@@ -160,7 +170,7 @@ def prepare_step(
             [s.num_computed_tokens for s in out.prefills],
         ),
         prefill_has_prefix=any(s.num_computed_tokens for s in out.prefills),
-        graph=graph, scores=scores,
+        graph=graph, scores=scores, shared=shared,
     )  # fmt: skip
     return step, requests, spans
 
@@ -189,6 +199,7 @@ class ModelRunner:
         device: torch.device,
         graphs: StepGraphs | None = None,
         peers: RankPeers | None = None,
+        shared_prefixes: bool = False,
     ) -> None:
         self.model = model
         self.group = model.group
@@ -197,6 +208,7 @@ class ModelRunner:
         self.device = device
         self.graphs = graphs
         self.peers = peers
+        self.shared_prefixes = shared_prefixes  # see prepare_step
         self.layer_sinks = LayerSinks()  # layer-wise KV transfers (the prefill role's)
         if self.group.size > 1 and self.group.is_first and peers is None:
             raise ValueError("rank 0 of a tensor-parallel group needs its peers")
@@ -216,7 +228,9 @@ class ModelRunner:
         """Queue one step (rank 0). Returns logits [n, vocab], the n requests that sample a
         token, and the prompt scores it computed (None: no request in it asked). `previous`: the
         tokens of the step before, for the decodes fed from the device."""
-        step, requests, spans = prepare_step(out, self.block_size, previous, self.graph_limits)
+        step, requests, spans = prepare_step(
+            out, self.block_size, previous, self.graph_limits, self.shared_prefixes
+        )
         hook = (
             self.layer_sinks.hook_for(out, self.device.type == "cuda") if self.layer_sinks else None
         )
@@ -247,10 +261,10 @@ class ModelRunner:
         feed = (fed, sampled) if sampled is not None else None
         graphs = self.graphs
         assert graphs is not None or not step.graph, "rank 0 decided on a graph this rank lacks"
-        if step.graph == "decode" and graphs is not None:
+        if step.graph in ("decode", "shared") and graphs is not None:
             hidden = graphs.run(
                 dec.input_ids, dec.positions, dec.slot_mapping, dec.block_tables, dec.seq_lens,
-                feed,
+                feed, step.shared,
             )  # fmt: skip
         elif step.graph == "mixed" and graphs is not None:
             hidden = graphs.run_mixed(dec, pre, feed)
@@ -266,6 +280,7 @@ class ModelRunner:
                 prefill_max_query_len=step.prefill_max_query_len,
                 prefill_fresh_runs=step.prefill_fresh_runs,
                 prefill_has_prefix=step.prefill_has_prefix,
+                decode_prefix=self._prefix(step.shared),
             )
             input_ids = self._tensor(np.concatenate((dec.input_ids, pre.input_ids)))
             if sampled is not None:
@@ -278,6 +293,12 @@ class ModelRunner:
             rows = hidden[self._tensor(step.logit_rows)]
         logits = self._gather_logits(self.model.compute_logits(rows))
         return logits, self._score(hidden, step.scores) if step.scores is not None else None
+
+    def _prefix(self, shared: PrefixGroups | None) -> SharedPrefixes | None:
+        if shared is None:
+            return None
+        arrays = (shared.rows, shared.tokens, shared.starts)
+        return SharedPrefixes(*(self._tensor(a) for a in arrays))
 
     def _score(self, hidden: torch.Tensor, scores: ScoreRows) -> Scored | None:
         """Each score row's target entry and top-k, from its logits `SCORE_SLICE_ROWS` rows at a

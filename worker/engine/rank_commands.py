@@ -31,11 +31,13 @@ class CaptureGraphs:
     max_num_seqs: int
     max_blocks_per_seq: int
     max_mixed_tokens: int
+    shared_prefixes: bool = False
 
     @property
-    def sizes(self) -> tuple[int, int, int]:
-        """`StepGraphs`' size arguments."""
-        return self.max_num_seqs, self.max_blocks_per_seq, self.max_mixed_tokens
+    def sizes(self) -> tuple[int, int, int, bool]:
+        """`StepGraphs`' arguments after the model and KV cache."""
+        return (self.max_num_seqs, self.max_blocks_per_seq, self.max_mixed_tokens,
+                self.shared_prefixes)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

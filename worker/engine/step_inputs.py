@@ -13,8 +13,9 @@ from typing import Literal
 import numpy as np
 
 from kvrail.worker.engine.scores import ScoreRows
+from kvrail.worker.engine.shared_prefix import PrefixGroups
 
-GraphKind = Literal["decode", "mixed", ""]
+GraphKind = Literal["decode", "shared", "mixed", ""]
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +41,10 @@ class StepInputs:
     device (`fed`: [2, k] rows here and there), the rows of the hidden states that sample
     (`logit_rows`; None: the first `num_sampled` rows, a view without an index), and how to run:
     `graph` names the CUDA graph it replays, "" for an eager step (decided on rank 0, so every
-    rank agrees: `model_runner.choose_graph`). `scores`: the rows that score prompt tokens
-    (`kvrail.worker.engine.scores`), None when no request in the step asks."""
+    rank agrees: `model_runner.choose_graph`; "shared" is the decode graph that reads `shared`'s
+    groups once). `scores`: the rows that score prompt tokens (`kvrail.worker.engine.scores`),
+    None when no request in the step asks. `shared`: decode rows that share their first blocks
+    (`kvrail.worker.engine.shared_prefix`), None when the step has none worth grouping."""
 
     decode: PreparedInputs
     prefill: PreparedInputs
@@ -53,3 +56,4 @@ class StepInputs:
     prefill_has_prefix: bool
     graph: GraphKind
     scores: ScoreRows | None = None
+    shared: PrefixGroups | None = None

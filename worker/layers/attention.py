@@ -30,6 +30,7 @@ from torch.nn import functional
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kvrail.kernels import dispatch
+from kvrail.kernels.shared_prefix import SharedPrefixes
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +42,9 @@ class AttentionMetadata:
     (first token offset among the prefill tokens, chunk length, number of chunks); those chunks
     take the SDPA path. `prefill_has_prefix` says whether any chunk needs the paged kernel.
     `prefill_tiles` (short and long tile maps, `kvrail.kernels.tile_map`): every chunk runs the
-    tiled paged kernel, and the fresh runs are not used."""
+    tiled paged kernel, and the fresh runs are not used. `decode_prefix`: decode rows that share
+    their first blocks (`kvrail.worker.engine.shared_prefix`), which the decode kernel then reads
+    once per group."""
 
     slot_mapping: torch.Tensor
     num_decode_tokens: int
@@ -54,6 +57,7 @@ class AttentionMetadata:
     prefill_fresh_runs: tuple[tuple[int, int, int], ...] = ()
     prefill_has_prefix: bool = True
     prefill_tiles: tuple[torch.Tensor, torch.Tensor] | None = None
+    decode_prefix: SharedPrefixes | None = None
 
     @property
     def num_prefills(self) -> int:
@@ -157,6 +161,7 @@ def paged_attention(
                 metadata.decode_block_tables,
                 metadata.decode_seq_lens,
                 scale,
+                prefix=metadata.decode_prefix,
             )
         )
     if metadata.prefill_tiles is not None:

@@ -208,6 +208,35 @@ def test_decode_attention_over_an_fp8_cache_matches_the_reference(
 
 
 @pytest.mark.parametrize("dtype", FP8, ids=str)
+@pytest.mark.parametrize("words", [True, False])
+def test_decode_rows_sharing_fp8_blocks_attend_them_once_with_the_references_result(
+    dtype, words
+) -> None:
+    """Eight rows sharing four blocks (a prompt's choices) and one row of its own: the shared
+    blocks read once per group (`prefix_attention`), as words or as bytes, the rest split."""
+    from kvrail.kernels import decode_attention
+    from kvrail.kernels.shared_prefix import SharedPrefixes
+
+    g = _gen(6)
+    _, k_cache, v_cache = _caches(64, 16, 2, 128, dtype, g)
+    tables = [[3, 5, 7, 9, 20 + i, 30 + i] for i in range(8)] + [[40, 41, 0, 0, 0, 0]]
+    seq_lens = [64 + 1 + 3 * i for i in range(8)] + [20]
+    query = _randn(9, 8, 128, g=g)
+    args = (query, k_cache, v_cache, torch.tensor(tables, dtype=torch.int32, device="cuda"),
+            torch.tensor(seq_lens, dtype=torch.int32, device="cuda"), 128**-0.5)  # fmt: skip
+    hint = SharedPrefixes(
+        *(torch.tensor(v, dtype=torch.int32, device="cuda")
+          for v in ([list(range(8)), [-1] * 8], [64, 0], [64] * 8 + [0]))
+    )  # fmt: skip
+    for splits in (None, 3):
+        got = decode_attention.paged_decode_attention(
+            *args, num_splits=splits, fp8_words=words, prefix=hint
+        )
+        expected = reference.paged_decode_attention(*args, prefix=hint)
+        torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", FP8, ids=str)
 def test_prefill_attention_over_an_fp8_cache_matches_the_reference(dtype) -> None:
     from kvrail.kernels import prefill_attention
 

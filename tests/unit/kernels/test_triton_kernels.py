@@ -88,6 +88,51 @@ def test_split_k_decode_merges_uneven_and_empty_splits_exactly(num_splits: int) 
         DECODE.paged_decode_attention(*args, max_registers=8)
 
 
+def _shared_prefix_batch(dtype: torch.dtype, g: torch.Generator, bs: int = 4):
+    """Decode args and a hint: rows 0, 1, 2, 4 share 3 blocks, row 3 2 (its context ends in the
+    third, so it has a group of its own), rows 5-6 share 1, row 7 nothing; and a padded group (no
+    tokens, no rows), as a captured graph has."""
+    from kvrail.kernels.shared_prefix import SharedPrefixes
+
+    hq, hkv, d = 6, 2, 24
+    _, k_cache, v_cache = _region(120, bs, hkv, d, dtype, g)
+    tables = [[7, 9, 11, 20 + i, 40 + i] for i in range(5)] + [[13, 50, 51], [13, 52, 53]]
+    tables[3] = [7, 9, 11, 23]
+    tables.append([60, 61])
+    seq_lens = [12 + 1, 12 + 5, 12 + 8, 10, 12 + 2, 4 + 3, 4 + 8, 6]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query = torch.randn(len(seq_lens), hq, d, generator=g).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    args = (query, k_cache, v_cache, padded.to(DEVICE), lens, d**-0.5)
+    rows = [[0, 1, 2, 4], [5, 6, -1, -1], [3, -1, -1, -1], [-1] * 4]
+    hint = SharedPrefixes(
+        *(torch.tensor(v, dtype=torch.int32, device=DEVICE)
+          for v in (rows, [12, 4, 8, 0], [12, 12, 12, 8, 12, 4, 4, 0]))
+    )  # fmt: skip
+    return args, hint
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rows_sharing_their_first_blocks_attend_them_once_with_the_same_result(
+    dtype, num_splits: int
+) -> None:
+    """The hinted launch matches the reference and the launch without the hint; the reference's
+    check rejects a group that claims more than a member shares, and the launcher a hint of
+    another dtype."""
+    g = torch.Generator().manual_seed(11)
+    args, hint = _shared_prefix_batch(dtype, g)
+    got = DECODE.paged_decode_attention(*args, num_splits=num_splits, prefix=hint)
+    _close(got, reference.paged_decode_attention(*args, prefix=hint))
+    _close(got, DECODE.paged_decode_attention(*args, num_splits=num_splits))
+    wrong = hint._replace(tokens=torch.tensor([12, 4, 12, 0], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="row 3 does not share"):
+        reference.paged_decode_attention(*args, prefix=wrong)
+    with pytest.raises(ValueError, match="contiguous int32"):
+        DECODE.paged_decode_attention(*args, prefix=hint._replace(rows=hint.rows.long()))
+
+
 def test_split_count_fills_the_gpu_and_never_splits_below_a_minimum_slice() -> None:
     choose = DECODE.choose_num_splits
     assert choose(1, 8, 9216, 132) == 33  # batch 1: 8 programs alone -> 264, 2 per SM

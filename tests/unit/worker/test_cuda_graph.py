@@ -111,3 +111,49 @@ def test_mixed_graphs_give_the_same_tokens_as_eager_mixed_steps(monkeypatch) -> 
     eager = run(enable=False)
     assert run(enable=True) == eager
     assert replays and max(replays) <= 64 and min(replays) < 64
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_shared_prefix_decode_gives_the_same_tokens_replayed_and_eager(monkeypatch) -> None:
+    """Six requests of one 150-token prompt (five of them prefix-cache hits, as `n` choices are)
+    beside two others: their decode steps replay the "shared" graphs (counted) or run eagerly over
+    the shared blocks, and the tokens equal an engine's that reads every row's whole context."""
+    from kvrail.sampling import SamplingParams
+    from kvrail.worker.engine.cuda_graph import StepGraphs
+    from kvrail.worker.testing import assert_engine_empty, make_engine, tiny_llama_config
+
+    replays: list[bool] = []
+    run_decode = StepGraphs.run
+
+    def counted(self, *args, **kwargs):
+        replays.append(len(args) > 6 and args[6] is not None)
+        return run_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepGraphs, "run", counted)
+    long = [1 + i % 90 for i in range(150)]  # the tiny model's vocabulary has 97 tokens
+
+    def run(graphs: bool, shared: bool) -> list[list[int]]:
+        with torch.device("cuda"):
+            engine = make_engine(
+                tiny_llama_config(), seed=5, enable_cuda_graphs=graphs, max_num_seqs=20,
+                num_blocks=200, shared_prefix_decode=shared,
+            )  # fmt: skip
+        params = SamplingParams(max_tokens=24, ignore_eos=True, temperature=1.0, seed=3)
+        lead = engine.add_request("lead", long, params)
+        while not lead.num_output_tokens:
+            engine.step()
+        requests = [lead] + [
+            engine.add_request(f"r{i}", prompt, params)
+            for i, prompt in enumerate([long] * 5 + [list(range(5, 25)), [7, 8, 9]])
+        ]
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert_engine_empty(engine)
+        return [r.output_token_ids for r in requests]
+
+    plain = run(graphs=True, shared=False)
+    assert not any(replays)
+    assert run(graphs=True, shared=True) == plain
+    assert any(replays)
+    assert run(graphs=False, shared=True) == plain

@@ -83,6 +83,41 @@ def test_chunked_prefill_of_a_long_prompt_and_a_prefix_hit_equal_transformers(
     assert_engine_empty(engine)
 
 
+def test_requests_sharing_a_cached_prompt_decode_over_shared_blocks_and_equal_transformers(
+    smollm2: Any, smollm2_hf: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four requests of one long prompt (three of them prefix-cache hits, as a request's `n`
+    choices are): their decode steps group them (`find_shared_prefixes`; on the CPU the reference
+    attention checks each group against the real block tables) and every output equals
+    transformers'."""
+    from kvrail.worker.engine import model_runner
+
+    found: list[Any] = []
+    real = model_runner.find_shared_prefixes
+
+    def spy(*args: Any) -> Any:
+        found.append(real(*args))
+        return found[-1]
+
+    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    tokenizer = smollm2.tokenizer
+    prompt = tokenizer(LONG_TEXT + " Which river is mentioned first?").input_ids
+    engine = _engine(smollm2, num_blocks=160, block_size=16, max_num_batched_tokens=512)
+    params = SamplingParams(max_tokens=10)
+    lead = engine.add_request("lead", prompt, params)
+    while not lead.num_output_tokens:
+        engine.step()
+    others = [engine.add_request(f"choice-{i}", prompt, params) for i in range(3)]
+    while engine.has_unfinished_requests():
+        engine.step()
+    expected = _expected(smollm2_hf, prompt, 10, tokenizer.eos_token_id)
+    assert [r.output_token_ids for r in [lead, *others]] == [expected] * 4
+    groups = [g for g in found if g is not None]
+    assert groups and max(int((g.rows >= 0).sum()) for g in groups) == 4
+    assert all(r.num_cached_tokens >= 16 * (len(prompt) // 16 - 1) for r in others)
+    assert_engine_empty(engine)
+
+
 def test_bad_requests_raise_and_leave_the_engine_empty(smollm2: Any) -> None:
     engine = _engine(smollm2, num_blocks=8, block_size=16, max_model_len=2048)
     with pytest.raises(InvalidRequestError, match="model limit"):
