@@ -71,7 +71,7 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=512)
     parser.add_argument("--max-tokens", type=int, default=128)
     args = parser.parse_args()
-    engine = base.bench_engine(args.smoke, args.kv_gib)
+    engine = base.bench_engine(args.smoke, args.kv_gib, shared_prefix_decode=True)
     length, out = (args.prompt_len, args.max_tokens) if not args.smoke else (40, 8)
     shapes = {"n=8 x 32 prompts": (32, 8, True), "n=8 x 32, whole": (32, 8, False),
               "256 prompts": (256, 1, True)}  # fmt: skip

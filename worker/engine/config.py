@@ -82,7 +82,8 @@ class EngineConfig:
     llguidance's default, 80% of the CPUs, at most 32).
     `shared_prefix_decode`: decode rows that share their first blocks (a request's `n` choices,
     a cached system prompt) read those blocks once per group of rows, not once per row
-    (`kvrail.worker.engine.shared_prefix`); off, every row reads its whole context.
+    (`kvrail.worker.engine.shared_prefix`); off (the default until it has run on a GPU), every
+    row reads its whole context.
 
     The fields the worker fills from `kvrail.settings.Settings` default to Settings' defaults
     (one default each). `block_size` is any positive size here (tests use 4); what a pool may
@@ -103,7 +104,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     kv_dtype: str = _setting("kv_dtype")
     grammar_threads: int = 0
-    shared_prefix_decode: bool = True
+    shared_prefix_decode: bool = False
     kv_host_tier_bytes: int = _setting("kv_host_tier_bytes")
     kv_disk_tier_path: str = _setting("kv_disk_tier_path")
     kv_disk_tier_bytes: int = _setting("kv_disk_tier_bytes")

@@ -102,7 +102,10 @@ def test_requests_sharing_a_cached_prompt_decode_over_shared_blocks_and_equal_tr
     monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
     tokenizer = smollm2.tokenizer
     prompt = tokenizer(LONG_TEXT + " Which river is mentioned first?").input_ids
-    engine = _engine(smollm2, num_blocks=160, block_size=16, max_num_batched_tokens=512)
+    engine = _engine(
+        smollm2, num_blocks=160, block_size=16, max_num_batched_tokens=512,
+        shared_prefix_decode=True,
+    )  # fmt: skip
     params = SamplingParams(max_tokens=10)
     lead = engine.add_request("lead", prompt, params)
     while not lead.num_output_tokens:
