@@ -43,6 +43,7 @@ from kvrail.kernels import prefix_attention
 from kvrail.kernels.launch import pdl
 from kvrail.kernels.paged_kv import (
     attend_tile,
+    cache_strides,
     check_paged_inputs,
     compute_dtype,
     decode_query,
@@ -266,7 +267,6 @@ def paged_decode_attention(
         tile, warps, stages = (64 if words and direct else 32), 4, 2
     if direct and head_dim <= 128 and num_seqs * num_kv_heads < 2 * num_sms:
         tile, warps, stages = 128, 8, 2  # few long programs: larger tiles (batch 32's best)
-    unit = 4 if words else 1  # the kernel's K and V strides count words, not bytes
     part_ml = part_acc = out  # unused placeholders when the kernel stores directly
     if not direct:
         f32 = torch.float32
@@ -291,12 +291,7 @@ def paged_decode_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        k_cache.stride(0) // unit,
-        k_cache.stride(1) // unit,
-        k_cache.stride(2) // unit,
-        v_cache.stride(0) // unit,
-        v_cache.stride(1) // unit,
-        v_cache.stride(2) // unit,
+        *cache_strides(k_cache, v_cache, words),
         block_tables.stride(0),
         k_cache.shape[1],
         group,

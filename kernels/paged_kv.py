@@ -219,6 +219,13 @@ def check_paged_inputs(
     return num_heads // num_kv_heads, head_dim
 
 
+def cache_strides(k_cache: torch.Tensor, v_cache: torch.Tensor, words: bool) -> tuple[int, ...]:
+    """K's and V's block, token and head strides as the decode kernels take them: in int32
+    words when they read an FP8 cache as words (`words_fit`), else in elements."""
+    unit = 4 if words else 1
+    return tuple(t.stride(i) // unit for t in (k_cache, v_cache) for i in range(3))
+
+
 def compute_dtype(query: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
     """The dtype the attention kernels multiply in: the cache's, except that an FP8 cache is
     read in FP8 and converted, by the prefill kernel to the query's dtype and by the decode

@@ -24,7 +24,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from kvrail.kernels.launch import pdl
-from kvrail.kernels.paged_kv import attend_tile, decode_query
+from kvrail.kernels.paged_kv import attend_tile, cache_strides, decode_query
 from kvrail.kernels.reference import FP8_DTYPES
 from kvrail.kernels.shared_prefix import SharedPrefixes
 
@@ -136,7 +136,6 @@ def launch(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    unit = 4 if words else 1  # the kernel's K and V strides count words, not bytes
     on = pdl(query.device)
     _prefix_kernel[(num_kv_heads, num_groups)](
         query,
@@ -150,12 +149,7 @@ def launch(
         scale,
         query.stride(0),
         query.stride(1),
-        k_cache.stride(0) // unit,
-        k_cache.stride(1) // unit,
-        k_cache.stride(2) // unit,
-        v_cache.stride(0) // unit,
-        v_cache.stride(1) // unit,
-        v_cache.stride(2) // unit,
+        *cache_strides(k_cache, v_cache, words),
         block_tables.stride(0),
         k_cache.shape[1],
         group,
