@@ -120,6 +120,28 @@ def test_a_split_random_model_decodes_exactly_like_one_device(
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
 
 
+def test_ranks_decode_over_shared_prefixes_like_one_device(
+    random_model: Path, tp_engine: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With `shared_prefix_decode`, rank 0 groups the rows that share SHARED's blocks and every
+    rank attends with the same groups (each rank's reference attention checks them against its
+    own block tables): the tokens of one device."""
+    from kvrail.worker.engine import model_runner
+
+    found: list[Any] = []
+    real = model_runner.find_shared_prefixes
+
+    def spy(*args: Any) -> Any:
+        found.append(real(*args))
+        return found[-1]
+
+    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    expected = generate(tp_engine(str(random_model), 1), PROMPTS, 12)
+    got = generate(tp_engine(str(random_model), 2, shared_prefix_decode=True), PROMPTS, 12)
+    assert got == expected, f"first divergence: {first_divergence(expected, got)}"
+    assert any(g is not None for g in found)
+
+
 def test_ranks_cache_kv_in_the_engines_kv_dtype(random_model: Path, tp_engine: Any) -> None:
     """Every rank allocates its KV shard in the engine's FP8 dtype (a quarter of float32's
     bytes) and the split engine decodes as the one-device FP8 engine does."""
