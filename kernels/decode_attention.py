@@ -10,22 +10,25 @@ directly; with several, each writes its partial (max, sum, unnormalised acc) and
 `_reduce_kernel` merges the splits in a fixed order, so results are deterministic. The split
 count is chosen on the host from the batch and a static context bound (the block table's width),
 never from `seq_lens`, so a launch is CUDA-graph capturable; a slice's length is derived from
-the sequence's own length inside the kernel. An FP8 cache is read as stored (half the bytes of
-bf16) and each tile converted to float16, which holds every e4m3 and e5m2 value exactly, for
-dots with a float16 query that carries the softmax scale (so the scores need no multiply; a
-query beyond float16's range saturates). Converting to float16 is cheaper than to bf16 and keeps
-three more bits of the query: at 256 sequences of 512-640 tokens one layer took 177 us against
-195 (bench/studies/attention/decode_attention_sweep.txt, which also tried an e4m3 query against e4m3
-K: 185 us at ten times the error). Where the layout allows (`words_fit`: the engine's always does),
-the tiles are loaded as int32 words of four values and converted in registers (`paged_kv`), so they
-reach shared memory, on their way to the dots, already 16-bit: loaded as bytes, the compiler
-converts them after shared memory, and V, which the second dot takes transposed, was read from there
-a byte at a time (256 sequences: 156.8 against 177.8 us a layer). V's tile is loaded together with
-K's, so both are in flight before the first dot waits, except for an FP8 cache read as bytes, where
-that was slower. On an H100, the grid's order and V's early load together took 256 sequences' FP8
-layer from 138.9-139.0 to 136.2-136.6 us and bf16's from 214.0 to 211.1-211.2 (the grid order alone:
-138.5-138.9 and 211.5-211.6); loading the next tile's K and V while one tile is multiplied was much
-slower (181 and 256 us: bench/studies/attention/decode_attention_sweep.txt).
+the sequence's own length inside the kernel. With a `SharedPrefixes` hint, rows that share their
+first blocks have them attended once per group (`kvrail.kernels.prefix_attention`, partial slot
+0); this kernel then splits only each row's tokens past them, into the slots after (SLOT0).
+An FP8 cache is read as stored (half the bytes of bf16) and each tile converted to float16, which
+holds every e4m3 and e5m2 value exactly, for dots with a float16 query that carries the softmax
+scale (so the scores need no multiply; a query beyond float16's range saturates). Converting to
+float16 is cheaper than to bf16 and keeps three more bits of the query: at 256 sequences of 512-640
+tokens one layer took 177 us against 195 (bench/studies/attention/decode_attention_sweep.txt, which
+also tried an e4m3 query against e4m3 K: 185 us at ten times the error). Where the layout allows
+(`words_fit`: the engine's always does), the tiles are loaded as int32 words of four values and
+converted in registers (`paged_kv`), so they reach shared memory, on their way to the dots, already
+16-bit: loaded as bytes, the compiler converts them after shared memory, and V, which the second dot
+takes transposed, was read from there a byte at a time (256 sequences: 156.8 against 177.8 us a
+layer). V's tile is loaded together with K's, so both are in flight before the first dot waits,
+except for an FP8 cache read as bytes, where that was slower. On an H100, the grid's order and V's
+early load together took 256 sequences' FP8 layer from 138.9-139.0 to 136.2-136.6 us and bf16's from
+214.0 to 211.1-211.2 (the grid order alone: 138.5-138.9 and 211.5-211.6); loading the next tile's K
+and V while one tile is multiplied was much slower (181 and 256 us:
+bench/studies/attention/decode_attention_sweep.txt).
 """
 
 # mypy: disable-error-code="untyped-decorator,no-untyped-def"
@@ -305,7 +308,7 @@ def paged_decode_attention(
         IEEE=ieee,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
         KV_WORDS=words,
-        SLOT0=prefix is not None,
+        SLOT0=int(prefix is not None),
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,
@@ -325,7 +328,7 @@ def paged_decode_attention(
             slots,
             SPLIT_PAD=triton.next_power_of_2(slots),
             D_PAD=d_pad,
-            SLOT0=prefix is not None,
+            SLOT0=int(prefix is not None),
             PDL=on,
             launch_pdl=on,
         )
