@@ -241,3 +241,19 @@ def write_random_model(path: Any, seed: int = 0, dtype: Any = None, **overrides:
     config.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def record_shared_prefixes(monkeypatch: Any) -> list[Any]:
+    """A list that receives what `model_runner.find_shared_prefixes` returns at each step from
+    now on (pytest's `monkeypatch` undoes the spy after the test)."""
+    from kvrail.worker.engine import model_runner
+
+    found: list[Any] = []
+    real = model_runner.find_shared_prefixes
+
+    def spy(*args: Any) -> Any:
+        found.append(real(*args))
+        return found[-1]
+
+    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    return found

@@ -90,16 +90,9 @@ def test_requests_sharing_a_cached_prompt_decode_over_shared_blocks_and_equal_tr
     choices are): their decode steps group them (`find_shared_prefixes`; on the CPU the reference
     attention checks each group against the real block tables) and every output equals
     transformers'."""
-    from kvrail.worker.engine import model_runner
+    from kvrail.worker.testing import record_shared_prefixes
 
-    found: list[Any] = []
-    real = model_runner.find_shared_prefixes
-
-    def spy(*args: Any) -> Any:
-        found.append(real(*args))
-        return found[-1]
-
-    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    found = record_shared_prefixes(monkeypatch)
     tokenizer = smollm2.tokenizer
     prompt = tokenizer(LONG_TEXT + " Which river is mentioned first?").input_ids
     engine = _engine(

@@ -126,16 +126,9 @@ def test_ranks_decode_over_shared_prefixes_like_one_device(
     """With `shared_prefix_decode`, rank 0 groups the rows that share SHARED's blocks and every
     rank attends with the same groups (each rank's reference attention checks them against its
     own block tables): the tokens of one device."""
-    from kvrail.worker.engine import model_runner
+    from kvrail.worker.testing import record_shared_prefixes
 
-    found: list[Any] = []
-    real = model_runner.find_shared_prefixes
-
-    def spy(*args: Any) -> Any:
-        found.append(real(*args))
-        return found[-1]
-
-    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    found = record_shared_prefixes(monkeypatch)
     expected = generate(tp_engine(str(random_model), 1), PROMPTS, 12)
     got = generate(tp_engine(str(random_model), 2, shared_prefix_decode=True), PROMPTS, 12)
     assert got == expected, f"first divergence: {first_divergence(expected, got)}"
