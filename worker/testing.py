@@ -246,14 +246,13 @@ def write_random_model(path: Any, seed: int = 0, dtype: Any = None, **overrides:
 def record_shared_prefixes(monkeypatch: Any) -> list[Any]:
     """A list that receives what `model_runner.find_shared_prefixes` returns at each step from
     now on (pytest's `monkeypatch` undoes the spy after the test)."""
-    from kvrail.worker.engine import model_runner
+    from kvrail.worker.engine.shared_prefix import find_shared_prefixes
 
     found: list[Any] = []
-    real = model_runner.find_shared_prefixes
 
     def spy(*args: Any) -> Any:
-        found.append(real(*args))
+        found.append(find_shared_prefixes(*args))
         return found[-1]
 
-    monkeypatch.setattr(model_runner, "find_shared_prefixes", spy)
+    monkeypatch.setattr("kvrail.worker.engine.model_runner.find_shared_prefixes", spy)
     return found
