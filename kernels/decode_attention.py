@@ -256,8 +256,10 @@ def paged_decode_attention(
     if max_registers is not None and not 24 <= max_registers <= 255:
         raise ValueError(f"max_registers must be within 24..255, got {max_registers}")
     d_pad = max(16, triton.next_power_of_2(head_dim))
-    direct = num_splits == 1 and prefix is None
-    slots = num_splits + (prefix is not None)  # partials: the prefix's slot 0, then the splits
+    slot0 = int(prefix is not None)  # partials: the prefix's slot 0, then the splits
+    slots = num_splits + slot0
+    starts = seq_lens if prefix is None else prefix.starts  # read only with a prefix
+    direct = slots == 1
     on = pdl(query.device)
     fits = words_fit(k_cache, v_cache, head_dim)
     words = fits if fp8_words is None else fp8_words
@@ -285,7 +287,7 @@ def paged_decode_attention(
         v_cache,
         block_tables,
         seq_lens,
-        seq_lens if prefix is None else prefix.starts,
+        starts,
         out,
         part_ml,
         part_acc,
@@ -308,7 +310,7 @@ def paged_decode_attention(
         IEEE=ieee,
         KV_FP8=k_cache.dtype in FP8_DTYPES,
         KV_WORDS=words,
-        SLOT0=int(prefix is not None),
+        SLOT0=slot0,
         PDL=on,
         launch_pdl=on,
         num_warps=num_warps or warps,
@@ -319,7 +321,7 @@ def paged_decode_attention(
         _reduce_kernel[(num_seqs, num_heads)](
             part_ml,
             part_acc,
-            seq_lens if prefix is None else prefix.starts,
+            starts,
             out,
             out.stride(0),
             out.stride(1),
@@ -328,7 +330,7 @@ def paged_decode_attention(
             slots,
             SPLIT_PAD=triton.next_power_of_2(slots),
             D_PAD=d_pad,
-            SLOT0=int(prefix is not None),
+            SLOT0=slot0,
             PDL=on,
             launch_pdl=on,
         )

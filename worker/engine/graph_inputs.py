@@ -9,11 +9,25 @@ shared prefixes of a "shared" decode graph pad with groups of no tokens and rows
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
 from kvrail.kernels.shared_prefix import SharedPrefixes
 from kvrail.worker.engine.shared_prefix import MEMBERS, PrefixGroups
+
+
+def empty_prefixes(seqs: int, **where: Any) -> SharedPrefixes:
+    """Shared-prefix buffers for `seqs` rows, holding no group: at most `seqs // 2` groups (two
+    rows a group at least) of `MEMBERS` rows of -1 and no tokens, every row's start 0. `where`:
+    torch's `device=` or `pin_memory=`."""
+    groups = seqs // 2
+    return SharedPrefixes(
+        torch.full((groups, MEMBERS), -1, dtype=torch.int32, **where),
+        torch.zeros(groups, dtype=torch.int32, **where),
+        torch.zeros(seqs, dtype=torch.int32, **where),
+    )
 
 
 class GraphInputs:
@@ -22,7 +36,6 @@ class GraphInputs:
     def __init__(
         self, tokens: int, seqs: int, max_blocks: int, tiles: int, device: torch.device
     ) -> None:
-        groups = seqs // 2  # a group has two rows at least
         self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.positions = torch.zeros(tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((tokens,), -1, dtype=torch.int64, device=device)
@@ -30,11 +43,7 @@ class GraphInputs:
         self.seq_lens = torch.ones(seqs, dtype=torch.int32, device=device)
         self.query_start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device=device)
         self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device=device)
-        self.prefix = SharedPrefixes(
-            torch.full((groups, MEMBERS), -1, dtype=torch.int32, device=device),
-            torch.zeros(groups, dtype=torch.int32, device=device),
-            torch.zeros(seqs, dtype=torch.int32, device=device),
-        )
+        self.prefix = empty_prefixes(seqs, device=device)
         self._staging = tuple(Staging(tokens, seqs, max_blocks, tiles) for _ in range(2))
         self._turn = 0
 
@@ -68,8 +77,8 @@ class GraphInputs:
                                                    non_blocking=True)  # fmt: skip
             self.tiles.copy_(staging.tiles, non_blocking=True)
         if with_prefix:
-            for device, host in zip(self.prefix, staging.prefix, strict=True):
-                size = seqs if device is self.prefix.starts else seqs // 2
+            sizes = (seqs // 2, seqs // 2, seqs)  # rows and tokens per group, starts per row
+            for device, host, size in zip(self.prefix, staging.prefix, sizes, strict=True):
                 device[:size].copy_(host[:size], non_blocking=True)
         staging.copied.record()
 
@@ -84,11 +93,7 @@ class Staging:
                                   pin_memory=True)  # fmt: skip
         self.start_loc = torch.zeros(seqs + 1, dtype=torch.int32, device="cpu", pin_memory=True)
         self.tiles = torch.full((2, tiles), -1, dtype=torch.int32, device="cpu", pin_memory=True)
-        self.prefix = SharedPrefixes(
-            torch.full((seqs // 2, MEMBERS), -1, dtype=torch.int32, pin_memory=True),
-            torch.zeros(seqs // 2, dtype=torch.int32, pin_memory=True),
-            torch.zeros(seqs, dtype=torch.int32, pin_memory=True),
-        )
+        self.prefix = empty_prefixes(seqs, pin_memory=True)
         self.copied = torch.cuda.Event()
         self.copied.record()
 
