@@ -5,10 +5,10 @@ The 8 choices go to the engine as the router sends them (`kvrail.router.choices`
 choice of each prompt alone, and its 7 others (seeds + 1 to + 7) as soon as it has its first
 token, when its prompt's full blocks are in the prefix cache: they compute only the prompt's last
 partial block. The choices' decode steps run twice: reading the prompt's shared blocks once per
-prompt (`shared_prefix_decode`, the default; `kvrail.kernels.prefix_attention`) and once per
-choice ("whole": every row its whole context, as before). Measured in the order a, b, c, a, b, c
-after one untimed run of each (`gpu_llama3_8b.alternate`). vLLM's side is
-bench/engine/vllm_sampling.py.
+prompt (`shared_prefix_decode`, off by default, on in this engine;
+`kvrail.kernels.prefix_attention`) and once per choice ("whole": every row its whole context, as
+before). Measured in the order a, b, c, a, b, c after one untimed run of each
+(`gpu_llama3_8b.alternate`). vLLM's side is bench/engine/vllm_sampling.py.
 
 Run on the lent GPU (from the repository root, after `source hack/device-env.sh`):
   python3 -P bench/engine/gpu_choices.py | tee bench/engine/gpu_choices.txt
